@@ -1,0 +1,102 @@
+"""Runs both implementations from the same seed and data, and compares what they end with.
+
+One seed fixes everything: the data (numpy), the linen initialisation (copied into NNX,
+since the two initialisers differ) and the host key chain both paths draw call keys from.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from equivalence import compare, convert
+from equivalence.config import RunConfig
+from equivalence.workloads import Workload
+from legacy_pmap import train as legacy
+from nnx_sharded import sharding
+from nnx_sharded import train as sharded
+
+
+@dataclasses.dataclass
+class PathResult:
+    final: convert.Neutral  # state after the last call
+    losses: np.ndarray  # [C * K] per-step losses, as each path reports them
+    params_per_call: list[dict[str, np.ndarray]]  # parameters after each call
+    raw: Any  # the path's own final state (legacy: replicated, nnx: (graphdef, state))
+
+
+@dataclasses.dataclass
+class RunResult:
+    config: RunConfig
+    legacy: PathResult
+    nnx: PathResult
+    report: compare.Report
+
+    def param_divergence(self) -> list[float]:
+        """Max |nnx - legacy| over all parameters, after each call."""
+        pairs = zip(self.legacy.params_per_call, self.nnx.params_per_call, strict=True)
+        return [max(float(np.abs(a[k] - b[k]).max()) for k in a) for a, b in pairs]
+
+
+def make_inputs(wl: Workload, config: RunConfig) -> tuple[dict, list[dict], jax.Array]:
+    """Linen variables, the data of each call ``[K, G, ...]``, and the training key."""
+    data = wl.make_data(np.random.default_rng(config.seed), config.steps, config.batch_size)
+    calls = [
+        {k: v[c * config.steps_per_call : (c + 1) * config.steps_per_call] for k, v in data.items()}
+        for c in range(config.calls)
+    ]
+    rng, init_rng = jax.random.split(jax.random.PRNGKey(config.seed))
+    example = {k: v[0, :1] for k, v in data.items()}
+    variables = wl.legacy_model().init(init_rng, *wl.init_args(example))
+    return variables, calls, rng
+
+
+def run_legacy(wl: Workload, config: RunConfig, variables: dict, calls: list[dict], rng) -> PathResult:
+    n, devices = config.devices, jax.devices()[: config.devices]
+    tx = wl.make_tx(1.0)
+    pstate = legacy.replicate(legacy.create_state(variables, tx, wl.ema_rate), devices)
+    step = legacy.make_step_fn(wl.legacy_model(), wl.legacy_loss, wl.legacy_noise, tx, wl.ema_rate, config.rng_mode)
+    p_train_step = legacy.make_fused_call(step, devices)
+    losses, per_call = [], []
+    for batch_KxG in calls:
+        rng, keys_D = legacy.next_call_keys(rng, n, config.rng_mode)
+        batch_DxK = {k: legacy.shard_batch(v, n) for k, v in batch_KxG.items()}
+        (_, pstate), loss_DxK = p_train_step((keys_D, pstate), batch_DxK)
+        losses.append(np.asarray(legacy.unreplicate(loss_DxK)))  # blocks: one call in flight
+        per_call.append(convert.flatten(legacy.unreplicate(pstate.params)))
+    final = convert.legacy_to_neutral(legacy.unreplicate(pstate))
+    return PathResult(final, np.concatenate(losses), per_call, pstate)
+
+
+def run_nnx(wl: Workload, config: RunConfig, variables: dict, calls: list[dict], rng) -> PathResult:
+    mesh = sharding.make_mesh(config.devices)
+    model = wl.nnx_model(nnx.Rngs(0))
+    convert.load_linen_variables(model, variables)
+    graphdef, state = sharded.create_state(model, wl.make_tx(1.0 + config.perturb), wl.ema_rate)
+    state = sharding.place_state(state, mesh)
+    step = sharded.make_step_fn(graphdef, wl.nnx_loss, wl.nnx_noise, wl.ema_rate, config.rng_mode)
+    carry_shardings = (sharding.key_sharding(mesh, config.rng_mode), sharding.state_shardings(state, mesh))
+    fused = sharded.make_fused_call(step, carry_shardings)
+    losses, per_call = [], []
+    for batch_KxG in calls:
+        rng, keys = sharded.next_call_keys(rng, config.devices, config.rng_mode)
+        carry = (sharding.place_keys(keys, mesh, config.rng_mode), state)
+        (_, state), loss_K = fused(carry, sharding.place_batch(batch_KxG, mesh))
+        losses.append(np.asarray(loss_K))  # blocks: one call in flight
+        per_call.append(convert.flatten(nnx.to_pure_dict(nnx.state(nnx.merge(graphdef, state).model, nnx.Param))))
+    return PathResult(convert.nnx_to_neutral(graphdef, state), np.concatenate(losses), per_call, (graphdef, state))
+
+
+def with_losses(neutral: convert.Neutral, losses: np.ndarray) -> convert.Neutral:
+    return {**neutral, 'losses': {'per_step': losses}}
+
+
+def run(wl: Workload, config: RunConfig) -> RunResult:
+    """Both paths, then the comparison of parameters, optimizer state, EMA, stats, losses."""
+    variables, calls, rng = make_inputs(wl, config)
+    old = run_legacy(wl, config, variables, calls, rng)
+    new = run_nnx(wl, config, variables, calls, rng)
+    report = compare.compare(with_losses(old.final, old.losses), with_losses(new.final, new.losses))
+    return RunResult(config, old, new, report)

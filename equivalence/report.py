@@ -1,0 +1,98 @@
+"""The readable side-by-side table, and the machine-readable JSON report of one run."""
+
+import json
+import platform
+
+import numpy as np
+
+from equivalence.harness import RunResult
+
+GROUPS = ('params', 'opt_state', 'ema', 'model_state', 'losses')
+
+
+def header(result: RunResult, backend: str) -> str:
+    c = result.config
+    return (
+        f'{c.workload}: legacy pmap(scan) vs NNX sharded scan on {c.devices} {backend} device(s), '
+        f'{c.steps_per_call} steps/call x {c.calls} calls = {c.steps} steps, '
+        f'global batch {c.batch_size} ({c.per_device_batch}/device), rng {c.rng_mode}, seed {c.seed}'
+        + (f', perturb {c.perturb:g}' if c.perturb else '')
+    )
+
+
+def loss_table(result: RunResult) -> list[str]:
+    rows = [f'{"step":>5}  {"legacy pmap loss":>17}  {"nnx sharded loss":>17}  {"|diff|":>9}']
+    for i, (a, b) in enumerate(zip(result.legacy.losses, result.nnx.losses, strict=True), start=1):
+        rows.append(f'{i:>5}  {a:>17.9f}  {b:>17.9f}  {abs(float(a) - float(b)):>9.2e}')
+    return rows
+
+
+def leaf_table(result: RunResult, n: int = 8) -> list[str]:
+    tol = result.report.tolerance
+    rows = [
+        f'worst leaves of {len(result.report.leaves)} '
+        f'(ok when |nnx - legacy| <= {tol.atol:g} + {tol.rtol:g} * |legacy|; {tol.reason})',
+        f'{"leaf":<40}  {"max abs":>9}  {"max rel":>9}  ok',
+    ]
+    for leaf in result.report.worst(n):
+        flag = 'yes' if leaf.ok else 'NO' + (f' ({leaf.note})' if leaf.note else '')
+        rows.append(f'{leaf.name:<40}  {leaf.max_abs:>9.2e}  {leaf.max_rel:>9.2e}  {flag}')
+    return rows
+
+
+def verdict(result: RunResult) -> str:
+    bad = [leaf for leaf in result.report.leaves if not leaf.ok]
+    sums = ', '.join(f'{g} {result.report.max_abs(g):.1e}' for g in GROUPS)
+    if not bad:
+        return f'MATCH: all {len(result.report.leaves)} leaves within tolerance (max abs: {sums})'
+    return f'MISMATCH: {len(bad)} of {len(result.report.leaves)} leaves outside tolerance (max abs: {sums})'
+
+
+def text(result: RunResult, backend: str) -> str:
+    return '\n'.join([header(result, backend), '', *loss_table(result), '', *leaf_table(result), '', verdict(result)])
+
+
+def to_json(result: RunResult, versions: dict[str, str]) -> dict:
+    c, r = result.config, result.report
+    return {
+        'match': r.match,
+        'workload': c.workload,
+        'devices': c.devices,
+        'steps': c.steps,
+        'steps_per_call': c.steps_per_call,
+        'calls': c.calls,
+        'batch_size': c.batch_size,
+        'seed': c.seed,
+        'rng_mode': c.rng_mode,
+        'perturb': c.perturb,
+        'losses': {'legacy': _floats(result.legacy.losses), 'nnx': _floats(result.nnx.losses)},
+        'max_abs_diff': {g: _num(r.max_abs(g)) for g in GROUPS},
+        'param_divergence_per_call': result.param_divergence(),
+        'tolerance': {'rtol': r.tolerance.rtol, 'atol': r.tolerance.atol, 'reason': r.tolerance.reason},
+        'leaves': [
+            {
+                'name': leaf.name,
+                'max_abs': _num(leaf.max_abs),
+                'max_rel': _num(leaf.max_rel),
+                'ok': leaf.ok,
+                'note': leaf.note,
+            }
+            for leaf in r.leaves
+        ],
+        'versions': {**versions, 'python': platform.python_version()},
+    }
+
+
+def write_json(path: str, payload: dict) -> None:
+    with open(path, 'w') as f:
+        json.dump(payload, f, indent=2, allow_nan=False)
+        f.write('\n')
+
+
+def _floats(a: np.ndarray) -> list[float]:
+    return [float(x) for x in np.asarray(a).ravel()]
+
+
+def _num(x: float) -> float | None:
+    """JSON has no infinity: a leaf missing on one side is reported as null."""
+    return float(x) if np.isfinite(x) else None

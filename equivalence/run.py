@@ -1,0 +1,64 @@
+"""``python -m equivalence.run``: both paths, same seed and data; exit 0 when they match.
+
+Exit codes: 0 everything matches, 1 a leaf or loss is outside tolerance, 2 bad input.
+"""
+
+import sys
+import warnings
+
+from equivalence import cli, devices
+
+
+def parse(argv: list[str] | None):
+    from equivalence.workloads import WORKLOADS
+
+    parser = cli.OneLineParser(prog='python -m equivalence.run', description=__doc__)
+    cli.add_run_flags(parser, list(WORKLOADS))
+    parser.add_argument('--perturb', type=float, default=0.0, help='NNX lr * (1+REL): a deliberate mismatch')
+    parser.add_argument('--json', default=None, metavar='PATH', help='write a machine-readable report')
+    parser.add_argument('--overwrite', action='store_true', help='replace an existing --json file')
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    devices.simulate_cpu_devices()  # before anything imports jax
+    args = parse(argv)
+    cli.check_output_path(args.json, args.overwrite)
+    import jax
+
+    from equivalence import harness, report, workloads
+    from equivalence.config import ConfigError, RunConfig, check_available
+
+    try:
+        wl = workloads.get(args.workload)
+        config = RunConfig(
+            workload=wl.name,
+            devices=args.devices or len(jax.devices()),
+            steps_per_call=args.steps_per_call,
+            calls=args.calls,
+            batch_size=args.batch_size or wl.default_batch,
+            seed=args.seed,
+            rng_mode=args.rng,
+            perturb=args.perturb,
+        )
+        check_available(config, len(jax.devices()))
+    except ConfigError as e:
+        cli.fail(str(e))
+    warnings.filterwarnings('ignore', message='Some donated buffers were not usable')  # the batch, as score_sde
+    result = harness.run(wl, config)
+    print(report.text(result, jax.default_backend()))
+    if args.json:
+        report.write_json(args.json, report.to_json(result, versions()))
+    return cli.EXIT_MATCH if result.report.match else cli.EXIT_MISMATCH
+
+
+def versions() -> dict[str, str]:
+    import flax
+    import jax
+    import optax
+
+    return {'jax': jax.__version__, 'flax': flax.__version__, 'optax': optax.__version__}
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Per-example losses, and the random numbers each one consumes.
+
+``nnx_sharded/losses.py`` mirrors this file. A loss is split in two so that both
+implementations can draw *exactly* the same random numbers whatever the device layout:
+
+- ``*_noise(key, x_shape)`` draws every random number one step needs for a batch of
+  shape ``x_shape`` (pure JAX, identical on both sides);
+- ``*_loss(model, params, model_state, batch, noise)`` is deterministic given the noise
+  and returns one loss per example plus the updated mutable collections.
+"""
+
+import jax
+import jax.numpy as jnp
+
+SIGMA_MIN = 0.01  # VE SDE noise scale at t=eps (score_sde's sigma_min)
+SIGMA_MAX = 5.0  # VE SDE noise scale at t=1; small because the toy data has unit scale
+T_EPS = 1e-5  # score_sde samples t ~ U(eps, 1) to avoid the singular t=0
+
+
+def no_noise(key: jax.Array, x_shape: tuple[int, ...]) -> dict:
+    """The MLP regression is deterministic: it consumes no random numbers."""
+    del key, x_shape
+    return {}
+
+
+def score_noise(key: jax.Array, x_shape: tuple[int, ...]) -> dict:
+    """Random times and Gaussian noise, split exactly as score_sde's sde loss does."""
+    rng, step_rng = jax.random.split(key)
+    t_B = jax.random.uniform(step_rng, (x_shape[0],), minval=T_EPS, maxval=1.0)
+    rng, step_rng = jax.random.split(rng)
+    z_BxD = jax.random.normal(step_rng, x_shape)
+    return {'t': t_B, 'z': z_BxD}
+
+
+def mlp_loss(model, params, model_state, batch: dict, noise: dict):
+    """Squared error of the regression MLP, one value per example."""
+    del noise
+    pred_Bx1 = model.apply({'params': params}, batch['x'])
+    return jnp.mean((pred_Bx1 - batch['y']) ** 2, axis=-1), model_state
+
+
+def score_loss(model, params, model_state, batch: dict, noise: dict):
+    """Denoising score matching on the VE SDE (score_sde, reduce_mean=True, no weighting)."""
+    x_BxD, t_B, z_BxD = batch['x'], noise['t'], noise['z']
+    std_B = SIGMA_MIN * (SIGMA_MAX / SIGMA_MIN) ** t_B
+    perturbed_BxD = x_BxD + std_B[:, None] * z_BxD
+    score_BxD = model.apply({'params': params}, perturbed_BxD, std_B)
+    losses_BxD = jnp.square(score_BxD * std_B[:, None] + z_BxD)
+    return jnp.mean(losses_BxD, axis=-1), model_state

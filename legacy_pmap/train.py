@@ -1,0 +1,126 @@
+"""One training step, and K of them fused over devices with ``jax.pmap(lax.scan(step))``.
+
+The pattern of score_sde's run_lib.py / losses.py, ported from ``flax.optim`` to optax:
+the per-device gradient is averaged with an explicit ``lax.pmean`` before the update,
+the reported loss too; the state is replicated (one copy per device) and read back from
+replica 0. ``nnx_sharded/train.py`` mirrors this file function by function.
+"""
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+AXIS = 'batch'  # the pmap axis; every collective below names it
+RNG_MODES = ('per-device', 'global')
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # updates applied so far; score_sde's lr warmup reads it before +1
+    params: Any
+    opt_state: optax.OptState
+    model_state: Any  # mutable collections (batch_stats); never pmean'd, as in score_sde
+    params_ema: Any  # None when the workload keeps no EMA
+
+
+def create_state(variables: dict, tx: optax.GradientTransformation, ema_rate: float | None) -> TrainState:
+    """The single-device train state, before replication."""
+    params = variables['params']
+    model_state = {k: v for k, v in variables.items() if k != 'params'}
+    ema = jax.tree.map(jnp.copy, params) if ema_rate is not None else None
+    zero = jnp.zeros((), jnp.int32)
+    return TrainState(step=zero, params=params, opt_state=tx.init(params), model_state=model_state, params_ema=ema)
+
+
+def draw_noise(noise_fn: Callable, key: jax.Array, x_shape: tuple, rng_mode: str) -> dict:
+    """This device's random numbers: drawn for its own batch, or cut from a global draw."""
+    if rng_mode == 'per-device':
+        return noise_fn(key, x_shape)
+    n_dev, b = jax.lax.axis_size(AXIS), x_shape[0]
+    noise_G = noise_fn(key, (n_dev * b, *x_shape[1:]))  # same key on every device
+    start = jax.lax.axis_index(AXIS) * b
+    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, b), noise_G)
+
+
+def make_step_fn(model, per_example_loss: Callable, noise_fn: Callable, tx, ema_rate, rng_mode: str) -> Callable:
+    """``step((rng, state), batch) -> ((rng, state), loss)``, the body of the scan."""
+
+    def loss_fn(params, model_state, batch, noise):
+        losses_B, new_model_state = per_example_loss(model, params, model_state, batch, noise)
+        return jnp.mean(losses_B), new_model_state
+
+    def step(carry, batch):
+        rng, state = carry
+        rng, step_rng = jax.random.split(rng)
+        noise = draw_noise(noise_fn, step_rng, batch['x'].shape, rng_mode)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (loss, model_state), grads = grad_fn(state.params, state.model_state, batch, noise)
+        grads = jax.lax.pmean(grads, axis_name=AXIS)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        ema = state.params_ema
+        if ema_rate is not None:
+            ema = jax.tree.map(lambda e, p: e * ema_rate + p * (1.0 - ema_rate), ema, params)
+        new_state = state.replace(
+            step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state, params_ema=ema
+        )
+        loss = jax.lax.pmean(loss, axis_name=AXIS)
+        return (rng, new_state), loss
+
+    return step
+
+
+def make_fused_call(step_fn: Callable, devices) -> Callable:
+    """K steps per call on every device: ``p_train_step((rng, state), batch_DxK)``.
+
+    As score_sde: argument 1, the batch, is donated (not the state).
+    """
+    scan = functools.partial(jax.lax.scan, step_fn)
+    return jax.pmap(scan, axis_name=AXIS, donate_argnums=1, devices=devices)
+
+
+def next_call_keys(rng: jax.Array, n_devices: int, rng_mode: str) -> tuple[jax.Array, jax.Array]:
+    """Host-side keys for one call: ``[n_devices, 2]``, one row per device.
+
+    per-device: score_sde's ``rng, *next_rng = random.split(rng, n + 1)``.
+    global: one key for the global batch, the same on every device.
+    """
+    if rng_mode == 'per-device':
+        rng, *next_rng = jax.random.split(rng, n_devices + 1)
+        return rng, jnp.asarray(next_rng)
+    rng, call_rng = jax.random.split(rng)
+    return rng, jnp.broadcast_to(call_rng, (n_devices, *call_rng.shape))
+
+
+def shard_batch(x_KxGx: np.ndarray, n_devices: int) -> np.ndarray:
+    """``[K, G, ...] -> [D, K, G/D, ...]``: device d gets rows d*B:(d+1)*B of each step."""
+    k, g = x_KxGx.shape[:2]
+    x_KxDxBx = x_KxGx.reshape(k, n_devices, g // n_devices, *x_KxGx.shape[2:])
+    return np.swapaxes(x_KxDxBx, 0, 1)
+
+
+def replicate(state: TrainState, devices) -> TrainState:
+    """One copy of the state per device, as ``flax.jax_utils.replicate`` always did."""
+    return flax.jax_utils.replicate(state, devices)
+
+
+def unreplicate(tree):
+    """Replica 0 of every leaf, read from device 0's shard.
+
+    Old code wrote ``x[0]`` (the old ``flax.jax_utils.unreplicate``). Today a pmap output
+    is a global ``jax.Array`` and ``x[0]`` is a compiled gather; reading the first shard
+    moves nothing. (flax 0.12's ``unreplicate`` does this too, but returns ``[1, ...]``
+    instead of ``[...]`` when pmap ran on one device of several.)
+    """
+    return jax.tree.map(_replica0, tree)
+
+
+def _replica0(x: jax.Array) -> jax.Array:
+    shard = next(s for s in x.addressable_shards if s.index[0].start in (0, None))
+    return shard.data[0]

@@ -1,0 +1,58 @@
+"""Every placement decision of the sharded path: mesh, PartitionSpecs, data and state.
+
+The train step knows nothing of devices. A parallelism strategy is a placement: this
+module says where each array lives, and XLA's partitioner derives the communication
+(the gradient all-reduce of data parallelism) from it.
+"""
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+DATA = 'data'  # the mesh axis the global batch is split over
+
+
+def make_mesh(n_devices: int) -> Mesh:
+    """A 1-D mesh over the first ``n_devices`` devices.
+
+    ``AxisType.Auto``: shardings flow from the placed inputs through ``jit`` and the
+    partitioner fills in the rest. ``jax.make_mesh``'s default, ``Explicit``, makes every
+    intermediate's sharding part of its type and requires ``jax.set_mesh``; that buys
+    nothing for plain data parallelism.
+    """
+    devices = jax.devices()[:n_devices]
+    return jax.make_mesh((n_devices,), (DATA,), axis_types=(AxisType.Auto,), devices=devices)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def state_shardings(state: Any, mesh: Mesh) -> Any:
+    """Data parallelism: every leaf of the model and optimizer state on every device."""
+    return jax.tree.map(lambda _: replicated(mesh), state)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """``[K, G, ...]``: steps stay whole, the global batch G is split over the data axis."""
+    return NamedSharding(mesh, P(None, DATA))
+
+
+def key_sharding(mesh: Mesh, rng_mode: str) -> NamedSharding:
+    """per-device keys ``[D, 2]``: row d lives on device d; one global key: everywhere."""
+    return NamedSharding(mesh, P(DATA)) if rng_mode == 'per-device' else replicated(mesh)
+
+
+def place_state(state: Any, mesh: Mesh) -> Any:
+    return jax.device_put(state, state_shardings(state, mesh))
+
+
+def place_batch(batch_KxG: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+    return jax.device_put(batch_KxG, batch_sharding(mesh))
+
+
+def place_keys(keys: jax.Array, mesh: Mesh, rng_mode: str) -> jax.Array:
+    return jax.device_put(keys, key_sharding(mesh, rng_mode))

@@ -1,0 +1,101 @@
+"""One training step, and K of them fused into one compiled call with a scan.
+
+Mirrors ``legacy_pmap/train.py`` function by function. Differences, each on purpose:
+
+- The state is one NNX object (model, optimizer, EMA); the step ``nnx.merge``s it from
+  a pure ``nnx.State`` and ``nnx.state``s it back, so the scan carries plain arrays.
+- The fused call is ``jax.jit(partial(lax.scan, step))`` over that split state, not
+  ``nnx.jit(nnx.scan)``: graph-mode ``nnx.jit`` walks the object graph on every call
+  (host time the pmap path never pays), and with plain pytrees the shardings and the
+  donation of the state are ordinary ``jit`` arguments.
+- No ``pmean``: the loss is the mean over the *global* batch, which is sharded, so
+  XLA's partitioner inserts the all-reduce of the gradients itself.
+"""
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+RNG_MODES = ('per-device', 'global')
+
+
+class TrainState(nnx.Module):
+    """Model, optimizer (its ``step`` counts updates) and an optional EMA copy."""
+
+    def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, ema_rate: float | None):
+        self.model = model
+        self.optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        self.ema = nnx.clone(model) if ema_rate is not None else None
+
+
+def create_state(model: nnx.Module, tx: optax.GradientTransformation, ema_rate: float | None):
+    """``(graphdef, state)``: the static structure, and the arrays the scan carries."""
+    return nnx.split(TrainState(model, tx, ema_rate))
+
+
+def split_keys(rng: jax.Array, rng_mode: str) -> tuple[jax.Array, jax.Array]:
+    """``rng, step_rng = split(rng)``, once per device row in per-device mode."""
+    pair = jax.vmap(jax.random.split)(rng) if rng_mode == 'per-device' else jax.random.split(rng)
+    return (pair[:, 0], pair[:, 1]) if rng_mode == 'per-device' else (pair[0], pair[1])
+
+
+def draw_noise(noise_fn: Callable, key: jax.Array, x_shape: tuple, rng_mode: str) -> dict:
+    """The step's random numbers for the global batch.
+
+    per-device: ``key`` is ``[D, 2]``. View the global batch as ``[D, G/D]`` and vmap
+    the per-device draw over D: row d gets exactly the numbers pmap device d draws.
+    global: one draw of the global shape.
+    """
+    if rng_mode == 'global':
+        return noise_fn(key, x_shape)
+    n_dev, g = key.shape[0], x_shape[0]
+    noise_DxB = jax.vmap(lambda k: noise_fn(k, (g // n_dev, *x_shape[1:])))(key)
+    return jax.tree.map(lambda a: a.reshape(g, *a.shape[2:]), noise_DxB)
+
+
+def make_step_fn(graphdef, per_example_loss: Callable, noise_fn: Callable, ema_rate, rng_mode: str) -> Callable:
+    """``step((rng, state), batch) -> ((rng, state), loss)``, the body of the scan."""
+
+    def loss_fn(model, batch, noise):
+        return jnp.mean(per_example_loss(model, batch, noise))  # global mean: no pmean
+
+    def step(carry, batch):
+        rng, state = carry
+        ts = nnx.merge(graphdef, state)
+        rng, step_rng = split_keys(rng, rng_mode)
+        noise = draw_noise(noise_fn, step_rng, batch['x'].shape, rng_mode)
+        loss, grads = nnx.value_and_grad(loss_fn)(ts.model, batch, noise)
+        ts.optimizer.update(ts.model, grads)
+        if ema_rate is not None:
+            ema, new = nnx.state(ts.ema, nnx.Param), nnx.state(ts.model, nnx.Param)
+            nnx.update(ts.ema, jax.tree.map(lambda e, p: e * ema_rate + p * (1.0 - ema_rate), ema, new))
+        return (rng, nnx.state(ts)), loss
+
+    return step
+
+
+def make_fused_call(step_fn: Callable, carry_shardings) -> Callable:
+    """K steps in one compiled call: ``fused((rng, state), batch_KxG)``.
+
+    The carry (keys and state) is donated, so XLA updates parameters in place; its
+    output placement is pinned to the input's so that calls chain without resharding.
+    """
+    scan = functools.partial(jax.lax.scan, step_fn)
+    return jax.jit(scan, donate_argnums=0, out_shardings=(carry_shardings, None))
+
+
+def next_call_keys(rng: jax.Array, n_devices: int, rng_mode: str) -> tuple[jax.Array, jax.Array]:
+    """Host-side keys for one call.
+
+    per-device: ``[n_devices, 2]``, the same split as score_sde's pmap loop, so row d
+    reproduces device d's stream. global: a single key for the global batch.
+    """
+    if rng_mode == 'per-device':
+        rng, *next_rng = jax.random.split(rng, n_devices + 1)
+        return rng, jnp.asarray(next_rng)
+    rng, call_rng = jax.random.split(rng)
+    return rng, call_rng
