@@ -89,6 +89,14 @@ def run_nnx(wl: Workload, config: RunConfig, variables: dict, calls: list[dict],
     return PathResult(convert.nnx_to_neutral(graphdef, state), np.concatenate(losses), per_call, (graphdef, state))
 
 
+def replica_spread(replicated: Any) -> float:
+    """Max |replica d - replica 0| over every leaf of a pmap-replicated tree; 0.0 when in sync."""
+    spreads = [
+        np.abs(np.asarray(x, np.float64) - np.asarray(x, np.float64)[:1]).max() for x in jax.tree.leaves(replicated)
+    ]
+    return float(max(spreads, default=0.0))
+
+
 def with_losses(neutral: convert.Neutral, losses: np.ndarray) -> convert.Neutral:
     return {**neutral, 'losses': {'per_step': losses}}
 
