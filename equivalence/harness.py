@@ -5,6 +5,7 @@ since the two initialisers differ) and the host key chain both paths draw call k
 """
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -53,24 +54,48 @@ def make_inputs(wl: Workload, config: RunConfig) -> tuple[dict, list[dict], jax.
     return variables, calls, rng
 
 
-def run_legacy(wl: Workload, config: RunConfig, variables: dict, calls: list[dict], rng) -> PathResult:
-    n, devices = config.devices, jax.devices()[: config.devices]
+@dataclasses.dataclass
+class LegacySetup:
+    """Everything the pmap path needs before its first call."""
+
+    p_train_step: Callable  # jax.pmap(partial(lax.scan, step)), called ((keys_D, pstate), batch_DxK)
+    pstate: Any  # replicated TrainState, leading axis D
+    config: RunConfig
+
+    def call_args(self, rng, batch_KxG: dict) -> tuple[jax.Array, tuple]:
+        """``(next rng, args of one call)`` in score_sde's layout."""
+        n = self.config.devices
+        rng, keys_D = legacy.next_call_keys(rng, n, self.config.rng_mode)
+        batch_DxK = {k: legacy.shard_batch(v, n) for k, v in batch_KxG.items()}
+        return rng, ((keys_D, self.pstate), batch_DxK)
+
+
+@dataclasses.dataclass
+class NnxSetup:
+    """Everything the sharded path needs before its first call."""
+
+    fused: Callable  # jax.jit(partial(lax.scan, step)), called ((keys, state), batch_KxG)
+    graphdef: Any
+    state: Any  # nnx.State placed on the mesh
+    mesh: Any
+    config: RunConfig
+
+    def call_args(self, rng, batch_KxG: dict) -> tuple[jax.Array, tuple]:
+        mode = self.config.rng_mode
+        rng, keys = sharded.next_call_keys(rng, self.config.devices, mode)
+        carry = (sharding.place_keys(keys, self.mesh, mode), self.state)
+        return rng, (carry, sharding.place_batch(batch_KxG, self.mesh))
+
+
+def legacy_setup(wl: Workload, config: RunConfig, variables: dict) -> LegacySetup:
+    devices = jax.devices()[: config.devices]
     tx = wl.make_tx(1.0)
     pstate = legacy.replicate(legacy.create_state(variables, tx, wl.ema_rate), devices)
     step = legacy.make_step_fn(wl.legacy_model(), wl.legacy_loss, wl.legacy_noise, tx, wl.ema_rate, config.rng_mode)
-    p_train_step = legacy.make_fused_call(step, devices)
-    losses, per_call = [], []
-    for batch_KxG in calls:
-        rng, keys_D = legacy.next_call_keys(rng, n, config.rng_mode)
-        batch_DxK = {k: legacy.shard_batch(v, n) for k, v in batch_KxG.items()}
-        (_, pstate), loss_DxK = p_train_step((keys_D, pstate), batch_DxK)
-        losses.append(np.asarray(legacy.unreplicate(loss_DxK)))  # blocks: one call in flight
-        per_call.append(convert.flatten(legacy.unreplicate(pstate.params)))
-    final = convert.legacy_to_neutral(legacy.unreplicate(pstate))
-    return PathResult(final, np.concatenate(losses), per_call, pstate)
+    return LegacySetup(legacy.make_fused_call(step, devices), pstate, config)
 
 
-def run_nnx(wl: Workload, config: RunConfig, variables: dict, calls: list[dict], rng) -> PathResult:
+def nnx_setup(wl: Workload, config: RunConfig, variables: dict) -> NnxSetup:
     mesh = sharding.make_mesh(config.devices)
     model = wl.nnx_model(nnx.Rngs(0))
     convert.load_linen_variables(model, variables)
@@ -78,15 +103,32 @@ def run_nnx(wl: Workload, config: RunConfig, variables: dict, calls: list[dict],
     state = sharding.place_state(state, mesh)
     step = sharded.make_step_fn(graphdef, wl.nnx_loss, wl.nnx_noise, wl.ema_rate, config.rng_mode)
     carry_shardings = (sharding.key_sharding(mesh, config.rng_mode), sharding.state_shardings(state, mesh))
-    fused = sharded.make_fused_call(step, carry_shardings)
+    return NnxSetup(sharded.make_fused_call(step, carry_shardings), graphdef, state, mesh, config)
+
+
+def run_legacy(wl: Workload, config: RunConfig, variables: dict, calls: list[dict], rng) -> PathResult:
+    setup = legacy_setup(wl, config, variables)
     losses, per_call = [], []
     for batch_KxG in calls:
-        rng, keys = sharded.next_call_keys(rng, config.devices, config.rng_mode)
-        carry = (sharding.place_keys(keys, mesh, config.rng_mode), state)
-        (_, state), loss_K = fused(carry, sharding.place_batch(batch_KxG, mesh))
+        rng, args = setup.call_args(rng, batch_KxG)
+        (_, setup.pstate), loss_DxK = setup.p_train_step(*args)
+        losses.append(np.asarray(legacy.unreplicate(loss_DxK)))  # blocks: one call in flight
+        per_call.append(convert.flatten(legacy.unreplicate(setup.pstate.params)))
+    final = convert.legacy_to_neutral(legacy.unreplicate(setup.pstate))
+    return PathResult(final, np.concatenate(losses), per_call, setup.pstate)
+
+
+def run_nnx(wl: Workload, config: RunConfig, variables: dict, calls: list[dict], rng) -> PathResult:
+    setup = nnx_setup(wl, config, variables)
+    losses, per_call = [], []
+    for batch_KxG in calls:
+        rng, args = setup.call_args(rng, batch_KxG)
+        (_, setup.state), loss_K = setup.fused(*args)
         losses.append(np.asarray(loss_K))  # blocks: one call in flight
-        per_call.append(convert.flatten(nnx.to_pure_dict(nnx.state(nnx.merge(graphdef, state).model, nnx.Param))))
-    return PathResult(convert.nnx_to_neutral(graphdef, state), np.concatenate(losses), per_call, (graphdef, state))
+        model = nnx.merge(setup.graphdef, setup.state).model
+        per_call.append(convert.flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+    final = convert.nnx_to_neutral(setup.graphdef, setup.state)
+    return PathResult(final, np.concatenate(losses), per_call, (setup.graphdef, setup.state))
 
 
 def replica_spread(replicated: Any) -> float:
