@@ -1,0 +1,182 @@
+"""The benchmark's table, targets and JSON: ratios against legacy pmap(scan) are what count."""
+
+import dataclasses
+import statistics
+
+import numpy as np
+
+from equivalence import compare
+from equivalence.config import RunConfig
+from equivalence.measure import Block, CompileTiming, stats
+from equivalence.variants import Variant
+
+METHOD = {
+    'inputs': 'keys and batches are placed on the devices before each timed block (not timed, for every variant)',
+    'timed_call': 'dispatch = until the call returns; call = until its losses are ready; one call in flight',
+    'order': 'warm-up, then every variant once per repeat (A B C ... A B C ...)',
+    'compile': 'trace + lower + XLA compile of a fresh build (new step closures), timed per repeat',
+}
+
+
+@dataclasses.dataclass
+class BenchResult:
+    config: RunConfig
+    repeats: int
+    machine: dict
+    variants: list[Variant]
+    blocks: dict[str, list[Block]]
+    compiles: dict[str, CompileTiming]
+    scaling: dict[int, CompileTiming]  # the shipped call compiled at K=5 and K=100
+    first: dict[str, np.ndarray]  # each variant's first-call losses, same inputs for all
+
+    def steps(self, name: str) -> list[float]:
+        return [b.steps_per_s for b in self.blocks[name]]
+
+    def median(self, name: str, field: str = 'steps_per_s') -> float:
+        return statistics.median(getattr(b, field) for b in self.blocks[name])
+
+    def baseline(self, v: Variant) -> str:
+        """The legacy row with the same K, else the fused legacy row."""
+        same_k = [u.name for u in self.variants if u.name.startswith('legacy') and u.steps_per_call == v.steps_per_call]
+        return same_k[0] if same_k else 'legacy'
+
+    def paired(self, name: str, base: str) -> list[float]:
+        """Per-repeat ratios: adjacent blocks of one repeat saw the same machine load."""
+        return [a / b for a, b in zip(self.steps(name), self.steps(base), strict=True)]
+
+    def agreement(self, v: Variant) -> compare.LeafDiff:
+        """First-call losses against legacy pmap's, over the steps both ran."""
+        ref, got = self.first['legacy'], self.first[v.name]
+        n = min(len(ref), len(got))
+        return compare.compare_leaf('losses', v.name, ref[:n], got[:n], compare.FLOAT32_REDUCTION_ORDER)
+
+
+def _target(name: str, value: float, op: str, threshold: float, applies: bool = True) -> dict:
+    ok = value >= threshold if op == '>=' else value <= threshold
+    return {'name': name, 'value': value, 'op': op, 'threshold': threshold, 'pass': bool(ok), 'applies': applies}
+
+
+def targets(r: BenchResult, k_scaling: int = 20) -> list[dict]:
+    fused_k = 'nnx' if r.config.steps_per_call == k_scaling else f'nnx_k{k_scaling}'
+    k5, k100 = (statistics.median(t.seconds) for t in r.scaling.values())
+    return [
+        _target('fused steps/s: nnx shipped / legacy pmap(scan)', r.median('nnx') / r.median('legacy'), '>=', 1.0),
+        _target(
+            'host dispatch per fused call: nnx shipped / bare jax.jit',
+            r.median('nnx', 'dispatch_ms') / r.median('jit_bare', 'dispatch_ms'),
+            '<=',
+            1.05,
+        ),
+        _target(
+            f'steps/s: nnx shipped K={k_scaling} / K=1 (target defined on mlp)',
+            r.median(fused_k) / r.median('nnx_k1'),
+            '>=',
+            3.0,
+            applies=r.config.workload == 'mlp',
+        ),
+        _target('compile time: nnx shipped K=100 / K=5', k100 / k5, '<=', 1.2),
+    ]
+
+
+def header(r: BenchResult) -> list[str]:
+    c, m = r.config, r.machine
+    sim = ' (simulated)' if m['backend'] == 'cpu' and m['simulated_cpu_devices'] else ''
+    v = m['versions']
+    return [
+        f'{c.workload}: {c.devices} {m["backend"]} device(s){sim}, K={c.steps_per_call} steps per fused call, '
+        f'global batch {c.batch_size}, rng {c.rng_mode}, {r.repeats} repeats x {c.calls} calls per variant',
+        f'machine: {m["cpu_cores_usable"]} of {m["cpu_cores"]} CPU cores ({m["cpu_model"]}), {m["device_kind"]}, '
+        f'load avg {m["load_avg_1m"]:.1f} -> {m["load_avg_1m_end"]:.1f}; python {v["python"]}, jax {v["jax"]}, '
+        f'jaxlib {v["jaxlib"]}, flax {v["flax"]}, optax {v["optax"]}, numpy {v["numpy"]}',
+        f'method: {METHOD["inputs"]}; {METHOD["timed_call"]}',
+    ]
+
+
+def variant_rows(r: BenchResult) -> list[str]:
+    rows = [
+        f'{"variant":<40} {"K":>3}  {"steps/s median [min, max]":>27}  {"vs legacy (same K)":>18}  '
+        f'{"dispatch ms":>11}  {"call ms":>8}  {"compile s":>9}  first call vs legacy'
+    ]
+    for v in r.variants:
+        s, base = stats(r.steps(v.name)), r.baseline(v)
+        agree = r.agreement(v)
+        check = ('same' if agree.max_abs == 0 else f'{agree.max_abs:.1e}') + ('' if agree.ok else ' NO')
+        recompiled = sum(b.compiles for b in r.blocks[v.name])
+        rows.append(
+            f'{v.label:<40} {v.steps_per_call:>3}  {s["median"]:>9.0f} [{s["min"]:>7.0f}, {s["max"]:>7.0f}]  '
+            f'{r.median(v.name) / r.median(base):>6.2f}x {base:<10}  {r.median(v.name, "dispatch_ms"):>11.3f}  '
+            f'{r.median(v.name, "call_ms"):>8.3f}  {statistics.median(r.compiles[v.name].seconds):>9.2f}  {check}'
+            + (f'  ({recompiled} recompiles while timed!)' if recompiled else '')
+        )
+    return rows
+
+
+def hlo_rows(r: BenchResult) -> list[str]:
+    cols = ('all_reduce', 'all_reduce_bytes', 'copy', 'transpose', 'while', 'fusion', 'aliased_bytes')
+    rows = ['compiled programs (instructions in the HLO text; the scan body runs K times per call):']
+    rows.append(f'  {"variant":<38} ' + ' '.join(f'{c:>16}' for c in cols))
+    programs = [(v.label, r.compiles[v.name].hlo) for v in r.variants]
+    programs += [(f'nnx shipped, K={k} (compile scaling)', t.hlo) for k, t in r.scaling.items()]
+    for label, summary in programs:
+        rows.append(f'  {label:<38} ' + ' '.join(f'{summary[c]:>16}' for c in cols))
+    return rows
+
+
+def target_rows(r: BenchResult) -> list[str]:
+    paired = stats(r.paired('nnx', 'legacy'))
+    rows = [
+        'targets:',
+        *(
+            f'  {("PASS" if t["pass"] else "FAIL") if t["applies"] else "n/a "}  {t["name"]}: '
+            f'{t["value"]:.2f}x (target {t["op"]} {t["threshold"]:.2f}x)'
+            for t in targets(r)
+        ),
+        f'  per-repeat nnx/legacy ratio (paired blocks): median {paired["median"]:.2f} '
+        f'[{paired["min"]:.2f}, {paired["max"]:.2f}]',
+    ]
+    return rows
+
+
+def text(r: BenchResult) -> str:
+    note = 'absolute numbers on shared CPUs are noisy; the ratios are what count'
+    return '\n'.join([*header(r), '', *variant_rows(r), '', *hlo_rows(r), '', *target_rows(r), '', note])
+
+
+def to_json(r: BenchResult) -> dict:
+    c = r.config
+    return {
+        'workload': c.workload,
+        'devices': c.devices,
+        'steps_per_call': c.steps_per_call,
+        'calls_per_repeat': c.calls,
+        'repeats': r.repeats,
+        'batch_size': c.batch_size,
+        'seed': c.seed,
+        'rng_mode': c.rng_mode,
+        'machine': r.machine,
+        'method': METHOD,
+        'variants': {v.name: variant_json(r, v) for v in r.variants},
+        'compile_scaling': {
+            f'k{k}': {'compile_s': {**stats(t.seconds), 'per_repeat': t.seconds}, 'hlo': t.hlo}
+            for k, t in r.scaling.items()
+        },
+        'paired_ratio_nnx_vs_legacy': {**stats(r.paired('nnx', 'legacy')), 'per_repeat': r.paired('nnx', 'legacy')},
+        'targets': targets(r),
+    }
+
+
+def variant_json(r: BenchResult, v: Variant) -> dict:
+    blocks, base, agree = r.blocks[v.name], r.baseline(v), r.agreement(v)
+    return {
+        'label': v.label,
+        'steps_per_call': v.steps_per_call,
+        'steps_per_s': {**stats(r.steps(v.name)), 'per_repeat': r.steps(v.name)},
+        'baseline': base,
+        'ratio_vs_baseline': r.median(v.name) / r.median(base),
+        'dispatch_ms': stats([b.dispatch_ms for b in blocks]),
+        'call_ms': stats([b.call_ms for b in blocks]),
+        'compile_s': {**stats(r.compiles[v.name].seconds), 'per_repeat': r.compiles[v.name].seconds},
+        'hlo': r.compiles[v.name].hlo,
+        'compiles_while_timed': sum(b.compiles for b in blocks),
+        'first_call': {'max_abs_diff_vs_legacy': agree.max_abs, 'agrees': agree.ok, 'losses': r.first[v.name].tolist()},
+    }

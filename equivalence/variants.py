@@ -1,0 +1,212 @@
+"""The training calls the benchmark times, each with its own state, inputs and key chain.
+
+Every variant starts from the same linen variables, the same data pool and the same host
+key chain, so the first call of each computes the same losses (the bench checks this).
+After that each threads its own state from call to call: the NNX variants donate the
+state, the legacy pmap donates the batch (as score_sde), so no input is ever used twice.
+
+Inputs are placed on the devices by ``place`` *before* the timer starts: the timed region
+is the call and the wait for its result, for every variant alike.
+"""
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from equivalence import harness
+from equivalence.config import RunConfig
+from equivalence.workloads import Workload
+from legacy_pmap import train as legacy
+from nnx_sharded import sharding
+from nnx_sharded import train as sharded
+
+
+@dataclasses.dataclass
+class Variant:
+    name: str  # key in the JSON report
+    label: str  # row of the printed table
+    steps_per_call: int  # K
+    place: Callable[[int], list[tuple]]  # n -> the placed arguments of the next n calls
+    call: Callable[[tuple], jax.Array]  # one call; keeps the new state, returns its losses (to block on)
+    fresh_lowered: Callable[[int], Any]  # K -> a jax Lowered of a fresh build (compile timing)
+    host_losses: Callable[[jax.Array], np.ndarray] = np.asarray  # what ``call`` returned -> [K] on the host
+
+
+class Feed:
+    """The data pool and a host key chain: what call c of a K-step variant consumes.
+
+    Call c takes steps ``c*K .. c*K+K-1`` of the pool (cycling), so the first call of every
+    variant sees the same first steps whatever its K.
+    """
+
+    def __init__(self, wl: Workload, config: RunConfig, pool_steps: int):
+        data = wl.make_data(np.random.default_rng(config.seed), pool_steps, config.batch_size)
+        self.data, self.pool_steps = data, pool_steps
+        self.variables, _, self.rng = harness.make_inputs(wl, dataclasses.replace(config, calls=1))
+
+    def batches(self, k: int, n: int, start: int) -> list[dict[str, np.ndarray]]:
+        """``n`` batches ``[K, G, ...]`` from call ``start`` on."""
+        idx = [np.arange(c * k, c * k + k) % self.pool_steps for c in range(start, start + n)]
+        return [{name: v[i] for name, v in self.data.items()} for i in idx]
+
+
+class _Chain:
+    """One variant's position in the host key chain and in the data pool."""
+
+    def __init__(self, feed: Feed, k: int, next_keys: Callable):
+        self.feed, self.k, self.next_keys = feed, k, next_keys
+        self.rng, self.calls = feed.rng, 0
+
+    def take(self, n: int) -> list[tuple[jax.Array, dict]]:
+        """Keys and host batches of the next ``n`` calls."""
+        out = []
+        for batch_KxG in self.feed.batches(self.k, n, self.calls):
+            self.rng, keys = self.next_keys(self.rng)
+            out.append((keys, batch_KxG))
+        self.calls += n
+        return out
+
+
+def _config(config: RunConfig, k: int) -> RunConfig:
+    return dataclasses.replace(config, steps_per_call=k, calls=1)
+
+
+def legacy_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: str, label: str) -> Variant:
+    """``jax.pmap(partial(lax.scan, step))``: inputs placed as pmap's own outputs are, one row per device."""
+    cfg = _config(config, k)
+    setup = harness.legacy_setup(wl, cfg, feed.variables)
+    devices = jax.devices()[: cfg.devices]
+    rows = NamedSharding(Mesh(np.array(devices), (legacy.AXIS,)), P(legacy.AXIS))
+    chain = _Chain(feed, k, lambda rng: legacy.next_call_keys(rng, cfg.devices, cfg.rng_mode))
+
+    def to_device(keys, batch_KxG):
+        batch_DxK = {n: legacy.shard_batch(v, cfg.devices) for n, v in batch_KxG.items()}
+        return jax.device_put((keys, batch_DxK), rows)
+
+    def place(n: int) -> list[tuple]:
+        return jax.block_until_ready([to_device(*a) for a in chain.take(n)])
+
+    def call(args: tuple) -> jax.Array:
+        keys_D, batch_DxK = args
+        (_, setup.pstate), loss_DxK = setup.p_train_step((keys_D, setup.pstate), batch_DxK)
+        return loss_DxK
+
+    def fresh_lowered(kk: int):
+        fresh = harness.legacy_setup(wl, _config(config, kk), feed.variables)
+        keys_D, batch_DxK = to_device(*_Chain(feed, kk, chain.next_keys).take(1)[0])
+        return fresh.p_train_step.lower((keys_D, fresh.pstate), batch_DxK)
+
+    to_host = lambda loss_DxK: np.asarray(legacy.unreplicate(loss_DxK))  # noqa: E731  (replica 0, no gather)
+    return Variant(name, label, k, place, call, fresh_lowered, to_host)
+
+
+def _nnx_place(setup: harness.NnxSetup, chain: _Chain) -> Callable[[int], list[tuple]]:
+    def place(n: int) -> list[tuple]:
+        mode = setup.config.rng_mode
+        mesh = setup.mesh
+        placed = [(sharding.place_keys(k, mesh, mode), sharding.place_batch(b, mesh)) for k, b in chain.take(n)]
+        return jax.block_until_ready(placed)
+
+    return place
+
+
+def _nnx_chain(feed: Feed, setup: harness.NnxSetup, k: int) -> _Chain:
+    cfg = setup.config
+    return _Chain(feed, k, lambda rng: sharded.next_call_keys(rng, cfg.devices, cfg.rng_mode))
+
+
+def bare_jit(setup: harness.NnxSetup, wl: Workload) -> Callable:
+    """The baseline of the host-overhead target: ``jax.jit`` of the same scan, no ``out_shardings``."""
+    cfg = setup.config
+    step = sharded.make_step_fn(setup.graphdef, wl.nnx_loss, wl.nnx_noise, wl.ema_rate, cfg.rng_mode)
+    return jax.jit(functools.partial(jax.lax.scan, step), donate_argnums=0)
+
+
+def nnx_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: str, label: str, bare: bool = False):
+    """The shipped call (``harness.nnx_setup``), or with ``bare`` a plain ``jax.jit`` of the same step."""
+
+    def build(kk: int) -> tuple[harness.NnxSetup, Callable]:
+        setup = harness.nnx_setup(wl, _config(config, kk), feed.variables)
+        return setup, bare_jit(setup, wl) if bare else setup.fused
+
+    setup, fused = build(k)
+    place = _nnx_place(setup, _nnx_chain(feed, setup, k))
+
+    def call(args: tuple) -> jax.Array:
+        keys, batch_KxG = args
+        (_, setup.state), loss_K = fused((keys, setup.state), batch_KxG)
+        return loss_K
+
+    def fresh_lowered(kk: int):
+        fresh, fn = build(kk)
+        keys, batch_KxG = _nnx_place(fresh, _nnx_chain(feed, fresh, kk))(1)[0]
+        return fn.lower((keys, fresh.state), batch_KxG)
+
+    return Variant(name, label, k, place, call, fresh_lowered)
+
+
+def graph_jit(setup: harness.NnxSetup, wl: Workload) -> Callable:
+    """Graph-mode ``nnx.jit`` over the TrainState *object*, steps fused by ``nnx.scan``.
+
+    The scan body runs the shipped step on ``nnx.state(ts)`` and writes the result back
+    with ``nnx.update``: the traced arithmetic is the shipped step's, so what differs is
+    only how NNX carries the object through ``jit`` and ``scan`` (its graph traversal).
+    """
+    cfg = setup.config
+    step = sharded.make_step_fn(setup.graphdef, wl.nnx_loss, wl.nnx_noise, wl.ema_rate, cfg.rng_mode)
+
+    def body(carry, batch):
+        ts, rng = carry
+        (rng, state), loss = step((rng, nnx.state(ts)), batch)
+        nnx.update(ts, state)
+        return (ts, rng), loss
+
+    def fused(ts, keys, batch_KxG):
+        scan = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+        (_, _), loss_K = scan((ts, keys), batch_KxG)
+        return loss_K
+
+    return nnx.jit(fused, donate_argnums=0)
+
+
+def graph_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: str, label: str, cached: bool = False):
+    """``nnx.jit`` graph mode, called with the object; with ``cached``, through ``nnx.cached_partial``."""
+
+    def build(kk: int):
+        setup = harness.nnx_setup(wl, _config(config, kk), feed.variables)
+        return setup, nnx.merge(setup.graphdef, setup.state), graph_jit(setup, wl)
+
+    setup, ts, fused = build(k)
+    place = _nnx_place(setup, _nnx_chain(feed, setup, k))
+    run = nnx.cached_partial(fused, ts) if cached else functools.partial(fused, ts)
+
+    def fresh_lowered(kk: int):
+        fresh, fresh_ts, fn = build(kk)
+        keys, batch_KxG = _nnx_place(fresh, _nnx_chain(feed, fresh, kk))(1)[0]
+        return fn.lower(fresh_ts, keys, batch_KxG)  # cached_partial calls this same nnx.jit
+
+    return Variant(name, label, k, place, lambda args: run(*args), fresh_lowered)
+
+
+def build_all(wl: Workload, config: RunConfig, feed: Feed, k_scaling: int) -> list[Variant]:
+    """The fused variants at K, then one step per call, then the shipped call at ``k_scaling``."""
+    k = config.steps_per_call
+    variants = [
+        legacy_variant(wl, config, feed, k, 'legacy', 'legacy pmap(scan)'),
+        nnx_variant(wl, config, feed, k, 'nnx', 'nnx shipped: jax.jit(scan), split state'),
+        nnx_variant(wl, config, feed, k, 'jit_bare', 'bare jax.jit(scan), no out_shardings', bare=True),
+        graph_variant(wl, config, feed, k, 'nnx_graph', 'nnx.jit(nnx.scan), graph mode'),
+        graph_variant(wl, config, feed, k, 'nnx_cached', 'nnx.cached_partial(nnx.jit)', cached=True),
+        legacy_variant(wl, config, feed, 1, 'legacy_k1', 'legacy pmap, 1 step/call'),
+        nnx_variant(wl, config, feed, 1, 'nnx_k1', 'nnx shipped, 1 step/call'),
+    ]
+    if k_scaling != k:
+        variants.append(nnx_variant(wl, config, feed, k_scaling, f'nnx_k{k_scaling}', f'nnx shipped, K={k_scaling}'))
+    return variants
