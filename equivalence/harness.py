@@ -76,7 +76,7 @@ class NnxSetup:
 
     fused: Callable  # jax.jit(partial(lax.scan, step)), called ((keys, state), batch_KxG)
     graphdef: Any
-    state: Any  # nnx.State placed on the mesh
+    state: Any  # the TrainState's arrays, a plain dict (nnx.to_pure_dict), placed on the mesh
     mesh: Any
     config: RunConfig
 

@@ -129,12 +129,30 @@ def bare_jit(setup: harness.NnxSetup, wl: Workload) -> Callable:
     return jax.jit(functools.partial(jax.lax.scan, step), donate_argnums=0)
 
 
-def nnx_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: str, label: str, bare: bool = False):
-    """The shipped call (``harness.nnx_setup``), or with ``bare`` a plain ``jax.jit`` of the same step."""
+def state_carry_jit(setup: harness.NnxSetup, wl: Workload) -> Callable:
+    """The shipped call as it was first written: the scan carries the ``nnx.State`` that
+    ``nnx.split`` returns instead of a plain dict. Same program; only the host's work differs."""
+    cfg = setup.config
+    step = sharded.make_step_fn(setup.graphdef, wl.nnx_loss, wl.nnx_noise, wl.ema_rate, cfg.rng_mode)
+
+    def step_state(carry, batch):
+        (rng, pure), loss = step(carry, batch)
+        return (rng, nnx.state(nnx.merge(setup.graphdef, pure))), loss
+
+    setup.state = nnx.state(nnx.merge(setup.graphdef, setup.state))  # the same placed arrays, as an nnx.State
+    shardings = (sharding.key_sharding(setup.mesh, cfg.rng_mode), sharding.state_shardings(setup.state, setup.mesh))
+    return jax.jit(functools.partial(jax.lax.scan, step_state), donate_argnums=0, out_shardings=(shardings, None))
+
+
+JITS = {'shipped': lambda setup, wl: setup.fused, 'bare': bare_jit, 'state': state_carry_jit}
+
+
+def nnx_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: str, label: str, jit: str = 'shipped'):
+    """The shipped call (``harness.nnx_setup``), or the same step under another ``jax.jit`` (see ``JITS``)."""
 
     def build(kk: int) -> tuple[harness.NnxSetup, Callable]:
         setup = harness.nnx_setup(wl, _config(config, kk), feed.variables)
-        return setup, bare_jit(setup, wl) if bare else setup.fused
+        return setup, JITS[jit](setup, wl)
 
     setup, fused = build(k)
     place = _nnx_place(setup, _nnx_chain(feed, setup, k))
@@ -170,8 +188,8 @@ def graph_jit(setup: harness.NnxSetup, wl: Workload) -> Callable:
 
     def fused(ts, keys, batch_KxG):
         scan = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
-        (_, _), loss_K = scan((ts, keys), batch_KxG)
-        return loss_K
+        (_, rng), loss_K = scan((ts, keys), batch_KxG)
+        return rng, loss_K  # the keys too, as every variant returns them: same outputs, same program
 
     return nnx.jit(fused, donate_argnums=0)
 
@@ -192,7 +210,7 @@ def graph_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: str
         keys, batch_KxG = _nnx_place(fresh, _nnx_chain(feed, fresh, kk))(1)[0]
         return fn.lower(fresh_ts, keys, batch_KxG)  # cached_partial calls this same nnx.jit
 
-    return Variant(name, label, k, place, lambda args: run(*args), fresh_lowered)
+    return Variant(name, label, k, place, lambda args: run(*args)[1], fresh_lowered)
 
 
 def build_all(wl: Workload, config: RunConfig, feed: Feed, k_scaling: int) -> list[Variant]:
@@ -201,7 +219,8 @@ def build_all(wl: Workload, config: RunConfig, feed: Feed, k_scaling: int) -> li
     variants = [
         legacy_variant(wl, config, feed, k, 'legacy', 'legacy pmap(scan)'),
         nnx_variant(wl, config, feed, k, 'nnx', 'nnx shipped: jax.jit(scan), split state'),
-        nnx_variant(wl, config, feed, k, 'jit_bare', 'bare jax.jit(scan), no out_shardings', bare=True),
+        nnx_variant(wl, config, feed, k, 'jit_bare', 'bare jax.jit(scan), no out_shardings', jit='bare'),
+        nnx_variant(wl, config, feed, k, 'nnx_state', 'nnx, nnx.State carry (before the fix)', jit='state'),
         graph_variant(wl, config, feed, k, 'nnx_graph', 'nnx.jit(nnx.scan), graph mode'),
         graph_variant(wl, config, feed, k, 'nnx_cached', 'nnx.cached_partial(nnx.jit)', cached=True),
         legacy_variant(wl, config, feed, 1, 'legacy_k1', 'legacy pmap, 1 step/call'),
