@@ -12,7 +12,8 @@ from equivalence.variants import Variant
 
 METHOD = {
     'inputs': 'keys and batches are placed on the devices before each timed block (not timed, for every variant)',
-    'timed_call': 'dispatch = until the call returns; call = until its losses are ready; one call in flight',
+    'timed_call': 'dispatch = until the call returns; call = until its losses are ready; one call in flight; '
+    'cpu = process CPU time per call, all threads',
     'order': 'warm-up, then every variant once per repeat (A B C ... A B C ...)',
     'compile': 'trace + lower + XLA compile of a fresh build (new step closures), timed per repeat',
 }
@@ -95,17 +96,17 @@ def header(r: BenchResult) -> list[str]:
 def variant_rows(r: BenchResult) -> list[str]:
     rows = [
         f'{"variant":<40} {"K":>3}  {"steps/s median [min, max]":>27}  {"vs legacy (same K)":>18}  '
-        f'{"dispatch ms":>11}  {"call ms":>8}  {"compile s":>9}  first call vs legacy'
+        f'{"dispatch ms":>11}  {"call ms":>8}  {"cpu ms":>7}  {"compile s":>9}  first call vs legacy'
     ]
     for v in r.variants:
-        s, base = stats(r.steps(v.name)), r.baseline(v)
-        agree = r.agreement(v)
+        s, base, agree = stats(r.steps(v.name)), r.baseline(v), r.agreement(v)
         check = ('same' if agree.max_abs == 0 else f'{agree.max_abs:.1e}') + ('' if agree.ok else ' NO')
         recompiled = sum(b.compiles for b in r.blocks[v.name])
+        ms = [r.median(v.name, f) for f in ('dispatch_ms', 'call_ms', 'cpu_ms')]
         rows.append(
             f'{v.label:<40} {v.steps_per_call:>3}  {s["median"]:>9.0f} [{s["min"]:>7.0f}, {s["max"]:>7.0f}]  '
-            f'{r.median(v.name) / r.median(base):>6.2f}x {base:<10}  {r.median(v.name, "dispatch_ms"):>11.3f}  '
-            f'{r.median(v.name, "call_ms"):>8.3f}  {statistics.median(r.compiles[v.name].seconds):>9.2f}  {check}'
+            f'{r.median(v.name) / r.median(base):>6.2f}x {base:<10}  {ms[0]:>11.3f}  {ms[1]:>8.3f}  {ms[2]:>7.2f}  '
+            f'{statistics.median(r.compiles[v.name].seconds):>9.2f}  {check}'
             + (f'  ({recompiled} recompiles while timed!)' if recompiled else '')
         )
     return rows
@@ -175,6 +176,7 @@ def variant_json(r: BenchResult, v: Variant) -> dict:
         'ratio_vs_baseline': r.median(v.name) / r.median(base),
         'dispatch_ms': stats([b.dispatch_ms for b in blocks]),
         'call_ms': stats([b.call_ms for b in blocks]),
+        'cpu_ms': stats([b.cpu_ms for b in blocks]),
         'compile_s': {**stats(r.compiles[v.name].seconds), 'per_repeat': r.compiles[v.name].seconds},
         'hlo': r.compiles[v.name].hlo,
         'compiles_while_timed': sum(b.compiles for b in blocks),

@@ -1,0 +1,125 @@
+"""``python -m equivalence.bench`` with tiny sizes: every JSON field is there, bad input exits 2.
+
+No timing is asserted: speed is reported by the benchmark, not tested.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from equivalence import benchreport, hlo
+from equivalence.config import RunConfig
+from equivalence.variants import Variant
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ['--devices', '2', '--repeats', '2', '--steps-per-call', '2', '--calls', '2', '--compile-repeats', '1']
+VARIANTS = {'legacy', 'nnx', 'jit_bare', 'nnx_state', 'nnx_graph', 'nnx_cached', 'legacy_k1', 'nnx_k1', 'nnx_k20'}
+VARIANT_FIELDS = {
+    'label',
+    'steps_per_call',
+    'steps_per_s',
+    'baseline',
+    'ratio_vs_baseline',
+    'dispatch_ms',
+    'call_ms',
+    'cpu_ms',
+    'compile_s',
+    'hlo',
+    'compiles_while_timed',
+    'first_call',
+}
+HLO_FIELDS = {'all_reduce', 'all_reduce_bytes', 'copy', 'transpose', 'while', 'fusion', 'aliased_bytes'}
+
+
+def bench(*args: str) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS')}
+    return subprocess.run(
+        [sys.executable, '-m', 'equivalence.bench', *args],
+        cwd=ROOT,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_tiny_run_writes_every_field(tmp_path):
+    out = tmp_path / 'bench.json'
+    proc = bench(*TINY, '--json', str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert '[bench mlp' in proc.stderr  # the progress line
+    assert 'targets:' in proc.stdout and 'ratios are what count' in proc.stdout
+    report = json.loads(out.read_text())
+    assert report['workload'] == 'mlp' and report['devices'] == 2 and report['steps_per_call'] == 2
+    assert report['repeats'] == 2 and report['calls_per_repeat'] == 2
+    assert {'backend', 'devices_visible', 'cpu_cores', 'cpu_model', 'load_avg_1m', 'versions'} <= set(report['machine'])
+    assert {'jax', 'jaxlib', 'flax', 'optax', 'python'} <= set(report['machine']['versions'])
+    assert set(report['variants']) == VARIANTS
+    for name, v in report['variants'].items():
+        assert VARIANT_FIELDS <= set(v), name
+        assert len(v['steps_per_s']['per_repeat']) == 2 and len(v['compile_s']['per_repeat']) == 1
+        assert {'median', 'min', 'max'} <= set(v['steps_per_s']) & set(v['dispatch_ms']) & set(v['compile_s'])
+        assert HLO_FIELDS <= set(v['hlo']) and v['hlo']['all_reduce'] >= 1
+        # Not a timing: every variant computes the same first-call losses as legacy pmap.
+        assert v['first_call']['agrees'], (name, v['first_call'])
+    assert set(report['compile_scaling']) == {'k5', 'k100'}
+    targets = report['targets']
+    assert len(targets) == 4
+    assert all({'name', 'value', 'op', 'threshold', 'pass', 'applies'} <= set(t) for t in targets)
+    assert len(report['paired_ratio_nnx_vs_legacy']['per_repeat']) == 2
+
+
+@pytest.mark.parametrize(
+    'args, expected',
+    [
+        (['--repeats', '0'], '--repeats must be at least 1'),
+        (['--devices', '16'], 'JAX_NUM_CPU_DEVICES=16'),
+        (['--workload', 'resnet'], "unknown workload 'resnet'"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(args, expected):
+    proc = bench(*args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith('error: ') and expected in lines[0], proc.stderr
+
+
+def test_existing_json_is_not_overwritten(tmp_path):
+    out = tmp_path / 'bench.json'
+    out.write_text('precious')
+    proc = bench('--json', str(out))
+    assert proc.returncode == 2 and 'pass --overwrite' in proc.stderr
+    assert out.read_text() == 'precious'
+
+
+def test_first_call_check_catches_a_different_loss():
+    """Negative control for the agreement column: a loss off by 1e-4 is reported."""
+    variants = [Variant(n, n, 2, None, None, None) for n in ('legacy', 'other')]
+    losses = np.array([1.0, 0.5], np.float32)
+    result = benchreport.BenchResult(RunConfig(), 1, {}, variants, {}, {}, {}, {'legacy': losses, 'other': losses})
+    assert result.agreement(variants[1]).ok
+    result.first['other'] = losses + np.float32(1e-4)
+    assert not result.agreement(variants[1]).ok
+
+
+HLO_SAMPLE = """
+%body (p: (s32[], f32[20,30])) -> (s32[], f32[20,30]) {
+  %all-reduce = (f32[30]{0}, f32[20,30]{1,0}) all-reduce(%a, %b), channel_id=1, to_apply=%add
+  %transpose.1 = f32[30,20]{0,1} transpose(%c), dimensions={1,0}
+  %copy.2 = f32[30,20]{1,0} copy(%transpose.1)
+  ROOT %tuple = (s32[], f32[20,30]) tuple(%i, %d)
+}
+ENTRY %main {
+  %while.3 = (s32[], f32[20,30]) while(%t), condition=%cond, body=%body
+}
+"""
+
+
+def test_hlo_summary_counts_ops_and_all_reduced_bytes():
+    s = hlo.summarize(HLO_SAMPLE)
+    assert (s['all_reduce'], s['transpose'], s['copy'], s['while']) == (1, 1, 1, 1)
+    assert s['all_reduce_bytes'] == 4 * (30 + 20 * 30)
