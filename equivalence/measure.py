@@ -70,12 +70,14 @@ def warm_up(v: Variant, n_calls: int) -> None:
 
 
 def interleaved(variants: list[Variant], repeats: int, n_calls: int, progress: Callable) -> dict[str, list[Block]]:
-    """A B C ... A B C ...: every variant runs once per repeat, so slow drifts of a shared
-    machine's load hit all of them alike."""
+    """A B C ... B C A ...: every variant runs once per repeat, so slow drifts of a shared
+    machine's load hit all of them alike; the order rotates by one each repeat, so that no
+    variant always runs first or always follows the same neighbour."""
     counter = CompileCounter()
     blocks: dict[str, list[Block]] = {v.name: [] for v in variants}
     for r in range(repeats):
-        for v in variants:
+        shift = r % len(variants)
+        for v in variants[shift:] + variants[:shift]:
             progress(f'repeat {r + 1}/{repeats}: {v.label}')
             blocks[v.name].append(time_block(v, n_calls, counter))
     return blocks

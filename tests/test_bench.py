@@ -17,7 +17,8 @@ from equivalence.variants import Variant
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ['--devices', '2', '--repeats', '2', '--steps-per-call', '2', '--calls', '2', '--compile-repeats', '1']
-VARIANTS = {'legacy', 'nnx', 'jit_bare', 'nnx_state', 'nnx_graph', 'nnx_cached', 'legacy_k1', 'nnx_k1', 'nnx_k20'}
+VARIANTS = {'legacy', 'nnx', 'jit_bare', 'nnx_state', 'nnx_graph', 'nnx_cached'}
+VARIANTS |= {'legacy_k1', 'nnx_k1', 'legacy_k20', 'nnx_k20'}
 VARIANT_FIELDS = {
     'label',
     'steps_per_call',
