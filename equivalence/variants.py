@@ -103,7 +103,9 @@ def legacy_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: st
         keys_D, batch_DxK = to_device(*_Chain(feed, kk, chain.next_keys).take(1)[0])
         return fresh.p_train_step.lower((keys_D, fresh.pstate), batch_DxK)
 
-    to_host = lambda loss_DxK: np.asarray(legacy.unreplicate(loss_DxK))  # noqa: E731  (replica 0, no gather)
+    def to_host(loss_DxK: jax.Array) -> np.ndarray:
+        return np.asarray(legacy.unreplicate(loss_DxK))  # replica 0's shard: no compiled gather
+
     return Variant(name, label, k, place, call, fresh_lowered, to_host)
 
 
