@@ -112,14 +112,29 @@ def variant_rows(r: BenchResult) -> list[str]:
     return rows
 
 
+HLO_COLUMNS = {  # summary field -> column header
+    'all_reduce': 'all-reduce',
+    'all_reduce_operands_per_step': 'ops/step',
+    'all_reduce_operands_per_call': 'ops/call',
+    'all_reduce_bytes': 'reduced B',
+    'copy': 'copy',
+    'transpose': 'transpose',
+    'while': 'while',
+    'fusion': 'fusion',
+    'aliased_bytes': 'donated B',
+}
+
+
 def hlo_rows(r: BenchResult) -> list[str]:
-    cols = ('all_reduce', 'all_reduce_bytes', 'copy', 'transpose', 'while', 'fusion', 'aliased_bytes')
-    rows = ['compiled programs (instructions in the HLO text; the scan body runs K times per call):']
-    rows.append(f'  {"variant":<38} ' + ' '.join(f'{c:>16}' for c in cols))
+    rows = [
+        'compiled programs (instructions in the HLO text; ops/step = all-reduced arrays in the scan body, '
+        'ops/call = outside it; on CPU each is one rendezvous of all devices):',
+        f'  {"variant":<40}' + ''.join(f'{h:>11}' for h in HLO_COLUMNS.values()),
+    ]
     programs = [(v.label, r.compiles[v.name].hlo) for v in r.variants]
     programs += [(f'nnx shipped, K={k} (compile scaling)', t.hlo) for k, t in r.scaling.items()]
     for label, summary in programs:
-        rows.append(f'  {label:<38} ' + ' '.join(f'{summary[c]:>16}' for c in cols))
+        rows.append(f'  {label:<40}' + ''.join(f'{summary[c]:>11}' for c in HLO_COLUMNS))
     return rows
 
 

@@ -15,9 +15,13 @@ Mirrors ``legacy_pmap/train.py`` function by function. Differences, each on purp
   donation of the state are ordinary ``jit`` arguments.
 - No ``pmean``: the loss is the mean over the *global* batch, which is sharded, so
   XLA's partitioner inserts the all-reduce of the gradients itself.
+- The step returns its per-example losses, and the fused call averages them after the
+  scan: one all-reduce of K numbers per call, where pmap's ``pmean(loss)`` adds one
+  operand to the all-reduce of every step. On CPU each all-reduce operand is one
+  rendezvous of all devices, the most expensive op of a step with 8 simulated devices
+  (measured with ``python -m equivalence.bench``; see the README's Performance section).
 """
 
-import functools
 from collections.abc import Callable
 
 import jax
@@ -64,24 +68,39 @@ def draw_noise(noise_fn: Callable, key: jax.Array, x_shape: tuple, rng_mode: str
 
 
 def make_step_fn(graphdef, per_example_loss: Callable, noise_fn: Callable, ema_rate, rng_mode: str) -> Callable:
-    """``step((rng, state), batch) -> ((rng, state), loss)``, the body of the scan."""
+    """``step((rng, state), batch) -> ((rng, state), losses_G)``, the body of the scan."""
 
     def loss_fn(model, batch, noise):
-        return jnp.mean(per_example_loss(model, batch, noise))  # global mean: no pmean
+        losses_G = per_example_loss(model, batch, noise)
+        return jnp.mean(losses_G), losses_G  # global mean: no pmean
 
     def step(carry, batch):
         rng, state = carry
         ts = nnx.merge(graphdef, state)
         rng, step_rng = split_keys(rng, rng_mode)
         noise = draw_noise(noise_fn, step_rng, batch['x'].shape, rng_mode)
-        loss, grads = nnx.value_and_grad(loss_fn)(ts.model, batch, noise)
+        (_, losses_G), grads = nnx.value_and_grad(loss_fn, has_aux=True)(ts.model, batch, noise)
         ts.optimizer.update(ts.model, grads)
         if ema_rate is not None:
             ema, new = nnx.state(ts.ema, nnx.Param), nnx.state(ts.model, nnx.Param)
             nnx.update(ts.ema, jax.tree.map(lambda e, p: e * ema_rate + p * (1.0 - ema_rate), ema, new))
-        return (rng, nnx.to_pure_dict(nnx.state(ts))), loss
+        return (rng, nnx.to_pure_dict(nnx.state(ts))), losses_G  # averaged after the scan
 
     return step
+
+
+def scan_steps(step_fn: Callable) -> Callable:
+    """``((rng, state), batch_KxG) -> ((rng, state), loss_K)``: K steps, then each step's mean loss.
+
+    The mean over the global batch comes after the loop, so the loss costs one all-reduce
+    per call instead of one per step (see the module docstring).
+    """
+
+    def fused(carry, batch_KxG):
+        carry, losses_KxG = jax.lax.scan(step_fn, carry, batch_KxG)
+        return carry, jnp.mean(losses_KxG, axis=1)
+
+    return fused
 
 
 def make_fused_call(step_fn: Callable, carry_shardings) -> Callable:
@@ -90,8 +109,7 @@ def make_fused_call(step_fn: Callable, carry_shardings) -> Callable:
     The carry (keys and state) is donated, so XLA updates parameters in place; its
     output placement is pinned to the input's so that calls chain without resharding.
     """
-    scan = functools.partial(jax.lax.scan, step_fn)
-    return jax.jit(scan, donate_argnums=0, out_shardings=(carry_shardings, None))
+    return jax.jit(scan_steps(step_fn), donate_argnums=0, out_shardings=(carry_shardings, None))
 
 
 def next_call_keys(rng: jax.Array, n_devices: int, rng_mode: str) -> tuple[jax.Array, jax.Array]:

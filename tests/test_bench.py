@@ -17,7 +17,7 @@ from equivalence.variants import Variant
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ['--devices', '2', '--repeats', '2', '--steps-per-call', '2', '--calls', '2', '--compile-repeats', '1']
-VARIANTS = {'legacy', 'nnx', 'jit_bare', 'nnx_state', 'nnx_graph', 'nnx_cached'}
+VARIANTS = {'legacy', 'nnx', 'jit_bare', 'nnx_first', 'nnx_graph', 'nnx_cached'}
 VARIANTS |= {'legacy_k1', 'nnx_k1', 'legacy_k20', 'nnx_k20'}
 VARIANT_FIELDS = {
     'label',
@@ -33,7 +33,8 @@ VARIANT_FIELDS = {
     'compiles_while_timed',
     'first_call',
 }
-HLO_FIELDS = {'all_reduce', 'all_reduce_bytes', 'copy', 'transpose', 'while', 'fusion', 'aliased_bytes'}
+HLO_FIELDS = {'all_reduce', 'all_reduce_operands_per_step', 'all_reduce_bytes', 'copy', 'transpose', 'while', 'fusion'}
+HLO_FIELDS |= {'all_reduce_operands_per_call', 'aliased_bytes'}
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
@@ -114,13 +115,15 @@ HLO_SAMPLE = """
   %copy.2 = f32[30,20]{1,0} copy(%transpose.1)
   ROOT %tuple = (s32[], f32[20,30]) tuple(%i, %d)
 }
-ENTRY %main {
+ENTRY %main () -> f32[5] {
   %while.3 = (s32[], f32[20,30]) while(%t), condition=%cond, body=%body
+  %all-reduce.4 = f32[5]{0} all-reduce(%e), channel_id=2, to_apply=%add
 }
 """
 
 
 def test_hlo_summary_counts_ops_and_all_reduced_bytes():
     s = hlo.summarize(HLO_SAMPLE)
-    assert (s['all_reduce'], s['transpose'], s['copy'], s['while']) == (1, 1, 1, 1)
-    assert s['all_reduce_bytes'] == 4 * (30 + 20 * 30)
+    assert (s['all_reduce'], s['transpose'], s['copy'], s['while']) == (2, 1, 1, 1)
+    assert (s['all_reduce_operands_per_step'], s['all_reduce_operands_per_call']) == (2, 1)
+    assert s['all_reduce_bytes'] == 4 * (30 + 20 * 30 + 5)
