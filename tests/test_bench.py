@@ -54,7 +54,7 @@ def test_tiny_run_writes_every_field(tmp_path):
     proc = bench(*TINY, '--json', str(out))
     assert proc.returncode == 0, proc.stderr
     assert '[bench mlp' in proc.stderr  # the progress line
-    assert 'targets:' in proc.stdout and 'ratios are what count' in proc.stdout
+    assert 'targets (' in proc.stdout and 'ratios are what count' in proc.stdout
     report = json.loads(out.read_text())
     assert report['workload'] == 'mlp' and report['devices'] == 2 and report['steps_per_call'] == 2
     assert report['repeats'] == 2 and report['calls_per_repeat'] == 2
@@ -71,8 +71,8 @@ def test_tiny_run_writes_every_field(tmp_path):
     assert set(report['compile_scaling']) == {'k5', 'k100'}
     targets = report['targets']
     assert len(targets) == 4
-    assert all({'name', 'value', 'op', 'threshold', 'pass', 'applies'} <= set(t) for t in targets)
-    assert len(report['paired_ratio_nnx_vs_legacy']['per_repeat']) == 2
+    assert all({'name', 'value', 'op', 'threshold', 'pass', 'applies', 'per_repeat'} <= set(t) for t in targets)
+    assert [len(t['per_repeat']['values']) for t in targets] == [2, 2, 2, 1]  # compile: --compile-repeats 1
 
 
 @pytest.mark.parametrize(
