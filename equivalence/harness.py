@@ -74,7 +74,7 @@ class LegacySetup:
 class NnxSetup:
     """Everything the sharded path needs before its first call."""
 
-    fused: Callable  # jax.jit(partial(lax.scan, step)), called ((keys, state), batch_KxG)
+    fused: Callable  # jax.jit(train.scan_steps(step)), called ((keys, state), batch_KxG) -> (carry, loss_K)
     graphdef: Any
     state: Any  # the TrainState's arrays, a plain dict (nnx.to_pure_dict), placed on the mesh
     mesh: Any

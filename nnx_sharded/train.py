@@ -6,10 +6,10 @@ Mirrors ``legacy_pmap/train.py`` function by function. Differences, each on purp
   a plain nested dict of arrays (``nnx.to_pure_dict``) and turns it back into one, so
   the scan and every call carry plain arrays. A plain dict, not the ``nnx.State`` that
   ``nnx.split`` returns: ``jit`` flattens a dict in C++, while ``nnx.State`` is a Python
-  pytree whose flatten and unflatten cost host time on every call (measured with
-  ``python -m equivalence.bench``: about 0.2 ms per call on mlp and 1 ms on score with
-  8 simulated devices; see the README's Performance section).
-- The fused call is ``jax.jit(partial(lax.scan, step))`` over that split state, not
+  pytree whose flatten and unflatten cost host time on every call (0.1 to 0.5 ms of
+  dispatch per call with 8 simulated devices, measured with ``python -m equivalence.bench``;
+  see the README's Performance section).
+- The fused call is ``jax.jit`` of a ``lax.scan`` of the step over that split state, not
   ``nnx.jit(nnx.scan)``: graph-mode ``nnx.jit`` walks the object graph on every call
   (host time the pmap path never pays), and with plain pytrees the shardings and the
   donation of the state are ordinary ``jit`` arguments.
