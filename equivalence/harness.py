@@ -26,6 +26,7 @@ class PathResult:
     losses: np.ndarray  # [C * K] per-step losses, as each path reports them
     params_per_call: list[dict[str, np.ndarray]]  # parameters after each call
     raw: Any  # the path's own final state (legacy: replicated, nnx: (graphdef, state))
+    eval_accuracy: float | None = None  # held-out accuracy, for classifiers
 
 
 @dataclasses.dataclass
@@ -114,8 +115,13 @@ def run_legacy(wl: Workload, config: RunConfig, variables: dict, calls: list[dic
         (_, setup.pstate), loss_DxK = setup.p_train_step(*args)
         losses.append(np.asarray(legacy.unreplicate(loss_DxK)))  # blocks: one call in flight
         per_call.append(convert.flatten(legacy.unreplicate(setup.pstate.params)))
-    final = convert.legacy_to_neutral(legacy.unreplicate(setup.pstate))
-    return PathResult(final, np.concatenate(losses), per_call, setup.pstate)
+    state = legacy.unreplicate(setup.pstate)
+    result = PathResult(convert.legacy_to_neutral(state), np.concatenate(losses), per_call, setup.pstate)
+    if wl.eval_data is not None:
+        data = wl.eval_data()
+        logits = wl.legacy_predict(wl.legacy_model(), state.params, state.model_state, data['x'])
+        result.eval_accuracy = accuracy(logits, data['y'])
+    return result
 
 
 def run_nnx(wl: Workload, config: RunConfig, variables: dict, calls: list[dict], rng) -> PathResult:
@@ -128,7 +134,16 @@ def run_nnx(wl: Workload, config: RunConfig, variables: dict, calls: list[dict],
         model = nnx.merge(setup.graphdef, setup.state).model
         per_call.append(convert.flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
     final = convert.nnx_to_neutral(setup.graphdef, setup.state)
-    return PathResult(final, np.concatenate(losses), per_call, (setup.graphdef, setup.state))
+    result = PathResult(final, np.concatenate(losses), per_call, (setup.graphdef, setup.state))
+    if wl.eval_data is not None:
+        data = wl.eval_data()
+        logits = wl.nnx_predict(nnx.merge(setup.graphdef, setup.state).model, data['x'])
+        result.eval_accuracy = accuracy(logits, data['y'])
+    return result
+
+
+def accuracy(logits_BxC, labels_B: np.ndarray) -> float:
+    return float(np.mean(np.argmax(np.asarray(logits_BxC), axis=-1) == labels_B))
 
 
 def replica_spread(replicated: Any) -> float:
@@ -148,5 +163,5 @@ def run(wl: Workload, config: RunConfig) -> RunResult:
     variables, calls, rng = make_inputs(wl, config)
     old = run_legacy(wl, config, variables, calls, rng)
     new = run_nnx(wl, config, variables, calls, rng)
-    report = compare.compare(with_losses(old.final, old.losses), with_losses(new.final, new.losses))
+    report = compare.compare(with_losses(old.final, old.losses), with_losses(new.final, new.losses), wl.tolerance)
     return RunResult(config, old, new, report)
