@@ -166,7 +166,7 @@ def _nnx_leaf(keys: tuple[str, ...], kind: str) -> tuple[str, str]:
     return ('step' if rest == ('optimizer', 'step') else 'opt_state'), '/'.join(rest)
 
 
-def _key(entry) -> str:
+def key_name(entry) -> str:
     for attr in ('key', 'name', 'idx'):
         if hasattr(entry, attr):
             return str(getattr(entry, attr))
@@ -186,7 +186,7 @@ def flat_inputs(args: tuple, shardings: Any) -> list[tuple[tuple[str, ...], str,
     out = []
     for (path, leaf), sharding in zip(flat, shards, strict=True):
         kind, array = (type(leaf).__name__, leaf[...]) if is_var(leaf) else ('', leaf)
-        out.append((tuple(_key(k) for k in path), kind, array, sharding))
+        out.append((tuple(key_name(k) for k in path), kind, array, sharding))
     return out
 
 
@@ -469,9 +469,7 @@ def collectives_text(d: dict) -> list[str]:
         size = 'unknown' if c['bytes_per_step'] is None else f'{c["bytes_per_step"]:,.0f}'
         rows.append(f'  {c["hlo_name"]:<22} {_num(c["per_call"]):>8} {_num(c["per_step"]):>8} {size:>10}')
         for o in c['operands']:
-            origin = ('written: ' if o['written'] else 'inserted by XLA, partial result of: ') + (
-                o['source'] or o['made_by']
-            )
+            origin = ('written at: ' if o['written'] else 'inserted by XLA for: ') + (o['source'] or o['made_by'])
             rows.append(f'      {o["shape"]:<12} {o["role"]:<9} {origin}')
     for kind, t in d['collective_totals_per_step'].items():
         size = 'unknown' if t['bytes_per_step'] is None else f'{t["bytes_per_step"]:,.0f} B'
