@@ -457,6 +457,10 @@ def report(legacy: PathMeasurement, nnx: PathMeasurement, config: Any, backend: 
     }
 
 
+def _size_text(x: float | None) -> str:
+    return 'unknown' if x is None else _bytes(x)
+
+
 def _num(x: float | None) -> str:
     return 'unknown' if x is None else f'{x:g}'
 
@@ -464,7 +468,9 @@ def _num(x: float | None) -> str:
 def collectives_text(d: dict) -> list[str]:
     if not d['collectives']:
         return ['  none: the program has no collective']
-    rows = [f'  {"HLO op":<22} {"per call":>8} {"per step":>8} {"bytes/step":>10}  operand  role  origin']
+    rows = [
+        f'  {"HLO op":<22} {"per call":>8} {"per step":>8} {"bytes/step":>10}   then per operand: shape, role, origin'
+    ]
     for c in d['collectives']:
         size = 'unknown' if c['bytes_per_step'] is None else f'{c["bytes_per_step"]:,.0f}'
         rows.append(f'  {c["hlo_name"]:<22} {_num(c["per_call"]):>8} {_num(c["per_step"]):>8} {size:>10}')
@@ -480,11 +486,11 @@ def collectives_text(d: dict) -> list[str]:
 
 
 def placement_text(d: dict) -> list[str]:
-    rows = [f'  {"group":<11} {"leaf":<44} {"shape":<14} {"sharding":<28} {"per device":<14} whole copy']
+    rows = [f'  {"group":<11} {"leaf":<44} {"shape":<14} {"sharding":<32} {"per device":<14} whole copy']
     for p in d['placement']:
         spec = f'{p["partition_spec"]} x{p["devices"]}'
         rows.append(
-            f'  {p["group"]:<11} {p["name"]:<44} {_dims(p["shape"]):<14} {spec:<28} '
+            f'  {p["group"]:<11} {p["name"]:<44} {_dims(p["shape"]):<14} {spec:<32} '
             f'{_dims(p["per_device_shape"]):<14} {"yes" if p["whole_copy_per_device"] else "no"}'
         )
     return rows
@@ -524,8 +530,8 @@ def answers_text(r: dict) -> str:
     c = r['all_reduce_per_step']
     ratio = 'n/a' if c['nnx_over_legacy'] is None else f'{c["nnx_over_legacy"]:.4f}'
     rows.append(
-        f'all-reduce payload per step and device: legacy {_num(c["legacy_bytes_per_step"])} B, '
-        f'nnx {_num(c["nnx_bytes_per_step"])} B (nnx / legacy = {ratio})'
+        f'all-reduce payload per step and device: legacy {_size_text(c["legacy_bytes_per_step"])}, '
+        f'nnx {_size_text(c["nnx_bytes_per_step"])} (nnx / legacy = {ratio})'
     )
     return '\n'.join(rows)
 
