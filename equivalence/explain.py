@@ -92,7 +92,7 @@ class PathMeasurement:
     program: str  # HLO module header and how the call was traced
     devices: int  # D
     steps_per_call: int  # K
-    collectives: tuple  # hlo.Collective, every one in the program
+    collectives: tuple[hlo.Collective, ...]  # every one in the program
     placements: tuple[Placement, ...]
     memory: dict[str, int]  # per device, from compiled.memory_analysis()
     copies_spread: float | None  # max |copy on device d - copy on device 0| over full-copy parameters
@@ -109,12 +109,12 @@ def _itemsize(dtype: str) -> int:
     return np.dtype(dtype).itemsize
 
 
-def per_step(c, k: int) -> float | None:
+def per_step(c: hlo.Collective, k: int) -> float | None:
     """Executions of collective ``c`` per training step."""
     return None if c.per_call is None else c.per_call / k
 
 
-def bytes_per_step(c, k: int) -> float | None:
+def bytes_per_step(c: hlo.Collective, k: int) -> float | None:
     return None if c.per_call is None else c.per_call * c.bytes / k
 
 
@@ -132,15 +132,20 @@ def totals(m: PathMeasurement) -> dict[str, dict[str, float | None]]:
     return out
 
 
-def gradient_operands(m: PathMeasurement) -> list[tuple[Any, Any]]:
+def gradient_operands(m: PathMeasurement) -> list[tuple[hlo.Collective, hlo.Operand]]:
     """``(collective, operand)`` for every operand made by the backward pass."""
     return [(c, o) for c in m.collectives for o in c.operands if o.role == 'gradient']
 
 
 # -- measuring (imports JAX: called after the CLI has set up devices) -------------------------
 
-LEGACY_GROUPS = {'params': 'params', 'opt_state': 'opt_state', 'params_ema': 'ema', 'model_state': 'model_state'}
-LEGACY_GROUPS['step'] = 'step'
+LEGACY_GROUPS = {  # TrainState field -> group
+    'step': 'step',
+    'params': 'params',
+    'opt_state': 'opt_state',
+    'model_state': 'model_state',
+    'params_ema': 'ema',
+}
 
 
 def _legacy_leaf(keys: tuple[str, ...], kind: str) -> tuple[str, str]:
@@ -236,8 +241,10 @@ def memory(compiled: Any) -> dict[str, int]:
     """Per device: the program each device runs is the partitioned one."""
     stats = compiled.memory_analysis()
     stats = stats[0] if isinstance(stats, list | tuple) else stats
+    if stats is None:  # some backends report nothing
+        return {}
     fields = {'arguments': 'argument', 'outputs': 'output', 'aliased': 'alias', 'temporaries': 'temp'}
-    return {k: int(getattr(stats, f'{v}_size_in_bytes')) for k, v in fields.items() if stats is not None}
+    return {k: int(getattr(stats, f'{v}_size_in_bytes')) for k, v in fields.items()}
 
 
 def measure(layout: Layout, compiled: Any, args: tuple, config: Any) -> PathMeasurement:
@@ -367,18 +374,23 @@ def answer_gradients(m: PathMeasurement) -> dict:
     count = sum(per_step(c, k) or 0 for c in ops)
     size = sum(o.bytes * (c.per_call or 0) / k for c, o in grads)
     written = sorted({o.source or o.op_name for _, o in grads if o.written})
-    how = ' + '.join(kinds) + (' written in the code' if written else ' inserted by XLA')
+    inserted = [o for _, o in grads if not o.written]
+    origin = (
+        'inserted by XLA' if not written else 'written in the code' if not inserted else 'partly written, partly by XLA'
+    )
+    how = ' + '.join(kinds) + ' ' + origin
     why = f'by {" + ".join(kinds)}: {count:g} op(s) per step carry {len(grads)} gradient arrays '
     why += f'({_bytes(size)} per device)'
     if written:
         why += f'; written in the code (JAX op {grads[0][1].op_name.rsplit("/", 1)[-1]}) at ' + '; '.join(written)
-    else:
+    if inserted and not written:
         why += "; no collective in the code: XLA's SPMD partitioner inserted it to sum the partial gradients"
+    elif inserted:
+        why += f'; {len(inserted)} of them with no collective in the code, inserted by XLA'
     also = [o for c in ops for o in c.operands if o.role != 'gradient']
     if also:
-        why += (
-            f'; the same op(s) also carry {len(also)} forward value(s) ({", ".join(o.source or o.shape for o in also)})'
-        )
+        listed = ', '.join(f'{o.role} {o.shape}' + (f' ({o.source})' if o.source else '') for o in also)
+        why += f'; the same op(s) also carry {listed}'
     return {'how': how, 'why': why}
 
 
@@ -389,7 +401,7 @@ def answers(m: PathMeasurement) -> dict:
 # -- the report: one dict, which is also the JSON; the text renders it ----------------------------
 
 
-def collective_dict(c: Any, k: int) -> dict:
+def collective_dict(c: hlo.Collective, k: int) -> dict:
     return {
         'kind': c.kind,
         'hlo_name': c.name,
