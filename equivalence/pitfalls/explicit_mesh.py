@@ -50,11 +50,9 @@ def run(devices: int) -> CaseResult:
     variables, calls, _ = harness.make_inputs(wl, config)
     batch_G = {k: v[0] for k, v in calls[0].items()}
 
-    def model_factory():
-        model = wl.nnx_model(nnx.Rngs(0))
-        convert.load_linen_variables(model, variables)
-        return model
-
+    model = wl.nnx_model(nnx.Rngs(0))
+    convert.load_linen_variables(model, variables)
+    model_factory = lambda: nnx.clone(model)  # noqa: E731
     reference = value_and_grad(model_factory(), batch_G)  # one device, nothing placed
     explicit = jax.make_mesh((devices,), (sharding.DATA,), devices=jax.devices()[:devices])
     try:
