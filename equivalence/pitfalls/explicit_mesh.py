@@ -69,7 +69,10 @@ def run(devices: int) -> CaseResult:
         symptom=error or f'no error: an eager gradient on a {axis_type} mesh outside jax.set_mesh ran',
         threshold=f'the eager gradient on the default ({axis_type}) mesh raises outside jax.set_mesh',
         damage_shown=error is not None and axis_type == AxisType.Explicit,
-        fix='; '.join(f'{name}: {max_abs_diff(reference, got):.1e} from 1 device, ok {yes(within_tol(reference, got))}' for name, got in fixes.items()),
+        fix='; '.join(
+            f'{name}: {max_abs_diff(reference, got):.1e} from 1 device, ok {yes(within_tol(reference, got))}'
+            for name, got in fixes.items()
+        ),
         fix_matches=all(within_tol(reference, got) for got in fixes.values()),
         details={
             'default_axis_type': str(axis_type),

@@ -22,7 +22,7 @@ NUMBER = 7
 NAME = 'indivisible_batch'
 TITLE = 'global batch not divisible by the device count'
 DESCRIPTION = (
-    'A global batch that does not divide by D, e.g. the original question\'s 100 on 8 devices. '
+    "A global batch that does not divide by D, e.g. the original question's 100 on 8 devices. "
     'Bites at the first call, with an error about shapes. Fix: a divisible batch, or pad and mask (pitfall 4).'
 )
 

@@ -46,10 +46,16 @@ def run(devices: int) -> CaseResult:
         threshold=f'step-1 loss and parameter difference > {DAMAGE:g}',
         damage_shown=first > DAMAGE and wrong.max_abs('params') > DAMAGE,
         fix='same mode on both sides: '
-        + ', '.join(f'{m} losses {r.max_abs("losses"):.1e} params {r.max_abs("params"):.1e} ok {yes(r.match)}' for m, r in fixes.items()),
+        + ', '.join(
+            f'{m} losses {r.max_abs("losses"):.1e} params {r.max_abs("params"):.1e} ok {yes(r.match)}'
+            for m, r in fixes.items()
+        ),
         fix_matches=all(r.match for r in fixes.values()),
         details={
             'wrong': {'first_step_loss_diff': first, **{g: wrong.max_abs(g) for g in ('losses', 'params', 'ema')}},
-            **{m: {'match': r.match, **{g: r.max_abs(g) for g in ('losses', 'params', 'ema')}} for m, r in fixes.items()},
+            **{
+                m: {'match': r.match, **{g: r.max_abs(g) for g in ('losses', 'params', 'ema')}}
+                for m, r in fixes.items()
+            },
         },
     )

@@ -71,7 +71,9 @@ def run_one(graphdef, meta: dict | None, state, batch_KxG) -> dict:
 
 def identical(a: dict, b: dict) -> bool:
     """Same compiled program, bitwise the same parameters and losses."""
-    return a['program'] == b['program'] and max_abs_diff(a['params'], b['params']) == 0.0 == max_abs_diff(a['losses_K'], b['losses_K'])
+    return a['program'] == b['program'] and max_abs_diff(a['params'], b['params']) == 0.0 == max_abs_diff(
+        a['losses_K'], b['losses_K']
+    )
 
 
 def run(devices: int) -> CaseResult:

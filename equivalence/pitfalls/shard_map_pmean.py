@@ -29,7 +29,8 @@ NAME = 'shard_map_pmean'
 TITLE = 'shard_map port keeps the explicit pmean'
 DESCRIPTION = (
     'A pmap step moved into jax.shard_map(check_vma=True) with its lax.pmean(grads) kept. '
-    'Bites on every replicated parameter: its gradient is already summed over the axis, so it comes out D times too big.'
+    'Bites on every replicated parameter: its gradient is already summed over the axis, '
+    'so it comes out D times too big.'
 )
 
 
@@ -66,8 +67,11 @@ def run(devices: int) -> CaseResult:
         symptom=f'|grad| / |reference grad| = {min(ratio.values()):.3f} to {max(ratio.values()):.3f} '
         f'on {devices} devices (max |diff| {max_abs_diff(ref, grads["wrong"]):.1e})',
         threshold='gradient norm ratio within 1% of D, and outside tolerance',
-        damage_shown=all(abs(r - devices) < 0.01 * devices for r in ratio.values()) and not within_tol(ref, grads['wrong']),
-        fix='; '.join(f'{name}: max |diff| {max_abs_diff(ref, g):.1e} ok {yes(within_tol(ref, g))}' for name, g in fixes.items()),
+        damage_shown=all(abs(r - devices) < 0.01 * devices for r in ratio.values())
+        and not within_tol(ref, grads['wrong']),
+        fix='; '.join(
+            f'{name}: max |diff| {max_abs_diff(ref, g):.1e} ok {yes(within_tol(ref, g))}' for name, g in fixes.items()
+        ),
         fix_matches=all(within_tol(ref, g) for g in fixes.values()),
         details={
             'grad_norm_ratio': ratio,

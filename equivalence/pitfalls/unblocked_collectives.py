@@ -86,7 +86,8 @@ def rendezvous_message(stderr: str) -> str | None:
 
 def describe(wrong: dict, calls: int) -> str:
     if wrong['outcome'] == 'aborted':
-        return f'aborted (exit {wrong["returncode"]}) after {calls} queued calls, {wrong["seconds"]:.0f} s: {wrong["message"]}'
+        head = f'aborted (exit {wrong["returncode"]}) after {calls} queued calls, {wrong["seconds"]:.0f} s'
+        return f'{head}: {wrong["message"]}'
     if wrong['outcome'] == 'hung':
         return f'hung: {calls} queued calls not finished after the {BOUND_S} s bound (killed)'
     if wrong['outcome'] == 'crashed':
@@ -109,7 +110,13 @@ def run(devices: int) -> CaseResult:
         damage_shown=wrong['outcome'] in ('aborted', 'hung'),
         fix=fix,
         fix_matches=fixed_ok,
-        details={'calls': CALLS, 'terminate_timeout_s': TERMINATE_S, 'bound_s': BOUND_S, 'wrong': wrong, 'fixed': fixed},
+        details={
+            'calls': CALLS,
+            'terminate_timeout_s': TERMINATE_S,
+            'bound_s': BOUND_S,
+            'wrong': wrong,
+            'fixed': fixed,
+        },
         damage_required=False,
     )
 

@@ -25,7 +25,8 @@ NAME = 'unreplicate_gather'
 TITLE = 'x[0] / unreplicate on the new pmap outputs'
 DESCRIPTION = (
     'jax.tree.map(lambda x: x[0], pstate) to read the replicated state back after a pmap call. '
-    'Bites every time state is read (logging, checkpoints, eval): each leaf is a compiled all-reduce, copied to all devices.'
+    'Bites every time state is read (logging, checkpoints, eval): '
+    'each leaf is a compiled all-reduce, its result copied to all devices.'
 )
 REPEATS = 30
 
@@ -82,7 +83,7 @@ def run(devices: int) -> CaseResult:
         f'(median of {REPEATS}, {t_wrong / t_fixed:.0f}x)',
         threshold=f'every leaf: x[0] is an all-reduce whose result lives on all {devices} devices',
         damage_shown=min(reduces) >= 1 and copies == {devices},
-        fix=f'legacy_pmap.train.unreplicate (device 0\'s shard): {max(fixed_copies)} copy, '
+        fix=f"legacy_pmap.train.unreplicate (device 0's shard): {max(fixed_copies)} copy, "
         f'same values (max |diff| {diff:.1e}), {nbytes} bytes per replica not broadcast',
         fix_matches=fixed_copies == {1} and diff == 0.0,
         details={
