@@ -53,5 +53,15 @@ def within_tol(ref: dict[str, np.ndarray], other: dict[str, np.ndarray]) -> bool
     return all(compare.compare_leaf('x', k, np.asarray(ref[k]), np.asarray(other[k]), TOL).ok for k in ref)
 
 
+def indivisible(devices: int, start: int = 100) -> int:
+    """The original question's global batch of 100, or the next size that ``devices`` does not divide."""
+    return next(g for g in range(start, start + devices) if g % devices)
+
+
+def padded(batch: int, devices: int) -> int:
+    """``batch`` rounded up to a multiple of ``devices``."""
+    return -(-batch // devices) * devices
+
+
 def yes(flag: bool) -> str:
     return 'yes' if flag else 'no'

@@ -13,7 +13,7 @@ import numpy as np
 from equivalence import convert, workloads
 from equivalence.config import ConfigError, RunConfig
 from equivalence.pitfalls import masked_loss
-from equivalence.pitfalls.base import CaseResult, first_line, max_abs_diff, within_tol, yes
+from equivalence.pitfalls.base import CaseResult, first_line, indivisible, max_abs_diff, padded, within_tol, yes
 from legacy_pmap import losses as legacy_losses
 from legacy_pmap import train as legacy
 from nnx_sharded import sharding
@@ -25,11 +25,6 @@ DESCRIPTION = (
     "A global batch that does not divide by D, e.g. the original question's 100 on 8 devices. "
     'Bites at the first call, with an error about shapes. Fix: a divisible batch, or pad and mask (pitfall 4).'
 )
-
-
-def indivisible(devices: int, start: int = 100) -> int:
-    """The original question's batch of 100, or the next batch that D does not divide."""
-    return next(g for g in range(start, start + devices) if g % devices)
 
 
 def raw_errors(batch_KxG: dict, devices: int) -> dict[str, str]:
@@ -75,13 +70,15 @@ def run(devices: int) -> CaseResult:
     divisible = suite_error(batch - batch % devices, devices) is None
     params = wl.legacy_model().init(jax.random.PRNGKey(0), data['x'][0, :1])['params']
     ref = masked_value_and_grad(wl.legacy_model(), params, {**data, 'mask': np.ones((1, batch), np.float32)})
-    padded = masked_loss.padded_mlp_data(batch, devices)(np.random.default_rng(0), 1, -(-batch // devices) * devices)
-    got = masked_value_and_grad(wl.legacy_model(), params, sharding.place_batch(padded, sharding.make_mesh(devices)))
+    padded_1xP = masked_loss.padded_mlp_data(batch, devices)(np.random.default_rng(0), 1, padded(batch, devices))
+    got = masked_value_and_grad(
+        wl.legacy_model(), params, sharding.place_batch(padded_1xP, sharding.make_mesh(devices))
+    )
     return CaseResult(
         symptom=' | '.join(f'{k}: {v}' for k, v in errors.items()),
         threshold='both paths raise, and the suite raises ConfigError naming the nearest valid batches',
         damage_shown=len(errors) == 2 and message is not None,
-        fix=f'suite: "{message}"; padded to {padded["x"].shape[1]} with a mask on {devices} devices: '
+        fix=f'suite: "{message}"; padded to {padded_1xP["x"].shape[1]} with a mask on {devices} devices: '
         f'loss and grads {max_abs_diff(ref, got):.1e} from the unpadded batch on one device, '
         f'within tolerance: {yes(within_tol(ref, got))}',
         fix_matches=divisible and within_tol(ref, got),
@@ -90,7 +87,7 @@ def run(devices: int) -> CaseResult:
             'devices': devices,
             'raw_errors': errors,
             'suite_error': message,
-            'padded_batch': int(padded['x'].shape[1]),
+            'padded_batch': int(padded_1xP['x'].shape[1]),
             'padded_max_abs_diff': max_abs_diff(ref, got),
         },
     )

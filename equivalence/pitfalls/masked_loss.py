@@ -1,6 +1,7 @@
 """Pitfall 4: a masked (weighted) loss, averaged per device and then ``pmean``'d.
 
-The global batch of 100 examples is padded to a multiple of D (104 on 8 devices) and
+The global batch of 100 examples is padded to a multiple of D (104 on 8 devices; on a D
+that divides 100, the next batch it does not divide) and
 the padding is masked out, so the last device holds fewer valid examples. The pmap
 step's per-device weighted mean ``sum(l*m)/sum(m)``, then ``pmean``, gives each *device*
 weight 1/D: the examples of a device with fewer valid rows count more. The global
@@ -23,7 +24,7 @@ import numpy as np
 
 from equivalence import harness, workloads
 from equivalence.config import RunConfig
-from equivalence.pitfalls.base import DAMAGE, CaseResult, yes
+from equivalence.pitfalls.base import DAMAGE, CaseResult, indivisible, padded, yes
 from legacy_pmap import losses as legacy_losses
 from legacy_pmap import train as legacy
 from nnx_sharded import losses as nnx_losses
@@ -36,7 +37,6 @@ DESCRIPTION = (
     'Bites when devices hold different numbers of valid examples (padding, variable lengths): '
     'the result is not the global weighted mean. Fix: psum numerator and denominator.'
 )
-VALID = 100  # the original question's batch; padded up to a multiple of the device count
 
 
 def padded_mlp_data(valid: int, devices: int):
@@ -77,22 +77,19 @@ def workload(legacy_loss, devices: int) -> workloads.Workload:
         name='masked-mlp',
         legacy_loss=legacy_loss,
         nnx_loss=nnx_global_mean,
-        make_data=padded_mlp_data(VALID, devices),
+        make_data=padded_mlp_data(indivisible(devices), devices),
     )
 
 
-def padded_batch(devices: int) -> int:
-    return -(-VALID // devices) * devices
-
-
 def run(devices: int) -> CaseResult:
-    batch = padded_batch(devices)
+    valid = indivisible(devices)
+    batch = padded(valid, devices)
     config = RunConfig(workload='mlp', devices=devices, steps_per_call=5, calls=2, batch_size=batch)
     wrong = harness.run(workload(legacy_local_mean, devices), config)
     fixed = harness.run(workload(legacy_global_mean, devices), config)
-    valid_last = VALID - (devices - 1) * (batch // devices)
+    valid_last = valid - (devices - 1) * (batch // devices)
     return CaseResult(
-        symptom=f'{VALID} examples padded to {batch} ({valid_last} of {batch // devices} valid on the last device): '
+        symptom=f'{valid} examples padded to {batch} ({valid_last} of {batch // devices} valid on the last device): '
         f'step-1 loss {abs(wrong.legacy.losses[0] - wrong.nnx.losses[0]):.1e} off, losses up to '
         f'{wrong.report.max_abs("losses"):.1e}, params {wrong.report.max_abs("params"):.1e} after {config.steps} steps',
         threshold=f'loss and parameter difference > {DAMAGE:g}',
@@ -101,7 +98,7 @@ def run(devices: int) -> CaseResult:
         f'params {fixed.report.max_abs("params"):.1e} from NNX, within tolerance: {yes(fixed.report.match)}',
         fix_matches=fixed.report.match,
         details={
-            'valid': VALID,
+            'valid': valid,
             'padded_batch': batch,
             'valid_on_last_device': valid_last,
             'wrong_max_abs': {g: wrong.report.max_abs(g) for g in ('losses', 'params', 'opt_state')},
