@@ -78,13 +78,13 @@ def run(devices: int) -> CaseResult:
     diff = max_abs_diff(convert.flatten(wrong), convert.flatten(fixed))
     nbytes = sum(x.nbytes for x in leaves) // devices
     return CaseResult(
-        symptom=f'{len(leaves)} leaves: each x[0] compiles to {min(reduces)} all-reduce over {devices} devices '
-        f'and leaves {max(copies)} copies; read {t_wrong * 1e3:.2f} ms vs {t_fixed * 1e3:.2f} ms '
-        f'(median of {REPEATS}, {t_wrong / t_fixed:.0f}x)',
+        symptom=f'{len(leaves)} leaves ({nbytes} B per replica): each x[0] is a compiled all-reduce over {devices} '
+        f'devices, its result copied to all {max(copies)}; one full read {t_wrong * 1e3:.1f} ms vs '
+        f'{t_fixed * 1e3:.1f} ms (median of {REPEATS}, {t_wrong / t_fixed:.0f}x)',
         threshold=f'every leaf: x[0] is an all-reduce whose result lives on all {devices} devices',
         damage_shown=min(reduces) >= 1 and copies == {devices},
-        fix=f"legacy_pmap.train.unreplicate (device 0's shard): {max(fixed_copies)} copy, "
-        f'same values (max |diff| {diff:.1e}), {nbytes} bytes per replica not broadcast',
+        fix=f"legacy_pmap.train.unreplicate (device 0's shard): result on {max(fixed_copies)} device, "
+        f'no collective, same values (max |diff| {diff:.1e})',
         fix_matches=fixed_copies == {1} and diff == 0.0,
         details={
             'leaves': len(leaves),
