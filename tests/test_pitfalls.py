@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 from conftest import require_devices
@@ -182,6 +183,19 @@ def test_a_case_that_does_not_show_its_damage_is_not_documented():
     assert not base.CaseResult('s', 't', damage_shown=False, fix='f', fix_matches=True).documented
     assert not base.CaseResult('s', 't', damage_shown=True, fix='f', fix_matches=False).documented
     assert base.CaseResult('s', 't', False, 'f', True, damage_required=False).documented
+
+
+def test_a_case_that_raises_is_a_row_that_does_not_pass():
+    from equivalence.pitfalls import __main__ as cli_main
+
+    def broken(devices):
+        raise RuntimeError('boom\nsecond line')
+
+    case = types.SimpleNamespace(NUMBER=99, NAME='broken', TITLE='t', DESCRIPTION='d', run=broken)
+    row = cli_main.run_case(case, D)
+    assert row['documented'] is False and row['symptom'] == 'case raised RuntimeError: boom'
+    text = cli_main.table([row], D, 'cpu')
+    assert '0 of 1 cases behave as documented; not: broken' in text
 
 
 # ---- the CLI, in a subprocess ----

@@ -32,9 +32,10 @@ def run_case(module, n_devices: int) -> dict:
         result = module.run(n_devices)
         row = {'documented': result.documented, **result.__dict__}
     except Exception as e:  # noqa: BLE001 -- one broken case must not hide the others
-        message = f'case raised {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ""}'
-        row = {'documented': False, 'symptom': message, 'damage_shown': False, 'fix_matches': False, 'fix': '',
-               'traceback': traceback.format_exc()}  # fmt: skip
+        from equivalence.pitfalls.base import first_line
+
+        row = {'documented': False, 'symptom': f'case raised {first_line(e)}', 'damage_shown': False,
+               'fix_matches': False, 'fix': '', 'traceback': traceback.format_exc()}  # fmt: skip
     header = {'number': module.NUMBER, 'name': module.NAME, 'title': module.TITLE, 'description': module.DESCRIPTION}
     return {**header, **row, 'seconds': round(time.perf_counter() - start, 1)}
 
