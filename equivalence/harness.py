@@ -26,6 +26,7 @@ class PathResult:
     losses: np.ndarray  # [C * K] per-step losses, as each path reports them
     params_per_call: list[dict[str, np.ndarray]]  # parameters after each call
     raw: Any  # the path's own final state (legacy: replicated, nnx: (graphdef, state))
+    eval_accuracy: float | None = None  # held-out accuracy, for classifiers
 
 
 @dataclasses.dataclass
@@ -106,7 +107,16 @@ def nnx_setup(wl: Workload, config: RunConfig, variables: dict) -> NnxSetup:
     return NnxSetup(sharded.make_fused_call(step, carry_shardings), graphdef, state, mesh, config)
 
 
-def run_legacy(wl: Workload, config: RunConfig, variables: dict, calls: list[dict], rng) -> PathResult:
+Progress = Callable[[str], None]  # called with 'legacy' or 'nnx' after each compiled call
+
+
+def _silent(path: str) -> None:
+    pass
+
+
+def run_legacy(
+    wl: Workload, config: RunConfig, variables: dict, calls: list[dict], rng, progress=_silent
+) -> PathResult:
     setup = legacy_setup(wl, config, variables)
     losses, per_call = [], []
     for batch_KxG in calls:
@@ -114,11 +124,17 @@ def run_legacy(wl: Workload, config: RunConfig, variables: dict, calls: list[dic
         (_, setup.pstate), loss_DxK = setup.p_train_step(*args)
         losses.append(np.asarray(legacy.unreplicate(loss_DxK)))  # blocks: one call in flight
         per_call.append(convert.flatten(legacy.unreplicate(setup.pstate.params)))
-    final = convert.legacy_to_neutral(legacy.unreplicate(setup.pstate))
-    return PathResult(final, np.concatenate(losses), per_call, setup.pstate)
+        progress('legacy')
+    state = legacy.unreplicate(setup.pstate)
+    result = PathResult(convert.legacy_to_neutral(state), np.concatenate(losses), per_call, setup.pstate)
+    if wl.eval_data is not None:
+        data = wl.eval_data()
+        logits = wl.legacy_predict(wl.legacy_model(), state.params, state.model_state, data['x'])
+        result.eval_accuracy = accuracy(logits, data['y'])
+    return result
 
 
-def run_nnx(wl: Workload, config: RunConfig, variables: dict, calls: list[dict], rng) -> PathResult:
+def run_nnx(wl: Workload, config: RunConfig, variables: dict, calls: list[dict], rng, progress=_silent) -> PathResult:
     setup = nnx_setup(wl, config, variables)
     losses, per_call = [], []
     for batch_KxG in calls:
@@ -127,8 +143,18 @@ def run_nnx(wl: Workload, config: RunConfig, variables: dict, calls: list[dict],
         losses.append(np.asarray(loss_K))  # blocks: one call in flight
         model = nnx.merge(setup.graphdef, setup.state).model
         per_call.append(convert.flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+        progress('nnx')
     final = convert.nnx_to_neutral(setup.graphdef, setup.state)
-    return PathResult(final, np.concatenate(losses), per_call, (setup.graphdef, setup.state))
+    result = PathResult(final, np.concatenate(losses), per_call, (setup.graphdef, setup.state))
+    if wl.eval_data is not None:
+        data = wl.eval_data()
+        logits = wl.nnx_predict(nnx.merge(setup.graphdef, setup.state).model, data['x'])
+        result.eval_accuracy = accuracy(logits, data['y'])
+    return result
+
+
+def accuracy(logits_BxC, labels_B: np.ndarray) -> float:
+    return float(np.mean(np.argmax(np.asarray(logits_BxC), axis=-1) == labels_B))
 
 
 def replica_spread(replicated: Any) -> float:
@@ -143,10 +169,13 @@ def with_losses(neutral: convert.Neutral, losses: np.ndarray) -> convert.Neutral
     return {**neutral, 'losses': {'per_step': losses}}
 
 
-def run(wl: Workload, config: RunConfig) -> RunResult:
-    """Both paths, then the comparison of parameters, optimizer state, EMA, stats, losses."""
+def run(wl: Workload, config: RunConfig, progress: Progress | None = None) -> RunResult:
+    """Both paths, then the comparison of parameters, optimizer state, EMA, stats, losses.
+
+    ``progress``, if given, is called after each of the 2 * C compiled calls.
+    """
     variables, calls, rng = make_inputs(wl, config)
-    old = run_legacy(wl, config, variables, calls, rng)
-    new = run_nnx(wl, config, variables, calls, rng)
-    report = compare.compare(with_losses(old.final, old.losses), with_losses(new.final, new.losses))
+    old = run_legacy(wl, config, variables, calls, rng, progress or _silent)
+    new = run_nnx(wl, config, variables, calls, rng, progress or _silent)
+    report = compare.compare(with_losses(old.final, old.losses), with_losses(new.final, new.losses), wl.tolerance)
     return RunResult(config, old, new, report)

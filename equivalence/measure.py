@@ -7,6 +7,7 @@ calls can abort with an all-reduce rendezvous timeout, and one call in flight is
 harness's training loop does too.
 """
 
+import collections
 import dataclasses
 import os
 import platform
@@ -83,10 +84,38 @@ def interleaved(variants: list[Variant], repeats: int, n_calls: int, progress: C
     return blocks
 
 
+COUNTED_OPS = ('copy', 'transpose', 'while', 'fusion')
+
+
+def summarize(hlo_text: str) -> dict[str, int]:
+    """What explains a speed difference between two compiled calls, from ``equivalence.hlo``'s parse.
+
+    All-reduce operands are counted apart by where they run: in the scan's loop (once per
+    step) or outside it (once per call); on CPU each operand is one rendezvous of all
+    devices. Op counts are instructions in the program text (fused computations included).
+    """
+    ops = collections.Counter(ins.op for ins in hlo.Module.parse(hlo_text).instrs.values())
+    reduces = [c for c in hlo.collectives(hlo_text)[1] if c.kind == 'all-reduce']
+    return {
+        'all_reduce': len(reduces),
+        'all_reduce_operands_per_step': sum(len(c.operands) for c in reduces if c.loop_trips),
+        'all_reduce_operands_per_call': sum(len(c.operands) for c in reduces if not c.loop_trips),
+        'all_reduce_bytes': sum(c.bytes for c in reduces),
+        **{op: ops[op] for op in COUNTED_OPS},
+    }
+
+
+def compiled_summary(compiled) -> dict[str, int]:
+    """``summarize`` of a ``jax.stages.Compiled``, plus the bytes donation aliased."""
+    memory = compiled.memory_analysis()
+    alias = int(getattr(memory, 'alias_size_in_bytes', 0) or 0) if memory is not None else 0
+    return {**summarize(compiled.as_text()), 'aliased_bytes': alias}
+
+
 @dataclasses.dataclass
 class CompileTiming:
     seconds: list[float]  # trace + lower + XLA compile of a fresh build, each repeat
-    hlo: dict[str, int]  # what the last build compiled to
+    hlo: dict[str, int]  # what the last build compiled to (``compiled_summary``)
 
 
 def time_compile(v: Variant, k: int, repeats: int) -> CompileTiming:
@@ -96,7 +125,7 @@ def time_compile(v: Variant, k: int, repeats: int) -> CompileTiming:
         t0 = time.perf_counter()
         compiled = v.fresh_lowered(k).compile()
         seconds.append(time.perf_counter() - t0)
-    return CompileTiming(seconds, hlo.compiled_summary(compiled))
+    return CompileTiming(seconds, compiled_summary(compiled))
 
 
 def stats(values: list[float]) -> dict[str, float]:

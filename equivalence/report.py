@@ -40,6 +40,13 @@ def leaf_table(result: RunResult, n: int = 8) -> list[str]:
     return rows
 
 
+def accuracy_line(result: RunResult) -> list[str]:
+    if result.legacy.eval_accuracy is None:
+        return []
+    a, b = result.legacy.eval_accuracy, result.nnx.eval_accuracy
+    return [f'held-out accuracy (running averages, no dropout): legacy pmap {a:.4f}, nnx sharded {b:.4f}', '']
+
+
 def verdict(result: RunResult) -> str:
     bad = [leaf for leaf in result.report.leaves if not leaf.ok]
     sums = ', '.join(f'{g} {result.report.max_abs(g):.1e}' for g in GROUPS)
@@ -49,7 +56,18 @@ def verdict(result: RunResult) -> str:
 
 
 def text(result: RunResult, backend: str) -> str:
-    return '\n'.join([header(result, backend), '', *loss_table(result), '', *leaf_table(result), '', verdict(result)])
+    return '\n'.join(
+        [
+            header(result, backend),
+            '',
+            *loss_table(result),
+            '',
+            *leaf_table(result),
+            '',
+            *accuracy_line(result),
+            verdict(result),
+        ]
+    )
 
 
 def to_json(result: RunResult, versions: dict[str, str]) -> dict:
@@ -66,6 +84,7 @@ def to_json(result: RunResult, versions: dict[str, str]) -> dict:
         'rng_mode': c.rng_mode,
         'perturb': c.perturb,
         'losses': {'legacy': _floats(result.legacy.losses), 'nnx': _floats(result.nnx.losses)},
+        'eval_accuracy': {'legacy': result.legacy.eval_accuracy, 'nnx': result.nnx.eval_accuracy},
         'max_abs_diff': {g: _num(r.max_abs(g)) for g in GROUPS},
         'param_divergence_per_call': result.param_divergence(),
         'tolerance': {'rtol': r.tolerance.rtol, 'atol': r.tolerance.atol, 'reason': r.tolerance.reason},

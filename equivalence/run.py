@@ -3,6 +3,7 @@
 Exit codes: 0 everything matches, 1 a leaf or loss is outside tolerance, 2 bad input.
 """
 
+import os
 import sys
 import warnings
 
@@ -16,14 +17,42 @@ def parse(argv: list[str] | None):
     cli.add_run_flags(parser, list(WORKLOADS))
     parser.add_argument('--perturb', type=float, default=0.0, help='NNX lr * (1+REL): a deliberate mismatch')
     parser.add_argument('--json', default=None, metavar='PATH', help='write a machine-readable report')
-    parser.add_argument('--overwrite', action='store_true', help='replace an existing --json file')
+    parser.add_argument('--plot', default=None, metavar='DIR', help='write losses.png and divergence.png into DIR')
+    parser.add_argument('--overwrite', action='store_true', help='replace an existing --json file or --plot figures')
     return parser.parse_args(argv)
+
+
+def check_plot_dir(directory: str | None, overwrite: bool) -> None:
+    """Before any work: DIR is a directory we can create or use, and holds no figure we would replace."""
+    if directory is None:
+        return
+    from equivalence import plots
+
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        cli.fail(f'--plot {directory} is not a directory')
+    if plots.existing(directory) and not overwrite:
+        cli.fail(f'{", ".join(plots.existing(directory))} exists; pass --overwrite to replace it')
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        cli.fail(f'cannot create --plot directory {directory}: {e.strerror}')
+
+
+def progress_bar(total: int):
+    """A tqdm bar on stderr, shown only on a terminal and only once a run has taken 3 s."""
+    if not sys.stderr.isatty():
+        return None, None
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit='call', desc='compiled calls', file=sys.stderr, delay=3.0, leave=False)
+    return bar, lambda path: (bar.set_postfix_str(path, refresh=False), bar.update())
 
 
 def main(argv: list[str] | None = None) -> int:
     devices.simulate_cpu_devices()  # before anything imports jax
     args = parse(argv)
     cli.check_output_path(args.json, args.overwrite)
+    check_plot_dir(args.plot, args.overwrite)
     import jax
 
     from equivalence import harness, report, workloads
@@ -45,10 +74,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         cli.fail(str(e))
     warnings.filterwarnings('ignore', message='Some donated buffers were not usable')  # the batch, as score_sde
-    result = harness.run(wl, config)
+    bar, tick = progress_bar(2 * config.calls)
+    result = harness.run(wl, config, progress=tick)
+    if bar is not None:
+        bar.close()
     print(report.text(result, jax.default_backend()))
     if args.json:
         report.write_json(args.json, report.to_json(result, versions()))
+    if args.plot:
+        from equivalence import plots
+
+        print('wrote ' + ', '.join(plots.write(result, args.plot)))
     return cli.EXIT_MATCH if result.report.match else cli.EXIT_MISMATCH
 
 

@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from equivalence.compare import FLOAT32_REDUCTION_ORDER, Tolerance
+from equivalence.config import ConfigError
 from legacy_pmap import losses as legacy_losses
 from legacy_pmap import models as legacy_models
 from nnx_sharded import losses as nnx_losses
@@ -33,6 +35,10 @@ class Workload:
     make_tx: Callable  # (lr_scale) -> optax transformation
     ema_rate: float | None  # EMA of the parameters each step, or None
     default_batch: int  # global batch when --batch-size is not given
+    eval_data: Callable | None = None  # () -> {'x', 'y'} held-out split, for classifiers
+    legacy_predict: Callable | None = None  # (model, params, model_state, x) -> logits
+    nnx_predict: Callable | None = None  # (model, x) -> logits
+    tolerance: Tolerance = FLOAT32_REDUCTION_ORDER  # what "match" means, and why
 
 
 def mlp_data(rng: np.random.Generator, n_steps: int, batch: int) -> dict[str, np.ndarray]:
@@ -49,6 +55,37 @@ def ring_data(rng: np.random.Generator, n_steps: int, batch: int) -> dict[str, n
     centres = 2.0 * np.stack([np.cos(angle), np.sin(angle)], axis=-1)
     x = centres + 0.2 * rng.normal(size=centres.shape)
     return {'x': x.astype(np.float32)}
+
+
+DIGITS_TEST = 297  # held out of load_digits' 1,797 images; 1,500 remain for training
+
+
+def _digits() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's 8x8 digits (shipped inside the package: nothing is downloaded),
+    scaled to [0, 1], in a fixed shuffled order so the held-out split never changes."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise ConfigError("the cnn workload needs scikit-learn: pip install -e '.[data]'") from None
+    digits = load_digits()
+    order = np.random.default_rng(0).permutation(len(digits.target))
+    x = (digits.images[order] / 16.0).astype(np.float32)[..., None]
+    return x, digits.target[order].astype(np.int32)
+
+
+def digits_data(rng: np.random.Generator, n_steps: int, batch: int) -> dict[str, np.ndarray]:
+    """Training batches drawn through shuffled epochs of the 1,500 training images."""
+    x, y = _digits()
+    x, y = x[DIGITS_TEST:], y[DIGITS_TEST:]
+    epochs = -(-n_steps * batch // len(y))
+    idx = np.concatenate([rng.permutation(len(y)) for _ in range(epochs)])[: n_steps * batch]
+    idx = idx.reshape(n_steps, batch)
+    return {'x': x[idx], 'y': y[idx]}
+
+
+def digits_eval() -> dict[str, np.ndarray]:
+    x, y = _digits()
+    return {'x': x[:DIGITS_TEST], 'y': y[:DIGITS_TEST]}
 
 
 def mlp_tx(lr_scale: float = 1.0) -> optax.GradientTransformation:
@@ -96,12 +133,28 @@ WORKLOADS: dict[str, Workload] = {
         ema_rate=0.999,
         default_batch=128,
     ),
+    'cnn': Workload(
+        name='cnn',
+        summary='conv classifier with BatchNorm and Dropout on scikit-learn digits, Adam',
+        legacy_model=legacy_models.CNN,
+        nnx_model=lambda rngs: nnx_models.CNN(rngs=rngs),
+        legacy_loss=legacy_losses.cnn_loss,
+        nnx_loss=nnx_losses.cnn_loss,
+        legacy_noise=legacy_losses.cnn_noise,
+        nnx_noise=nnx_losses.cnn_noise,
+        init_args=lambda b: (b['x'], False),
+        make_data=digits_data,
+        make_tx=lambda lr_scale=1.0: optax.adam(3e-3 * lr_scale),
+        ema_rate=None,
+        default_batch=64,
+        eval_data=digits_eval,
+        legacy_predict=legacy_losses.cnn_predict,
+        nnx_predict=nnx_losses.cnn_predict,
+    ),
 }
 
 
 def get(name: str) -> Workload:
-    from equivalence.config import ConfigError
-
     if name not in WORKLOADS:
         raise ConfigError(f'unknown workload {name!r}; choose one of {", ".join(WORKLOADS)}')
     return WORKLOADS[name]

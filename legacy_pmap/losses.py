@@ -11,10 +11,12 @@ implementations can draw *exactly* the same random numbers whatever the device l
 
 import jax
 import jax.numpy as jnp
+import optax
 
 SIGMA_MIN = 0.01  # VE SDE noise scale at t=eps (score_sde's sigma_min)
 SIGMA_MAX = 5.0  # VE SDE noise scale at t=1; small because the toy data has unit scale
 T_EPS = 1e-5  # score_sde samples t ~ U(eps, 1) to avoid the singular t=0
+CNN_HIDDEN, CNN_DROPOUT = 64, 0.25  # the width of the CNN's dropout layer, and its rate
 
 
 def no_noise(key: jax.Array, x_shape: tuple[int, ...]) -> dict:
@@ -32,6 +34,11 @@ def score_noise(key: jax.Array, x_shape: tuple[int, ...]) -> dict:
     return {'t': t_B, 'z': z_BxD}
 
 
+def cnn_noise(key: jax.Array, x_shape: tuple[int, ...]) -> dict:
+    """The dropout mask of the CNN's hidden layer, the bits its Dropout would draw."""
+    return {'keep': jax.random.bernoulli(key, 1.0 - CNN_DROPOUT, (x_shape[0], CNN_HIDDEN))}
+
+
 def mlp_loss(model, params, model_state, batch: dict, noise: dict):
     """Squared error of the regression MLP, one value per example."""
     del noise
@@ -47,3 +54,17 @@ def score_loss(model, params, model_state, batch: dict, noise: dict):
     score_BxD = model.apply({'params': params}, perturbed_BxD, std_B)
     losses_BxD = jnp.square(score_BxD * std_B[:, None] + z_BxD)
     return jnp.mean(losses_BxD, axis=-1), model_state
+
+
+def cnn_loss(model, params, model_state, batch: dict, noise: dict):
+    """Softmax cross-entropy; BatchNorm's running statistics come back as the new model state."""
+    variables = {'params': params, **model_state}
+    logits_BxC, new_model_state = model.apply(
+        variables, batch['x'], train=True, keep_mask=noise['keep'], mutable=['batch_stats']
+    )
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BxC, batch['y']), new_model_state
+
+
+def cnn_predict(model, params, model_state, x_BxHxWxC: jax.Array) -> jax.Array:
+    """Evaluation: running averages, no dropout."""
+    return model.apply({'params': params, **model_state}, x_BxHxWxC, train=False)

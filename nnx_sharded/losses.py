@@ -11,10 +11,13 @@ draw *exactly* the random numbers each pmap device draws (see ``train.draw_noise
 
 import jax
 import jax.numpy as jnp
+import optax
+from flax import nnx
 
 SIGMA_MIN = 0.01  # VE SDE noise scale at t=eps (score_sde's sigma_min)
 SIGMA_MAX = 5.0  # VE SDE noise scale at t=1; small because the toy data has unit scale
 T_EPS = 1e-5  # score_sde samples t ~ U(eps, 1) to avoid the singular t=0
+CNN_HIDDEN, CNN_DROPOUT = 64, 0.25  # the width of the CNN's dropout layer, and its rate
 
 
 def no_noise(key: jax.Array, x_shape: tuple[int, ...]) -> dict:
@@ -32,6 +35,11 @@ def score_noise(key: jax.Array, x_shape: tuple[int, ...]) -> dict:
     return {'t': t_B, 'z': z_BxD}
 
 
+def cnn_noise(key: jax.Array, x_shape: tuple[int, ...]) -> dict:
+    """The dropout mask of the CNN's hidden layer, the bits its Dropout would draw."""
+    return {'keep': jax.random.bernoulli(key, 1.0 - CNN_DROPOUT, (x_shape[0], CNN_HIDDEN))}
+
+
 def mlp_loss(model, batch: dict, noise: dict) -> jax.Array:
     """Squared error of the regression MLP, one value per example."""
     del noise
@@ -47,3 +55,14 @@ def score_loss(model, batch: dict, noise: dict) -> jax.Array:
     score_BxD = model(perturbed_BxD, std_B)
     losses_BxD = jnp.square(score_BxD * std_B[:, None] + z_BxD)
     return jnp.mean(losses_BxD, axis=-1)
+
+
+def cnn_loss(model, batch: dict, noise: dict) -> jax.Array:
+    """Softmax cross-entropy; BatchNorm updates its running statistics in place."""
+    logits_BxC = model(batch['x'], keep_mask=noise['keep'])
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BxC, batch['y'])
+
+
+def cnn_predict(model, x_BxHxWxC: jax.Array) -> jax.Array:
+    """Evaluation: running averages, no dropout."""
+    return nnx.view(model, use_running_average=True)(x_BxHxWxC)

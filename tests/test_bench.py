@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from equivalence import benchreport, hlo
+from equivalence import benchreport, measure
 from equivalence.config import RunConfig
 from equivalence.variants import Variant
 
@@ -110,20 +110,25 @@ def test_first_call_check_catches_a_different_loss():
 
 HLO_SAMPLE = """
 %body (p: (s32[], f32[20,30])) -> (s32[], f32[20,30]) {
+  %a = f32[30]{0} parameter(0)
+  %b = f32[20,30]{1,0} parameter(1)
   %all-reduce = (f32[30]{0}, f32[20,30]{1,0}) all-reduce(%a, %b), channel_id=1, to_apply=%add
-  %transpose.1 = f32[30,20]{0,1} transpose(%c), dimensions={1,0}
+  %transpose.1 = f32[30,20]{0,1} transpose(%b), dimensions={1,0}
   %copy.2 = f32[30,20]{1,0} copy(%transpose.1)
   ROOT %tuple = (s32[], f32[20,30]) tuple(%i, %d)
 }
+
 ENTRY %main () -> f32[5] {
+  %t = (s32[], f32[20,30]) parameter(0)
   %while.3 = (s32[], f32[20,30]) while(%t), condition=%cond, body=%body
-  %all-reduce.4 = f32[5]{0} all-reduce(%e), channel_id=2, to_apply=%add
+  %e = f32[5]{0} parameter(1)
+  ROOT %all-reduce.4 = f32[5]{0} all-reduce(%e), channel_id=2, to_apply=%add
 }
 """
 
 
-def test_hlo_summary_counts_ops_and_all_reduced_bytes():
-    s = hlo.summarize(HLO_SAMPLE)
+def test_program_summary_counts_ops_and_where_the_all_reduces_run():
+    s = measure.summarize(HLO_SAMPLE)
     assert (s['all_reduce'], s['transpose'], s['copy'], s['while']) == (2, 1, 1, 1)
     assert (s['all_reduce_operands_per_step'], s['all_reduce_operands_per_call']) == (2, 1)
     assert s['all_reduce_bytes'] == 4 * (30 + 20 * 30 + 5)

@@ -1,0 +1,116 @@
+"""``python -m equivalence.pitfalls``: every porting pitfall, wrong version and fix, measured.
+
+Exit codes: 0 every case behaves as documented (the wrong version shows the damage, the
+fix matches), 1 some case does not, 2 bad input.
+"""
+
+import json
+import platform
+import sys
+import time
+import traceback
+import warnings
+
+from equivalence import cli, devices
+
+MIN_DEVICES = 2  # replicas must be able to disagree
+
+
+def parse(argv: list[str] | None):
+    parser = cli.OneLineParser(prog='python -m equivalence.pitfalls', description=__doc__)
+    parser.add_argument('--list', action='store_true', help='list the cases and exit')
+    parser.add_argument('--only', default=None, metavar='NAME', help='run one case')
+    parser.add_argument('--json', default=None, metavar='PATH', help='write the results as JSON')
+    parser.add_argument('--overwrite', action='store_true', help='replace an existing --json file')
+    return parser.parse_args(argv)
+
+
+def run_case(module, n_devices: int) -> dict:
+    """One case's row; a case that raises is reported, not fatal, and does not pass."""
+    start = time.perf_counter()
+    try:
+        result = module.run(n_devices)
+        row = {'documented': result.documented, **result.__dict__}
+    except Exception as e:  # noqa: BLE001 -- one broken case must not hide the others
+        from equivalence.pitfalls.base import first_line
+
+        row = {'documented': False, 'symptom': f'case raised {first_line(e)}', 'damage_shown': False,
+               'fix_matches': False, 'fix': '', 'traceback': traceback.format_exc()}  # fmt: skip
+    header = {'number': module.NUMBER, 'name': module.NAME, 'title': module.TITLE, 'description': module.DESCRIPTION}
+    return {**header, **row, 'seconds': round(time.perf_counter() - start, 1)}
+
+
+def damage_cell(row: dict) -> str:
+    if row['damage_shown']:
+        return 'yes'
+    return 'no*' if not row.get('damage_required', True) else 'no'
+
+
+def table(rows: list[dict], n_devices: int, backend: str) -> str:
+    lines = [
+        f'porting pitfalls on {n_devices} {backend} device(s): wrong version measured, fixed version compared',
+        '',
+        f'{"#":>2}  {"pitfall":<24}  {"damage":<6}  {"fix matches":<11}  symptom measured (wrong version)',
+    ]
+    for r in rows:
+        fix = 'yes' if r['fix_matches'] else 'NO'
+        lines.append(f'{r["number"]:>2}  {r["name"]:<24}  {damage_cell(r):<6}  {fix:<11}  {r["symptom"]}')
+    lines += ['', 'fixed versions:']
+    lines += [f'{r["number"]:>2}  {r["name"]:<24}  {r["fix"]}' for r in rows]
+    if any(not r['damage_shown'] and not r.get('damage_required', True) for r in rows):
+        lines += ['', '* a hazard that cannot be forced on every machine; see the case module docstring']
+    bad = [r['name'] for r in rows if not r['documented']]
+    verdict = f'{len(rows) - len(bad)} of {len(rows)} cases behave as documented'
+    return '\n'.join([*lines, '', verdict + (f'; not: {", ".join(bad)}' if bad else '')])
+
+
+def main(argv: list[str] | None = None) -> int:
+    devices.simulate_cpu_devices()  # before anything imports jax
+    args = parse(argv)
+    from equivalence import pitfalls
+
+    names = pitfalls.names()
+    if args.only is not None and args.only not in names:
+        cli.fail(f'unknown pitfall {args.only!r}; choose one of {", ".join(names)}')
+    if args.list:
+        for name in names:
+            module = pitfalls.load(name)
+            print(f'{module.NUMBER:>2}  {name:<24}  {module.TITLE}')
+        return cli.EXIT_MATCH
+    cli.check_output_path(args.json, args.overwrite)
+    import jax
+
+    n_devices = len(jax.devices())
+    if n_devices < MIN_DEVICES:
+        cli.fail(f'the pitfalls need at least {MIN_DEVICES} devices, JAX sees {n_devices}; set JAX_NUM_CPU_DEVICES=8')
+    warnings.filterwarnings('ignore', message='Some donated buffers were not usable')  # the batch, as score_sde
+    rows = [run_case(pitfalls.load(name), n_devices) for name in ([args.only] if args.only else names)]
+    print(table(rows, n_devices, jax.default_backend()))
+    if args.json:
+        write_json(args.json, rows, n_devices)
+    return cli.EXIT_MATCH if all(r['documented'] for r in rows) else cli.EXIT_MISMATCH
+
+
+def write_json(path: str, rows: list[dict], n_devices: int) -> None:
+    from equivalence.run import versions
+
+    payload = {
+        'all_documented': all(r['documented'] for r in rows),
+        'devices': n_devices,
+        'cases': rows,
+        'versions': {**versions(), 'python': platform.python_version()},
+    }
+    with open(path, 'w') as f:
+        json.dump(payload, f, indent=2, allow_nan=False, default=_plain)
+        f.write('\n')
+
+
+def _plain(value):
+    """numpy scalars and arrays as JSON numbers and lists."""
+    if hasattr(value, 'tolist'):
+        return value.tolist()
+    raise TypeError(f'not JSON-serialisable: {type(value).__name__}')
+
+
+if __name__ == '__main__':
+    sys.exit(main())

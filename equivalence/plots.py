@@ -1,0 +1,80 @@
+"""The figures of ``python -m equivalence.run --plot DIR``: losses, and parameter divergence.
+
+Built on ``matplotlib.figure.Figure`` directly (no pyplot, no global backend switch):
+saving a PNG renders with Agg whatever the machine's display.
+"""
+
+import os
+
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+FILES = ('losses.png', 'divergence.png')
+
+
+def existing(directory: str) -> list[str]:
+    """The figures that writing to ``directory`` would replace."""
+    return [os.path.join(directory, f) for f in FILES if os.path.exists(os.path.join(directory, f))]
+
+
+def losses_figure(legacy_S: np.ndarray, nnx_S: np.ndarray, steps_per_call: int, title: str) -> Figure:
+    """Per-step losses of both paths on one axis; dotted lines mark the compiled calls."""
+    fig = Figure(figsize=(7, 4), dpi=100, layout='constrained')
+    ax = fig.add_subplot()
+    steps = np.arange(1, len(legacy_S) + 1)
+    ax.plot(steps, legacy_S, 'o-', color='tab:blue', lw=2.5, ms=6, label='legacy pmap(scan), pmean')
+    ax.plot(steps, nnx_S, 'x--', color='tab:orange', lw=1.5, ms=7, label='NNX sharded scan, no pmean')
+    for boundary in range(steps_per_call, len(steps), steps_per_call):
+        ax.axvline(boundary + 0.5, color='grey', ls=':', lw=0.8)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set(
+        title=title, xlabel=f'training step (dotted: call boundaries, {steps_per_call} steps per call)', ylabel='loss'
+    )
+    ax.legend()
+    return fig
+
+
+def divergence_figure(divergence_C: list[float], steps_per_call: int, atol: float, rtol: float, title: str) -> Figure:
+    """Max |nnx - legacy| over all parameters after each call, log y, the tolerance as a line.
+
+    An exact zero has no place on a log axis: it is drawn at a floor below everything
+    else, with its own marker and legend entry, rather than dropped.
+    """
+    fig = Figure(figsize=(7, 4), dpi=100, layout='constrained')
+    ax = fig.add_subplot()
+    d_C = np.asarray(divergence_C, np.float64)
+    steps_C = steps_per_call * np.arange(1, len(d_C) + 1)
+    positive = d_C[d_C > 0]
+    floor = min(positive.min(initial=atol), atol) / 100
+    ax.semilogy(steps_C[d_C > 0], positive, 'o-', color='tab:red', label='max |nnx - legacy| over all parameters')
+    if (d_C == 0).any():
+        zero = d_C == 0
+        label = f'exactly 0 (drawn at {floor:.0e})'
+        ax.semilogy(steps_C[zero], np.full(zero.sum(), floor), 'v', mfc='none', color='tab:red', label=label)
+    ax.axhline(atol, color='black', ls='--', label=f'tolerance: atol {atol:g} (per element: atol + {rtol:g}·|legacy|)')
+    ax.set(title=title, xlabel='training steps done (one point per compiled call)', ylabel='max abs difference')
+    ax.set_xticks(steps_C)
+    ax.set_ylim(floor / 3, max(atol, d_C.max(initial=0.0)) * 10)
+    ax.legend(loc='upper left')
+    return fig
+
+
+def write(result, directory: str) -> list[str]:
+    """Both figures of a ``harness.RunResult`` into ``directory`` (created if missing)."""
+    c, tol = result.config, result.report.tolerance
+    os.makedirs(directory, exist_ok=True)
+    where = f'{c.workload}, {c.devices} devices'
+    figures = {
+        'losses.png': losses_figure(
+            result.legacy.losses, result.nnx.losses, c.steps_per_call, f'Per-step loss, both paths ({where})'
+        ),
+        'divergence.png': divergence_figure(
+            result.param_divergence(), c.steps_per_call, tol.atol, tol.rtol, f'Parameter divergence ({where})'
+        ),
+    }
+    paths = []
+    for name, fig in figures.items():
+        paths.append(os.path.join(directory, name))
+        fig.savefig(paths[-1])
+    return paths

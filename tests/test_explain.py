@@ -1,0 +1,196 @@
+"""``equivalence.explain`` reads what XLA compiled; ``run --plot`` draws; ``run`` shows progress.
+
+The measurements come from really compiled calls (one per path, not run), so these tests
+check the answers against the programs, and that the answers follow the measurements:
+placing one kernel sharded turns "replicated" into "no".
+"""
+
+import dataclasses
+import io
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+from conftest import require_devices
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from equivalence import explain, harness, run, workloads
+from equivalence.config import RunConfig
+from nnx_sharded import sharding
+from nnx_sharded import train as sharded
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+K = 2  # steps per call: the collectives sit in the scan loop, so each runs K times per call
+
+# Both paths all-reduce the gradient of every parameter once per step, plus the loss (pmap:
+# a scalar per step; NNX: the K step losses once per call), in float32: the payloads per step
+# should be equal. They may differ by the few arrays XLA's common-
+# subexpression pass happens to merge on one side only: in `score`, the two embedding biases
+# get the same gradient (h = embed_x(x) + embed_t(t)); the pmap program all-reduces it once,
+# the NNX program twice (+256 B of 22,028, a ratio of 1.012). 10% bounds that kind of
+# difference while a missing or doubled gradient all-reduce (ratio <= 0.5 or >= 2) fails.
+ALL_REDUCE_BYTES_FACTOR = 1.1
+
+
+def measure(workload: str, devices: int = 8) -> tuple[explain.PathMeasurement, explain.PathMeasurement]:
+    require_devices(devices)
+    wl = workloads.get(workload)
+    config = RunConfig(workload, devices, steps_per_call=K, calls=1, batch_size=wl.default_batch)
+    return explain.measure_both(wl, config)
+
+
+@pytest.fixture(scope='module')
+def mlp8():
+    return measure('mlp')
+
+
+def test_mlp_on_8_devices_parameters_replicated_and_batch_sharded_on_both_paths(mlp8):
+    for m in mlp8:
+        params = [p for p in m.placements if p.group == 'params']
+        batch = [p for p in m.placements if p.group == 'batch']
+        assert len(params) == 4 and all(p.full_copy and p.devices == 8 for p in params), m.path
+        assert {p.name.rsplit('/', 1)[-1] for p in batch} == {'x', 'y'}
+        assert all(p.rows_per_device == 8 and p.global_rows == 64 for p in batch), m.path
+        answers = explain.answers(m)
+        assert answers['replicated']['yes'] and answers['own_slice']['yes'], answers
+        assert 'all 4 parameter leaves' in answers['replicated']['why']
+        assert '8 of 64 examples per step' in answers['own_slice']['why']
+    legacy, nnx = mlp8
+    assert all(p.spec == () for p in nnx.placements if p.group == 'params')
+    assert all(p.spec == (None, 'data') for p in nnx.placements if p.group == 'batch')
+    assert all(p.stacked and p.shape[0] == 8 for p in legacy.placements if p.group == 'params')
+
+
+def test_both_paths_all_reduce_the_gradients_once_per_step(mlp8):
+    legacy, nnx = mlp8
+    for m, written in ((legacy, True), (nnx, False)):
+        grads = explain.gradient_operands(m)
+        assert len(grads) == 4, m.path  # one gradient per parameter leaf
+        assert {c.kind for c, _ in grads} == {'all-reduce'}
+        assert all(c.per_call == K and c.group_size == 8 for c, _ in grads), 'inside the scan: K runs per call'
+        assert all(o.written is written for _, o in grads), m.path
+    assert all('jax.lax.pmean(grads' in o.source for _, o in explain.gradient_operands(legacy))
+    assert 'by all-reduce' in explain.answer_gradients(nnx)['why']
+    assert 'XLA' in explain.answers(nnx)['gradients']['how']
+    assert 'written in the code' in explain.answers(legacy)['gradients']['how']
+    a = explain.totals(legacy)['all-reduce']['bytes_per_step']
+    b = explain.totals(nnx)['all-reduce']['bytes_per_step']
+    param_bytes = sum(p.shard_bytes for p in nnx.placements if p.group == 'params')
+    assert a >= param_bytes and b >= param_bytes  # every gradient, plus the loss
+    assert 1 / ALL_REDUCE_BYTES_FACTOR <= b / a <= ALL_REDUCE_BYTES_FACTOR, (a, b)
+
+
+def test_answers_follow_the_measurement_not_the_path(mlp8):
+    """Negative controls on the pure analysis: remove the collectives, or keep only the batch."""
+    _, nnx = mlp8
+    silent = dataclasses.replace(nnx, collectives=())
+    assert explain.answers(silent)['gradients']['how'] == 'not combined'
+    assert explain.totals(silent) == {}
+    whole = [dataclasses.replace(p, shard_shape=p.shape) if p.group == 'batch' else p for p in nnx.placements]
+    answer = explain.answer_own_slice(dataclasses.replace(nnx, placements=tuple(whole)))
+    assert not answer['yes'] and '64 of 64 examples' in answer['why']
+
+
+def sharded_kernel_setup(wl, config, variables) -> harness.NnxSetup:
+    """The NNX setup, but ``hidden/kernel`` and its Adam moments split on axis 0 over the mesh."""
+    setup = harness.nnx_setup(wl, config, variables)
+
+    def spec(path, _):
+        keys = [explain.key_name(k) for k in path]
+        return NamedSharding(setup.mesh, P(sharding.DATA) if keys[-2:] == ['hidden', 'kernel'] else P())
+
+    shardings = jax.tree_util.tree_map_with_path(spec, setup.state)
+    setup.state = jax.device_put(setup.state, shardings)
+    step = sharded.make_step_fn(setup.graphdef, wl.nnx_loss, wl.nnx_noise, wl.ema_rate, config.rng_mode)
+    setup.fused = sharded.make_fused_call(step, (sharding.key_sharding(setup.mesh, config.rng_mode), shardings))
+    return setup
+
+
+def test_a_sharded_kernel_makes_replicated_false():
+    require_devices(4)  # [20, 30] splits evenly over 4 devices, not 8
+    wl = workloads.get('mlp')
+    config = RunConfig('mlp', devices=4, steps_per_call=3, calls=1, batch_size=64)
+    variables, calls, rng = harness.make_inputs(wl, config)
+    setup = sharded_kernel_setup(wl, config, variables)
+    _, args = setup.call_args(rng, calls[0])
+    m = explain.measure_nnx(setup, args)
+    kernel = next(p for p in m.placements if p.name == 'model/hidden/kernel')
+    assert kernel.spec == ('data',) and kernel.per_device_shape == (5, 30) and not kernel.full_copy
+    replicated = explain.answer_replicated(m)
+    assert not replicated['yes'] and 'model/hidden/kernel [20, 30]' in replicated['why'], replicated
+    gathers = [c for c in m.collectives if c.kind == 'all-gather']
+    assert gathers and all(c.per_call == 3 for c in gathers), 'the kernel shard is gathered for the forward pass'
+    assert explain.answer_own_slice(m)['yes']  # a gathered kernel is not the batch
+
+
+def test_score_on_8_devices_both_paths_replicated_sharded_and_all_reduced():
+    legacy, nnx = measure('score')
+    for m in (legacy, nnx):
+        answers = explain.answers(m)
+        assert answers['replicated']['yes'] and answers['own_slice']['yes'], answers
+        assert answers['gradients']['how'].startswith('all-reduce')
+    ratio = explain.all_reduce_comparison(legacy, nnx)['nnx_over_legacy']
+    assert 1 / ALL_REDUCE_BYTES_FACTOR <= ratio <= ALL_REDUCE_BYTES_FACTOR
+
+
+def cli(module: str, *args: str) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS')}
+    cmd = [sys.executable, '-m', module, *args]
+    return subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=300)
+
+
+def test_explain_cli_prints_and_writes_the_same_answers(tmp_path):
+    out = tmp_path / 'explain.json'
+    proc = cli('equivalence.explain', '--steps-per-call', str(K), '--json', str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report['devices'] == 8 and report['steps_per_call'] == K
+    for path in ('legacy', 'nnx'):
+        d = report['paths'][path]
+        assert d['collectives'] and d['placement'] and d['memory_per_device_bytes']['arguments'] > 0
+        assert d['memory_per_device_bytes']['arguments'] == d['input_bytes_per_device']
+        for answer in d['answers'].values():
+            assert answer['why'] in proc.stdout  # the text shows exactly what the JSON holds
+    for question in explain.QUESTIONS.values():
+        assert question in proc.stdout
+    assert 'CPU 0,1,2,3,4,5,6,7' in proc.stdout  # the picture of a replicated kernel
+    again = cli('equivalence.explain', '--json', str(out))
+    assert again.returncode == 2 and 'pass --overwrite' in again.stderr
+
+
+@pytest.mark.parametrize('args, expected', [(['--batch-size', '100'], 'not divisible'), (['--devices', 'x'], 'int')])
+def test_explain_bad_input_exits_2_with_one_line(args, expected):
+    proc = cli('equivalence.explain', *args)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith('error: ') and expected in lines[0]
+
+
+def test_run_plot_writes_two_nonempty_pngs_and_keeps_them(tmp_path):
+    figures = tmp_path / 'figures'
+    proc = cli('equivalence.run', '--steps-per-call', '2', '--calls', '2', '--plot', str(figures))
+    assert proc.returncode == 0, proc.stderr
+    assert 'compiled calls' not in proc.stderr  # no progress bar when stderr is not a terminal
+    pngs = {name: (figures / name).read_bytes() for name in ('losses.png', 'divergence.png')}
+    assert all(data.startswith(b'\x89PNG') and len(data) > 10_000 for data in pngs.values())
+    again = cli('equivalence.run', '--plot', str(figures))
+    assert again.returncode == 2 and 'pass --overwrite' in again.stderr
+    assert all((figures / name).read_bytes() == data for name, data in pngs.items())
+
+
+def test_progress_bar_only_on_a_terminal(monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, 'stderr', io.StringIO())
+    assert run.progress_bar(4) == (None, None)
+    monkeypatch.setattr(sys, 'stderr', Terminal())
+    bar, tick = run.progress_bar(4)
+    for path in ('legacy', 'legacy', 'nnx', 'nnx'):
+        tick(path)
+    assert bar.n == 4 and bar.total == 4
+    bar.close()

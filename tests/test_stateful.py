@@ -1,0 +1,86 @@
+"""BatchNorm and Dropout under pmap vs sharding, and the two RNG modes (issue: stateful layers)."""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+from conftest import require_devices
+from flax import nnx
+
+from equivalence import compare, harness, workloads
+from equivalence.config import RunConfig
+from legacy_pmap import models as legacy_models
+from nnx_sharded import models as nnx_models
+
+RANDOM = [name for name, wl in workloads.WORKLOADS.items() if name in ('score', 'cnn')]
+
+
+def config(name: str, **overrides) -> RunConfig:
+    fields = {'workload': name, 'batch_size': workloads.get(name).default_batch, 'calls': 2, **overrides}
+    require_devices(fields.get('devices', 8))
+    return RunConfig(**fields)
+
+
+@pytest.mark.parametrize('rng_mode', ['per-device', 'global'])
+@pytest.mark.parametrize('devices', [2, 8])
+def test_cnn_matches_with_running_statistics_and_accuracy(devices, rng_mode):
+    result = harness.run(workloads.get('cnn'), config('cnn', devices=devices, rng_mode=rng_mode))
+    assert result.report.match, [(x.name, x.max_abs) for x in result.report.leaves if not x.ok]
+    stats = [x for x in result.report.leaves if x.group == 'model_state']
+    assert {x.path for x in stats} == {f'batch_stats/bn{i}/{s}' for i in (1, 2) for s in ('mean', 'var')}
+    assert all(x.ok for x in stats)
+    assert result.legacy.eval_accuracy == result.nnx.eval_accuracy > 0.5  # chance is 0.1
+
+
+def test_legacy_batchnorm_without_axis_name_is_a_mismatch():
+    """Per-device statistics (no axis_name) are the classic bug: the harness must see it."""
+    wl = workloads.get('cnn')
+    no_axis = dataclasses.replace(wl, legacy_model=lambda: legacy_models.CNN(bn_axis_name=None))
+    result = harness.run(no_axis, config('cnn', devices=8))
+    failed = {x.group for x in result.report.leaves if not x.ok}
+    assert {'model_state', 'losses', 'params'} <= failed
+
+
+def test_swapping_rng_modes_between_the_sides_is_a_mismatch():
+    wl = workloads.get('cnn')
+    cfg = config('cnn', devices=8)
+    variables, calls, rng = harness.make_inputs(wl, cfg)
+    old = harness.run_legacy(wl, cfg, variables, calls, rng)
+    new = harness.run_nnx(wl, dataclasses.replace(cfg, rng_mode='global'), variables, calls, rng)
+    report = compare.compare(harness.with_losses(old.final, old.losses), harness.with_losses(new.final, new.losses))
+    assert not report.match
+    assert not next(x for x in report.leaves if x.group == 'losses').ok
+
+
+def _final(name: str, devices: int, rng_mode: str) -> tuple[dict, dict]:
+    result = harness.run(workloads.get(name), config(name, devices=devices, rng_mode=rng_mode, calls=1))
+    return (harness.with_losses(p.final, p.losses) for p in (result.legacy, result.nnx))
+
+
+@pytest.mark.parametrize('name', RANDOM)
+def test_global_mode_is_invariant_to_the_device_count(name):
+    tol = workloads.get(name).tolerance
+    legacy_1, nnx_1 = _final(name, 1, 'global')
+    for devices in (2, 4, 8):
+        legacy_d, nnx_d = _final(name, devices, 'global')
+        assert compare.compare(legacy_1, legacy_d, tol).match, f'legacy, D=1 vs D={devices}'
+        assert compare.compare(nnx_1, nnx_d, tol).match, f'nnx, D=1 vs D={devices}'
+    # Negative control: per-device keys depend on D, so D=1 and D=8 draw other numbers.
+    per_device_1, _ = _final(name, 1, 'per-device')
+    per_device_8, _ = _final(name, 8, 'per-device')
+    assert not compare.compare(per_device_1, per_device_8, tol).match
+
+
+def test_dropout_mask_is_the_frameworks_dropout():
+    """The mask drawn by cnn_noise's formula is bit for bit what both Dropout layers draw."""
+    key, rate = jax.random.PRNGKey(3), 0.25
+    x = jax.random.normal(jax.random.PRNGKey(4), (16, 64))
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    linen = nn.Dropout(rate, deterministic=False).apply({}, x, rng=key)
+    nnx_out = nnx.Dropout(rate)(x, rngs=key)
+    np.testing.assert_array_equal(legacy_models.dropout(x, keep, rate), linen)
+    np.testing.assert_array_equal(nnx_models.dropout(x, keep, rate), linen)
+    np.testing.assert_array_equal(nnx_out, linen)
+    assert not np.array_equal(legacy_models.dropout(x, ~keep, rate), linen)  # the check can fail
