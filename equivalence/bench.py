@@ -34,25 +34,11 @@ def parse(argv: list[str] | None):
 
 
 def make_config(args, n_available: int):
-    """Flags -> RunConfig (``calls`` = calls per timed block), or ConfigError."""
-    from equivalence import workloads
-    from equivalence.config import ConfigError, RunConfig, check_available
-
-    wl = workloads.get(args.workload)
+    """Flags -> RunConfig (``calls`` = calls per timed block); bad input exits 2 with one line."""
     for flag, value in (('--repeats', args.repeats), ('--compile-repeats', args.compile_repeats)):
         if value < 1:
-            raise ConfigError(f'{flag} must be at least 1, got {value}')
-    config = RunConfig(
-        workload=wl.name,
-        devices=args.devices or n_available,
-        steps_per_call=args.steps_per_call,
-        calls=args.calls,
-        batch_size=args.batch_size or wl.default_batch,
-        seed=args.seed,
-        rng_mode=args.rng,
-    )
-    check_available(config, n_available)
-    return wl, config
+            cli.fail(f'{flag} must be at least 1, got {value}')
+    return cli.run_config(args, n_available)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,12 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from equivalence import benchreport, report
-    from equivalence.config import ConfigError
 
-    try:
-        wl, config = make_config(args, len(jax.devices()))
-    except ConfigError as e:
-        cli.fail(str(e))
+    wl, config = make_config(args, len(jax.devices()))
     warnings.filterwarnings('ignore', message='Some donated buffers were not usable')  # the batch, as score_sde
     result = run(wl, config, args.repeats, args.compile_repeats)
     print(benchreport.text(result))

@@ -41,3 +41,26 @@ def check_output_path(path: str | None, overwrite: bool) -> None:
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         fail(f'cannot write {path}: directory {parent} does not exist')
+
+
+def run_config(args: argparse.Namespace, n_available: int, **extra):
+    """The flags of ``add_run_flags`` -> ``(workload, RunConfig)``; bad input exits 2 with one line."""
+    from equivalence import workloads
+    from equivalence.config import ConfigError, RunConfig, check_available
+
+    try:
+        wl = workloads.get(args.workload)
+        config = RunConfig(
+            workload=wl.name,
+            devices=args.devices or n_available,
+            steps_per_call=args.steps_per_call,
+            calls=args.calls,
+            batch_size=args.batch_size or wl.default_batch,
+            seed=args.seed,
+            rng_mode=args.rng,
+            **extra,
+        )
+        check_available(config, n_available)
+    except ConfigError as e:
+        fail(str(e))
+    return wl, config

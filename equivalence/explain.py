@@ -615,24 +615,7 @@ def parse(argv: list[str] | None):
 
 def make_config(args: Any, n_available: int):
     """As ``run``: bad input becomes one line and exit 2. (``--calls`` is validated; one call is compiled.)"""
-    from equivalence import workloads
-    from equivalence.config import ConfigError, RunConfig, check_available
-
-    try:
-        wl = workloads.get(args.workload)
-        config = RunConfig(
-            workload=wl.name,
-            devices=args.devices or n_available,
-            steps_per_call=args.steps_per_call,
-            calls=args.calls,
-            batch_size=args.batch_size or wl.default_batch,
-            seed=args.seed,
-            rng_mode=args.rng,
-        )
-        check_available(config, n_available)
-    except ConfigError as e:
-        cli.fail(str(e))
-    return wl, config
+    return cli.run_config(args, n_available)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,24 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     check_plot_dir(args.plot, args.overwrite)
     import jax
 
-    from equivalence import harness, report, workloads
-    from equivalence.config import ConfigError, RunConfig, check_available
+    from equivalence import harness, report
 
-    try:
-        wl = workloads.get(args.workload)
-        config = RunConfig(
-            workload=wl.name,
-            devices=args.devices or len(jax.devices()),
-            steps_per_call=args.steps_per_call,
-            calls=args.calls,
-            batch_size=args.batch_size or wl.default_batch,
-            seed=args.seed,
-            rng_mode=args.rng,
-            perturb=args.perturb,
-        )
-        check_available(config, len(jax.devices()))
-    except ConfigError as e:
-        cli.fail(str(e))
+    wl, config = cli.run_config(args, len(jax.devices()), perturb=args.perturb)
     warnings.filterwarnings('ignore', message='Some donated buffers were not usable')  # the batch, as score_sde
     bar, tick = progress_bar(2 * config.calls)
     result = harness.run(wl, config, progress=tick)
