@@ -4,18 +4,16 @@ No timing is asserted: speed is reported by the benchmark, not tested.
 """
 
 import json
-import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
+from conftest import assert_one_line_error, run_module
 
 from equivalence import benchreport, measure
 from equivalence.config import RunConfig
 from equivalence.variants import Variant
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ['--devices', '2', '--repeats', '2', '--steps-per-call', '2', '--calls', '2', '--compile-repeats', '1']
 VARIANTS = {'legacy', 'nnx', 'jit_bare', 'nnx_first', 'nnx_graph', 'nnx_cached'}
 VARIANTS |= {'legacy_k1', 'nnx_k1', 'legacy_k20', 'nnx_k20'}
@@ -38,15 +36,7 @@ HLO_FIELDS |= {'all_reduce_operands_per_call', 'aliased_bytes'}
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
-    environ = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS')}
-    return subprocess.run(
-        [sys.executable, '-m', 'equivalence.bench', *args],
-        cwd=ROOT,
-        env=environ,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_module('equivalence.bench', *args)
 
 
 def test_tiny_run_writes_every_field(tmp_path):
@@ -85,9 +75,8 @@ def test_tiny_run_writes_every_field(tmp_path):
 )
 def test_bad_input_exits_2_with_one_line(args, expected):
     proc = bench(*args)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith('error: ') and expected in lines[0], proc.stderr
+    assert 'Traceback' not in proc.stderr
+    assert_one_line_error(proc, expected)
 
 
 def test_existing_json_is_not_overwritten(tmp_path):

@@ -1,26 +1,16 @@
 """``python -m equivalence.run`` end to end, in a subprocess: exit codes 0, 1 and 2."""
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
+from conftest import assert_one_line_error, run_module
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = ['--steps-per-call', '2', '--calls', '2']
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    environ = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS')}
-    return subprocess.run(
-        [sys.executable, '-m', 'equivalence.run', *args],
-        cwd=ROOT,
-        env={**environ, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_module('equivalence.run', *args, env=env)
 
 
 def test_match_exits_0_on_8_simulated_devices_and_writes_json(tmp_path):
@@ -59,10 +49,8 @@ def test_perturbed_learning_rate_exits_1(tmp_path):
 )
 def test_bad_input_exits_2_with_one_line(args, expected):
     proc = cli(*args)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
     assert 'Traceback' not in proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith('error: ') and expected in lines[0], proc.stderr
+    assert_one_line_error(proc, expected)
 
 
 def test_existing_report_is_not_overwritten_without_asking(tmp_path):

@@ -8,13 +8,12 @@ placing one kernel sharded turns "replicated" into "no".
 import dataclasses
 import io
 import json
-import os
 import subprocess
 import sys
 
 import jax
 import pytest
-from conftest import require_devices
+from conftest import require_devices, run_module
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -23,7 +22,6 @@ from equivalence.config import RunConfig
 from nnx_sharded import sharding
 from nnx_sharded import train as sharded
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 K = 2  # steps per call: the collectives sit in the scan loop, so each runs K times per call
 
 # Both paths all-reduce the gradient of every parameter once per step, plus the loss (pmap:
@@ -138,9 +136,7 @@ def test_score_on_8_devices_both_paths_replicated_sharded_and_all_reduced():
 
 
 def cli(module: str, *args: str) -> subprocess.CompletedProcess:
-    environ = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS')}
-    cmd = [sys.executable, '-m', module, *args]
-    return subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=300)
+    return run_module(module, *args)
 
 
 def test_explain_cli_prints_and_writes_the_same_answers(tmp_path):

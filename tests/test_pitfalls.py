@@ -6,19 +6,16 @@ Timings are reported by the cases, never asserted.
 """
 
 import json
-import os
 import subprocess
-import sys
 import types
 
 import pytest
-from conftest import require_devices
+from conftest import assert_one_line_error, require_devices, run_module
 
 from equivalence import pitfalls
 from equivalence.pitfalls import base
 from equivalence.pitfalls import unblocked_collectives as queued
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D = 8  # the README's figures are for 8 simulated devices
 EXPECTED = [
     'missing_pmean',
@@ -202,15 +199,7 @@ def test_a_case_that_raises_is_a_row_that_does_not_pass():
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    environ = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS')}
-    return subprocess.run(
-        [sys.executable, '-m', 'equivalence.pitfalls', *args],
-        cwd=ROOT,
-        env=environ,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_module('equivalence.pitfalls', *args)
 
 
 def test_cli_list_names_every_case():
@@ -241,9 +230,8 @@ def test_cli_only_one_case_prints_its_row_and_writes_json(tmp_path):
 )
 def test_cli_bad_input_exits_2_with_one_line(args, expected):
     proc = cli(*args)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith('error: ') and expected in lines[0], proc.stderr
+    assert 'Traceback' not in proc.stderr
+    assert_one_line_error(proc, expected)
 
 
 def test_cli_keeps_an_existing_json_without_overwrite(tmp_path):
