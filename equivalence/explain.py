@@ -613,11 +613,6 @@ def parse(argv: list[str] | None):
     return parser.parse_args(argv)
 
 
-def make_config(args: Any, n_available: int):
-    """As ``run``: bad input becomes one line and exit 2. (``--calls`` is validated; one call is compiled.)"""
-    return cli.run_config(args, n_available)
-
-
 def main(argv: list[str] | None = None) -> int:
     devices.simulate_cpu_devices()  # before anything imports jax
     args = parse(argv)
@@ -625,12 +620,11 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from equivalence import report as report_io
-    from equivalence.run import versions
 
-    wl, config = make_config(args, len(jax.devices()))
+    wl, config = cli.run_config(args, len(jax.devices()))  # as run: bad input exits 2 with one line
     warnings.filterwarnings('ignore', message='Some donated buffers were not usable')  # the batch, as score_sde
     legacy, nnx = measure_both(wl, config)
-    r = report(legacy, nnx, config, jax.default_backend(), versions())
+    r = report(legacy, nnx, config, jax.default_backend(), report_io.versions())
     print(header_text(r))
     for m in (legacy, nnx):
         print('\n' + path_text(r['paths'][m.path]))

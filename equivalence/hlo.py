@@ -235,6 +235,11 @@ def group_size(rest: str) -> int | None:
 def collectives(text: str) -> tuple[str, list[Collective]]:
     """``(module header, every collective of the program)``."""
     module = Module.parse(text)
+    return module.header(), module_collectives(module)
+
+
+def module_collectives(module: Module) -> list[Collective]:
+    """Every collective of a parsed program, counted through its loops."""
     loops = module.loops()
     found = []
     for comp, trips in loops.items():
@@ -244,7 +249,7 @@ def collectives(text: str) -> tuple[str, list[Collective]]:
                 per_call = None if None in trips else _product(trips)
                 ops = tuple(_operands(module, ins))
                 found.append(Collective(kind, ins.name, ops, group_size(ins.rest), per_call, trips))
-    return module.header(), found
+    return found
 
 
 def _operands(module: Module, ins: Instr) -> list[Operand]:

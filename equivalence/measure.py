@@ -94,8 +94,9 @@ def summarize(hlo_text: str) -> dict[str, int]:
     step) or outside it (once per call); on CPU each operand is one rendezvous of all
     devices. Op counts are instructions in the program text (fused computations included).
     """
-    ops = collections.Counter(ins.op for ins in hlo.Module.parse(hlo_text).instrs.values())
-    reduces = [c for c in hlo.collectives(hlo_text)[1] if c.kind == 'all-reduce']
+    module = hlo.Module.parse(hlo_text)
+    ops = collections.Counter(ins.op for ins in module.instrs.values())
+    reduces = [c for c in hlo.module_collectives(module) if c.kind == 'all-reduce']
     return {
         'all_reduce': len(reduces),
         'all_reduce_operands_per_step': sum(len(c.operands) for c in reduces if c.loop_trips),
@@ -134,14 +135,9 @@ def stats(values: list[float]) -> dict[str, float]:
 
 def machine() -> dict:
     """Where the numbers came from: devices, cores, load and versions."""
-    import flax
-    import jaxlib
-    import numpy
-    import optax
+    from equivalence.report import versions
 
     devices = jax.devices()
-    versions = {'python': platform.python_version(), 'jax': jax.__version__, 'jaxlib': jaxlib.__version__}
-    versions |= {'flax': flax.__version__, 'optax': optax.__version__, 'numpy': numpy.__version__}
     return {
         'backend': jax.default_backend(),
         'device_kind': devices[0].device_kind,
@@ -151,7 +147,7 @@ def machine() -> dict:
         'cpu_cores_usable': len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count(),
         'cpu_model': _cpu_model(),
         'load_avg_1m': os.getloadavg()[0],
-        'versions': versions,
+        'versions': versions(),
     }
 
 

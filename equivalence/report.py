@@ -98,7 +98,24 @@ def to_json(result: RunResult, versions: dict[str, str]) -> dict:
             }
             for leaf in r.leaves
         ],
-        'versions': {**versions, 'python': platform.python_version()},
+        'versions': versions,
+    }
+
+
+def versions() -> dict[str, str]:
+    """The versions behind a report's numbers."""
+    import flax
+    import jax
+    import jaxlib
+    import optax
+
+    return {
+        'python': platform.python_version(),
+        'jax': jax.__version__,
+        'jaxlib': jaxlib.__version__,
+        'flax': flax.__version__,
+        'optax': optax.__version__,
+        'numpy': np.__version__,
     }
 
 

@@ -65,20 +65,12 @@ def main(argv: list[str] | None = None) -> int:
         bar.close()
     print(report.text(result, jax.default_backend()))
     if args.json:
-        report.write_json(args.json, report.to_json(result, versions()))
+        report.write_json(args.json, report.to_json(result, report.versions()))
     if args.plot:
         from equivalence import plots
 
         print('wrote ' + ', '.join(plots.write(result, args.plot)))
     return cli.EXIT_MATCH if result.report.match else cli.EXIT_MISMATCH
-
-
-def versions() -> dict[str, str]:
-    import flax
-    import jax
-    import optax
-
-    return {'jax': jax.__version__, 'flax': flax.__version__, 'optax': optax.__version__}
 
 
 if __name__ == '__main__':

@@ -5,7 +5,6 @@ fix matches), 1 some case does not, 2 bad input.
 """
 
 import json
-import platform
 import sys
 import time
 import traceback
@@ -92,13 +91,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_json(path: str, rows: list[dict], n_devices: int) -> None:
-    from equivalence.run import versions
+    from equivalence.report import versions
 
     payload = {
         'all_documented': all(r['documented'] for r in rows),
         'devices': n_devices,
         'cases': rows,
-        'versions': {**versions(), 'python': platform.python_version()},
+        'versions': versions(),
     }
     with open(path, 'w') as f:
         json.dump(payload, f, indent=2, allow_nan=False, default=_plain)
