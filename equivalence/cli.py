@@ -45,8 +45,8 @@ def check_output_path(path: str | None, overwrite: bool) -> None:
 
 def run_config(args: argparse.Namespace, n_available: int, **extra):
     """The flags of ``add_run_flags`` -> ``(workload, RunConfig)``; bad input exits 2 with one line."""
-    from equivalence import workloads
-    from equivalence.config import ConfigError, RunConfig, check_available
+    from equivalence.core import workloads
+    from equivalence.core.config import ConfigError, RunConfig, check_available
 
     try:
         wl = workloads.get(args.workload)

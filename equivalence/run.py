@@ -11,7 +11,7 @@ from equivalence import cli, devices
 
 
 def parse(argv: list[str] | None):
-    from equivalence.workloads import WORKLOADS
+    from equivalence.core.workloads import WORKLOADS
 
     parser = cli.OneLineParser(prog='python -m equivalence.run', description=__doc__)
     cli.add_run_flags(parser, list(WORKLOADS))
@@ -26,7 +26,7 @@ def check_plot_dir(directory: str | None, overwrite: bool) -> None:
     """Before any work: DIR is a directory we can create or use, and holds no figure we would replace."""
     if directory is None:
         return
-    from equivalence import plots
+    from equivalence.core import plots
 
     if os.path.exists(directory) and not os.path.isdir(directory):
         cli.fail(f'--plot {directory} is not a directory')
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     check_plot_dir(args.plot, args.overwrite)
     import jax
 
-    from equivalence import harness, report
+    from equivalence.core import harness, report
 
     wl, config = cli.run_config(args, len(jax.devices()), perturb=args.perturb)
     warnings.filterwarnings('ignore', message='Some donated buffers were not usable')  # the batch, as score_sde
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         report.write_json(args.json, report.to_json(result, report.versions()))
     if args.plot:
-        from equivalence import plots
+        from equivalence.core import plots
 
         print('wrote ' + ', '.join(plots.write(result, args.plot)))
     return cli.EXIT_MATCH if result.report.match else cli.EXIT_MISMATCH

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from conftest import assert_one_line_error, run_module
 
-from equivalence import benchreport, measure
-from equivalence.config import RunConfig
-from equivalence.variants import Variant
+from equivalence.bench import report as benchreport
+from equivalence.bench import timing as measure
+from equivalence.bench.variants import Variant
+from equivalence.core.config import RunConfig
 
 TINY = ['--devices', '2', '--repeats', '2', '--steps-per-call', '2', '--calls', '2', '--compile-repeats', '1']
 VARIANTS = {'legacy', 'nnx', 'jit_bare', 'nnx_first', 'nnx_graph', 'nnx_cached'}

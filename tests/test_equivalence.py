@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from conftest import require_devices
 
-from equivalence import compare, harness, workloads
-from equivalence.config import RunConfig
+from equivalence.core import compare, harness, workloads
+from equivalence.core.config import RunConfig
 
 WORKLOADS = list(workloads.WORKLOADS)
 FAST = [name for name in WORKLOADS if name != 'cnn']  # cnn has its own tests: test_stateful.py

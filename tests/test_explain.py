@@ -17,8 +17,9 @@ from conftest import require_devices, run_module
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from equivalence import explain, harness, run, workloads
-from equivalence.config import RunConfig
+from equivalence import explain, run
+from equivalence.core import harness, workloads
+from equivalence.core.config import RunConfig
 from nnx_sharded import sharding
 from nnx_sharded import train as sharded
 

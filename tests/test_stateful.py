@@ -9,8 +9,8 @@ import pytest
 from conftest import require_devices
 from flax import nnx
 
-from equivalence import compare, harness, workloads
-from equivalence.config import RunConfig
+from equivalence.core import compare, harness, workloads
+from equivalence.core.config import RunConfig
 from legacy_pmap import models as legacy_models
 from nnx_sharded import models as nnx_models
 

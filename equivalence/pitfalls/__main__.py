@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_json(path: str, rows: list[dict], n_devices: int) -> None:
-    from equivalence.report import versions
+    from equivalence.core.report import versions
 
     payload = {
         'all_documented': all(r['documented'] for r in rows),

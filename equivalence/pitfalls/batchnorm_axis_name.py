@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from equivalence import harness, workloads
-from equivalence.config import RunConfig
+from equivalence.core import harness, workloads
+from equivalence.core.config import RunConfig
 from equivalence.pitfalls.base import DAMAGE, CaseResult, yes
 from legacy_pmap import train as legacy
 

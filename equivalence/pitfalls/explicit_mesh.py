@@ -15,8 +15,8 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from equivalence import convert, harness, workloads
-from equivalence.config import RunConfig
+from equivalence.core import convert, harness, workloads
+from equivalence.core.config import RunConfig
 from equivalence.pitfalls.base import CaseResult, first_line, max_abs_diff, within_tol, yes
 from nnx_sharded import losses as nnx_losses
 from nnx_sharded import sharding

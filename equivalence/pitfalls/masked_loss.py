@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from equivalence import harness, workloads
-from equivalence.config import RunConfig
+from equivalence.core import harness, workloads
+from equivalence.core.config import RunConfig
 from equivalence.pitfalls.base import DAMAGE, CaseResult, indivisible, padded, yes
 from legacy_pmap import losses as legacy_losses
 from legacy_pmap import train as legacy

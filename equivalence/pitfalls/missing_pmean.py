@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from equivalence import convert, harness, workloads
-from equivalence.config import RunConfig
+from equivalence.core import convert, harness, workloads
+from equivalence.core.config import RunConfig
 from equivalence.pitfalls.base import DAMAGE, CaseResult, max_abs_diff, yes
 from legacy_pmap import train as legacy
 

@@ -9,8 +9,8 @@ implements both (``--rng per-device|global``, see the README), and either matche
 
 import numpy as np
 
-from equivalence import compare, harness, workloads
-from equivalence.config import RunConfig
+from equivalence.core import compare, harness, workloads
+from equivalence.core.config import RunConfig
 from equivalence.pitfalls.base import DAMAGE, CaseResult, yes
 
 NUMBER = 3

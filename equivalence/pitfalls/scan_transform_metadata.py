@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from equivalence import convert, harness, workloads
-from equivalence.config import RunConfig
+from equivalence.core import convert, harness, workloads
+from equivalence.core.config import RunConfig
 from equivalence.pitfalls.base import CaseResult, max_abs_diff, within_tol, yes
 from nnx_sharded import losses as nnx_losses
 from nnx_sharded import sharding

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from equivalence import convert, harness, workloads
-from equivalence.config import RunConfig
+from equivalence.core import convert, harness, workloads
+from equivalence.core.config import RunConfig
 from equivalence.pitfalls.base import CaseResult, max_abs_diff, within_tol, yes
 from legacy_pmap import losses as legacy_losses
 from nnx_sharded import sharding

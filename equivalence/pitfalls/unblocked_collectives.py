@@ -132,8 +132,8 @@ def child(mode: str, calls: int) -> dict:
     import numpy as np
     from flax import nnx
 
-    from equivalence import compare, convert, harness, workloads
-    from equivalence.config import RunConfig
+    from equivalence.core import compare, convert, harness, workloads
+    from equivalence.core.config import RunConfig
     from legacy_pmap import train as legacy
     from nnx_sharded import sharding
     from nnx_sharded import train as sharded
@@ -165,7 +165,7 @@ def pmap_params(legacy, setup, batch_KxG: dict, rng, calls: int) -> dict:
     """The same calls on the pmap path, each blocked on: the reference parameters."""
     import numpy as np
 
-    from equivalence import convert
+    from equivalence.core import convert
 
     for _ in range(calls):
         _, args = setup.call_args(rng, batch_KxG)

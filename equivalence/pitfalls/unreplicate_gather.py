@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import jax
 
-from equivalence import convert, harness, workloads
-from equivalence.config import RunConfig
+from equivalence.core import convert, harness, workloads
+from equivalence.core.config import RunConfig
 from equivalence.pitfalls.base import CaseResult, max_abs_diff
 from legacy_pmap import train as legacy
 

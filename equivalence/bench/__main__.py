@@ -5,18 +5,14 @@ time, host dispatch time per call, what XLA built, and PASS/FAIL against the tar
 A benchmark, not a test: exit 0 whatever the timings, 2 on bad input.
 """
 
-import dataclasses
 import sys
 import warnings
 
 from equivalence import cli, devices
 
-K_SCALING = 20  # the fused K that the "fusing pays" target compares with one step per call
-K_COMPILE = (5, 100)  # compile time must not grow with K: the scan stays a loop
-
 
 def parse(argv: list[str] | None):
-    from equivalence.workloads import WORKLOADS
+    from equivalence.core.workloads import WORKLOADS
 
     parser = cli.OneLineParser(prog='python -m equivalence.bench', description=__doc__)
     parser.add_argument('--workload', default='mlp', help=f'one of: {", ".join(WORKLOADS)} (default mlp)')
@@ -47,54 +43,17 @@ def main(argv: list[str] | None = None) -> int:
     cli.check_output_path(args.json, args.overwrite)
     import jax
 
-    from equivalence import benchreport, report
+    from equivalence import bench
+    from equivalence.bench import report as benchreport
+    from equivalence.core import report
 
     wl, config = make_config(args, len(jax.devices()))
     warnings.filterwarnings('ignore', message='Some donated buffers were not usable')  # the batch, as score_sde
-    result = run(wl, config, args.repeats, args.compile_repeats)
+    result = bench.run(wl, config, args.repeats, args.compile_repeats)
     print(benchreport.text(result))
     if args.json:
         report.write_json(args.json, benchreport.to_json(result))
     return 0
-
-
-def run(wl, config, repeats: int, compile_repeats: int):
-    """Build every variant, check they agree, time compiles, warm up, then the interleaved repeats."""
-    from equivalence import benchreport, measure, variants
-
-    progress = measure.Progress(f'{config.workload} D={config.devices} K={config.steps_per_call}')
-    machine = measure.machine()
-    progress('building variants')
-    pool_steps = config.calls * max(config.steps_per_call, K_SCALING, *K_COMPILE)
-    feed = variants.Feed(wl, config, pool_steps)
-    built = variants.build_all(wl, config, feed, K_SCALING)
-    compiles = {}
-    for v in built:
-        progress(f'compile x{compile_repeats}: {v.label}')
-        compiles[v.name] = measure.time_compile(v, v.steps_per_call, compile_repeats)
-    scaling = compile_scaling(next(v for v in built if v.name == 'nnx'), compile_repeats, progress)
-    first = {}
-    for v in built:
-        progress(f'first call and warm-up: {v.label}')
-        first[v.name] = v.host_losses(v.call(v.place(1)[0]))
-        measure.warm_up(v, 3)
-    blocks = measure.interleaved(built, repeats, config.calls, progress)
-    progress.done()
-    machine['load_avg_1m_end'] = measure.machine()['load_avg_1m']
-    return benchreport.BenchResult(config, repeats, machine, built, blocks, compiles, scaling, first)
-
-
-def compile_scaling(v, repeats: int, progress) -> dict[int, 'object']:
-    """The shipped call compiled at K=5 and K=100, alternately."""
-    from equivalence import measure
-
-    timings = {k: measure.CompileTiming([], {}) for k in K_COMPILE}
-    for r in range(repeats):
-        for k in K_COMPILE:
-            progress(f'compile scaling {r + 1}/{repeats}: nnx shipped at K={k}')
-            one = measure.time_compile(v, k, 1)
-            timings[k] = dataclasses.replace(timings[k], seconds=timings[k].seconds + one.seconds, hlo=one.hlo)
-    return timings
 
 
 if __name__ == '__main__':

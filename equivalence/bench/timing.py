@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import jax
 
-from equivalence import hlo
-from equivalence.variants import Variant
+from equivalence.bench.variants import Variant
+from equivalence.explain import hlo
 
 BACKEND_COMPILE_EVENT = '/jax/core/compile/backend_compile_duration'  # jax's own monitoring event
 
@@ -88,7 +88,7 @@ COUNTED_OPS = ('copy', 'transpose', 'while', 'fusion')
 
 
 def summarize(hlo_text: str) -> dict[str, int]:
-    """What explains a speed difference between two compiled calls, from ``equivalence.hlo``'s parse.
+    """What explains a speed difference between two compiled calls, from ``equivalence.explain.hlo``'s parse.
 
     All-reduce operands are counted apart by where they run: in the scan's loop (once per
     step) or outside it (once per call); on CPU each operand is one rendezvous of all
@@ -135,7 +135,7 @@ def stats(values: list[float]) -> dict[str, float]:
 
 def machine() -> dict:
     """Where the numbers came from: devices, cores, load and versions."""
-    from equivalence.report import versions
+    from equivalence.core.report import versions
 
     devices = jax.devices()
     return {

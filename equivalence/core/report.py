@@ -5,7 +5,7 @@ import platform
 
 import numpy as np
 
-from equivalence.harness import RunResult
+from equivalence.core.harness import RunResult
 
 GROUPS = ('params', 'opt_state', 'ema', 'model_state', 'losses')
 

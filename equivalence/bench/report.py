@@ -5,10 +5,10 @@ import statistics
 
 import numpy as np
 
-from equivalence import compare
-from equivalence.config import RunConfig
-from equivalence.measure import Block, CompileTiming, stats
-from equivalence.variants import Variant
+from equivalence.bench.timing import Block, CompileTiming, stats
+from equivalence.bench.variants import Variant
+from equivalence.core import compare
+from equivalence.core.config import RunConfig
 
 METHOD = {
     'inputs': 'keys and batches are placed on the devices before each timed block (not timed, for every variant)',

@@ -11,7 +11,7 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    workload: str = 'mlp'  # registry name, see equivalence.workloads.WORKLOADS
+    workload: str = 'mlp'  # registry name, see equivalence.core.workloads.WORKLOADS
     devices: int = 8  # D: pmap replicas on the legacy side, mesh size on the NNX side
     steps_per_call: int = 5  # K: steps fused into one compiled call (score_sde's n_jitted_steps)
     calls: int = 4  # C: compiled calls; K * C steps in all

@@ -7,18 +7,15 @@ trained: each path's fused call is lowered and compiled once, then read.
 
 Counting: a collective inside the scan's while loop runs K times per call; per step is
 per call / K. Bytes are the payload each device puts in (operand sizes), per device.
-Exit codes: 0 explained, 2 bad input.
 """
 
 import dataclasses
-import sys
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from equivalence import cli, devices, hlo
+from equivalence.explain import hlo
 
 COUNTING = (
     'one compiled call of K fused steps; a collective inside the scan loop runs K times per call '
@@ -291,7 +288,7 @@ def measure_nnx(setup: Any, args: tuple) -> PathMeasurement:
 
 
 def measure_both(wl: Any, config: Any) -> tuple[PathMeasurement, PathMeasurement]:
-    from equivalence import harness
+    from equivalence.core import harness
 
     variables, calls, rng = harness.make_inputs(wl, config)
     legacy_setup = harness.legacy_setup(wl, config, variables)
@@ -598,42 +595,3 @@ def draw(m: PathMeasurement) -> None:
         shape, spec, how = view
         print(f'{m.title}: {how}, drawn as {_dims(shape)}; {_dims(p.shape)} {p.spec_text()}')
         jax.debug.visualize_sharding(shape, NamedSharding(p.sharding.mesh, P(*spec)))
-
-
-# -- the command ---------------------------------------------------------------------------------
-
-
-def parse(argv: list[str] | None):
-    from equivalence.workloads import WORKLOADS
-
-    parser = cli.OneLineParser(prog='python -m equivalence.explain', description=__doc__)
-    cli.add_run_flags(parser, list(WORKLOADS))
-    parser.add_argument('--json', default=None, metavar='PATH', help='write the same content as JSON')
-    parser.add_argument('--overwrite', action='store_true', help='replace an existing --json file')
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    devices.simulate_cpu_devices()  # before anything imports jax
-    args = parse(argv)
-    cli.check_output_path(args.json, args.overwrite)
-    import jax
-
-    from equivalence import report as report_io
-
-    wl, config = cli.run_config(args, len(jax.devices()))  # as run: bad input exits 2 with one line
-    warnings.filterwarnings('ignore', message='Some donated buffers were not usable')  # the batch, as score_sde
-    legacy, nnx = measure_both(wl, config)
-    r = report(legacy, nnx, config, jax.default_backend(), report_io.versions())
-    print(header_text(r))
-    for m in (legacy, nnx):
-        print('\n' + path_text(r['paths'][m.path]))
-        draw(m)
-    print(answers_text(r))
-    if args.json:
-        report_io.write_json(args.json, r)
-    return cli.EXIT_MATCH
-
-
-if __name__ == '__main__':
-    sys.exit(main())

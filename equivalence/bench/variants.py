@@ -21,9 +21,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from equivalence import harness
-from equivalence.config import RunConfig
-from equivalence.workloads import Workload
+from equivalence.core import harness
+from equivalence.core.config import RunConfig
+from equivalence.core.workloads import Workload
 from legacy_pmap import train as legacy
 from nnx_sharded import sharding
 from nnx_sharded import train as sharded

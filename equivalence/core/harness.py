@@ -12,9 +12,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from equivalence import compare, convert
-from equivalence.config import RunConfig
-from equivalence.workloads import Workload
+from equivalence.core import compare, convert
+from equivalence.core.config import RunConfig
+from equivalence.core.workloads import Workload
 from legacy_pmap import train as legacy
 from nnx_sharded import sharding
 from nnx_sharded import train as sharded

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from equivalence.compare import FLOAT32_REDUCTION_ORDER, Tolerance
-from equivalence.config import ConfigError
+from equivalence.core.compare import FLOAT32_REDUCTION_ORDER, Tolerance
+from equivalence.core.config import ConfigError
 from legacy_pmap import losses as legacy_losses
 from legacy_pmap import models as legacy_models
 from nnx_sharded import losses as nnx_losses
