@@ -38,13 +38,22 @@ def create_state(variables: dict, tx: optax.GradientTransformation, ema_rate: fl
     return TrainState(step=zero, params=params, opt_state=tx.init(params), model_state=model_state, params_ema=ema)
 
 
-def draw_noise(noise_fn: Callable, key: jax.Array, x_shape: tuple, rng_mode: str) -> dict:
-    """This device's random numbers: drawn for its own batch, or cut from a global draw."""
+def batch_spec(batch, n: int):
+    """Shapes and dtypes of a batch of ``n`` examples shaped as ``batch``: what a noise function reads."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct((n, *a.shape[1:]), a.dtype), batch)
+
+
+def draw_noise(noise_fn: Callable, key: jax.Array, batch, rng_mode: str, axis_name: str = AXIS) -> dict:
+    """This device's random numbers: drawn for its own batch, or cut from a global draw.
+
+    ``noise_fn(key, spec)`` gets the shapes of the batch it draws for (``batch_spec``).
+    """
+    b = jax.tree.leaves(batch)[0].shape[0]
     if rng_mode == 'per-device':
-        return noise_fn(key, x_shape)
-    n_dev, b = jax.lax.axis_size(AXIS), x_shape[0]
-    noise_G = noise_fn(key, (n_dev * b, *x_shape[1:]))  # same key on every device
-    start = jax.lax.axis_index(AXIS) * b
+        return noise_fn(key, batch_spec(batch, b))
+    n_dev = jax.lax.axis_size(axis_name)
+    noise_G = noise_fn(key, batch_spec(batch, n_dev * b))  # same key on every device
+    start = jax.lax.axis_index(axis_name) * b
     return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, b), noise_G)
 
 
@@ -58,7 +67,7 @@ def make_step_fn(model, per_example_loss: Callable, noise_fn: Callable, tx, ema_
     def step(carry, batch):
         rng, state = carry
         rng, step_rng = jax.random.split(rng)
-        noise = draw_noise(noise_fn, step_rng, batch['x'].shape, rng_mode)
+        noise = draw_noise(noise_fn, step_rng, batch, rng_mode)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         (loss, model_state), grads = grad_fn(state.params, state.model_state, batch, noise)
         grads = jax.lax.pmean(grads, axis_name=AXIS)
@@ -76,13 +85,13 @@ def make_step_fn(model, per_example_loss: Callable, noise_fn: Callable, tx, ema_
     return step
 
 
-def make_fused_call(step_fn: Callable, devices) -> Callable:
+def make_fused_call(step_fn: Callable, devices, axis_name: str = AXIS) -> Callable:
     """K steps per call on every device: ``p_train_step((rng, state), batch_DxK)``.
 
     As score_sde: argument 1, the batch, is donated (not the state).
     """
     scan = functools.partial(jax.lax.scan, step_fn)
-    return jax.pmap(scan, axis_name=AXIS, donate_argnums=1, devices=devices)
+    return jax.pmap(scan, axis_name=axis_name, donate_argnums=1, devices=devices)
 
 
 def next_call_keys(rng: jax.Array, n_devices: int, rng_mode: str) -> tuple[jax.Array, jax.Array]:

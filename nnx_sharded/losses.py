@@ -3,8 +3,8 @@
 Mirrors ``legacy_pmap/losses.py``. A loss is split in two so that the sharded path can
 draw *exactly* the random numbers each pmap device draws (see ``train.draw_noise``):
 
-- ``*_noise(key, x_shape)`` draws every random number one step needs for a batch of
-  shape ``x_shape`` (pure JAX, identical on both sides);
+- ``*_noise(key, batch)`` draws every random number one step needs for a batch shaped
+  as ``batch`` (its shapes and dtypes) (pure JAX, identical on both sides);
 - ``*_loss(model, batch, noise)`` is deterministic given the noise and returns one loss
   per example; NNX updates mutable state (batch statistics) in place.
 """
@@ -20,14 +20,15 @@ T_EPS = 1e-5  # score_sde samples t ~ U(eps, 1) to avoid the singular t=0
 CNN_HIDDEN, CNN_DROPOUT = 64, 0.25  # the width of the CNN's dropout layer, and its rate
 
 
-def no_noise(key: jax.Array, x_shape: tuple[int, ...]) -> dict:
+def no_noise(key: jax.Array, batch: dict) -> dict:
     """The MLP regression is deterministic: it consumes no random numbers."""
-    del key, x_shape
+    del key, batch
     return {}
 
 
-def score_noise(key: jax.Array, x_shape: tuple[int, ...]) -> dict:
+def score_noise(key: jax.Array, batch: dict) -> dict:
     """Random times and Gaussian noise, split exactly as score_sde's sde loss does."""
+    x_shape = batch['x'].shape
     rng, step_rng = jax.random.split(key)
     t_B = jax.random.uniform(step_rng, (x_shape[0],), minval=T_EPS, maxval=1.0)
     rng, step_rng = jax.random.split(rng)
@@ -35,9 +36,9 @@ def score_noise(key: jax.Array, x_shape: tuple[int, ...]) -> dict:
     return {'t': t_B, 'z': z_BxD}
 
 
-def cnn_noise(key: jax.Array, x_shape: tuple[int, ...]) -> dict:
+def cnn_noise(key: jax.Array, batch: dict) -> dict:
     """The dropout mask of the CNN's hidden layer, the bits its Dropout would draw."""
-    return {'keep': jax.random.bernoulli(key, 1.0 - CNN_DROPOUT, (x_shape[0], CNN_HIDDEN))}
+    return {'keep': jax.random.bernoulli(key, 1.0 - CNN_DROPOUT, (batch['x'].shape[0], CNN_HIDDEN))}
 
 
 def mlp_loss(model, batch: dict, noise: dict) -> jax.Array:

@@ -8,7 +8,7 @@ module says where each array lives, and XLA's partitioner derives the communicat
 from typing import Any
 
 import jax
-import numpy as np
+from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -50,7 +50,19 @@ def place_state(state: Any, mesh: Mesh) -> Any:
     return jax.device_put(state, state_shardings(state, mesh))
 
 
-def place_batch(batch_KxG: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+def place_objects(train_state: Any, mesh: Mesh) -> Any:
+    """NNX objects (a model, an ``nnx.Optimizer``, a tuple of them), replicated in place; or plain arrays."""
+    if not any(isinstance(x, nnx.Object) for x in jax.tree.leaves(train_state, is_leaf=_is_object)):
+        return jax.device_put(train_state, replicated(mesh))
+    nnx.update(train_state, jax.device_put(nnx.state(train_state), replicated(mesh)))
+    return train_state
+
+
+def _is_object(x) -> bool:
+    return isinstance(x, nnx.Object)
+
+
+def place_batch(batch_KxG: Any, mesh: Mesh) -> Any:
     return jax.device_put(batch_KxG, batch_sharding(mesh))
 
 

@@ -53,17 +53,23 @@ def split_keys(rng: jax.Array, rng_mode: str) -> tuple[jax.Array, jax.Array]:
     return (pair[:, 0], pair[:, 1]) if rng_mode == 'per-device' else (pair[0], pair[1])
 
 
-def draw_noise(noise_fn: Callable, key: jax.Array, x_shape: tuple, rng_mode: str) -> dict:
-    """The step's random numbers for the global batch.
+def batch_spec(batch, n: int):
+    """Shapes and dtypes of a batch of ``n`` examples shaped as ``batch``: what a noise function reads."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct((n, *a.shape[1:]), a.dtype), batch)
+
+
+def draw_noise(noise_fn: Callable, key: jax.Array, batch, rng_mode: str) -> dict:
+    """The step's random numbers for the global batch; ``noise_fn(key, spec)`` as on the pmap side.
 
     per-device: ``key`` is ``[D, 2]``. View the global batch as ``[D, G/D]`` and vmap
     the per-device draw over D: row d gets exactly the numbers pmap device d draws.
     global: one draw of the global shape.
     """
+    g = jax.tree.leaves(batch)[0].shape[0]
     if rng_mode == 'global':
-        return noise_fn(key, x_shape)
-    n_dev, g = key.shape[0], x_shape[0]
-    noise_DxB = jax.vmap(lambda k: noise_fn(k, (g // n_dev, *x_shape[1:])))(key)
+        return noise_fn(key, batch_spec(batch, g))
+    n_dev = key.shape[0]
+    noise_DxB = jax.vmap(lambda k: noise_fn(k, batch_spec(batch, g // n_dev)))(key)
     return jax.tree.map(lambda a: a.reshape(g, *a.shape[2:]), noise_DxB)
 
 
@@ -78,7 +84,7 @@ def make_step_fn(graphdef, per_example_loss: Callable, noise_fn: Callable, ema_r
         rng, state = carry
         ts = nnx.merge(graphdef, state)
         rng, step_rng = split_keys(rng, rng_mode)
-        noise = draw_noise(noise_fn, step_rng, batch['x'].shape, rng_mode)
+        noise = draw_noise(noise_fn, step_rng, batch, rng_mode)
         (_, losses_G), grads = nnx.value_and_grad(loss_fn, has_aux=True)(ts.model, batch, noise)
         ts.optimizer.update(ts.model, grads)
         if ema_rate is not None:

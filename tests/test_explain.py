@@ -104,7 +104,7 @@ def sharded_kernel_setup(wl, config, variables) -> harness.NnxSetup:
 
     shardings = jax.tree_util.tree_map_with_path(spec, setup.state)
     setup.state = jax.device_put(setup.state, shardings)
-    step = sharded.make_step_fn(setup.graphdef, wl.nnx_loss, wl.nnx_noise, wl.ema_rate, config.rng_mode)
+    step = harness.nnx_step(wl, setup.graphdef, config)
     setup.fused = sharded.make_fused_call(step, (sharding.key_sharding(setup.mesh, config.rng_mode), shardings))
     return setup
 

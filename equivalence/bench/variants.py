@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from equivalence.core import harness
 from equivalence.core.config import RunConfig
-from equivalence.core.workloads import Workload
+from equivalence.core.ports import ModelPort as Workload
 from legacy_pmap import train as legacy
 from nnx_sharded import sharding
 from nnx_sharded import train as sharded
@@ -128,7 +128,7 @@ def _nnx_chain(feed: Feed, setup: harness.NnxSetup, k: int) -> _Chain:
 def bare_jit(setup: harness.NnxSetup, wl: Workload) -> Callable:
     """The baseline of the host-overhead target: ``jax.jit`` of the same scan, no ``out_shardings``."""
     cfg = setup.config
-    step = sharded.make_step_fn(setup.graphdef, wl.nnx_loss, wl.nnx_noise, wl.ema_rate, cfg.rng_mode)
+    step = harness.nnx_step(wl, setup.graphdef, cfg)
     return jax.jit(sharded.scan_steps(step), donate_argnums=0)
 
 
@@ -137,7 +137,7 @@ def first_shipped_jit(setup: harness.NnxSetup, wl: Workload) -> Callable:
     scan carried the ``nnx.State`` that ``nnx.split`` returns (flattened in Python on every
     call) and each step returned its mean loss (one more all-reduce operand per step)."""
     cfg = setup.config
-    step = sharded.make_step_fn(setup.graphdef, wl.nnx_loss, wl.nnx_noise, wl.ema_rate, cfg.rng_mode)
+    step = harness.nnx_step(wl, setup.graphdef, cfg)
 
     def step_state(carry, batch):
         (rng, pure), losses_G = step(carry, batch)
@@ -182,7 +182,7 @@ def graph_jit(setup: harness.NnxSetup, wl: Workload) -> Callable:
     only how NNX carries the object through ``jit`` and ``scan`` (its graph traversal).
     """
     cfg = setup.config
-    step = sharded.make_step_fn(setup.graphdef, wl.nnx_loss, wl.nnx_noise, wl.ema_rate, cfg.rng_mode)
+    step = harness.nnx_step(wl, setup.graphdef, cfg)
 
     def body(carry, batch):
         ts, rng = carry

@@ -27,46 +27,100 @@ def flatten(tree: Any) -> dict[str, np.ndarray]:
     return {'/'.join(_key_name(k) for k in path): np.asarray(leaf) for path, leaf in leaves}
 
 
-def _merge(a: dict, b: dict) -> dict:
-    out = dict(a)
-    for k, v in b.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and k in out else v
-    return out
+def load_linen_variables(model: nnx.Module, variables: dict, mapping: dict[str, str] | None = None) -> None:
+    """Copy linen variables (params and batch_stats) into an NNX model, leaf by leaf.
 
-
-def load_linen_variables(model: nnx.Module, variables: dict) -> None:
-    """Copy linen variables (every collection) into an NNX model whose paths mirror them."""
-    linen = {}
+    ``mapping`` (``naming.resolve``) pairs every linen leaf path with its NNX path; it was
+    checked against both models before this is called. None: the paths are the same.
+    """
+    by_path = {}
     for collection in variables.values():
-        linen = _merge(linen, jax.tree.map(np.asarray, dict(collection)))
+        flat = flatten(dict(collection))
+        by_path.update({(mapping or {}).get(p, p): np.asarray(leaf) for p, leaf in flat.items()})
     state = nnx.state(model)
-    want, got = set(flatten(nnx.to_pure_dict(state))), set(flatten(linen))
-    if want != got:
-        raise ValueError(f'linen and NNX paths differ: only NNX {sorted(want - got)}, only linen {sorted(got - want)}')
-    nnx.replace_by_pure_dict(state, linen)
+    nested = {}
+    for path, leaf in by_path.items():
+        node = nested
+        *parents, last = path.split('/')
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = leaf
+    nnx.replace_by_pure_dict(state, _int_keys(nested, nnx.to_pure_dict(state)))
     nnx.update(model, state)
 
 
+def _int_keys(nested: dict, like: dict) -> dict:
+    """Path strings back to the keys the NNX state uses (list indices are ints: ``layers/0``)."""
+    out = {}
+    for k, v in nested.items():
+        key = next((c for c in like if str(c) == k), k)
+        out[key] = _int_keys(v, like[key]) if isinstance(v, dict) else v
+    return out
+
+
+def rename(neutral: Neutral, mapping: dict[str, str]) -> Neutral:
+    """A legacy neutral tree with linen leaf paths replaced by their NNX paths, in every group:
+    parameters and EMA by path, optimizer state and statistics where a path ends in one."""
+    from equivalence.core.naming import rename_path
+
+    return {group: {rename_path(p, mapping): a for p, a in leaves.items()} for group, leaves in neutral.items()}
+
+
 def legacy_to_neutral(state) -> Neutral:
-    """A single-replica ``legacy_pmap.train.TrainState``."""
+    """A single-replica ``legacy_pmap.train.TrainState``, or any train state with the same field names."""
+    return groups_to_neutral(legacy_groups(state))
+
+
+def legacy_groups(state) -> dict[str, Any]:
+    """A pmap-era train state's fields by group: ``step``, ``params``, ``opt_state``, and where
+    present ``model_state`` or ``batch_stats``, and ``params_ema`` (also ``ema_params``, ``ema``)."""
+    field = lambda *names: next((getattr(state, n) for n in names if getattr(state, n, None) is not None), None)  # noqa: E731
+    model_state = field('model_state')
+    if model_state is None and field('batch_stats') is not None:
+        model_state = {'batch_stats': state.batch_stats}
     return {
-        'params': flatten(state.params),
-        'opt_state': flatten(state.opt_state),
-        'ema': flatten(state.params_ema),
-        'model_state': flatten(state.model_state),
-        'step': {'step': np.asarray(state.step)},
+        'params': state.params,
+        'opt_state': state.opt_state,
+        'ema': field('params_ema', 'ema_params', 'ema'),
+        'model_state': model_state,
+        'step': {'step': state.step},
     }
+
+
+def groups_to_neutral(groups: dict[str, Any]) -> Neutral:
+    return {group: flatten(tree) for group, tree in groups.items()}
 
 
 def nnx_to_neutral(graphdef, state) -> Neutral:
     """The split ``nnx_sharded.train.TrainState``, grouped and named as the linen side."""
     ts = nnx.merge(graphdef, state)
-    model_state = {'batch_stats': nnx.to_pure_dict(nnx.state(ts.model, nnx.BatchStat))}
-    ema = nnx.to_pure_dict(nnx.state(ts.ema, nnx.Param)) if ts.ema is not None else None
+    return groups_to_neutral(nnx_groups(ts.model, ts.optimizer, ts.ema))
+
+
+def nnx_groups(model: nnx.Module, optimizer: nnx.Optimizer, ema: nnx.Module | None = None) -> dict[str, Any]:
+    """An NNX model, its ``nnx.Optimizer`` and an optional EMA copy, by group."""
+    stats = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
     return {
-        'params': flatten(nnx.to_pure_dict(nnx.state(ts.model, nnx.Param))),
-        'opt_state': flatten(nnx.to_pure_dict(nnx.state(ts.optimizer.opt_state))),
-        'ema': flatten(ema),
-        'model_state': flatten(model_state if model_state['batch_stats'] else {}),
-        'step': {'step': np.asarray(ts.optimizer.step[...])},
+        'params': nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+        'opt_state': nnx.to_pure_dict(nnx.state(optimizer.opt_state)),
+        'ema': nnx.to_pure_dict(nnx.state(ema, nnx.Param)) if ema is not None else None,
+        'model_state': {'batch_stats': stats} if stats else {},
+        'step': {'step': optimizer.step[...]},
     }
+
+
+def find_nnx_groups(train_state: Any) -> dict[str, Any]:
+    """The groups of a user's NNX train state: ``(model, optimizer)``, or an object with
+    ``model``, ``optimizer`` and optionally ``ema`` attributes."""
+    if isinstance(train_state, tuple | list):
+        objects = list(train_state)
+    else:
+        objects = [getattr(train_state, a) for a in ('model', 'optimizer') if hasattr(train_state, a)]
+    optimizers = [o for o in objects if isinstance(o, nnx.Optimizer)]
+    models = [o for o in objects if isinstance(o, nnx.Module) and not isinstance(o, nnx.Optimizer)]
+    if len(optimizers) != 1 or len(models) != 1:
+        raise TypeError(
+            'the NNX train state must be (model, optimizer) or have .model and .optimizer; '
+            f'got {type(train_state).__name__}: give the port nnx_groups='
+        )
+    return nnx_groups(models[0], optimizers[0], getattr(train_state, 'ema', None))

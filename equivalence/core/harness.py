@@ -4,7 +4,9 @@ One seed fixes everything: the data (numpy), the linen initialisation (copied in
 since the two initialisers differ) and the host key chain both paths draw call keys from.
 """
 
+import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -12,9 +14,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from equivalence.core import compare, convert
-from equivalence.core.config import RunConfig
-from equivalence.core.workloads import Workload
+from equivalence.core import compare, convert, naming, randomness
+from equivalence.core.config import ConfigError, RunConfig, check_available
+from equivalence.core.ports import LoopPort, ModelPort, Port
 from legacy_pmap import train as legacy
 from nnx_sharded import sharding
 from nnx_sharded import train as sharded
@@ -42,17 +44,65 @@ class RunResult:
         return [max(float(np.abs(a[k] - b[k]).max()) for k in a) for a, b in pairs]
 
 
-def make_inputs(wl: Workload, config: RunConfig) -> tuple[dict, list[dict], jax.Array]:
-    """Linen variables, the data of each call ``[K, G, ...]``, and the training key."""
-    data = wl.make_data(np.random.default_rng(config.seed), config.steps, config.batch_size)
-    calls = [
-        {k: v[c * config.steps_per_call : (c + 1) * config.steps_per_call] for k, v in data.items()}
-        for c in range(config.calls)
-    ]
+def make_inputs(port: Port, config: RunConfig) -> tuple[dict, list, jax.Array]:
+    """Linen variables, the data of each call (pytrees of ``[K, G, ...]``), and the training key."""
+    data = port.make_data(np.random.default_rng(config.seed), config.steps, config.batch_size)
+    k = config.steps_per_call
+    calls = [jax.tree.map(lambda v, c=c: v[c * k : (c + 1) * k], data) for c in range(config.calls)]
     rng, init_rng = jax.random.split(jax.random.PRNGKey(config.seed))
-    example = {k: v[0, :1] for k, v in data.items()}
-    variables = wl.legacy_model().init(init_rng, *wl.init_args(example))
-    return variables, calls, rng
+    example = jax.tree.map(lambda v: v[0, :1], data)
+    variables = port.legacy_model().init({'params': init_rng, 'dropout': init_rng}, *port.init_args(example))
+    return dict(variables), calls, rng
+
+
+def check_names(port: Port, variables: dict) -> dict[str, str]:
+    """``{linen path: NNX path}`` for every variable, from an abstract NNX model (nothing is
+    allocated); ``naming.PortError`` (exit 2) when the two sides do not pair."""
+    abstract = nnx.eval_shape(lambda: port.nnx_model(nnx.Rngs(0)))
+    return naming.resolve(naming.linen_spec(variables), naming.nnx_spec(abstract), port.names)
+
+
+def uses_dropout(port: Port) -> bool:
+    """Whether the NNX model has Dropout layers (then the suite hands both sides dropout keys)."""
+    abstract = nnx.eval_shape(lambda: port.nnx_model(nnx.Rngs(0)))
+    return any(isinstance(node, nnx.Dropout) for _, node in nnx.iter_graph(abstract))
+
+
+def port_noise(port: ModelPort, dropout: bool) -> Callable:
+    """The step's noise function: the port's own numbers, and per-example dropout keys if needed."""
+
+    def noise(key, spec):
+        out = {'port': port.noise(key, spec) if port.noise is not None else {}}
+        if dropout:
+            out['dropout'] = randomness.example_keys(key, spec)
+        return out
+
+    return noise
+
+
+def legacy_loss(port: ModelPort, config: RunConfig) -> Callable:
+    """The port's linen loss, with its Dropout layers bridged and its return normalised."""
+
+    def loss(model, params, model_state, batch, noise):
+        with randomness.bridged(config.rng_mode, legacy.AXIS, noise.get('dropout')):
+            out = port.legacy_loss(model, params, model_state, batch, noise['port'])
+        return out if isinstance(out, tuple) else (out, model_state)
+
+    return loss
+
+
+def nnx_loss(port: ModelPort, config: RunConfig) -> Callable:
+    def loss(model, batch, noise):
+        with randomness.bridged(config.rng_mode, None, noise.get('dropout')):
+            return port.nnx_loss(model, batch, noise['port'])
+
+    return loss
+
+
+def nnx_step(port: ModelPort, graphdef, config: RunConfig) -> Callable:
+    """The NNX scan body for a model port (also what bench and explain rebuild under other ``jit``s)."""
+    noise = port_noise(port, uses_dropout(port))
+    return sharded.make_step_fn(graphdef, nnx_loss(port, config), noise, port.ema_rate, config.rng_mode)
 
 
 @dataclasses.dataclass
@@ -60,20 +110,31 @@ class LegacySetup:
     """Everything the pmap path needs before its first call."""
 
     p_train_step: Callable  # jax.pmap(partial(lax.scan, step)), called ((keys_D, pstate), batch_DxK)
-    pstate: Any  # replicated TrainState, leading axis D
+    pstate: Any  # replicated train state, leading axis D
     config: RunConfig
+    groups: Callable = convert.legacy_groups  # one replica of the state -> {group: tree}
+    context: Callable = contextlib.nullcontext  # entered around each call (a loop port's Dropout bridge)
 
-    def call_args(self, rng, batch_KxG: dict) -> tuple[jax.Array, tuple]:
+    def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
         """``(next rng, args of one call)`` in score_sde's layout."""
         n = self.config.devices
         rng, keys_D = legacy.next_call_keys(rng, n, self.config.rng_mode)
-        batch_DxK = {k: legacy.shard_batch(v, n) for k, v in batch_KxG.items()}
+        batch_DxK = jax.tree.map(lambda v: legacy.shard_batch(v, n), batch_KxG)
         return rng, ((keys_D, self.pstate), batch_DxK)
+
+    def call(self, args: tuple) -> np.ndarray:
+        """One compiled call; keeps the new state, returns the K losses (blocks: one call in flight)."""
+        with self.context():
+            (_, self.pstate), loss_DxK = self.p_train_step(*args)
+        return np.asarray(legacy.unreplicate(loss_DxK))
+
+    def neutral(self) -> convert.Neutral:
+        return convert.groups_to_neutral(self.groups(legacy.unreplicate(self.pstate)))
 
 
 @dataclasses.dataclass
 class NnxSetup:
-    """Everything the sharded path needs before its first call."""
+    """Everything the sharded path needs before its first call (a model port: the suite's loop)."""
 
     fused: Callable  # jax.jit(train.scan_steps(step)), called ((keys, state), batch_KxG) -> (carry, loss_K)
     graphdef: Any
@@ -81,28 +142,69 @@ class NnxSetup:
     mesh: Any
     config: RunConfig
 
-    def call_args(self, rng, batch_KxG: dict) -> tuple[jax.Array, tuple]:
+    def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
         mode = self.config.rng_mode
         rng, keys = sharded.next_call_keys(rng, self.config.devices, mode)
         carry = (sharding.place_keys(keys, self.mesh, mode), self.state)
         return rng, (carry, sharding.place_batch(batch_KxG, self.mesh))
 
+    def call(self, args: tuple) -> np.ndarray:
+        (_, self.state), loss_K = self.fused(*args)
+        return np.asarray(loss_K)
 
-def legacy_setup(wl: Workload, config: RunConfig, variables: dict) -> LegacySetup:
+    def neutral(self) -> convert.Neutral:
+        return convert.nnx_to_neutral(self.graphdef, self.state)
+
+
+@dataclasses.dataclass
+class NnxLoopSetup:
+    """A loop port's NNX side: the user's fused call over the user's train state."""
+
+    port: LoopPort
+    train_state: Any  # whatever port.nnx_state returned, placed on the mesh
+    mesh: Any
+    config: RunConfig
+
+    def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
+        mode = self.config.rng_mode
+        rng, keys = sharded.next_call_keys(rng, self.config.devices, mode)
+        return rng, (sharding.place_keys(keys, self.mesh, mode), sharding.place_batch(batch_KxG, self.mesh))
+
+    def call(self, args: tuple) -> np.ndarray:
+        with randomness.bridged(self.config.rng_mode):
+            self.train_state, losses_K = self.port.nnx_call(self.train_state, *args)
+        return np.asarray(losses_K)
+
+    def neutral(self) -> convert.Neutral:
+        groups = self.port.nnx_groups or convert.find_nnx_groups
+        return convert.groups_to_neutral(groups(self.train_state))
+
+
+def legacy_setup(port: Port, config: RunConfig, variables: dict) -> LegacySetup:
     devices = jax.devices()[: config.devices]
-    tx = wl.make_tx(1.0)
-    pstate = legacy.replicate(legacy.create_state(variables, tx, wl.ema_rate), devices)
-    step = legacy.make_step_fn(wl.legacy_model(), wl.legacy_loss, wl.legacy_noise, tx, wl.ema_rate, config.rng_mode)
+    if isinstance(port, LoopPort):
+        pstate = legacy.replicate(port.legacy_state(variables), devices)
+        call = legacy.make_fused_call(port.legacy_step, devices, port.axis_name)
+        context = functools.partial(randomness.bridged, config.rng_mode, port.axis_name)
+        return LegacySetup(call, pstate, config, port.legacy_groups or convert.legacy_groups, context)
+    tx = port.make_tx(1.0)
+    pstate = legacy.replicate(legacy.create_state(variables, tx, port.ema_rate), devices)
+    noise = port_noise(port, uses_dropout(port))
+    step = legacy.make_step_fn(
+        port.legacy_model(), legacy_loss(port, config), noise, tx, port.ema_rate, config.rng_mode
+    )
     return LegacySetup(legacy.make_fused_call(step, devices), pstate, config)
 
 
-def nnx_setup(wl: Workload, config: RunConfig, variables: dict) -> NnxSetup:
+def nnx_setup(port: Port, config: RunConfig, variables: dict) -> NnxSetup | NnxLoopSetup:
     mesh = sharding.make_mesh(config.devices)
-    model = wl.nnx_model(nnx.Rngs(0))
-    convert.load_linen_variables(model, variables)
-    graphdef, state = sharded.create_state(model, wl.make_tx(1.0 + config.perturb), wl.ema_rate)
+    model = port.nnx_model(nnx.Rngs(0))
+    convert.load_linen_variables(model, variables, check_names(port, variables))
+    if isinstance(port, LoopPort):
+        return NnxLoopSetup(port, sharding.place_objects(port.nnx_state(model), mesh), mesh, config)
+    graphdef, state = sharded.create_state(model, port.make_tx(1.0 + config.perturb), port.ema_rate)
     state = sharding.place_state(state, mesh)
-    step = sharded.make_step_fn(graphdef, wl.nnx_loss, wl.nnx_noise, wl.ema_rate, config.rng_mode)
+    step = nnx_step(port, graphdef, config)
     carry_shardings = (sharding.key_sharding(mesh, config.rng_mode), sharding.state_shardings(state, mesh))
     return NnxSetup(sharded.make_fused_call(step, carry_shardings), graphdef, state, mesh, config)
 
@@ -114,41 +216,42 @@ def _silent(path: str) -> None:
     pass
 
 
-def run_legacy(
-    wl: Workload, config: RunConfig, variables: dict, calls: list[dict], rng, progress=_silent
-) -> PathResult:
-    setup = legacy_setup(wl, config, variables)
+def _train(setup, calls: list, rng, mapping: dict[str, str] | None, progress: Progress, path: str):
+    """Every call in order, one in flight; the losses and the parameters after each call."""
     losses, per_call = [], []
     for batch_KxG in calls:
         rng, args = setup.call_args(rng, batch_KxG)
-        (_, setup.pstate), loss_DxK = setup.p_train_step(*args)
-        losses.append(np.asarray(legacy.unreplicate(loss_DxK)))  # blocks: one call in flight
-        per_call.append(convert.flatten(legacy.unreplicate(setup.pstate.params)))
-        progress('legacy')
-    state = legacy.unreplicate(setup.pstate)
-    result = PathResult(convert.legacy_to_neutral(state), np.concatenate(losses), per_call, setup.pstate)
-    if wl.eval_data is not None:
-        data = wl.eval_data()
-        logits = wl.legacy_predict(wl.legacy_model(), state.params, state.model_state, data['x'])
+        losses.append(setup.call(args))
+        per_call.append(_params(setup.neutral(), mapping))
+        progress(path)
+    return np.concatenate(losses), per_call
+
+
+def _params(neutral: convert.Neutral, mapping: dict[str, str] | None) -> dict[str, np.ndarray]:
+    return convert.rename(neutral, mapping)['params'] if mapping else neutral['params']
+
+
+def run_legacy(port: Port, config: RunConfig, variables: dict, calls: list, rng, progress=_silent) -> PathResult:
+    """The pmap path; its leaves are named as the NNX side names them (``check_names``)."""
+    mapping = check_names(port, variables)
+    setup = legacy_setup(port, config, variables)
+    losses, per_call = _train(setup, calls, rng, mapping, progress, 'legacy')
+    result = PathResult(convert.rename(setup.neutral(), mapping), losses, per_call, setup.pstate)
+    if getattr(port, 'eval_data', None) is not None:
+        state, data = legacy.unreplicate(setup.pstate), port.eval_data()
+        logits = port.legacy_predict(port.legacy_model(), state.params, state.model_state, data['x'])
         result.eval_accuracy = accuracy(logits, data['y'])
     return result
 
 
-def run_nnx(wl: Workload, config: RunConfig, variables: dict, calls: list[dict], rng, progress=_silent) -> PathResult:
-    setup = nnx_setup(wl, config, variables)
-    losses, per_call = [], []
-    for batch_KxG in calls:
-        rng, args = setup.call_args(rng, batch_KxG)
-        (_, setup.state), loss_K = setup.fused(*args)
-        losses.append(np.asarray(loss_K))  # blocks: one call in flight
-        model = nnx.merge(setup.graphdef, setup.state).model
-        per_call.append(convert.flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
-        progress('nnx')
-    final = convert.nnx_to_neutral(setup.graphdef, setup.state)
-    result = PathResult(final, np.concatenate(losses), per_call, (setup.graphdef, setup.state))
-    if wl.eval_data is not None:
-        data = wl.eval_data()
-        logits = wl.nnx_predict(nnx.merge(setup.graphdef, setup.state).model, data['x'])
+def run_nnx(port: Port, config: RunConfig, variables: dict, calls: list, rng, progress=_silent) -> PathResult:
+    setup = nnx_setup(port, config, variables)
+    losses, per_call = _train(setup, calls, rng, None, progress, 'nnx')
+    raw = (setup.graphdef, setup.state) if isinstance(setup, NnxSetup) else setup.train_state
+    result = PathResult(setup.neutral(), losses, per_call, raw)
+    if getattr(port, 'eval_data', None) is not None:
+        data = port.eval_data()
+        logits = port.nnx_predict(nnx.merge(setup.graphdef, setup.state).model, data['x'])
         result.eval_accuracy = accuracy(logits, data['y'])
     return result
 
@@ -169,13 +272,29 @@ def with_losses(neutral: convert.Neutral, losses: np.ndarray) -> convert.Neutral
     return {**neutral, 'losses': {'per_step': losses}}
 
 
-def run(wl: Workload, config: RunConfig, progress: Progress | None = None) -> RunResult:
+def run(port: Port, config: RunConfig, progress: Progress | None = None) -> RunResult:
     """Both paths, then the comparison of parameters, optimizer state, EMA, stats, losses.
 
-    ``progress``, if given, is called after each of the 2 * C compiled calls.
+    The two sides' variable names are paired first: a port whose names do not pair stops
+    here, before any training (``naming.PortError``). ``progress``, if given, is called
+    after each of the 2 * C compiled calls.
     """
-    variables, calls, rng = make_inputs(wl, config)
-    old = run_legacy(wl, config, variables, calls, rng, progress or _silent)
-    new = run_nnx(wl, config, variables, calls, rng, progress or _silent)
-    report = compare.compare(with_losses(old.final, old.losses), with_losses(new.final, new.losses), wl.tolerance)
+    if isinstance(port, LoopPort) and config.perturb:
+        raise ConfigError("--perturb scales the suite's NNX optimizer: a loop port brings its own (perturb it there)")
+    variables, calls, rng = make_inputs(port, config)
+    check_names(port, variables)
+    old = run_legacy(port, config, variables, calls, rng, progress or _silent)
+    new = run_nnx(port, config, variables, calls, rng, progress or _silent)
+    report = compare.compare(with_losses(old.final, old.losses), with_losses(new.final, new.losses), port.tolerance)
     return RunResult(config, old, new, report)
+
+
+def check(port: Port, **flags) -> RunResult:
+    """Run both paths of ``port`` on this process's devices and compare them: the library form
+    of ``python -m equivalence.run``. ``flags`` are ``RunConfig`` fields (``devices`` defaults
+    to every device JAX sees, ``batch_size`` to the port's); bad values raise ``ConfigError``."""
+    flags.setdefault('devices', len(jax.devices()))
+    flags.setdefault('batch_size', port.default_batch)
+    config = RunConfig(workload=port.name, **flags)
+    check_available(config, len(jax.devices()))
+    return run(port, config)

@@ -1,44 +1,22 @@
-"""The registry: a workload is data, not a code path.
+"""The built-in workloads: model ports (``equivalence.core.ports.ModelPort``) like any user's.
 
 Each entry names the mirrored model and loss of both packages, its synthetic data and
 its optimizer. The harness, CLI and tests iterate over ``WORKLOADS``; adding a workload
-means adding the two mirrored modules and one entry here.
+means adding the two mirrored modules and one entry here. ``get`` also takes a user's
+port by name, ``package.module:NAME``.
 """
-
-import dataclasses
-from collections.abc import Callable
 
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from equivalence.core.compare import FLOAT32_REDUCTION_ORDER, Tolerance
+from equivalence.core import ports
 from equivalence.core.config import ConfigError
+from equivalence.core.ports import ModelPort
 from legacy_pmap import losses as legacy_losses
 from legacy_pmap import models as legacy_models
 from nnx_sharded import losses as nnx_losses
 from nnx_sharded import models as nnx_models
-
-
-@dataclasses.dataclass(frozen=True)
-class Workload:
-    name: str
-    summary: str
-    legacy_model: Callable  # () -> linen Module
-    nnx_model: Callable  # (rngs) -> nnx Module
-    legacy_loss: Callable  # (model, params, model_state, batch, noise) -> (losses_B, model_state)
-    nnx_loss: Callable  # (model, batch, noise) -> losses_B
-    legacy_noise: Callable  # (key, x_shape) -> noise dict
-    nnx_noise: Callable  # (key, x_shape) -> noise dict
-    init_args: Callable  # (batch of 1) -> positional args of the linen init call
-    make_data: Callable  # (np Generator, n_steps, global_batch) -> {name: [N, G, ...]}
-    make_tx: Callable  # (lr_scale) -> optax transformation
-    ema_rate: float | None  # EMA of the parameters each step, or None
-    default_batch: int  # global batch when --batch-size is not given
-    eval_data: Callable | None = None  # () -> {'x', 'y'} held-out split, for classifiers
-    legacy_predict: Callable | None = None  # (model, params, model_state, x) -> logits
-    nnx_predict: Callable | None = None  # (model, x) -> logits
-    tolerance: Tolerance = FLOAT32_REDUCTION_ORDER  # what "match" means, and why
 
 
 def mlp_data(rng: np.random.Generator, n_steps: int, batch: int) -> dict[str, np.ndarray]:
@@ -102,46 +80,43 @@ def score_tx(lr_scale: float = 1.0, lr: float = 2e-3, warmup: int = 10, clip: fl
     return optax.chain(optax.clip_by_global_norm(clip), optax.adam(schedule, b1=0.9, b2=0.999, eps=1e-8))
 
 
-WORKLOADS: dict[str, Workload] = {
-    'mlp': Workload(
+WORKLOADS: dict[str, ModelPort] = {
+    'mlp': ModelPort(
         name='mlp',
         summary='regression MLP 20->30->1, L2 loss, Adam',
         legacy_model=legacy_models.MLP,
         nnx_model=lambda rngs: nnx_models.MLP(rngs=rngs),
         legacy_loss=legacy_losses.mlp_loss,
         nnx_loss=nnx_losses.mlp_loss,
-        legacy_noise=legacy_losses.no_noise,
-        nnx_noise=nnx_losses.no_noise,
+        noise=legacy_losses.no_noise,
         init_args=lambda b: (b['x'],),
         make_data=mlp_data,
         make_tx=mlp_tx,
         ema_rate=None,
         default_batch=64,
     ),
-    'score': Workload(
+    'score': ModelPort(
         name='score',
         summary='denoising score matching (VE SDE), warmup, clipping, Adam, EMA',
         legacy_model=legacy_models.ScoreNet,
         nnx_model=lambda rngs: nnx_models.ScoreNet(rngs=rngs),
         legacy_loss=legacy_losses.score_loss,
         nnx_loss=nnx_losses.score_loss,
-        legacy_noise=legacy_losses.score_noise,
-        nnx_noise=nnx_losses.score_noise,
+        noise=legacy_losses.score_noise,
         init_args=lambda b: (b['x'], jnp.ones(b['x'].shape[:1])),
         make_data=ring_data,
         make_tx=score_tx,
         ema_rate=0.999,
         default_batch=128,
     ),
-    'cnn': Workload(
+    'cnn': ModelPort(
         name='cnn',
         summary='conv classifier with BatchNorm and Dropout on scikit-learn digits, Adam',
         legacy_model=legacy_models.CNN,
         nnx_model=lambda rngs: nnx_models.CNN(rngs=rngs),
         legacy_loss=legacy_losses.cnn_loss,
         nnx_loss=nnx_losses.cnn_loss,
-        legacy_noise=legacy_losses.cnn_noise,
-        nnx_noise=nnx_losses.cnn_noise,
+        noise=legacy_losses.cnn_noise,
         init_args=lambda b: (b['x'], False),
         make_data=digits_data,
         make_tx=lambda lr_scale=1.0: optax.adam(3e-3 * lr_scale),
@@ -154,7 +129,11 @@ WORKLOADS: dict[str, Workload] = {
 }
 
 
-def get(name: str) -> Workload:
+def get(name: str) -> ports.Port:
+    """A built-in workload, or a user's port named ``package.module:NAME``."""
+    if ':' in name:
+        return ports.load(name)
     if name not in WORKLOADS:
-        raise ConfigError(f'unknown workload {name!r}; choose one of {", ".join(WORKLOADS)}')
+        choices = ', '.join(WORKLOADS)
+        raise ConfigError(f'unknown workload {name!r}; choose one of {choices}, or a port as package.module:NAME')
     return WORKLOADS[name]

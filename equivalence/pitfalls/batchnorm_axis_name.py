@@ -21,6 +21,7 @@ from flax import nnx
 
 from equivalence.core import harness, workloads
 from equivalence.core.config import RunConfig
+from equivalence.core.ports import ModelPort
 from equivalence.pitfalls.base import DAMAGE, CaseResult, yes
 from legacy_pmap import train as legacy
 
@@ -67,7 +68,7 @@ def nnx_loss(model, batch, noise):
     return jnp.mean((model(batch['x']) - batch['y']) ** 2, axis=-1)
 
 
-def workload(axis_name: str | None) -> workloads.Workload:
+def workload(axis_name: str | None) -> ModelPort:
     """The mlp workload with BatchNorm, pmap side with or without ``axis_name``."""
     return dataclasses.replace(
         workloads.get('mlp'),

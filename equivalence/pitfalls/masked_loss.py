@@ -24,6 +24,7 @@ import numpy as np
 
 from equivalence.core import harness, workloads
 from equivalence.core.config import RunConfig
+from equivalence.core.ports import ModelPort
 from equivalence.pitfalls.base import DAMAGE, CaseResult, indivisible, padded, yes
 from legacy_pmap import losses as legacy_losses
 from legacy_pmap import train as legacy
@@ -71,7 +72,7 @@ def nnx_global_mean(model, batch, noise):
     return nnx_losses.mlp_loss(model, batch, noise) * m_G * m_G.shape[0] / jnp.sum(m_G)
 
 
-def workload(legacy_loss, devices: int) -> workloads.Workload:
+def workload(legacy_loss, devices: int) -> ModelPort:
     return dataclasses.replace(
         workloads.get('mlp'),
         name='masked-mlp',

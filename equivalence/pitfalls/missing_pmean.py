@@ -12,6 +12,7 @@ import optax
 
 from equivalence.core import convert, harness, workloads
 from equivalence.core.config import RunConfig
+from equivalence.core.ports import ModelPort
 from equivalence.pitfalls.base import DAMAGE, CaseResult, max_abs_diff, yes
 from legacy_pmap import train as legacy
 
@@ -43,7 +44,7 @@ def step_without_pmean(model, per_example_loss, tx: optax.GradientTransformation
     return step
 
 
-def run_wrong(wl: workloads.Workload, config: RunConfig, variables: dict, calls: list[dict], rng):
+def run_wrong(wl: ModelPort, config: RunConfig, variables: dict, calls: list[dict], rng):
     """score_sde's loop over the calls, with the wrong step; returns the replicated state."""
     tx = wl.make_tx(1.0)
     devices = jax.devices()[: config.devices]

@@ -1,0 +1,110 @@
+"""The public surface: what a team gives the suite to check its own port, at two levels.
+
+- ``ModelPort`` (level 1): your linen module and your NNX module, the loss of each, an
+  optax transformation and a data source. The suite's own loops (``legacy_pmap/train.py``
+  and ``nnx_sharded/train.py``) train both and compare. The built-in workloads are ports
+  of this kind (``equivalence.core.workloads``): they take no path a user port cannot.
+- ``LoopPort`` (level 2): your own step, the one you ``pmap(scan(...))`` with its
+  ``lax.pmean``, and your own NNX fused call (``jax.jit(lax.scan)`` over split state, or
+  ``nnx.jit(nnx.scan)`` over the objects). The suite lays out one data stream both ways,
+  hands both sides the same keys, places the inputs and compares every leaf.
+
+A batch is any pytree of arrays whose leaves lead with the batch axis; no key is required.
+Both levels go through ``equivalence.core.harness`` and the same comparison and report.
+"""
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from equivalence.core.compare import FLOAT32_REDUCTION_ORDER, Tolerance
+from equivalence.core.config import ConfigError
+from equivalence.core.naming import Names
+
+
+def _batch_only(batch) -> tuple:
+    return (batch,)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPort:
+    """Level 1: your two models and losses, trained by the suite's two loops.
+
+    Losses return one value per example; the loops average them over the global batch.
+    ``noise`` draws the random numbers a loss consumes outside the model (the suite calls it
+    per device or once for the global batch, as ``--rng`` says, and gives both losses the
+    same numbers); Dropout layers *inside* the models need nothing: the suite draws their
+    masks the same way on both sides (``equivalence.core.randomness``).
+    """
+
+    name: str
+    legacy_model: Callable[[], Any]  # () -> linen Module
+    nnx_model: Callable[[Any], Any]  # (nnx.Rngs) -> nnx Module; its initial values are replaced by linen's
+    legacy_loss: Callable  # (model, params, model_state, batch, noise) -> losses_B, or (losses_B, new model_state)
+    nnx_loss: Callable  # (model, batch, noise) -> losses_B; BatchNorm statistics update in place
+    make_data: Callable  # (np.random.Generator, n_steps, global_batch) -> pytree of [n_steps, global_batch, ...]
+    make_tx: Callable  # (lr_scale: float) -> optax transformation; --perturb scales the NNX side's
+    init_args: Callable = _batch_only  # (batch of one example) -> positional args of the linen init
+    noise: Callable | None = None  # (key, batch shapes) -> pytree of per-example arrays, or None
+    names: Names = None  # linen -> NNX paths: None (same), {prefix: prefix}, a function, or 'structure'
+    ema_rate: float | None = None  # EMA of the parameters after every step, or None
+    default_batch: int = 64  # global batch when --batch-size is not given
+    summary: str = ''  # one line for listings
+    tolerance: Tolerance = FLOAT32_REDUCTION_ORDER  # what "match" means, and why
+    eval_data: Callable | None = None  # () -> {'x', 'y'} held-out split, for classifiers
+    legacy_predict: Callable | None = None  # (model, params, model_state, x) -> logits
+    nnx_predict: Callable | None = None  # (model, x) -> logits
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopPort:
+    """Level 2: your own pmap step and your own NNX fused call; the suite only feeds and compares.
+
+    The suite initialises ``legacy_model`` once and copies the weights into ``nnx_model``
+    (through ``names``), so both sides start equal; ``legacy_state`` and ``nnx_state`` build
+    your train states from those. Each call gets keys from one host chain: per-device
+    ``[D, 2]`` (pmap: row d on device d; NNX: the same array placed ``P('data')``) or one
+    global key, as ``--rng`` says.
+    """
+
+    name: str
+    legacy_model: Callable[[], Any]  # () -> linen Module, initialised by the suite
+    nnx_model: Callable[[Any], Any]  # (nnx.Rngs) -> nnx Module, then given linen's weights
+    make_data: Callable  # (np.random.Generator, n_steps, global_batch) -> pytree of [n_steps, global_batch, ...]
+    legacy_state: Callable[[dict], Any]  # linen variables -> your train state (one replica; the suite replicates)
+    legacy_step: Callable  # ((rng, state), batch) -> ((rng, state), loss); your pmean over axis_name inside
+    nnx_state: Callable[[Any], Any]  # the NNX model, holding linen's weights -> what your fused call takes
+    nnx_call: Callable  # (train_state, keys, batch_KxG) -> (train_state, losses_K): K steps, one call
+    init_args: Callable = _batch_only  # (batch of one example) -> positional args of the linen init
+    axis_name: str = 'batch'  # the pmap axis your step's lax.pmean names
+    names: Names = None  # linen -> NNX paths, as for ModelPort
+    legacy_groups: Callable | None = None  # your train state -> {group: tree}; None: read its fields by name
+    nnx_groups: Callable | None = None  # your NNX train state -> {group: tree}; None: find model and optimizer
+    default_batch: int = 64
+    summary: str = ''
+    tolerance: Tolerance = FLOAT32_REDUCTION_ORDER
+
+
+Port = ModelPort | LoopPort
+
+
+def load(spec: str) -> Port:
+    """``'package.module:NAME'`` -> the port it names (a port, or a function of no arguments returning one)."""
+    module_name, _, attr = spec.partition(':')
+    if not module_name or not attr:
+        raise ConfigError(f'--workload {spec!r}: a port is named package.module:NAME')
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise ConfigError(f'--workload {spec!r}: cannot import {e.name!r} (is its folder on PYTHONPATH?)') from None
+    except Exception as e:  # noqa: BLE001 -- the user's module failed: say so in one line
+        raise ConfigError(f'--workload {spec!r}: importing {module_name} raised {type(e).__name__}: {e}') from None
+    if not hasattr(module, attr):
+        raise ConfigError(f'--workload {spec!r}: {module_name} has no attribute {attr!r}')
+    port = getattr(module, attr)
+    if callable(port) and not isinstance(port, Port):
+        port = port()
+    if not isinstance(port, Port):
+        raise ConfigError(f'--workload {spec!r} is a {type(port).__name__}, not an equivalence ModelPort or LoopPort')
+    return port

@@ -1,0 +1,163 @@
+"""Dropout inside the model: both frameworks draw their masks from the same keys, the same way.
+
+Linen and NNX derive a Dropout layer's key differently from the same root key (linen folds
+in the module path, NNX counts calls on the layer's stream), and the pmap and sharded
+layouts draw per device or once for the global batch. So a model that owns its dropout
+gets other masks on each side, and no tolerance could match the two trajectories.
+
+While ``bridged(...)`` is active, every ``nn.Dropout`` and ``nnx.Dropout`` call draws its
+mask here instead; the n-th Dropout call of a traced step folds ``n`` into its key:
+
+- the suite's own loops (a model port) hand both sides one key per *example*
+  (``example_keys``, drawn from the step key like any other per-example noise, so per
+  device or globally as ``--rng`` says); example i's mask row is
+  ``bernoulli(fold_in(key_i, n), 1 - rate, row shape)``, the same bits whatever the layout.
+- a user's own loops (a loop port) keep their keys: the mask comes from the key their code
+  gave the layer (linen: the root key passed to ``apply(rngs={'dropout': key})``; NNX: the
+  ``rngs=`` argument or the layer's stream key, e.g. after ``nnx.reseed``), drawn as each
+  path lays out its random numbers (``train.draw_noise`` of each package): per device, or
+  one global draw cut into per-device slices on the pmap side.
+
+Deterministic calls, rate 0 and rate 1 behave as the layers do, and so does the scaling:
+``select(mask, x / (1 - rate), 0)``, the layers' own formula.
+
+Linen is intercepted through its public ``nn.intercept_methods``; NNX has no interceptor,
+so ``nnx.Dropout.__call__`` is replaced for the duration of the ``with`` (tracing is
+single-threaded) and restored after it.
+"""
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx import rnglib
+from jax.extend.core import get_opaque_trace_state
+
+from equivalence.core.naming import PortError
+from legacy_pmap import train as legacy
+from nnx_sharded import train as sharded
+
+DROPOUT_STREAM = 0x0D0  # folded into the step key to make the per-example dropout keys
+
+
+@dataclasses.dataclass
+class _Bridge:
+    rng_mode: str  # 'per-device' or 'global'
+    axis_name: str | None  # the pmap axis, on the legacy side
+    example_keys: Any = None  # [examples, 2]: one key per example of this side's batch; None: the user's keys
+    counts: list = dataclasses.field(default_factory=list)  # [trace state, calls so far] per trace seen
+
+
+_active = threading.local()
+
+
+def _state() -> _Bridge | None:
+    return getattr(_active, 'bridge', None)
+
+
+def example_keys(step_key: jax.Array, spec) -> jax.Array:
+    """One key per example of the batch ``spec`` describes: drawn like any per-example noise."""
+    n = jax.tree.leaves(spec)[0].shape[0]
+    return jax.random.split(jax.random.fold_in(step_key, DROPOUT_STREAM), n)
+
+
+def _call_index(bridge: _Bridge) -> int:
+    """n for the n-th Dropout call under the current trace (from 0 again when JAX traces a body again)."""
+    trace = get_opaque_trace_state(convention='flax')
+    for entry in bridge.counts:
+        if entry[0] == trace:
+            entry[1] += 1
+            return entry[1] - 1
+    bridge.counts.append([trace, 1])
+    return 0
+
+
+def _per_example_mask(shape: list[int], keep: float, keys_B: jax.Array, n: int) -> jax.Array:
+    if shape[0] != keys_B.shape[0]:
+        raise PortError(
+            f'a Dropout input of shape {shape} does not lead with the batch axis ({keys_B.shape[0]} examples here); '
+            'the suite draws dropout masks per example'
+        )
+    if shape[0] == 1 and keys_B.shape[0] != 1:
+        raise PortError('a Dropout that shares its mask over the batch axis (broadcast_dims with 0) is not supported')
+    return jax.vmap(lambda k: jax.random.bernoulli(jax.random.fold_in(k, n), keep, tuple(shape[1:])))(keys_B)
+
+
+def _user_key_mask(shape: list[int], keep: float, key: jax.Array, n: int, bridge: _Bridge, legacy_side: bool):
+    """The mask from the key the user's code gave the layer, per device or for the global batch."""
+    spec = {'x': jax.ShapeDtypeStruct(tuple(shape), jnp.float32)}
+    draw = lambda k, b: {'x': jax.random.bernoulli(jax.random.fold_in(k, n), keep, b['x'].shape)}  # noqa: E731
+    if legacy_side:
+        return legacy.draw_noise(draw, key, spec, bridge.rng_mode, bridge.axis_name)['x']
+    return sharded.draw_noise(draw, key, spec, _mode_of(key))['x']
+
+
+def _mode_of(key: jax.Array) -> str:
+    """A key the user's NNX code passed: one per device (``[D]`` typed, ``[D, 2]`` raw) or one in all."""
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    return 'per-device' if key.ndim == (1 if typed else 2) else 'global'
+
+
+def _apply(x: jax.Array, rate: float, broadcast_dims, deterministic: bool, key_fn, bridge: _Bridge, legacy_side: bool):
+    if rate == 0.0 or deterministic:
+        return x
+    if rate == 1.0:
+        return jnp.zeros_like(x)
+    shape = [1 if d in broadcast_dims or d - x.ndim in broadcast_dims else s for d, s in enumerate(x.shape)]
+    n, keep = _call_index(bridge), 1.0 - rate
+    if bridge.example_keys is not None:
+        mask = _per_example_mask(shape, keep, bridge.example_keys, n)
+    else:
+        mask = _user_key_mask(shape, keep, key_fn(), n, bridge, legacy_side)
+    return jax.lax.select(jnp.broadcast_to(mask, x.shape), x / keep, jnp.zeros_like(x))
+
+
+def _linen_interceptor(next_fun, args, kwargs, context):
+    bridge = _state()
+    module = context.module
+    if bridge is None or not isinstance(module, nn.Dropout) or context.method_name != '__call__':
+        return next_fun(*args, **kwargs)
+    x, *rest = args
+    deterministic = nn.merge_param('deterministic', module.deterministic, kwargs.get('deterministic', *rest[:1]))
+
+    def key():
+        if kwargs.get('rng') is not None:
+            return kwargs['rng']
+        if module.rng_collection not in module.scope.rngs:
+            stream = module.rng_collection
+            raise PortError(f'the linen {module.name} draws from the {stream!r} stream, but no key was given')
+        return module.scope.rngs[module.rng_collection].rng  # the root key given to apply(rngs=...)
+
+    return _apply(x, module.rate, module.broadcast_dims, deterministic, key, bridge, legacy_side=True)
+
+
+def _nnx_dropout_call(self, inputs, *, deterministic=None, rngs=None):
+    bridge = _state()
+    deterministic = deterministic if deterministic is not None else self.deterministic
+
+    def key():
+        given = rngs if rngs is not None else self.rngs
+        if isinstance(given, rnglib.Rngs):
+            given = given[self.rng_collection]
+        return given.key[...] if isinstance(given, rnglib.RngStream) else given
+
+    return _apply(inputs, self.rate, self.broadcast_dims, bool(deterministic), key, bridge, legacy_side=False)
+
+
+@contextlib.contextmanager
+def bridged(rng_mode: str, axis_name: str | None = None, example_keys: Any = None):
+    """Dropout masks drawn by the suite while tracing inside this block (see the module docstring)."""
+    previous, original = _state(), nnx.Dropout.__call__
+    _active.bridge = _Bridge(rng_mode, axis_name, example_keys)
+    nnx.Dropout.__call__ = _nnx_dropout_call
+    try:
+        with nn.intercept_methods(_linen_interceptor):
+            yield
+    finally:
+        nnx.Dropout.__call__ = original
+        _active.bridge = previous
