@@ -9,4 +9,27 @@ request simulated devices first):
 - ``run``: ``python -m equivalence.run``; ``explain/``, ``bench/``, ``pitfalls/``: the other
   commands, each a package whose ``__main__`` only parses flags, calls the library and prints.
 - ``cli``, ``devices``: what every command shares (flags, one-line errors, exit codes, devices).
+
+The public API, for checking your own port (``README.md``, "Check your own port"):
+``ModelPort``, ``LoopPort``, ``check`` (``from equivalence import ModelPort``); and the
+pytest plugin ``equivalence.testing``. They load on first use, so that importing this
+package still imports no JAX.
 """
+
+_PUBLIC = {
+    'ModelPort': ('equivalence.core.ports', 'ModelPort'),
+    'LoopPort': ('equivalence.core.ports', 'LoopPort'),
+    'PortError': ('equivalence.core.naming', 'PortError'),
+    'ConfigError': ('equivalence.core.config', 'ConfigError'),
+    'check': ('equivalence.core.harness', 'check'),
+}
+__all__ = list(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+    import importlib
+
+    module, attr = _PUBLIC[name]
+    return getattr(importlib.import_module(module), attr)

@@ -1,4 +1,10 @@
-"""Device setup for the CLIs and tests: must run before JAX starts its backend."""
+"""Device setup for the commands, the pytest plugin and programs that call the suite.
+
+The simulated CPU device count must be fixed before JAX starts its backend. Requested
+before ``import jax``, it goes through ``JAX_NUM_CPU_DEVICES``; after ``import jax`` but
+before the first JAX operation, through ``jax.config``; once the backend is running, the
+program has chosen its devices and nothing is changed (the suite then uses what it sees).
+"""
 
 import os
 import sys
@@ -13,9 +19,16 @@ def user_chose_cpu_count() -> bool:
 
 
 def simulate_cpu_devices(n: int = SIMULATED_CPU_DEVICES) -> None:
-    """Ask for ``n`` CPU devices unless the user set a count. Harmless where a GPU
-    exists: JAX's default backend is then the GPU and this only shapes the CPU backend."""
-    if 'jax' in sys.modules:
-        raise RuntimeError('simulate_cpu_devices must run before jax is imported')
-    if not user_chose_cpu_count():
+    """Ask for ``n`` CPU devices unless the user or the program chose a count. Harmless where
+    a GPU exists: JAX's default backend is then the GPU and this only shapes the CPU backend."""
+    if user_chose_cpu_count():
+        return
+    if 'jax' not in sys.modules:
         os.environ['JAX_NUM_CPU_DEVICES'] = str(n)
+        return
+    import jax
+
+    try:
+        jax.config.update('jax_num_cpu_devices', n)
+    except RuntimeError:  # the backend is running: the program has chosen its devices
+        pass

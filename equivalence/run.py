@@ -56,11 +56,15 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from equivalence.core import harness, report
+    from equivalence.core.config import ConfigError
 
     wl, config = cli.run_config(args, len(jax.devices()), perturb=args.perturb)
     warnings.filterwarnings('ignore', message='Some donated buffers were not usable')  # the batch, as score_sde
     bar, tick = progress_bar(2 * config.calls)
-    result = harness.run(wl, config, progress=tick)
+    try:
+        result = harness.run(wl, config, progress=tick)
+    except ConfigError as e:  # a port whose sides do not pair: found before any training
+        cli.fail(str(e))
     if bar is not None:
         bar.close()
     print(report.text(result, jax.default_backend()))

@@ -21,8 +21,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from equivalence.core import harness
+from equivalence.core import harness, randomness
 from equivalence.core.config import RunConfig
+from equivalence.core.ports import LoopPort
 from equivalence.core.ports import ModelPort as Workload
 from legacy_pmap import train as legacy
 from nnx_sharded import sharding
@@ -55,7 +56,7 @@ class Feed:
     def batches(self, k: int, n: int, start: int) -> list[dict[str, np.ndarray]]:
         """``n`` batches ``[K, G, ...]`` from call ``start`` on."""
         idx = [np.arange(c * k, c * k + k) % self.pool_steps for c in range(start, start + n)]
-        return [{name: v[i] for name, v in self.data.items()} for i in idx]
+        return [jax.tree.map(lambda v, i=i: v[i], self.data) for i in idx]
 
 
 class _Chain:
@@ -88,7 +89,7 @@ def legacy_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: st
     chain = _Chain(feed, k, lambda rng: legacy.next_call_keys(rng, cfg.devices, cfg.rng_mode))
 
     def to_device(keys, batch_KxG):
-        batch_DxK = {n: legacy.shard_batch(v, cfg.devices) for n, v in batch_KxG.items()}
+        batch_DxK = jax.tree.map(lambda v: legacy.shard_batch(v, cfg.devices), batch_KxG)
         return jax.device_put((keys, batch_DxK), rows)
 
     def place(n: int) -> list[tuple]:
@@ -96,13 +97,15 @@ def legacy_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: st
 
     def call(args: tuple) -> jax.Array:
         keys_D, batch_DxK = args
-        (_, setup.pstate), loss_DxK = setup.p_train_step((keys_D, setup.pstate), batch_DxK)
+        with setup.context():  # a loop port's Dropout bridge, for the first (tracing) call
+            (_, setup.pstate), loss_DxK = setup.p_train_step((keys_D, setup.pstate), batch_DxK)
         return loss_DxK
 
     def fresh_lowered(kk: int):
         fresh = harness.legacy_setup(wl, _config(config, kk), feed.variables)
         keys_D, batch_DxK = to_device(*_Chain(feed, kk, chain.next_keys).take(1)[0])
-        return fresh.p_train_step.lower((keys_D, fresh.pstate), batch_DxK)
+        with fresh.context():
+            return fresh.p_train_step.lower((keys_D, fresh.pstate), batch_DxK)
 
     def to_host(loss_DxK: jax.Array) -> np.ndarray:
         return np.asarray(legacy.unreplicate(loss_DxK))  # replica 0's shard: no compiled gather
@@ -217,8 +220,39 @@ def graph_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: str
     return Variant(name, label, k, place, lambda args: run(*args)[1], fresh_lowered)
 
 
+def loop_variant(port: LoopPort, config: RunConfig, feed: Feed, k: int, name: str, label: str) -> Variant:
+    """A loop port's own NNX call over its own train state."""
+    setup = harness.nnx_setup(port, _config(config, k), feed.variables)
+    place = _nnx_place(setup, _nnx_chain(feed, setup, k))
+
+    def call(args: tuple) -> jax.Array:
+        with randomness.bridged(setup.config.rng_mode):
+            setup.train_state, losses_K = port.nnx_call(setup.train_state, *args)
+        return losses_K
+
+    def fresh_lowered(kk: int):
+        fresh = harness.nnx_setup(port, _config(config, kk), feed.variables)
+        fn, state = fresh.as_pure_call()
+        return fn.lower(state, *_nnx_place(fresh, _nnx_chain(feed, fresh, kk))(1)[0])
+
+    return Variant(name, label, k, place, call, fresh_lowered)
+
+
+def build_loop(port: LoopPort, config: RunConfig, feed: Feed, k_scaling: int) -> list[Variant]:
+    """A loop port: its pmap step and its NNX call, fused at K, one step per call, and at ``k_scaling``."""
+    ks = sorted({config.steps_per_call, 1, k_scaling}, key=lambda k: (k != config.steps_per_call, k))
+    variants = []
+    for k in ks:
+        suffix, text = ('', '') if k == config.steps_per_call else (f'_k{k}', f', K={k}')
+        variants.append(legacy_variant(port, config, feed, k, f'legacy{suffix}', f'legacy pmap(scan){text}'))
+        variants.append(loop_variant(port, config, feed, k, f'nnx{suffix}', f"the port's NNX call{text}"))
+    return variants
+
+
 def build_all(wl: Workload, config: RunConfig, feed: Feed, k_scaling: int) -> list[Variant]:
     """The fused variants at K, then one step per call, then both paths at ``k_scaling``."""
+    if isinstance(wl, LoopPort):
+        return build_loop(wl, config, feed, k_scaling)
     k = config.steps_per_call
     variants = [
         legacy_variant(wl, config, feed, k, 'legacy', 'legacy pmap(scan)'),

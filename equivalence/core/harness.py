@@ -179,6 +179,18 @@ class NnxLoopSetup:
         groups = self.port.nnx_groups or convert.find_nnx_groups
         return convert.groups_to_neutral(groups(self.train_state))
 
+    def as_pure_call(self) -> tuple[Callable, Any]:
+        """``(jax.jit(call over split state), typed state)``: the user's call as one program whose
+        inputs are arrays, so that explain can lower it and name every input."""
+        graphdef, state = nnx.split(self.train_state)
+
+        def pure(state, keys, batch_KxG):
+            with randomness.bridged(self.config.rng_mode):
+                ts, losses_K = self.port.nnx_call(nnx.merge(graphdef, state), keys, batch_KxG)
+            return nnx.state(ts), losses_K
+
+        return jax.jit(pure), state
+
 
 def legacy_setup(port: Port, config: RunConfig, variables: dict) -> LegacySetup:
     devices = jax.devices()[: config.devices]
@@ -279,6 +291,8 @@ def run(port: Port, config: RunConfig, progress: Progress | None = None) -> RunR
     here, before any training (``naming.PortError``). ``progress``, if given, is called
     after each of the 2 * C compiled calls.
     """
+    if config.rng_mode not in port.rng_modes:
+        raise ConfigError(f'--rng {config.rng_mode}: port {port.name!r} supports {", ".join(port.rng_modes)}')
     if isinstance(port, LoopPort) and config.perturb:
         raise ConfigError("--perturb scales the suite's NNX optimizer: a loop port brings its own (perturb it there)")
     variables, calls, rng = make_inputs(port, config)
@@ -295,6 +309,7 @@ def check(port: Port, **flags) -> RunResult:
     to every device JAX sees, ``batch_size`` to the port's); bad values raise ``ConfigError``."""
     flags.setdefault('devices', len(jax.devices()))
     flags.setdefault('batch_size', port.default_batch)
+    flags.setdefault('rng_mode', port.rng_modes[0])
     config = RunConfig(workload=port.name, **flags)
     check_available(config, len(jax.devices()))
     return run(port, config)

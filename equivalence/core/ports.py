@@ -50,6 +50,7 @@ class ModelPort:
     names: Names = None  # linen -> NNX paths: None (same), {prefix: prefix}, a function, or 'structure'
     ema_rate: float | None = None  # EMA of the parameters after every step, or None
     default_batch: int = 64  # global batch when --batch-size is not given
+    rng_modes: tuple[str, ...] = ('per-device', 'global')  # --rng values the port supports; the first is the default
     summary: str = ''  # one line for listings
     tolerance: Tolerance = FLOAT32_REDUCTION_ORDER  # what "match" means, and why
     eval_data: Callable | None = None  # () -> {'x', 'y'} held-out split, for classifiers
@@ -82,6 +83,7 @@ class LoopPort:
     legacy_groups: Callable | None = None  # your train state -> {group: tree}; None: read its fields by name
     nnx_groups: Callable | None = None  # your NNX train state -> {group: tree}; None: find model and optimizer
     default_batch: int = 64
+    rng_modes: tuple[str, ...] = ('per-device', 'global')  # what your loops support; the first is the default
     summary: str = ''
     tolerance: Tolerance = FLOAT32_REDUCTION_ORDER
 

@@ -12,9 +12,11 @@ mask here instead; the n-th Dropout call of a traced step folds ``n`` into its k
   (``example_keys``, drawn from the step key like any other per-example noise, so per
   device or globally as ``--rng`` says); example i's mask row is
   ``bernoulli(fold_in(key_i, n), 1 - rate, row shape)``, the same bits whatever the layout.
-- a user's own loops (a loop port) keep their keys: the mask comes from the key their code
-  gave the layer (linen: the root key passed to ``apply(rngs={'dropout': key})``; NNX: the
-  ``rngs=`` argument or the layer's stream key, e.g. after ``nnx.reseed``), drawn as each
+- a user's own loops (a loop port) keep their keys: the mask comes from the key their step
+  gave the model (linen: ``apply(rngs={'dropout': key})``; NNX: ``nnx.reseed(model,
+  dropout=key)``, its twin, or a Dropout's ``rngs=key`` argument; failing both, the layer's
+  stream key). NNX's reseed stores ``fold_in(key, i)`` per stream, not ``key``, so while the
+  bridge is active ``nnx.reseed`` also records the key it was given. Drawn as each
   path lays out its random numbers (``train.draw_noise`` of each package): per device, or
   one global draw cut into per-device slices on the pmap side.
 
@@ -22,8 +24,8 @@ Deterministic calls, rate 0 and rate 1 behave as the layers do, and so does the 
 ``select(mask, x / (1 - rate), 0)``, the layers' own formula.
 
 Linen is intercepted through its public ``nn.intercept_methods``; NNX has no interceptor,
-so ``nnx.Dropout.__call__`` is replaced for the duration of the ``with`` (tracing is
-single-threaded) and restored after it.
+so ``nnx.Dropout.__call__`` (and ``nnx.reseed``, see above) are replaced for the duration
+of the ``with`` (tracing is single-threaded) and restored after it.
 """
 
 import contextlib
@@ -50,6 +52,7 @@ class _Bridge:
     rng_mode: str  # 'per-device' or 'global'
     axis_name: str | None  # the pmap axis, on the legacy side
     example_keys: Any = None  # [examples, 2]: one key per example of this side's batch; None: the user's keys
+    reseeded: dict = dataclasses.field(default_factory=dict)  # NNX stream name -> the key nnx.reseed was given
     counts: list = dataclasses.field(default_factory=list)  # [trace state, calls so far] per trace seen
 
 
@@ -141,6 +144,8 @@ def _nnx_dropout_call(self, inputs, *, deterministic=None, rngs=None):
     deterministic = deterministic if deterministic is not None else self.deterministic
 
     def key():
+        if rngs is None and self.rng_collection in bridge.reseeded:
+            return bridge.reseeded[self.rng_collection]
         given = rngs if rngs is not None else self.rngs
         if isinstance(given, rnglib.Rngs):
             given = given[self.rng_collection]
@@ -149,15 +154,24 @@ def _nnx_dropout_call(self, inputs, *, deterministic=None, rngs=None):
     return _apply(inputs, self.rate, self.broadcast_dims, bool(deterministic), key, bridge, legacy_side=False)
 
 
+def _reseed(original):
+    def reseed(node, /, **kwargs):
+        bridge = _state()
+        bridge.reseeded.update({k: v for k, v in kwargs.items() if k not in ('graph', 'policy')})
+        return original(node, **kwargs)
+
+    return reseed
+
+
 @contextlib.contextmanager
 def bridged(rng_mode: str, axis_name: str | None = None, example_keys: Any = None):
     """Dropout masks drawn by the suite while tracing inside this block (see the module docstring)."""
-    previous, original = _state(), nnx.Dropout.__call__
+    previous, original, reseed = _state(), nnx.Dropout.__call__, nnx.reseed
     _active.bridge = _Bridge(rng_mode, axis_name, example_keys)
-    nnx.Dropout.__call__ = _nnx_dropout_call
+    nnx.Dropout.__call__, nnx.reseed = _nnx_dropout_call, _reseed(reseed)
     try:
         with nn.intercept_methods(_linen_interceptor):
             yield
     finally:
-        nnx.Dropout.__call__ = original
+        nnx.Dropout.__call__, nnx.reseed = original, reseed
         _active.bridge = previous

@@ -102,8 +102,11 @@ def _size(shape: tuple[int, ...]) -> int:
     return n
 
 
+KEY_BYTES = {'key<fry>': 8, 'key<rbg>': 16, 'key<unsafe_rbg>': 16}  # typed PRNG keys: their uint32 words
+
+
 def _itemsize(dtype: str) -> int:
-    return np.dtype(dtype).itemsize
+    return KEY_BYTES[dtype] if dtype in KEY_BYTES else np.dtype(dtype).itemsize
 
 
 def per_step(c: hlo.Collective, k: int) -> float | None:
@@ -136,12 +139,15 @@ def gradient_operands(m: PathMeasurement) -> list[tuple[hlo.Collective, hlo.Oper
 
 # -- measuring (imports JAX: called after the CLI has set up devices) -------------------------
 
-LEGACY_GROUPS = {  # TrainState field -> group
+LEGACY_GROUPS = {  # train state field -> group (the suite's TrainState, and the usual names of a user's)
     'step': 'step',
     'params': 'params',
     'opt_state': 'opt_state',
     'model_state': 'model_state',
+    'batch_stats': 'model_state',
     'params_ema': 'ema',
+    'ema_params': 'ema',
+    'ema': 'ema',
 }
 
 
@@ -151,7 +157,7 @@ def _legacy_leaf(keys: tuple[str, ...], kind: str) -> tuple[str, str]:
         return 'batch', '/'.join(keys[1:])
     if keys[1] == '0':
         return 'keys', 'keys'
-    return LEGACY_GROUPS[keys[2]], '/'.join(keys[2:])
+    return LEGACY_GROUPS.get(keys[2], 'other'), '/'.join(keys[2:])
 
 
 def _nnx_leaf(keys: tuple[str, ...], kind: str) -> tuple[str, str]:
@@ -166,6 +172,22 @@ def _nnx_leaf(keys: tuple[str, ...], kind: str) -> tuple[str, str]:
     if rest[0] == 'ema':
         return 'ema', '/'.join(rest)
     return ('step' if rest == ('optimizer', 'step') else 'opt_state'), '/'.join(rest)
+
+
+def _nnx_loop_leaf(keys: tuple[str, ...], kind: str) -> tuple[str, str]:
+    """A loop port's ``(state, keys, batch_KxG)`` -> ``(group, name)``, by NNX Variable type."""
+    if keys[0] == '2':
+        return 'batch', '/'.join(keys[1:])
+    if keys[0] == '1':
+        return 'keys', 'keys'
+    name = '/'.join(keys[1:])
+    if kind == 'Param':
+        return ('ema' if 'ema' in keys[1:-1] else 'params'), name
+    if kind == 'BatchStat':
+        return 'model_state', name
+    if kind.startswith('Opt'):
+        return ('step' if keys[-1] == 'step' else 'opt_state'), name
+    return 'other', name
 
 
 def key_name(entry) -> str:
@@ -205,6 +227,7 @@ class Layout:
 
 LEGACY = Layout('legacy', 'legacy pmap(scan)', _legacy_leaf, True, (0, 2))  # batch [D, K, B, ...]
 NNX = Layout('nnx', 'NNX sharded scan', _nnx_leaf, False, (1,))  # batch [K, G, ...]
+NNX_LOOP = Layout('nnx', "the port's NNX call", _nnx_loop_leaf, False, (1,))
 
 
 def placement(group: str, name: str, array: Any, sharding: Any, layout: Layout) -> Placement:
@@ -270,7 +293,9 @@ def measure(layout: Layout, compiled: Any, args: tuple, config: Any) -> PathMeas
 
 def measure_legacy(setup: Any, args: tuple) -> PathMeasurement:
     """``setup``: ``harness.LegacySetup``; ``args``: one call's, from ``setup.call_args``."""
-    return measure(LEGACY, setup.p_train_step.lower(*args).compile(), args, setup.config)
+    with setup.context():  # a loop port's Dropout bridge, while tracing
+        lowered = setup.p_train_step.lower(*args)
+    return measure(LEGACY, lowered.compile(), args, setup.config)
 
 
 def measure_nnx(setup: Any, args: tuple) -> PathMeasurement:
@@ -287,15 +312,25 @@ def measure_nnx(setup: Any, args: tuple) -> PathMeasurement:
     return measure(NNX, setup.fused.lower(*args).compile(), ((keys, typed), batch), setup.config)
 
 
-def measure_both(wl: Any, config: Any) -> tuple[PathMeasurement, PathMeasurement]:
+def measure_nnx_loop(setup: Any, args: tuple) -> PathMeasurement:
+    """``setup``: ``harness.NnxLoopSetup``: the user's call, lowered over its split state."""
+    fn, state = setup.as_pure_call()
+    inputs = (state, *args)
+    return measure(NNX_LOOP, fn.lower(*inputs).compile(), inputs, setup.config)
+
+
+def measure_both(port: Any, config: Any) -> tuple[PathMeasurement, PathMeasurement]:
+    """One call of each path of a port (built-in or user's), compiled and read."""
     from equivalence.core import harness
 
-    variables, calls, rng = harness.make_inputs(wl, config)
-    legacy_setup = harness.legacy_setup(wl, config, variables)
+    variables, calls, rng = harness.make_inputs(port, config)
+    harness.check_names(port, variables)
+    legacy_setup = harness.legacy_setup(port, config, variables)
     _, legacy_args = legacy_setup.call_args(rng, calls[0])
-    nnx_setup = harness.nnx_setup(wl, config, variables)
+    nnx_setup = harness.nnx_setup(port, config, variables)
     _, nnx_args = nnx_setup.call_args(rng, calls[0])
-    return measure_legacy(legacy_setup, legacy_args), measure_nnx(nnx_setup, nnx_args)
+    measure_nnx_call = measure_nnx if isinstance(nnx_setup, harness.NnxSetup) else measure_nnx_loop
+    return measure_legacy(legacy_setup, legacy_args), measure_nnx_call(nnx_setup, nnx_args)
 
 
 # -- the three answers: pure functions of a PathMeasurement ------------------------------------
