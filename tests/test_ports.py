@@ -1,0 +1,216 @@
+"""A team's own port, at both levels: names paired before training, dropout inside the model,
+the example in ``examples/mlp_port`` from a fresh directory, and the slips it must catch."""
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ROOT, assert_one_line_error, require_devices
+from flax import nnx
+
+from equivalence.core import harness, naming, workloads
+from equivalence.core.naming import PortError
+
+EXAMPLE = os.path.join(ROOT, 'examples', 'mlp_port')
+sys.path.insert(0, EXAMPLE)
+import my_port  # noqa: E402  (the example, imported as a user's module)
+
+QUICK = {'steps_per_call': 2, 'calls': 2}
+
+
+def _bad(result) -> list[str]:
+    return [leaf.name for leaf in result.report.leaves if not leaf.ok]
+
+
+# -- names --------------------------------------------------------------------------------------
+
+
+def _specs(linen_model, nnx_model):
+    variables = linen_model.init(jax.random.PRNGKey(0), jnp.ones((1, 8)), False)
+    return naming.linen_spec(variables), naming.nnx_spec(nnx.eval_shape(lambda: nnx_model(nnx.Rngs(0))))
+
+
+def test_names_pair_by_prefixes_by_function_and_by_unique_structure():
+    linen, nnx_ = _specs(my_port.old.MLP(), lambda rngs: my_port.new.MLP(rngs=rngs))
+    expected = {f'{a}/{leaf}': f'{b}/{leaf}' for a, b, leaves in [
+        ('Dense_0', 'fc1', ('kernel', 'bias')), ('LayerNorm_0', 'norm', ('scale', 'bias')),
+        ('Dense_1', 'fc2', ('kernel', 'bias')),
+    ] for leaf in leaves}  # fmt: skip
+    prefixes = {'Dense_0': 'fc1', 'LayerNorm_0': 'norm', 'Dense_1': 'fc2'}
+    assert naming.resolve(linen, nnx_, prefixes) == expected
+    assert naming.resolve(linen, nnx_, lambda p: expected[p]) == expected
+    assert naming.resolve(linen, nnx_, naming.STRUCTURE) == expected
+    # The optimizer state mirrors the parameters: its paths are renamed where they end in one.
+    assert naming.rename_path('0/mu/Dense_0/kernel', expected) == '0/mu/fc1/kernel'
+
+
+def test_structure_refuses_two_submodules_that_hold_the_same_shapes():
+    linen = {f'Dense_{i}/{leaf}': ('params', shape, 'float32') for i in (0, 1) for leaf, shape in
+             (('kernel', (4, 4)), ('bias', (4,)))}  # fmt: skip
+    nnx_ = {f'{m}/{leaf}': v for m in ('first', 'second') for leaf, v in
+            (('kernel', linen['Dense_0/kernel']), ('bias', linen['Dense_0/bias']))}  # fmt: skip
+    with pytest.raises(PortError, match=r"ambiguous: linen \['Dense_0', 'Dense_1'\] and NNX \['first', 'second'\]"):
+        naming.resolve(linen, nnx_, naming.STRUCTURE)
+    # A dict settles it, and a wrong dict (a swapped pair with other shapes) is named, not guessed.
+    assert naming.resolve(linen, nnx_, {'Dense_0': 'first', 'Dense_1': 'second'})['Dense_1/bias'] == 'second/bias'
+
+
+def test_unpaired_names_stop_the_run_before_any_training(monkeypatch):
+    def no_training(*args, **kwargs):
+        raise AssertionError('trained before the names were checked')
+
+    monkeypatch.setattr(harness, 'run_legacy', no_training)
+    port = dataclasses.replace(my_port.MODEL, names={'Dense_0': 'fc1'})
+    with pytest.raises(PortError) as e:
+        harness.check(port, devices=2, **QUICK)
+    message = str(e.value)
+    assert '\n' not in message
+    assert 'linen LayerNorm_0/scale [32] float32, closest NNX: norm/scale [32]' in message
+    assert 'NNX fc2/kernel [32, 1] float32, closest linen: Dense_1/kernel [32, 1]' in message
+    assert 'Dense_0' not in message  # the pairs the dict did make are not reported
+
+
+# -- the example, both levels ---------------------------------------------------------------------
+
+
+def test_example_in_a_fresh_directory_through_the_pytest_helper_at_1_2_4_8_devices(tmp_path):
+    """Both levels, D in {1, 2, 4, 8}, as a team runs it: a folder that only imports the suite."""
+    for name in ('legacy_code.py', 'nnx_code.py', 'my_port.py', 'conftest.py', 'test_port.py'):
+        shutil.copy(os.path.join(EXAMPLE, name), tmp_path)
+    environ = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS', 'PYTHONPATH')}
+    proc = subprocess.run(
+        [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider'],
+        cwd=tmp_path,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert '8 passed' in proc.stdout, proc.stdout[-2000:]
+    assert 'Some donated buffers' not in proc.stdout  # the plugin's warning filter is in force
+
+
+def test_a_slip_in_the_port_exits_1_naming_the_leaves_and_bad_names_exit_2(tmp_path):
+    for name in ('legacy_code.py', 'nnx_code.py', 'my_port.py'):
+        shutil.copy(os.path.join(EXAMPLE, name), tmp_path)
+    (tmp_path / 'unnamed.py').write_text(
+        'import dataclasses, my_port\nPORT = dataclasses.replace(my_port.MODEL, names=None)\n'
+    )
+    environ = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS', 'PYTHONPATH')}
+
+    def cli(workload: str) -> subprocess.CompletedProcess:
+        args = ['--workload', workload, '--steps-per-call', '2', '--calls', '2']
+        cmd = [sys.executable, '-m', 'equivalence.run', *args]
+        return subprocess.run(cmd, cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=300)
+
+    slip = cli('my_port:MODEL_GELU_SLIP')  # gelu(approximate=False) against linen's approximate gelu
+    assert slip.returncode == 1, slip.stderr
+    assert 'MISMATCH' in slip.stdout and 'params/fc1/kernel' in slip.stdout and ' NO' in slip.stdout
+    names = cli('unnamed:PORT')
+    assert_one_line_error(names, 'linen Dense_0/kernel [8, 32] float32, closest NNX: fc1/kernel [8, 32]')
+
+
+def test_loop_port_catches_a_layernorm_epsilon_slip():
+    require_devices(8)
+    result = harness.check(my_port.LOOP_EPSILON_SLIP, devices=8, steps_per_call=5, calls=2)
+    assert not result.report.match
+    bad = _bad(result)  # subtle: 1e-6 vs 1e-5 under unit-variance activations; the losses show it first
+    assert 'losses/per_step' in bad and any(b.startswith(('params/', 'opt_state/')) for b in bad), bad
+
+
+# -- randomness inside the model ---------------------------------------------------------------------
+
+
+def _without_bridge_on_the_nnx_side(monkeypatch):
+    """Negative control: NNX Dropout draws from its own stream, as it would outside the suite."""
+    original = harness.randomness.bridged
+
+    def nnx_unbridged(rng_mode, axis_name=None, example_keys=None):
+        if axis_name is None:  # the NNX side (the legacy side names its pmap axis)
+            import contextlib
+
+            return contextlib.nullcontext()
+        return original(rng_mode, axis_name, example_keys)
+
+    monkeypatch.setattr(harness.randomness, 'bridged', nnx_unbridged)
+
+
+@pytest.mark.parametrize('port', [my_port.MODEL, my_port.LOOP], ids=['model', 'loop'])
+def test_dropout_inside_the_model_matters_without_the_bridge_the_paths_differ(port, monkeypatch):
+    require_devices(4)
+    assert harness.check(port, devices=4, **QUICK).report.match
+    _without_bridge_on_the_nnx_side(monkeypatch)
+    unbridged = harness.check(port, devices=4, **QUICK)
+    assert not unbridged.report.match and 'losses/per_step' in _bad(unbridged)
+
+
+def test_the_bridge_draws_what_both_dropout_layers_draw_from_a_key():
+    """In a loop port the mask comes from the key the user's code gave the layer: the bits are
+    the ones ``nn.Dropout`` and ``nnx.Dropout`` draw themselves from that key folded with the call index."""
+    from equivalence.core import randomness
+
+    key, x = jax.random.PRNGKey(3), jax.random.normal(jax.random.PRNGKey(4), (16, 32))
+    own = nn.Dropout(0.25, deterministic=False).apply({}, x, rng=jax.random.fold_in(key, 0))
+    with randomness.bridged('per-device'):  # outside pmap: one draw from the given key, as the layers
+        linen = jax.jit(lambda x: nn.Dropout(0.25, deterministic=False).apply({}, x, rngs={'dropout': key}))(x)
+        layer = nnx.Dropout(0.25, rngs=nnx.Rngs(dropout=0))
+        nnx_out = jax.jit(lambda x: layer(x, rngs=key))(x)
+    np.testing.assert_array_equal(linen, own)
+    np.testing.assert_array_equal(nnx_out, own)
+    assert not np.array_equal(nn.Dropout(0.25, deterministic=False).apply({}, x, rng=key), own)
+
+
+# -- the API from a program, explain and bench on a port ----------------------------------------------
+
+
+def test_api_from_a_program_that_already_chose_its_devices():
+    code = (
+        'import jax; jax.config.update("jax_num_cpu_devices", 4); jax.devices()\n'
+        'import sys; sys.path.insert(0, sys.argv[1]); import my_port\n'
+        'from equivalence import check, run\n'
+        'r = check(my_port.MODEL, steps_per_call=1, calls=1)\n'
+        'print(r.config.devices, r.report.match)\n'
+        'print("exit", run.main(["--workload", "my_port:MODEL", "--steps-per-call", "1", "--calls", "1"]))\n'
+    )
+    environ = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS')}
+    proc = subprocess.run(
+        [sys.executable, '-c', code, EXAMPLE], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert '4 True' in proc.stdout and 'exit 0' in proc.stdout and 'on 4 cpu device(s)' in proc.stdout
+
+
+def test_explain_and_bench_read_a_loop_port():
+    require_devices(2)
+    from equivalence import explain
+    from equivalence.bench import variants
+    from equivalence.core.config import RunConfig
+
+    config = RunConfig('mlp-port-loop', devices=2, steps_per_call=2, calls=1, batch_size=64, rng_mode='global')
+    for m in explain.measure_both(my_port.LOOP, config):
+        assert explain.answers(m)['replicated']['yes'], m.path
+        grads = explain.gradient_operands(m)
+        assert len(grads) == 6, (m.path, grads)  # fc1, norm, fc2: kernel or scale, and bias
+    nnx_params = [p.name for p in m.placements if p.group == 'params']
+    assert '0/fc1/kernel' in nnx_params
+    feed = variants.Feed(my_port.LOOP, config, pool_steps=4)
+    first = {}
+    for v in variants.build_all(my_port.LOOP, config, feed, k_scaling=2):
+        first[v.name] = v.host_losses(v.call(v.place(1)[0]))
+    assert set(first) == {'legacy', 'nnx', 'legacy_k1', 'nnx_k1'}
+    np.testing.assert_allclose(first['nnx'], first['legacy'], rtol=1e-5, atol=1e-6)
+
+
+def test_built_in_workloads_are_model_ports():
+    from equivalence.core.ports import ModelPort
+
+    assert all(isinstance(wl, ModelPort) for wl in workloads.WORKLOADS.values())
+    assert workloads.get('my_port:MODEL') is my_port.MODEL
