@@ -30,6 +30,8 @@ def add_run_flags(parser: argparse.ArgumentParser, workloads: list[str]) -> None
     parser.add_argument('--batch-size', type=int, default=None, help="global batch (default: the workload's)")
     parser.add_argument('--seed', type=int, default=0, help='seed of data, initial parameters and keys')
     parser.add_argument('--rng', default='per-device', help='per-device (score_sde) or global (default per-device)')
+    parser.add_argument('--strategy', default='dp', help='NNX placement: dp, fsdp, tp, fsdp-tp, shard_map (default dp)')
+    parser.add_argument('--mesh', default=None, help="fsdp-tp's 2-D mesh, data=A,model=B (default data=D/2,model=2)")
 
 
 def check_output_path(path: str | None, overwrite: bool) -> None:
@@ -46,7 +48,7 @@ def check_output_path(path: str | None, overwrite: bool) -> None:
 def run_config(args: argparse.Namespace, n_available: int, **extra):
     """The flags of ``add_run_flags`` -> ``(workload, RunConfig)``; bad input exits 2 with one line."""
     from equivalence.core import workloads
-    from equivalence.core.config import ConfigError, RunConfig, check_available
+    from equivalence.core.config import ConfigError, RunConfig, check_available, parse_mesh
 
     try:
         wl = workloads.get(args.workload)
@@ -58,6 +60,8 @@ def run_config(args: argparse.Namespace, n_available: int, **extra):
             batch_size=args.batch_size or wl.default_batch,
             seed=args.seed,
             rng_mode=args.rng,
+            strategy=args.strategy,
+            mesh=parse_mesh(args.mesh) if args.mesh else None,
             **extra,
         )
         check_available(config, n_available)

@@ -15,6 +15,7 @@ def parse(argv: list[str] | None):
 
     parser = cli.OneLineParser(prog='python -m equivalence.run', description=__doc__)
     cli.add_run_flags(parser, list(WORKLOADS))
+    parser.add_argument('--nnx-form', default='split', help='split: jax.jit(lax.scan); graph: nnx.jit(nnx.scan)')
     parser.add_argument('--perturb', type=float, default=0.0, help='NNX lr * (1+REL): a deliberate mismatch')
     parser.add_argument('--json', default=None, metavar='PATH', help='write a machine-readable report')
     parser.add_argument('--plot', default=None, metavar='DIR', help='write losses.png and divergence.png into DIR')
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     from equivalence.core import harness, report
     from equivalence.core.config import ConfigError
 
-    wl, config = cli.run_config(args, len(jax.devices()), perturb=args.perturb)
+    wl, config = cli.run_config(args, len(jax.devices()), perturb=args.perturb, nnx_form=args.nnx_form)
     warnings.filterwarnings('ignore', message='Some donated buffers were not usable')  # the batch, as score_sde
     bar, tick = progress_bar(2 * config.calls)
     try:

@@ -2,9 +2,20 @@
 
 The train step knows nothing of devices. A parallelism strategy is a placement: this
 module says where each array lives, and XLA's partitioner derives the communication
-(the gradient all-reduce of data parallelism) from it.
+(the gradient all-reduce of data parallelism, the weight all-gathers of FSDP, the
+partial-sum all-reduces of tensor parallelism) from it.
+
+A strategy is a rule from a parameter (its path, shape, and for tensor parallelism its
+place among the model's Linear layers) to a ``PartitionSpec``. The rule's answer is
+attached to the parameter as Flax's own sharding annotation, the ``out_sharding``
+metadata that ``nnx.with_partitioning`` writes: ``nnx.Optimizer`` and ``nnx.clone`` (the
+EMA) inherit it, and ``nnx.get_partition_spec`` reads it back for the whole train state.
+The model code is not touched, so a user's unannotated port takes every strategy.
+A dimension that the mesh axis does not divide stays whole (replicated), and the
+decision is returned as a note for the report: never silently.
 """
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -12,42 +23,144 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-DATA = 'data'  # the mesh axis the global batch is split over
+DATA = 'data'  # the mesh axis the global batch is split over (and FSDP shards parameters over)
+MODEL = 'model'  # the mesh axis tensor parallelism splits Linear kernels over
+STRATEGIES = ('dp', 'fsdp', 'tp', 'fsdp-tp', 'shard_map')
 
 
-def make_mesh(n_devices: int) -> Mesh:
-    """A 1-D mesh over the first ``n_devices`` devices.
+def mesh_shape(strategy: str, n_devices: int, shape: dict[str, int] | None = None) -> dict[str, int]:
+    """The mesh axes of a strategy on ``n_devices``: ``tp`` is a 1-D model axis, ``fsdp-tp``
+    a 2-D ``data x model`` mesh (``shape``, default ``data=D/2, model=2``), the rest 1-D data."""
+    if strategy == 'tp':
+        return {MODEL: n_devices}
+    if strategy == 'fsdp-tp':
+        return dict(shape) if shape else {DATA: max(n_devices // 2, 1), MODEL: min(n_devices, 2)}
+    return {DATA: n_devices}
+
+
+def make_mesh(n_devices: int, shape: dict[str, int] | None = None) -> Mesh:
+    """A mesh over the first ``n_devices`` devices; 1-D over ``data`` unless ``shape`` says otherwise.
 
     ``AxisType.Auto``: shardings flow from the placed inputs through ``jit`` and the
     partitioner fills in the rest. ``jax.make_mesh``'s default, ``Explicit``, makes every
-    intermediate's sharding part of its type and requires ``jax.set_mesh``; that buys
-    nothing for plain data parallelism.
+    intermediate's sharding part of its type and requires ``jax.set_mesh`` (and an
+    ``out_sharding`` on every row-parallel matmul); Auto keeps the step free of placement.
     """
+    shape = shape or {DATA: n_devices}
     devices = jax.devices()[:n_devices]
-    return jax.make_mesh((n_devices,), (DATA,), axis_types=(AxisType.Auto,), devices=devices)
+    auto = (AxisType.Auto,) * len(shape)
+    return jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=auto, devices=devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """Where one parameter (or batch statistic) goes, and why it stayed whole where it did."""
+
+    path: str
+    shape: tuple[int, ...]
+    spec: P
+    note: str = ''  # set when a dimension the strategy wanted split stayed whole
+
+
+def _linear_kernels(model: nnx.Module) -> list[str]:
+    """Paths of the Linear kernels in the order the model defines them (``__init__`` order)."""
+    out = []
+
+    def walk(node, prefix: str):
+        if isinstance(node, nnx.Linear):
+            out.append(f'{prefix}kernel')
+            return
+        items = vars(node).items() if isinstance(node, nnx.Module) else enumerate(node)
+        for name, child in items:
+            if isinstance(child, nnx.Module | list | tuple) and not str(name).startswith('_'):
+                walk(child, f'{prefix}{name}/')
+
+    walk(model, '')
+    return out
+
+
+def _want(strategy: str, path: str, shape: tuple[int, ...], columns: set[str], rows: set[str]) -> list:
+    """The axis each dimension should be split over, before divisibility is checked."""
+    want = [None] * len(shape)
+    parent = path.rpartition('/')[0]
+    kernel = f'{parent}/kernel' if parent else 'kernel'
+    if strategy in ('tp', 'fsdp-tp'):  # Megatron: column-parallel, then row-parallel, in turn
+        if path in columns:
+            want[1] = MODEL
+        elif path in rows:
+            want[0] = MODEL
+        elif path.endswith('bias') and kernel in columns:  # a column-parallel layer's outputs are split
+            want[0] = MODEL
+    if strategy in ('fsdp', 'fsdp-tp') and shape:  # ZeRO-3: every parameter split over the data axis
+        free = [d for d in range(len(shape)) if want[d] is None]
+        if free:
+            want[max(free, key=lambda d: shape[d])] = DATA
+    return want
+
+
+def decide(model: nnx.Module, strategy: str, mesh: Mesh) -> list[Decision]:
+    """The spec of every parameter and batch statistic of ``model`` under ``strategy``."""
+    kernels = _linear_kernels(model)
+    columns, rows = set(kernels[0::2]), set(kernels[1::2])
+    decisions = []
+    for path, var in _variables(model):
+        shape = tuple(var.shape)
+        want = _want(strategy, path, shape, columns, rows) if strategy not in ('dp', 'shard_map') else []
+        spec, notes = [], []
+        for dim, axis in enumerate(want):
+            if axis is not None and axis in mesh.shape and shape[dim] % mesh.shape[axis]:
+                notes.append(f'dim {dim} ({shape[dim]}) stays whole: {axis}={mesh.shape[axis]} does not divide it')
+                axis = None
+            spec.append(axis if axis in mesh.shape else None)
+        decisions.append(Decision(path, shape, P(*spec), '; '.join(notes)))
+    return decisions
+
+
+def _variables(model: nnx.Module) -> list[tuple[str, nnx.Variable]]:
+    return [
+        ('/'.join(str(k) for k in path), var)
+        for path, var in nnx.iter_graph(model)
+        if isinstance(var, nnx.Param | nnx.BatchStat)
+    ]
+
+
+def annotate(model: nnx.Module, decisions: list[Decision]) -> None:
+    """Write each decision as the variable's ``out_sharding`` (what ``nnx.with_partitioning`` sets).
+
+    ``eager_sharding=False``: the arrays stay where they are until ``place_state`` puts the
+    whole train state on the mesh at once; the optimizer and EMA copies inherit the metadata.
+    """
+    by_path = {d.path: d for d in decisions}
+    for path, var in _variables(model):
+        var.set_metadata(out_sharding=tuple(by_path[path].spec), eager_sharding=False)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def state_shardings(state: Any, mesh: Mesh) -> Any:
-    """Data parallelism: every leaf of the model and optimizer state on every device."""
-    return jax.tree.map(lambda _: replicated(mesh), state)
+def state_shardings(graphdef: Any, state: Any, mesh: Mesh) -> Any:
+    """The sharding of every leaf of a split train state (a plain dict), read from the
+    ``out_sharding`` annotations (``nnx.get_partition_spec``); unannotated leaves are replicated."""
+    specs = nnx.get_partition_spec(nnx.state(nnx.merge(graphdef, state)))
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), nnx.to_pure_dict(specs))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """``[K, G, ...]``: steps stay whole, the global batch G is split over the data axis."""
-    return NamedSharding(mesh, P(None, DATA))
+    """``[K, G, ...]``: steps stay whole, the global batch G is split over the data axis
+    (and copied across the model axis: tensor parallelism gives every model shard all rows)."""
+    return NamedSharding(mesh, P(None, DATA) if DATA in mesh.shape else P())
 
 
 def key_sharding(mesh: Mesh, rng_mode: str) -> NamedSharding:
-    """per-device keys ``[D, 2]``: row d lives on device d; one global key: everywhere."""
-    return NamedSharding(mesh, P(DATA)) if rng_mode == 'per-device' else replicated(mesh)
+    """per-device keys ``[D, 2]``: row d lives on device d of a 1-D data mesh; otherwise,
+    and for one global key, everywhere (the per-device draw needs only the values)."""
+    one_d_data = tuple(mesh.shape) == (DATA,)
+    return NamedSharding(mesh, P(DATA)) if rng_mode == 'per-device' and one_d_data else replicated(mesh)
 
 
-def place_state(state: Any, mesh: Mesh) -> Any:
-    return jax.device_put(state, state_shardings(state, mesh))
+def place_state(state: Any, shardings: Any) -> Any:
+    return jax.device_put(state, shardings)
 
 
 def place_objects(train_state: Any, mesh: Mesh) -> Any:

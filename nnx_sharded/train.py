@@ -73,16 +73,18 @@ def draw_noise(noise_fn: Callable, key: jax.Array, batch, rng_mode: str) -> dict
     return jax.tree.map(lambda a: a.reshape(g, *a.shape[2:]), noise_DxB)
 
 
-def make_step_fn(graphdef, per_example_loss: Callable, noise_fn: Callable, ema_rate, rng_mode: str) -> Callable:
-    """``step((rng, state), batch) -> ((rng, state), losses_G)``, the body of the scan."""
+def make_update_fn(per_example_loss: Callable, noise_fn: Callable, ema_rate, rng_mode: str) -> Callable:
+    """``update(ts, rng, batch) -> (rng, losses_G)``: one step on the TrainState object, in place.
+
+    The step of both NNX forms: ``make_step_fn`` wraps it in split state for ``jax.jit``,
+    ``make_graph_call`` runs it on the object under ``nnx.jit(nnx.scan)``.
+    """
 
     def loss_fn(model, batch, noise):
         losses_G = per_example_loss(model, batch, noise)
         return jnp.mean(losses_G), losses_G  # global mean: no pmean
 
-    def step(carry, batch):
-        rng, state = carry
-        ts = nnx.merge(graphdef, state)
+    def update(ts: TrainState, rng, batch):
         rng, step_rng = split_keys(rng, rng_mode)
         noise = draw_noise(noise_fn, step_rng, batch, rng_mode)
         (_, losses_G), grads = nnx.value_and_grad(loss_fn, has_aux=True)(ts.model, batch, noise)
@@ -90,6 +92,19 @@ def make_step_fn(graphdef, per_example_loss: Callable, noise_fn: Callable, ema_r
         if ema_rate is not None:
             ema, new = nnx.state(ts.ema, nnx.Param), nnx.state(ts.model, nnx.Param)
             nnx.update(ts.ema, jax.tree.map(lambda e, p: e * ema_rate + p * (1.0 - ema_rate), ema, new))
+        return rng, losses_G
+
+    return update
+
+
+def make_step_fn(graphdef, per_example_loss: Callable, noise_fn: Callable, ema_rate, rng_mode: str) -> Callable:
+    """``step((rng, state), batch) -> ((rng, state), losses_G)``, the body of the scan."""
+    update = make_update_fn(per_example_loss, noise_fn, ema_rate, rng_mode)
+
+    def step(carry, batch):
+        rng, state = carry
+        ts = nnx.merge(graphdef, state)
+        rng, losses_G = update(ts, rng, batch)
         return (rng, nnx.to_pure_dict(nnx.state(ts))), losses_G  # averaged after the scan
 
     return step
@@ -116,6 +131,28 @@ def make_fused_call(step_fn: Callable, carry_shardings) -> Callable:
     output placement is pinned to the input's so that calls chain without resharding.
     """
     return jax.jit(scan_steps(step_fn), donate_argnums=0, out_shardings=(carry_shardings, None))
+
+
+def make_graph_call(update: Callable) -> Callable:
+    """The form of the Flax docs: ``nnx.jit(nnx.scan(..., in_axes=(nnx.Carry, 0)))`` over the
+    TrainState *object*: ``fused(ts, keys, batch_KxG) -> (keys, loss_K)``, ``ts`` updated in place.
+
+    Same arithmetic as ``make_fused_call``; what differs is host work: ``nnx.jit`` walks the
+    object graph on every call (see the module docstring and the README's Performance section).
+    """
+
+    @nnx.jit(donate_argnums=0)
+    def fused(ts: TrainState, keys, batch_KxG):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+        def body(carry, batch):
+            ts, rng = carry
+            rng, losses_G = update(ts, rng, batch)
+            return (ts, rng), losses_G
+
+        (_, rng), losses_KxG = body((ts, keys), batch_KxG)
+        return rng, jnp.mean(losses_KxG, axis=1)
+
+    return fused
 
 
 def next_call_keys(rng: jax.Array, n_devices: int, rng_mode: str) -> tuple[jax.Array, jax.Array]:

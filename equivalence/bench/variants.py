@@ -146,8 +146,11 @@ def first_shipped_jit(setup: harness.NnxSetup, wl: Workload) -> Callable:
         (rng, pure), losses_G = step(carry, batch)
         return (rng, nnx.state(nnx.merge(setup.graphdef, pure))), jnp.mean(losses_G)
 
+    state_shardings = nnx.state(
+        nnx.merge(setup.graphdef, sharding.state_shardings(setup.graphdef, setup.state, setup.mesh))
+    )
     setup.state = nnx.state(nnx.merge(setup.graphdef, setup.state))  # the same placed arrays, as an nnx.State
-    shardings = (sharding.key_sharding(setup.mesh, cfg.rng_mode), sharding.state_shardings(setup.state, setup.mesh))
+    shardings = (sharding.key_sharding(setup.mesh, cfg.rng_mode), state_shardings)
     return jax.jit(functools.partial(jax.lax.scan, step_state), donate_argnums=0, out_shardings=(shardings, None))
 
 

@@ -18,7 +18,7 @@ from equivalence.core import compare, convert, naming, randomness
 from equivalence.core.config import ConfigError, RunConfig, check_available
 from equivalence.core.ports import LoopPort, ModelPort, Port
 from legacy_pmap import train as legacy
-from nnx_sharded import sharding
+from nnx_sharded import shard_map, sharding
 from nnx_sharded import train as sharded
 
 
@@ -141,6 +141,11 @@ class NnxSetup:
     state: Any  # the TrainState's arrays, a plain dict (nnx.to_pure_dict), placed on the mesh
     mesh: Any
     config: RunConfig
+    decisions: list = dataclasses.field(default_factory=list)  # sharding.Decision per parameter
+
+    @property
+    def model(self):
+        return nnx.merge(self.graphdef, self.state).model
 
     def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
         mode = self.config.rng_mode
@@ -154,6 +159,33 @@ class NnxSetup:
 
     def neutral(self) -> convert.Neutral:
         return convert.nnx_to_neutral(self.graphdef, self.state)
+
+
+@dataclasses.dataclass
+class NnxGraphSetup:
+    """``--nnx-form graph``: the Flax docs' ``nnx.jit(nnx.scan)`` over the TrainState object."""
+
+    fused: Callable  # train.make_graph_call: (ts, keys, batch_KxG) -> (keys, loss_K), ts updated in place
+    ts: Any  # nnx_sharded.train.TrainState, its arrays placed on the mesh
+    mesh: Any
+    config: RunConfig
+    decisions: list = dataclasses.field(default_factory=list)
+
+    def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
+        mode = self.config.rng_mode
+        rng, keys = sharded.next_call_keys(rng, self.config.devices, mode)
+        return rng, (sharding.place_keys(keys, self.mesh, mode), sharding.place_batch(batch_KxG, self.mesh))
+
+    def call(self, args: tuple) -> np.ndarray:
+        _, loss_K = self.fused(self.ts, *args)
+        return np.asarray(loss_K)
+
+    def neutral(self) -> convert.Neutral:
+        return convert.groups_to_neutral(convert.nnx_groups(self.ts.model, self.ts.optimizer, self.ts.ema))
+
+    @property
+    def model(self):
+        return self.ts.model
 
 
 @dataclasses.dataclass
@@ -208,17 +240,40 @@ def legacy_setup(port: Port, config: RunConfig, variables: dict) -> LegacySetup:
     return LegacySetup(legacy.make_fused_call(step, devices), pstate, config)
 
 
-def nnx_setup(port: Port, config: RunConfig, variables: dict) -> NnxSetup | NnxLoopSetup:
-    mesh = sharding.make_mesh(config.devices)
+def nnx_mesh(config: RunConfig):
+    return sharding.make_mesh(config.devices, sharding.mesh_shape(config.strategy, config.devices, config.mesh_axes))
+
+
+def nnx_setup(port: Port, config: RunConfig, variables: dict) -> NnxSetup | NnxGraphSetup | NnxLoopSetup:
+    """The NNX side placed by ``config.strategy`` (``nnx_sharded/sharding.py``), in ``config.nnx_form``.
+
+    The step is the same for every strategy: only the annotations on the parameters change.
+    """
+    mesh = nnx_mesh(config)
     model = port.nnx_model(nnx.Rngs(0))
     convert.load_linen_variables(model, variables, check_names(port, variables))
     if isinstance(port, LoopPort):
         return NnxLoopSetup(port, sharding.place_objects(port.nnx_state(model), mesh), mesh, config)
+    if config.strategy == 'shard_map' and any(isinstance(v, nnx.BatchStat) for _, v in nnx.iter_graph(model)):
+        raise ConfigError('--strategy shard_map: the model has BatchNorm, whose statistics would be per device here')
+    decisions = sharding.decide(model, config.strategy, mesh)
+    sharding.annotate(model, decisions)
     graphdef, state = sharded.create_state(model, port.make_tx(1.0 + config.perturb), port.ema_rate)
-    state = sharding.place_state(state, mesh)
-    step = nnx_step(port, graphdef, config)
-    carry_shardings = (sharding.key_sharding(mesh, config.rng_mode), sharding.state_shardings(state, mesh))
-    return NnxSetup(sharded.make_fused_call(step, carry_shardings), graphdef, state, mesh, config)
+    shardings = sharding.state_shardings(graphdef, state, mesh)
+    state = sharding.place_state(state, shardings)
+    if config.nnx_form == 'graph':
+        update = sharded.make_update_fn(nnx_loss(port, config), port_noise(port, uses_dropout(port)), port.ema_rate,
+                                        config.rng_mode)  # fmt: skip
+        ts = nnx.merge(graphdef, state)
+        return NnxGraphSetup(sharded.make_graph_call(update), ts, mesh, config, decisions)
+    if config.strategy == 'shard_map':
+        step = shard_map.make_step_fn(graphdef, nnx_loss(port, config), port_noise(port, uses_dropout(port)),
+                                      port.ema_rate, config.rng_mode)  # fmt: skip
+        fused = shard_map.make_fused_call(step, mesh, config.rng_mode)
+        return NnxSetup(fused, graphdef, state, mesh, config, decisions)
+    carry_shardings = (sharding.key_sharding(mesh, config.rng_mode), shardings)
+    fused = sharded.make_fused_call(nnx_step(port, graphdef, config), carry_shardings)
+    return NnxSetup(fused, graphdef, state, mesh, config, decisions)
 
 
 Progress = Callable[[str], None]  # called with 'legacy' or 'nnx' after each compiled call
@@ -259,11 +314,11 @@ def run_legacy(port: Port, config: RunConfig, variables: dict, calls: list, rng,
 def run_nnx(port: Port, config: RunConfig, variables: dict, calls: list, rng, progress=_silent) -> PathResult:
     setup = nnx_setup(port, config, variables)
     losses, per_call = _train(setup, calls, rng, None, progress, 'nnx')
-    raw = (setup.graphdef, setup.state) if isinstance(setup, NnxSetup) else setup.train_state
-    result = PathResult(setup.neutral(), losses, per_call, raw)
+    raw = {NnxSetup: lambda: (setup.graphdef, setup.state), NnxGraphSetup: lambda: setup.ts}
+    result = PathResult(setup.neutral(), losses, per_call, raw.get(type(setup), lambda: setup.train_state)())
     if getattr(port, 'eval_data', None) is not None:
         data = port.eval_data()
-        logits = port.nnx_predict(nnx.merge(setup.graphdef, setup.state).model, data['x'])
+        logits = port.nnx_predict(setup.model, data['x'])
         result.eval_accuracy = accuracy(logits, data['y'])
     return result
 
@@ -293,6 +348,8 @@ def run(port: Port, config: RunConfig, progress: Progress | None = None) -> RunR
     """
     if config.rng_mode not in port.rng_modes:
         raise ConfigError(f'--rng {config.rng_mode}: port {port.name!r} supports {", ".join(port.rng_modes)}')
+    if isinstance(port, LoopPort) and (config.strategy, config.nnx_form) != ('dp', 'split'):
+        raise ConfigError("--strategy and --nnx-form place the suite's NNX loop; a loop port brings its own")
     if isinstance(port, LoopPort) and config.perturb:
         raise ConfigError("--perturb scales the suite's NNX optimizer: a loop port brings its own (perturb it there)")
     variables, calls, rng = make_inputs(port, config)

@@ -83,7 +83,8 @@ def run(devices: int) -> CaseResult:
     convert.load_linen_variables(model, variables)
     graphdef, state = sharded.create_state(model, wl.make_tx(1.0), None)
     mesh = sharding.make_mesh(devices)
-    placed = (sharding.place_state(state, mesh), sharding.place_batch(calls[0], mesh))
+    shardings = sharding.state_shardings(graphdef, state, mesh)  # replicated: nothing annotated
+    placed = (sharding.place_state(state, shardings), sharding.place_batch(calls[0], mesh))
     meta = {nnx.PARTITION_NAME: 'batch'}
     plain, wrong = run_one(graphdef, None, state, calls[0]), run_one(graphdef, meta, state, calls[0])
     fix, placed_meta = run_one(graphdef, None, *placed), run_one(graphdef, meta, *placed)
