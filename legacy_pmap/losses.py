@@ -47,6 +47,13 @@ def mlp_loss(model, params, model_state, batch: dict, noise: dict):
     return jnp.mean((pred_Bx1 - batch['y']) ** 2, axis=-1), model_state
 
 
+def wide_loss(model, params, model_state, batch: dict, noise: dict):
+    """Squared error of the wide MLP's 8 outputs, one value per example."""
+    del noise
+    pred_BxO = model.apply({'params': params}, batch['x'])
+    return jnp.mean((pred_BxO - batch['y']) ** 2, axis=-1), model_state
+
+
 def score_loss(model, params, model_state, batch: dict, noise: dict):
     """Denoising score matching on the VE SDE (score_sde, reduce_mean=True, no weighting)."""
     x_BxD, t_B, z_BxD = batch['x'], noise['t'], noise['z']

@@ -23,6 +23,19 @@ class MLP(nn.Module):
         return nn.Dense(self.out, name='out')(h_BxH)
 
 
+class WideMLP(nn.Module):
+    """Wide enough to shard on 8 devices in every strategy: 64 -> 256 -> 256 -> 8, GELU."""
+
+    hidden: int = 256
+    out: int = 8
+
+    @nn.compact
+    def __call__(self, x_BxF: jax.Array) -> jax.Array:
+        h_BxH = nn.gelu(nn.Dense(self.hidden, name='fc1')(x_BxF))
+        h_BxH = nn.gelu(nn.Dense(self.hidden, name='fc2')(h_BxH))
+        return nn.Dense(self.out, name='out')(h_BxH)
+
+
 def time_embedding(sigma_B: jax.Array, dim: int) -> jax.Array:
     """Sinusoidal embedding of log(sigma), as NCSN++ conditions on the noise level."""
     freqs = jnp.exp(jnp.linspace(0.0, jnp.log(100.0), dim // 2))

@@ -48,6 +48,12 @@ def mlp_loss(model, batch: dict, noise: dict) -> jax.Array:
     return jnp.mean((pred_Bx1 - batch['y']) ** 2, axis=-1)
 
 
+def wide_loss(model, batch: dict, noise: dict) -> jax.Array:
+    """Squared error of the wide MLP's 8 outputs, one value per example."""
+    del noise
+    return jnp.mean((model(batch['x']) - batch['y']) ** 2, axis=-1)
+
+
 def score_loss(model, batch: dict, noise: dict) -> jax.Array:
     """Denoising score matching on the VE SDE (score_sde, reduce_mean=True, no weighting)."""
     x_BxD, t_B, z_BxD = batch['x'], noise['t'], noise['z']

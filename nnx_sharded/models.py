@@ -21,6 +21,20 @@ class MLP(nnx.Module):
         return self.out(h_BxH)
 
 
+class WideMLP(nnx.Module):
+    """Wide enough to shard on 8 devices in every strategy: 64 -> 256 -> 256 -> 8, GELU."""
+
+    def __init__(self, din: int = 64, hidden: int = 256, out: int = 8, *, rngs: nnx.Rngs):
+        self.fc1 = nnx.Linear(din, hidden, rngs=rngs)
+        self.fc2 = nnx.Linear(hidden, hidden, rngs=rngs)
+        self.out = nnx.Linear(hidden, out, rngs=rngs)
+
+    def __call__(self, x_BxF: jax.Array) -> jax.Array:
+        h_BxH = nnx.gelu(self.fc1(x_BxF))
+        h_BxH = nnx.gelu(self.fc2(h_BxH))
+        return self.out(h_BxH)
+
+
 def time_embedding(sigma_B: jax.Array, dim: int) -> jax.Array:
     """Sinusoidal embedding of log(sigma), as NCSN++ conditions on the noise level."""
     freqs = jnp.exp(jnp.linspace(0.0, jnp.log(100.0), dim // 2))

@@ -27,6 +27,25 @@ def mlp_data(rng: np.random.Generator, n_steps: int, batch: int) -> dict[str, np
     return {'x': x.astype(np.float32), 'y': y.astype(np.float32)}
 
 
+def wide_data(rng: np.random.Generator, n_steps: int, batch: int) -> dict[str, np.ndarray]:
+    """8 regression targets from a fixed random teacher on 64 features."""
+    w_FxT, v_TxO = rng.normal(size=(64, 32)) / 8.0, rng.normal(size=(32, 8)) / np.sqrt(32)
+    x = rng.normal(size=(n_steps, batch, 64))
+    y = np.tanh(x @ w_FxT) @ v_TxO + 0.05 * rng.normal(size=(n_steps, batch, 8))
+    return {'x': x.astype(np.float32), 'y': y.astype(np.float32)}
+
+
+def wide_tx(lr_scale: float = 1.0) -> optax.GradientTransformation:
+    """Adam with eps 1e-5, not 1e-8. In its first steps Adam moves a weight by about
+    lr * g / (|g| + eps); where a batch's per-example gradients cancel to |g| ~ 1e-7, the
+    float32 rounding of that sum, which fsdp and tp order differently from pmap's per-device
+    sums, is a relative error of ~1e-3 that the division carries into the weight. Measured on
+    8 devices, 20 steps, largest parameter difference under fsdp / tp / fsdp-tp: eps 1e-8:
+    7.7e-6 / 4.6e-6 / 9.9e-6 (one element of fc1/kernel's 16,384; losses within 9e-8);
+    1e-6: 8.9e-7 / 8.3e-7 / 3.4e-7; 1e-5: 1.3e-7 / 1.5e-7 / 9.4e-8; SGD: 3.4e-8."""
+    return optax.adam(1e-3 * lr_scale, eps=1e-5)
+
+
 def ring_data(rng: np.random.Generator, n_steps: int, batch: int) -> dict[str, np.ndarray]:
     """2-D mixture of 8 Gaussians on a circle of radius 2, the classic toy density."""
     angle = 2 * np.pi * rng.integers(0, 8, size=(n_steps, batch)) / 8
@@ -93,6 +112,19 @@ WORKLOADS: dict[str, ModelPort] = {
         make_data=mlp_data,
         make_tx=mlp_tx,
         ema_rate=None,
+        default_batch=64,
+    ),
+    'wide': ModelPort(
+        name='wide',
+        summary='wide MLP 64->256->256->8, GELU, Adam: every layer shards on 8 devices in every strategy',
+        legacy_model=legacy_models.WideMLP,
+        nnx_model=lambda rngs: nnx_models.WideMLP(rngs=rngs),
+        legacy_loss=legacy_losses.wide_loss,
+        nnx_loss=nnx_losses.wide_loss,
+        noise=legacy_losses.no_noise,
+        init_args=lambda b: (b['x'],),
+        make_data=wide_data,
+        make_tx=wide_tx,
         default_batch=64,
     ),
     'score': ModelPort(
