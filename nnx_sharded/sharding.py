@@ -79,33 +79,37 @@ def _linear_kernels(model: nnx.Module) -> list[str]:
     return out
 
 
-def _want(strategy: str, path: str, shape: tuple[int, ...], columns: set[str], rows: set[str]) -> list:
-    """The axis each dimension should be split over, before divisibility is checked."""
+def _want(strategy: str, path: str, shape: tuple[int, ...], tp: dict[str, str], mesh: Mesh) -> list:
+    """The axis each dimension should be split over; a ``None`` where a wanted split does not divide."""
     want = [None] * len(shape)
-    parent = path.rpartition('/')[0]
-    kernel = f'{parent}/kernel' if parent else 'kernel'
-    if strategy in ('tp', 'fsdp-tp'):  # Megatron: column-parallel, then row-parallel, in turn
-        if path in columns:
-            want[1] = MODEL
-        elif path in rows:
-            want[0] = MODEL
-        elif path.endswith('bias') and kernel in columns:  # a column-parallel layer's outputs are split
-            want[0] = MODEL
+    if strategy in ('tp', 'fsdp-tp') and path in tp:  # Megatron: column-parallel, then row-parallel, in turn
+        want[{'column': len(shape) - 1, 'row': 0}[tp[path]]] = MODEL
     if strategy in ('fsdp', 'fsdp-tp') and shape:  # ZeRO-3: every parameter split over the data axis
         free = [d for d in range(len(shape)) if want[d] is None]
-        if free:
-            want[max(free, key=lambda d: shape[d])] = DATA
+        fits = [d for d in free if shape[d] % mesh.shape.get(DATA, 1) == 0]
+        if fits or free:
+            want[max(fits or free, key=lambda d: shape[d])] = DATA
     return want
+
+
+def _tp_roles(model: nnx.Module) -> dict[str, str]:
+    """Linear kernels alternate column- and row-parallel in the order the model defines them;
+    a column-parallel layer's bias is split with its outputs, a row-parallel one's stays whole."""
+    roles = {}
+    for i, kernel in enumerate(_linear_kernels(model)):
+        roles[kernel] = 'column' if i % 2 == 0 else 'row'
+        if i % 2 == 0:
+            roles[kernel[: -len('kernel')] + 'bias'] = 'column'
+    return roles
 
 
 def decide(model: nnx.Module, strategy: str, mesh: Mesh) -> list[Decision]:
     """The spec of every parameter and batch statistic of ``model`` under ``strategy``."""
-    kernels = _linear_kernels(model)
-    columns, rows = set(kernels[0::2]), set(kernels[1::2])
+    tp = _tp_roles(model)
     decisions = []
     for path, var in _variables(model):
         shape = tuple(var.shape)
-        want = _want(strategy, path, shape, columns, rows) if strategy not in ('dp', 'shard_map') else []
+        want = _want(strategy, path, shape, tp, mesh) if strategy not in ('dp', 'shard_map') else []
         spec, notes = [], []
         for dim, axis in enumerate(want):
             if axis is not None and axis in mesh.shape and shape[dim] % mesh.shape[axis]:

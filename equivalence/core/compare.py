@@ -32,6 +32,8 @@ class LeafDiff:
     max_rel: float  # max |a - b| / |b| over elements where b != 0
     ok: bool
     note: str = ''  # why a leaf could not be compared element-wise
+    bad: int = 0  # elements outside tolerance
+    size: int = 0  # elements compared
 
     @property
     def name(self) -> str:
@@ -43,13 +45,16 @@ def compare_leaf(group: str, path: str, ref: np.ndarray, other: np.ndarray, tol:
         return LeafDiff(group, path, np.inf, np.inf, False, f'shape {other.shape} vs {ref.shape}')
     if not np.issubdtype(ref.dtype, np.floating):  # counters: exactly equal or wrong
         diff = np.abs(other.astype(np.int64) - ref.astype(np.int64))
-        return LeafDiff(group, path, float(diff.max(initial=0)), float(diff.max(initial=0)), bool((diff == 0).all()))
+        bad = int((diff != 0).sum())
+        return LeafDiff(
+            group, path, float(diff.max(initial=0)), float(diff.max(initial=0)), not bad, '', bad, diff.size
+        )
     ref64, other64 = ref.astype(np.float64), other.astype(np.float64)
     diff = np.abs(other64 - ref64)
     nonzero = np.abs(ref64) > 0
     rel = float((diff[nonzero] / np.abs(ref64[nonzero])).max(initial=0.0))
-    ok = bool(np.all(diff <= tol.atol + tol.rtol * np.abs(ref64)))
-    return LeafDiff(group, path, float(diff.max(initial=0.0)), rel, ok)
+    bad = int((~(diff <= tol.atol + tol.rtol * np.abs(ref64))).sum())  # NaN counts as outside
+    return LeafDiff(group, path, float(diff.max(initial=0.0)), rel, not bad, '', bad, diff.size)
 
 
 @dataclasses.dataclass(frozen=True)

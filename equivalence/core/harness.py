@@ -29,6 +29,8 @@ class PathResult:
     params_per_call: list[dict[str, np.ndarray]]  # parameters after each call
     raw: Any  # the path's own final state (legacy: replicated, nnx: (graphdef, state))
     eval_accuracy: float | None = None  # held-out accuracy, for classifiers
+    placement: list = dataclasses.field(default_factory=list)  # NNX: sharding.Decision per parameter
+    mesh: dict = dataclasses.field(default_factory=dict)  # NNX: the mesh's axes
 
 
 @dataclasses.dataclass
@@ -316,6 +318,7 @@ def run_nnx(port: Port, config: RunConfig, variables: dict, calls: list, rng, pr
     losses, per_call = _train(setup, calls, rng, None, progress, 'nnx')
     raw = {NnxSetup: lambda: (setup.graphdef, setup.state), NnxGraphSetup: lambda: setup.ts}
     result = PathResult(setup.neutral(), losses, per_call, raw.get(type(setup), lambda: setup.train_state)())
+    result.placement, result.mesh = getattr(setup, 'decisions', []), dict(setup.mesh.shape)
     if getattr(port, 'eval_data', None) is not None:
         data = port.eval_data()
         logits = port.nnx_predict(setup.model, data['x'])

@@ -17,7 +17,20 @@ def header(result: RunResult, backend: str) -> str:
         f'{c.steps_per_call} steps/call x {c.calls} calls = {c.steps} steps, '
         f'global batch {c.batch_size} ({c.per_device_batch}/device), rng {c.rng_mode}, seed {c.seed}'
         + (f', perturb {c.perturb:g}' if c.perturb else '')
+        + (f', nnx-form {c.nnx_form}' if c.nnx_form != 'split' else '')
     )
+
+
+def placement_lines(result: RunResult) -> list[str]:
+    """The NNX side's strategy: its mesh, how many parameters it split, and every one it kept whole."""
+    c, decisions = result.config, result.nnx.placement
+    if c.strategy == 'dp' or not decisions:
+        return []
+    split = [d for d in decisions if any(a is not None for a in d.spec)]
+    lines = [f'strategy {c.strategy} on mesh {result.nnx.mesh}: {len(split)} of {len(decisions)} '
+             'parameters and statistics split, the rest replicated']  # fmt: skip
+    lines += [f'  kept whole: {d.path} {list(d.shape)}: {d.note}' for d in decisions if d.note]
+    return [*lines, '']
 
 
 def loss_table(result: RunResult) -> list[str]:
@@ -35,7 +48,7 @@ def leaf_table(result: RunResult, n: int = 8) -> list[str]:
         f'{"leaf":<40}  {"max abs":>9}  {"max rel":>9}  ok',
     ]
     for leaf in result.report.worst(n):
-        flag = 'yes' if leaf.ok else 'NO' + (f' ({leaf.note})' if leaf.note else '')
+        flag = 'yes' if leaf.ok else 'NO' + (f' ({leaf.note})' if leaf.note else f' ({leaf.bad:,} of {leaf.size:,})')
         rows.append(f'{leaf.name:<40}  {leaf.max_abs:>9.2e}  {leaf.max_rel:>9.2e}  {flag}')
     return rows
 
@@ -60,6 +73,7 @@ def text(result: RunResult, backend: str) -> str:
         [
             header(result, backend),
             '',
+            *placement_lines(result),
             *loss_table(result),
             '',
             *leaf_table(result),
@@ -83,6 +97,10 @@ def to_json(result: RunResult, versions: dict[str, str]) -> dict:
         'seed': c.seed,
         'rng_mode': c.rng_mode,
         'perturb': c.perturb,
+        'strategy': c.strategy,
+        'mesh': result.nnx.mesh,
+        'nnx_form': c.nnx_form,
+        'placement': [{'path': d.path, 'spec': [a for a in d.spec], 'note': d.note} for d in result.nnx.placement],
         'losses': {'legacy': _floats(result.legacy.losses), 'nnx': _floats(result.nnx.losses)},
         'eval_accuracy': {'legacy': result.legacy.eval_accuracy, 'nnx': result.nnx.eval_accuracy},
         'max_abs_diff': {g: _num(r.max_abs(g)) for g in GROUPS},
@@ -95,6 +113,8 @@ def to_json(result: RunResult, versions: dict[str, str]) -> dict:
                 'max_rel': _num(leaf.max_rel),
                 'ok': leaf.ok,
                 'note': leaf.note,
+                'elements_outside': leaf.bad,
+                'elements': leaf.size,
             }
             for leaf in r.leaves
         ],
