@@ -9,7 +9,7 @@ import sys
 import warnings
 
 from equivalence import cli, devices
-from equivalence.explain import answers_text, draw, header_text, measure_both, path_text, report
+from equivalence.explain import answers_text, draw, header_text, measure_both, path_text, report, strategy_text
 
 
 def parse(argv: list[str] | None):
@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         print('\n' + path_text(r['paths'][m.path]))
         draw(m)
     print(answers_text(r))
+    print(strategy_text(r))
     if args.json:
         report_io.write_json(args.json, r)
     return cli.EXIT_MATCH
