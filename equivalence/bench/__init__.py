@@ -10,8 +10,11 @@ K_SCALING = 20  # the fused K that the "fusing pays" target compares with one st
 K_COMPILE = (5, 100)  # compile time must not grow with K: the scan stays a loop
 
 
-def run(wl, config, repeats: int, compile_repeats: int):
-    """Build every variant, check they agree, time compiles, warm up, then the interleaved repeats."""
+def run(wl, config, repeats: int, compile_repeats: int, strategy_configs=()):
+    """Build every variant, check they agree, time compiles, warm up, then the interleaved repeats.
+
+    ``strategy_configs``: the shipped NNX call is also timed under each config's strategy and
+    form, beside the data-parallel variants and legacy pmap."""
     from equivalence.bench import report as benchreport
     from equivalence.bench import timing as measure
     from equivalence.bench import variants
@@ -21,7 +24,7 @@ def run(wl, config, repeats: int, compile_repeats: int):
     progress('building variants')
     pool_steps = config.calls * max(config.steps_per_call, K_SCALING, *K_COMPILE)
     feed = variants.Feed(wl, config, pool_steps)
-    built = variants.build_all(wl, config, feed, K_SCALING)
+    built = variants.build_all(wl, config, feed, K_SCALING, strategy_configs)
     compiles = {}
     for v in built:
         progress(f'compile x{compile_repeats}: {v.label}')

@@ -24,17 +24,41 @@ def parse(argv: list[str] | None):
     parser.add_argument('--batch-size', type=int, default=None, help="global batch (default: the workload's)")
     parser.add_argument('--seed', type=int, default=0, help='seed of data, initial parameters and keys')
     parser.add_argument('--rng', default='per-device', help='per-device (score_sde) or global (default per-device)')
+    parser.add_argument('--strategy', default='dp', help='also time the NNX call under these: S[,S...] or all')
+    parser.add_argument('--mesh', default=None, help="fsdp-tp's 2-D mesh, data=A,model=B (default data=D/2,model=2)")
+    parser.add_argument('--nnx-form', default='split', help='form of the --strategy variants: split or graph')
     parser.add_argument('--json', default=None, metavar='PATH', help='write the results as JSON')
     parser.add_argument('--overwrite', action='store_true', help='replace an existing --json file')
     return parser.parse_args(argv)
 
 
 def make_config(args, n_available: int):
-    """Flags -> RunConfig (``calls`` = calls per timed block); bad input exits 2 with one line."""
+    """Flags -> ``(workload, RunConfig, strategy configs)`` (``calls`` = calls per timed block);
+    bad input exits 2 with one line. The config is the data-parallel base of the default
+    variants; ``--strategy`` gives one more config each (mesh and form checked up front)."""
+    import argparse
+    import dataclasses
+
+    from equivalence.core.config import STRATEGIES, ConfigError, parse_mesh
+
     for flag, value in (('--repeats', args.repeats), ('--compile-repeats', args.compile_repeats)):
         if value < 1:
             cli.fail(f'{flag} must be at least 1, got {value}')
-    return cli.run_config(args, n_available)
+    base = argparse.Namespace(**{**vars(args), 'strategy': 'dp', 'mesh': None})
+    wl, config = cli.run_config(base, n_available)
+    strategies = list(STRATEGIES) if args.strategy == 'all' else args.strategy.split(',')
+    try:
+        mesh = parse_mesh(args.mesh) if args.mesh else None
+        if mesh and 'fsdp-tp' not in strategies:
+            raise ConfigError('--mesh shapes the fsdp-tp mesh; add fsdp-tp to --strategy')
+        extra = [
+            dataclasses.replace(config, strategy=s, mesh=mesh if s == 'fsdp-tp' else None, nnx_form=args.nnx_form)
+            for s in strategies
+            if (s, args.nnx_form) != ('dp', 'split')  # the default variants are dp in split form
+        ]
+    except ConfigError as e:
+        cli.fail(str(e))
+    return wl, config, extra
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,9 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     from equivalence.bench import report as benchreport
     from equivalence.core import report
 
-    wl, config = make_config(args, len(jax.devices()))
+    wl, config, strategy_configs = make_config(args, len(jax.devices()))
     warnings.filterwarnings('ignore', message='Some donated buffers were not usable')  # the batch, as score_sde
-    result = bench.run(wl, config, args.repeats, args.compile_repeats)
+    result = bench.run(wl, config, args.repeats, args.compile_repeats, strategy_configs)
     print(benchreport.text(result))
     if args.json:
         report.write_json(args.json, benchreport.to_json(result))

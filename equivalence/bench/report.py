@@ -153,6 +153,8 @@ HLO_COLUMNS = {  # summary field -> column header
     'while': 'while',
     'fusion': 'fusion',
     'aliased_bytes': 'donated B',
+    'argument_bytes': 'args B/dev',
+    'temp_bytes': 'temp B/dev',
 }
 
 

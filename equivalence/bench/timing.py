@@ -109,8 +109,9 @@ def summarize(hlo_text: str) -> dict[str, int]:
 def compiled_summary(compiled) -> dict[str, int]:
     """``summarize`` of a ``jax.stages.Compiled``, plus the bytes donation aliased."""
     memory = compiled.memory_analysis()
-    alias = int(getattr(memory, 'alias_size_in_bytes', 0) or 0) if memory is not None else 0
-    return {**summarize(compiled.as_text()), 'aliased_bytes': alias}
+    field = lambda name: int(getattr(memory, f'{name}_size_in_bytes', 0) or 0) if memory is not None else 0  # noqa: E731
+    per_device = {'argument_bytes': field('argument'), 'temp_bytes': field('temp')}  # the partitioned program's
+    return {**summarize(compiled.as_text()), 'aliased_bytes': field('alias'), **per_device}
 
 
 @dataclasses.dataclass

@@ -180,47 +180,34 @@ def nnx_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: str, 
     return Variant(name, label, k, place, call, fresh_lowered)
 
 
-def graph_jit(setup: harness.NnxSetup, wl: Workload) -> Callable:
-    """Graph-mode ``nnx.jit`` over the TrainState *object*, steps fused by ``nnx.scan``.
-
-    The scan body runs the shipped step on ``nnx.state(ts)`` and writes the result back
-    with ``nnx.update``: the traced arithmetic is the shipped step's, so what differs is
-    only how NNX carries the object through ``jit`` and ``scan`` (its graph traversal).
-    """
-    cfg = setup.config
-    step = harness.nnx_step(wl, setup.graphdef, cfg)
-
-    def body(carry, batch):
-        ts, rng = carry
-        (rng, state), losses_G = step((rng, nnx.state(ts)), batch)
-        nnx.update(ts, state)
-        return (ts, rng), losses_G
-
-    def fused(ts, keys, batch_KxG):
-        scan = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
-        (_, rng), losses_KxG = scan((ts, keys), batch_KxG)
-        return rng, jnp.mean(losses_KxG, axis=1)  # the keys too, as every variant returns them
-
-    return nnx.jit(fused, donate_argnums=0)
-
-
 def graph_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: str, label: str, cached: bool = False):
-    """``nnx.jit`` graph mode, called with the object; with ``cached``, through ``nnx.cached_partial``."""
+    """``--nnx-form graph``: ``train.make_graph_call``'s ``nnx.jit(nnx.scan)`` over the TrainState
+    object, called with the object; with ``cached``, through ``nnx.cached_partial``."""
 
-    def build(kk: int):
-        setup = harness.nnx_setup(wl, _config(config, kk), feed.variables)
-        return setup, nnx.merge(setup.graphdef, setup.state), graph_jit(setup, wl)
+    def build(kk: int) -> harness.NnxGraphSetup:
+        return harness.nnx_setup(wl, dataclasses.replace(_config(config, kk), nnx_form='graph'), feed.variables)
 
-    setup, ts, fused = build(k)
+    setup = build(k)
     place = _nnx_place(setup, _nnx_chain(feed, setup, k))
-    run = nnx.cached_partial(fused, ts) if cached else functools.partial(fused, ts)
+    run = nnx.cached_partial(setup.fused, setup.ts) if cached else functools.partial(setup.fused, setup.ts)
 
     def fresh_lowered(kk: int):
-        fresh, fresh_ts, fn = build(kk)
+        fresh = build(kk)
         keys, batch_KxG = _nnx_place(fresh, _nnx_chain(feed, fresh, kk))(1)[0]
-        return fn.lower(fresh_ts, keys, batch_KxG)  # cached_partial calls this same nnx.jit
+        return fresh.fused.lower(fresh.ts, keys, batch_KxG)  # cached_partial calls this same nnx.jit
 
     return Variant(name, label, k, place, lambda args: run(*args)[1], fresh_lowered)
+
+
+def strategy_variants(wl: Workload, feed: Feed, configs: list[RunConfig]) -> list[Variant]:
+    """The shipped call at K under each config's strategy, in its form."""
+    out = []
+    for cfg in configs:
+        form = '_graph' if cfg.nnx_form == 'graph' else ''
+        label = f'nnx {cfg.strategy}' + (', graph form' if form else '')
+        make = graph_variant if form else nnx_variant
+        out.append(make(wl, cfg, feed, cfg.steps_per_call, f'nnx_{cfg.strategy}{form}', label))
+    return out
 
 
 def loop_variant(port: LoopPort, config: RunConfig, feed: Feed, k: int, name: str, label: str) -> Variant:
@@ -252,10 +239,12 @@ def build_loop(port: LoopPort, config: RunConfig, feed: Feed, k_scaling: int) ->
     return variants
 
 
-def build_all(wl: Workload, config: RunConfig, feed: Feed, k_scaling: int) -> list[Variant]:
-    """The fused variants at K, then one step per call, then both paths at ``k_scaling``."""
+def build_all(wl: Workload, config: RunConfig, feed: Feed, k_scaling: int, strategy_configs=()) -> list[Variant]:
+    """The fused variants at K, then one step per call, then both paths at ``k_scaling``, then
+    the shipped call under each of ``strategy_configs`` (the default variants are data parallel)."""
     if isinstance(wl, LoopPort):
         return build_loop(wl, config, feed, k_scaling)
+    extra = strategy_variants(wl, feed, list(strategy_configs))
     k = config.steps_per_call
     variants = [
         legacy_variant(wl, config, feed, k, 'legacy', 'legacy pmap(scan)'),
@@ -271,4 +260,4 @@ def build_all(wl: Workload, config: RunConfig, feed: Feed, k_scaling: int) -> li
         ks = k_scaling
         variants.append(legacy_variant(wl, config, feed, ks, f'legacy_k{ks}', f'legacy pmap, K={ks}'))
         variants.append(nnx_variant(wl, config, feed, ks, f'nnx_k{ks}', f'nnx shipped, K={ks}'))
-    return variants
+    return variants + extra
