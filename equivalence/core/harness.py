@@ -64,6 +64,11 @@ def check_names(port: Port, variables: dict) -> dict[str, str]:
     return naming.resolve(naming.linen_spec(variables), naming.nnx_spec(abstract), port.names)
 
 
+def has_batch_stats(port: Port) -> bool:
+    abstract = nnx.eval_shape(lambda: port.nnx_model(nnx.Rngs(0)))
+    return any(isinstance(node, nnx.BatchStat) for _, node in nnx.iter_graph(abstract))
+
+
 def uses_dropout(port: Port) -> bool:
     """Whether the NNX model has Dropout layers (then the suite hands both sides dropout keys)."""
     abstract = nnx.eval_shape(lambda: port.nnx_model(nnx.Rngs(0)))
@@ -256,8 +261,6 @@ def nnx_setup(port: Port, config: RunConfig, variables: dict) -> NnxSetup | NnxG
     convert.load_linen_variables(model, variables, check_names(port, variables))
     if isinstance(port, LoopPort):
         return NnxLoopSetup(port, sharding.place_objects(port.nnx_state(model), mesh), mesh, config)
-    if config.strategy == 'shard_map' and any(isinstance(v, nnx.BatchStat) for _, v in nnx.iter_graph(model)):
-        raise ConfigError('--strategy shard_map: the model has BatchNorm, whose statistics would be per device here')
     decisions = sharding.decide(model, config.strategy, mesh)
     sharding.annotate(model, decisions)
     graphdef, state = sharded.create_state(model, port.make_tx(1.0 + config.perturb), port.ema_rate)
@@ -353,6 +356,8 @@ def run(port: Port, config: RunConfig, progress: Progress | None = None) -> RunR
         raise ConfigError(f'--rng {config.rng_mode}: port {port.name!r} supports {", ".join(port.rng_modes)}')
     if isinstance(port, LoopPort) and (config.strategy, config.nnx_form) != ('dp', 'split'):
         raise ConfigError("--strategy and --nnx-form place the suite's NNX loop; a loop port brings its own")
+    if config.strategy == 'shard_map' and has_batch_stats(port):
+        raise ConfigError('--strategy shard_map: the model has BatchNorm, whose statistics would be per device here')
     if isinstance(port, LoopPort) and config.perturb:
         raise ConfigError("--perturb scales the suite's NNX optimizer: a loop port brings its own (perturb it there)")
     variables, calls, rng = make_inputs(port, config)
