@@ -345,13 +345,8 @@ def with_losses(neutral: convert.Neutral, losses: np.ndarray) -> convert.Neutral
     return {**neutral, 'losses': {'per_step': losses}}
 
 
-def run(port: Port, config: RunConfig, progress: Progress | None = None) -> RunResult:
-    """Both paths, then the comparison of parameters, optimizer state, EMA, stats, losses.
-
-    The two sides' variable names are paired first: a port whose names do not pair stops
-    here, before any training (``naming.PortError``). ``progress``, if given, is called
-    after each of the 2 * C compiled calls.
-    """
+def validate(port: Port, config: RunConfig) -> None:
+    """What a port cannot do with these flags, as ``ConfigError`` (exit 2), before any work."""
     if config.rng_mode not in port.rng_modes:
         raise ConfigError(f'--rng {config.rng_mode}: port {port.name!r} supports {", ".join(port.rng_modes)}')
     if isinstance(port, LoopPort) and (config.strategy, config.nnx_form) != ('dp', 'split'):
@@ -360,6 +355,16 @@ def run(port: Port, config: RunConfig, progress: Progress | None = None) -> RunR
         raise ConfigError('--strategy shard_map: the model has BatchNorm, whose statistics would be per device here')
     if isinstance(port, LoopPort) and config.perturb:
         raise ConfigError("--perturb scales the suite's NNX optimizer: a loop port brings its own (perturb it there)")
+
+
+def run(port: Port, config: RunConfig, progress: Progress | None = None) -> RunResult:
+    """Both paths, then the comparison of parameters, optimizer state, EMA, stats, losses.
+
+    The two sides' variable names are paired first: a port whose names do not pair stops
+    here, before any training (``naming.PortError``). ``progress``, if given, is called
+    after each of the 2 * C compiled calls.
+    """
+    validate(port, config)
     variables, calls, rng = make_inputs(port, config)
     check_names(port, variables)
     old = run_legacy(port, config, variables, calls, rng, progress or _silent)

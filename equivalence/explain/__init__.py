@@ -323,6 +323,7 @@ def measure_both(port: Any, config: Any) -> tuple[PathMeasurement, PathMeasureme
     """One call of each path of a port (built-in or user's), compiled and read."""
     from equivalence.core import harness
 
+    harness.validate(port, config)
     variables, calls, rng = harness.make_inputs(port, config)
     harness.check_names(port, variables)
     legacy_setup = harness.legacy_setup(port, config, variables)
