@@ -139,6 +139,13 @@ class LegacySetup:
         return convert.groups_to_neutral(self.groups(legacy.unreplicate(self.pstate)))
 
 
+def placed_inputs(setup, rng, batch_KxG) -> tuple[jax.Array, tuple]:
+    """``(next rng, (keys, batch_KxG))`` of one NNX call, placed on ``setup.mesh``."""
+    mode = setup.config.rng_mode
+    rng, keys = sharded.next_call_keys(rng, setup.config.devices, mode)
+    return rng, (sharding.place_keys(keys, setup.mesh, mode), sharding.place_batch(batch_KxG, setup.mesh))
+
+
 @dataclasses.dataclass
 class NnxSetup:
     """Everything the sharded path needs before its first call (a model port: the suite's loop)."""
@@ -155,10 +162,8 @@ class NnxSetup:
         return nnx.merge(self.graphdef, self.state).model
 
     def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
-        mode = self.config.rng_mode
-        rng, keys = sharded.next_call_keys(rng, self.config.devices, mode)
-        carry = (sharding.place_keys(keys, self.mesh, mode), self.state)
-        return rng, (carry, sharding.place_batch(batch_KxG, self.mesh))
+        rng, (keys, batch) = placed_inputs(self, rng, batch_KxG)
+        return rng, ((keys, self.state), batch)
 
     def call(self, args: tuple) -> np.ndarray:
         (_, self.state), loss_K = self.fused(*args)
@@ -179,9 +184,7 @@ class NnxGraphSetup:
     decisions: list = dataclasses.field(default_factory=list)
 
     def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
-        mode = self.config.rng_mode
-        rng, keys = sharded.next_call_keys(rng, self.config.devices, mode)
-        return rng, (sharding.place_keys(keys, self.mesh, mode), sharding.place_batch(batch_KxG, self.mesh))
+        return placed_inputs(self, rng, batch_KxG)
 
     def call(self, args: tuple) -> np.ndarray:
         _, loss_K = self.fused(self.ts, *args)
@@ -205,9 +208,7 @@ class NnxLoopSetup:
     config: RunConfig
 
     def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
-        mode = self.config.rng_mode
-        rng, keys = sharded.next_call_keys(rng, self.config.devices, mode)
-        return rng, (sharding.place_keys(keys, self.mesh, mode), sharding.place_batch(batch_KxG, self.mesh))
+        return placed_inputs(self, rng, batch_KxG)
 
     def call(self, args: tuple) -> np.ndarray:
         with randomness.bridged(self.config.rng_mode):
