@@ -63,8 +63,12 @@ def _is_object(x) -> bool:
 
 
 def place_batch(batch_KxG: Any, mesh: Mesh) -> Any:
-    return jax.device_put(batch_KxG, batch_sharding(mesh))
+    """This process's rows of the global batch (all of them, with one process) -> the global
+    ``[K, G, ...]`` array: each process hands over only the rows its devices hold."""
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(batch_sharding(mesh), x), batch_KxG)
 
 
 def place_keys(keys: jax.Array, mesh: Mesh, rng_mode: str) -> jax.Array:
-    return jax.device_put(keys, key_sharding(mesh, rng_mode))
+    """Every process holds the same keys (one host key chain); each device takes its row
+    (global shape = local shape: JAX cuts each device's part from the full array)."""
+    return jax.make_array_from_process_local_data(key_sharding(mesh, rng_mode), keys, keys.shape)
