@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 POLL_S = 0.1  # how often the launcher looks at its workers
 ENDING_TOGETHER_S = 20  # workers that finished normally leave within a shutdown barrier of each other
-EXIT_BAD_INPUT, EXIT_WORKER_DIED = 2, 4
+EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_WORKER_DIED = 2, 3, 4  # as cli and worker
 PROCESS_FLAGS = {'--processes': 1, '--worker-logs': 1}  # launcher-only flags -> values they take
 
 
@@ -121,28 +121,26 @@ def failure(procs, codes, i: int, logs: str, after_s: float) -> tuple[int, str]:
     code = codes[i]
     if code == EXIT_BAD_INPUT and reason.startswith('error: '):
         return EXIT_BAD_INPUT, reason
-    what = describe(code, reason)
     others = sum(1 for j, c in enumerate(codes) if j != i and c is None)
     stopped = f'; stopped the other {others} with SIGKILL' if others else ''
     who = f'worker {i} of {len(procs)} (pid {procs[i].pid})'
-    return EXIT_WORKER_DIED, f'error: {who} {what} after {after_s:.1f} s{stopped}; logs in {logs}'
+    return EXIT_WORKER_DIED, f'error: {who} {describe(code, reason)} after {after_s:.1f} s{stopped}; logs in {logs}'
 
 
 def describe(code: int, reason: str) -> str:
+    """What happened to a worker, from its exit status and the telling line of its log."""
+    detail = f' ({DETAIL_PREFIX.sub("", reason)})' if reason else ''
     if code < 0:
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f'signal {-code}'
-        return f'was killed by {name}' + (f' ({reason})' if code == -signal.SIGABRT and reason else '')
-    if code == 3:
-        return f'failed with an internal error (exit 3: {_strip(reason)})'
+        return f'was killed by {name}' + (detail if code == -signal.SIGABRT else '')
+    if code == EXIT_INTERNAL:
+        return 'failed with an internal error' + detail
     if code == EXIT_WORKER_DIED:
-        return f'could not join the run (exit 4: {_strip(reason)})'
-    return f'exited with code {code}' + (f' ({_strip(reason)})' if reason else '')
+        return 'could not join the run' + detail
+    return f'exited with code {code}' + detail
 
 
-def _strip(reason: str) -> str:
-    return reason.removeprefix('error: ')
-
-
+DETAIL_PREFIX = re.compile(r'^error: (process \d+( of [\d?]+)?: )?(internal error: )?')
 FATAL = re.compile(r'^[FE]\d{4} [\d:.]+\s+\d+ [\w.]+:\d+\] (.*)')  # absl's fatal and error log lines
 EXCEPTION = re.compile(r'^[\w.]+(Error|Exception|Interrupt)\b.*')
 

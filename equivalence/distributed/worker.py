@@ -24,6 +24,10 @@ from collections.abc import Callable
 INIT_TIMEOUT_S = 60  # every process must have joined by then: a cluster starts its tasks within seconds
 HEARTBEAT_TIMEOUT_S = 10  # a dead peer is noticed after this (measured: survivors abort ~8 s after a SIGKILL)
 JAX_INIT_GRACE_S = 10  # JAX's own connect deadline comes this much later, so that ours speaks first
+NO_CLUSTER = (
+    'no cluster environment detected: JAX reads SLURM, Open MPI, Kubernetes or Cloud TPU variables, '
+    'or JAX_COORDINATOR_ADDRESS; give --coordinator, --num-processes and --process-id'
+)
 EXIT_INTERNAL = 3  # an exception in this process (the suite's exit code for internal errors)
 EXIT_WORKER = 4  # this process could not join the run, or a worker died (cli.EXIT_WORKER_DIED)
 
@@ -51,6 +55,8 @@ def join(args: argparse.Namespace) -> None:
     ``--init-timeout`` ends this process with one line saying why (JAX's own failure is an abort)."""
     import jax
 
+    if args.process_id is not None and args.num_processes is not None and not 0 <= args.process_id < args.num_processes:
+        _leave(f'error: --process-id must be in 0..{args.num_processes - 1}, got {args.process_id}', 2)
     timer = threading.Timer(args.init_timeout, _gave_up, (args, time.monotonic()))
     timer.daemon = True
     timer.start()
@@ -62,8 +68,8 @@ def join(args: argparse.Namespace) -> None:
             initialization_timeout=args.init_timeout + JAX_INIT_GRACE_S,
             heartbeat_timeout_seconds=args.heartbeat_timeout,
         )
-    except (ValueError, TypeError, RuntimeError) as e:  # no cluster detected, or ids out of range
-        _leave(f'error: --distributed: {_first_line(e)}; give --coordinator, --num-processes and --process-id', 2)
+    except ValueError as e:  # JAX found no cluster environment to fill in what the flags left out
+        _leave(f'error: --distributed: {NO_CLUSTER} (JAX: {str(e).strip()})', 2)
     finally:
         timer.cancel()
     keep_stdout_for_the_report(jax.process_index())
