@@ -8,6 +8,7 @@ module says where each array lives, and XLA's partitioner derives the communicat
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -46,15 +47,25 @@ def key_sharding(mesh: Mesh, rng_mode: str) -> NamedSharding:
     return NamedSharding(mesh, P(DATA)) if rng_mode == 'per-device' else replicated(mesh)
 
 
+def put(x: jax.Array | np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """``jax.device_put`` that also places onto devices of other processes: every process holds
+    the same value (one seed), hands over all of it, and JAX keeps its devices' parts.
+    (``device_put`` refuses a committed array or a typed key for devices it cannot address.)"""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # typed keys travel as their key data
+        return jax.random.wrap_key_data(put(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
+    return jax.make_array_from_process_local_data(sharding, np.asarray(x), np.shape(x))
+
+
 def place_state(state: Any, mesh: Mesh) -> Any:
-    return jax.device_put(state, state_shardings(state, mesh))
+    return jax.tree.map(put, state, state_shardings(state, mesh))
 
 
 def place_objects(train_state: Any, mesh: Mesh) -> Any:
     """NNX objects (a model, an ``nnx.Optimizer``, a tuple of them), replicated in place; or plain arrays."""
+    place = lambda tree: jax.tree.map(lambda x: put(x, replicated(mesh)), tree)
     if not any(isinstance(x, nnx.Object) for x in jax.tree.leaves(train_state, is_leaf=_is_object)):
-        return jax.device_put(train_state, replicated(mesh))
-    nnx.update(train_state, jax.device_put(nnx.state(train_state), replicated(mesh)))
+        return place(train_state)
+    nnx.update(train_state, place(nnx.state(train_state)))
     return train_state
 
 
@@ -69,6 +80,5 @@ def place_batch(batch_KxG: Any, mesh: Mesh) -> Any:
 
 
 def place_keys(keys: jax.Array, mesh: Mesh, rng_mode: str) -> jax.Array:
-    """Every process holds the same keys (one host key chain); each device takes its row
-    (global shape = local shape: JAX cuts each device's part from the full array)."""
-    return jax.make_array_from_process_local_data(key_sharding(mesh, rng_mode), keys, keys.shape)
+    """Every process holds the same keys (one host key chain); each device takes its row."""
+    return put(keys, key_sharding(mesh, rng_mode))

@@ -24,6 +24,8 @@ def to_host(tree: Any) -> Any:
 def _host(x: Any) -> Any:
     if not isinstance(x, jax.Array):
         return x
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # an NNX Rngs key: its data, wrapped again
+        return jax.random.wrap_key_data(_host(jax.random.key_data(x)), impl=jax.random.key_impl(x))
     if x.is_fully_addressable or x.is_fully_replicated:
         return np.asarray(x)
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
