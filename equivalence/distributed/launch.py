@@ -115,7 +115,9 @@ def _rank(code: int) -> int:
     return 2 if code == -signal.SIGABRT else (0 if code < 0 else 1)
 
 
-def failure(procs, codes, i: int, logs: str, after_s: float) -> tuple[int, str]:
+def failure(
+    procs: list[subprocess.Popen], codes: list[int | None], i: int, logs: str, after_s: float
+) -> tuple[int, str]:
     """The one line for worker ``i``'s end, and the launcher's exit code."""
     reason = last_reason(os.path.join(logs, f'worker-{i}.log'))
     code = codes[i]
