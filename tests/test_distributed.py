@@ -33,11 +33,25 @@ def one_process(workload: str, devices: int) -> dict:
     return report.to_json(result, report.versions())
 
 
-def several(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
-    out = tmp_path / 'report.json'
-    proc = run_module('equivalence.run', *args, *TINY, '--json', str(out))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc, json.loads(out.read_text())
+def clean_env(**extra: str) -> dict[str, str]:
+    """A fresh shell's environment: no device count inherited from this test process."""
+    environ = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS')}
+    return {**environ, **extra}
+
+
+def start(module: str, *args: str, cwd: str = ROOT, env: dict | None = None) -> subprocess.Popen:
+    """``python -m module args`` in the background, its output piped."""
+    pipe = subprocess.PIPE
+    return subprocess.Popen(
+        [sys.executable, '-m', module, *args], cwd=cwd, env=env or clean_env(), stdout=pipe, stderr=pipe, text=True
+    )
+
+
+def finish(proc: subprocess.Popen, out) -> tuple[str, dict]:
+    """Wait for a run that must match; its stdout and JSON report."""
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stdout + stderr
+    return stdout, json.loads(out.read_text())
 
 
 def assert_same_run(multi: dict, single: dict) -> None:
@@ -55,28 +69,26 @@ def assert_same_run(multi: dict, single: dict) -> None:
 
 @pytest.mark.parametrize('workload', ['mlp', 'score'])
 def test_two_processes_of_4_devices_match_one_process_of_8(tmp_path, workload):
-    proc, multi = several(tmp_path, '--processes', '2', '--workload', workload)
-    assert f'{workload}: legacy pmap(scan) vs NNX sharded scan on 8 cpu device(s)' in proc.stdout
-    assert proc.stdout.count('MATCH') == 1 and '[Gloo]' not in proc.stdout  # one report, process 0's
-    assert_same_run(multi, one_process(workload, 8))
+    out = tmp_path / 'report.json'
+    proc = start('equivalence.run', '--processes', '2', '--workload', workload, *TINY, '--json', str(out))
+    single = one_process(workload, 8)  # while the workers run
+    stdout, multi = finish(proc, out)
+    assert f'{workload}: legacy pmap(scan) vs NNX sharded scan on 8 cpu device(s)' in stdout
+    assert stdout.count('MATCH') == 1 and '[Gloo]' not in stdout  # one report, process 0's
+    assert_same_run(multi, single)
 
 
-def spy(tmp_path, *args: str, env: dict | None = None) -> subprocess.Popen:
+def spy(tmp_path, *args: str, **env: str) -> subprocess.Popen:
     """``tests/spy_worker.py`` (the run command with recording hooks) under the same launcher."""
-    environ = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS')}
-    command = [sys.executable, '-m', 'spy_worker', *args]
-    env = {**environ, 'SPY_DIR': str(tmp_path), **(env or {})}
-    here = os.path.join(ROOT, 'tests')
-    return subprocess.Popen(command, cwd=here, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return start('spy_worker', *args, cwd=os.path.join(ROOT, 'tests'), env=clean_env(SPY_DIR=str(tmp_path), **env))
 
 
 def test_two_processes_of_2_devices_match_and_each_feeds_only_its_rows(tmp_path):
     """The CI size; and a recorded shape: no process hands JAX, or holds, the global batch."""
     out = tmp_path / 'report.json'
     proc = spy(tmp_path, '--processes', '2', '--devices', '4', *TINY, '--json', str(out))
-    stdout, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stdout + stderr
-    assert_same_run(json.loads(out.read_text()), one_process('mlp', 4))
+    single = one_process('mlp', 4)
+    assert_same_run(finish(proc, out)[1], single)
     for i in range(2):  # global batch 64 on 4 devices: 16 rows per device, 32 per process
         seen = json.loads((tmp_path / f'process-{i}.json').read_text())
         assert seen['read'] == [2, 32, 20]  # [K, rows of this process, features]: what it kept
@@ -108,12 +120,6 @@ def wait_for(path, text: str, timeout: float = 120) -> None:
     raise AssertionError(f'{text!r} never appeared in {path}')
 
 
-def launcher(tmp_path, *args: str) -> subprocess.Popen:
-    environ = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS')}
-    command = [sys.executable, '-m', 'equivalence.run', *args, '--worker-logs', str(tmp_path)]
-    return subprocess.Popen(command, cwd=ROOT, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
 def assert_ended_with_one_line(proc: subprocess.Popen, t0: float, pids: list[int], expected: list[str]) -> str:
     _, stderr = proc.communicate(timeout=BOUND_S)
     elapsed = time.monotonic() - t0
@@ -126,7 +132,8 @@ def assert_ended_with_one_line(proc: subprocess.Popen, t0: float, pids: list[int
 
 
 def test_a_killed_worker_ends_every_process_with_one_line(tmp_path):
-    proc = launcher(tmp_path, '--processes', '2', '--devices', '4', '--steps-per-call', '2', '--calls', '400')
+    long_run = ['--processes', '2', '--devices', '4', '--steps-per-call', '2', '--calls', '400']
+    proc = start('equivalence.run', *long_run, '--worker-logs', str(tmp_path))
     wait_for(tmp_path / 'worker-1.log', 'compiled call 2/')  # mid-run: in the legacy path's calls
     pids = children_of(tmp_path)
     os.kill(pids[1], signal.SIGKILL)
@@ -136,7 +143,7 @@ def test_a_killed_worker_ends_every_process_with_one_line(tmp_path):
 
 def test_an_exception_in_one_worker_ends_every_process_with_one_line(tmp_path):
     proc = spy(tmp_path, '--processes', '2', '--devices', '4', '--worker-logs', str(tmp_path), '--steps-per-call', '2',
-               '--calls', '400', env={'SPY_FAIL_PROCESS': '1'})  # fmt: skip
+               '--calls', '400', SPY_FAIL_PROCESS='1')  # fmt: skip
     wait_for(tmp_path / 'worker-1.log', 'compiled call 2/')
     t0 = time.monotonic()
     pids = children_of(tmp_path)
@@ -147,8 +154,7 @@ def test_an_exception_in_one_worker_ends_every_process_with_one_line(tmp_path):
 def test_on_a_cluster_the_survivors_of_a_dead_worker_end_within_the_heartbeat_timeout(tmp_path):
     """No launcher: JAX's heartbeat (10 s) ends the other workers; measured ~8 s after a SIGKILL."""
     port = launch.free_port()
-    env = {**os.environ, 'JAX_NUM_CPU_DEVICES': '2'}
-    env.pop('XLA_FLAGS', None)
+    env = clean_env(JAX_NUM_CPU_DEVICES='2')
     procs, logs = [], []
     for i in range(2):
         flags = ['--coordinator', f'127.0.0.1:{port}', '--num-processes', '2', '--process-id', str(i)]
