@@ -8,6 +8,8 @@ request simulated devices first):
   and the report of a run.
 - ``run``: ``python -m equivalence.run``; ``explain/``, ``bench/``, ``pitfalls/``: the other
   commands, each a package whose ``__main__`` only parses flags, calls the library and prints.
+- ``distributed/``: several processes through ``jax.distributed``: the worker mode a cluster
+  runs, the local launcher of ``--processes N``, each process's rows, reading state back.
 - ``cli``, ``devices``: what every command shares (flags, one-line errors, exit codes, devices).
 
 The public API, for checking your own port (``README.md``, "Check your own port"):

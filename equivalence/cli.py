@@ -8,6 +8,7 @@ import os
 import sys
 
 EXIT_MATCH, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_WORKER_DIED = 4  # several processes: a worker died or could not join (equivalence.distributed)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -45,6 +46,18 @@ def check_output_path(path: str | None, overwrite: bool) -> None:
         fail(f'cannot write {path}: directory {parent} does not exist')
 
 
+def check_processes(config, n_available: int) -> None:
+    """With several processes, pmap and the mesh span every device of every process."""
+    import jax
+
+    from equivalence.core.config import ConfigError
+
+    if jax.process_count() > 1 and config.devices != n_available:
+        raise ConfigError(
+            f'--devices {config.devices}: a run of {jax.process_count()} processes uses all their {n_available} devices'
+        )
+
+
 def run_config(args: argparse.Namespace, n_available: int, **extra):
     """The flags of ``add_run_flags`` -> ``(workload, RunConfig)``; bad input exits 2 with one line."""
     from equivalence.core import workloads
@@ -65,6 +78,7 @@ def run_config(args: argparse.Namespace, n_available: int, **extra):
             **extra,
         )
         check_available(config, n_available)
+        check_processes(config, n_available)
     except ConfigError as e:
         fail(str(e))
     return wl, config

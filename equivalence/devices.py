@@ -7,6 +7,7 @@ program has chosen its devices and nothing is changed (the suite then uses what 
 """
 
 import os
+import re
 import sys
 
 SIMULATED_CPU_DEVICES = 8  # what a CPU-only machine simulates unless told otherwise
@@ -16,6 +17,12 @@ def user_chose_cpu_count() -> bool:
     return 'JAX_NUM_CPU_DEVICES' in os.environ or 'xla_force_host_platform_device_count' in os.environ.get(
         'XLA_FLAGS', ''
     )
+
+
+def default_count() -> int:
+    """The devices a single CPU-only process would see: the user's count, else the simulated 8."""
+    flag = re.search(r'xla_force_host_platform_device_count=(\d+)', os.environ.get('XLA_FLAGS', ''))
+    return int(os.environ.get('JAX_NUM_CPU_DEVICES') or (flag and flag.group(1)) or SIMULATED_CPU_DEVICES)
 
 
 def simulate_cpu_devices(n: int = SIMULATED_CPU_DEVICES) -> None:

@@ -1,13 +1,14 @@
 """``python -m equivalence.run``: both paths, same seed and data; exit 0 when they match.
 
-Exit codes: 0 everything matches, 1 a leaf or loss is outside tolerance, 2 bad input.
+Exit codes: 0 everything matches, 1 a leaf or loss is outside tolerance, 2 bad input,
+4 a worker of several processes died or could not join.
 """
 
 import os
 import sys
 import warnings
 
-from equivalence import cli, devices
+from equivalence import cli, devices, distributed
 
 
 def parse(argv: list[str] | None):
@@ -20,6 +21,7 @@ def parse(argv: list[str] | None):
     parser.add_argument('--json', default=None, metavar='PATH', help='write a machine-readable report')
     parser.add_argument('--plot', default=None, metavar='DIR', help='write losses.png and divergence.png into DIR')
     parser.add_argument('--overwrite', action='store_true', help='replace an existing --json file or --plot figures')
+    distributed.add_flags(parser)
     return parser.parse_args(argv)
 
 
@@ -40,9 +42,10 @@ def check_plot_dir(directory: str | None, overwrite: bool) -> None:
 
 
 def progress_bar(total: int):
-    """A tqdm bar on stderr, shown only on a terminal and only once a run has taken 3 s."""
+    """A tqdm bar on stderr, shown only on a terminal and only once a run has taken 3 s; a worker
+    of several processes logs one line per call instead."""
     if not sys.stderr.isatty():
-        return None, None
+        return None, (distributed.progress_log(total) if distributed.several() else None)
     from tqdm import tqdm
 
     bar = tqdm(total=total, unit='call', desc='compiled calls', file=sys.stderr, delay=3.0, leave=False)
@@ -52,8 +55,16 @@ def progress_bar(total: int):
 def main(argv: list[str] | None = None) -> int:
     devices.simulate_cpu_devices()  # before anything imports jax
     args = parse(argv)
+    return distributed.command('equivalence.run', argv, args, lambda: check_outputs(args), lambda: run(args))
+
+
+def check_outputs(args) -> None:
     cli.check_output_path(args.json, args.overwrite)
     check_plot_dir(args.plot, args.overwrite)
+
+
+def run(args) -> int:
+    """Both paths, the report on stdout (process 0's, with several), the files; the exit code."""
     import jax
 
     from equivalence.core import harness, report
@@ -69,9 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     if bar is not None:
         bar.close()
     print(report.text(result, jax.default_backend()))
-    if args.json:
+    if args.json and distributed.reports():
         report.write_json(args.json, report.to_json(result, report.versions()))
-    if args.plot:
+    if args.plot and distributed.reports():
         from equivalence.core import plots
 
         print('wrote ' + ', '.join(plots.write(result, args.plot)))

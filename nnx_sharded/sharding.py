@@ -19,6 +19,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -163,15 +164,25 @@ def key_sharding(mesh: Mesh, rng_mode: str) -> NamedSharding:
     return NamedSharding(mesh, P(DATA)) if rng_mode == 'per-device' and one_d_data else replicated(mesh)
 
 
+def put(x: jax.Array | np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """``jax.device_put`` that also places onto devices of other processes: every process holds
+    the same value (one seed), hands over all of it, and JAX keeps its devices' parts.
+    (``device_put`` refuses a committed array or a typed key for devices it cannot address.)"""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # typed keys travel as their key data
+        return jax.random.wrap_key_data(put(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
+    return jax.make_array_from_process_local_data(sharding, np.asarray(x), np.shape(x))
+
+
 def place_state(state: Any, shardings: Any) -> Any:
-    return jax.device_put(state, shardings)
+    return jax.tree.map(put, state, shardings)
 
 
 def place_objects(train_state: Any, mesh: Mesh) -> Any:
     """NNX objects (a model, an ``nnx.Optimizer``, a tuple of them), replicated in place; or plain arrays."""
+    place = lambda tree: jax.tree.map(lambda x: put(x, replicated(mesh)), tree)
     if not any(isinstance(x, nnx.Object) for x in jax.tree.leaves(train_state, is_leaf=_is_object)):
-        return jax.device_put(train_state, replicated(mesh))
-    nnx.update(train_state, jax.device_put(nnx.state(train_state), replicated(mesh)))
+        return place(train_state)
+    nnx.update(train_state, place(nnx.state(train_state)))
     return train_state
 
 
@@ -180,8 +191,11 @@ def _is_object(x) -> bool:
 
 
 def place_batch(batch_KxG: Any, mesh: Mesh) -> Any:
-    return jax.device_put(batch_KxG, batch_sharding(mesh))
+    """This process's rows of the global batch (all of them, with one process) -> the global
+    ``[K, G, ...]`` array: each process hands over only the rows its devices hold."""
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(batch_sharding(mesh), x), batch_KxG)
 
 
 def place_keys(keys: jax.Array, mesh: Mesh, rng_mode: str) -> jax.Array:
-    return jax.device_put(keys, key_sharding(mesh, rng_mode))
+    """Every process holds the same keys (one host key chain); each device takes its row."""
+    return put(keys, key_sharding(mesh, rng_mode))

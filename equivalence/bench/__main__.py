@@ -2,13 +2,14 @@
 
 Fused steps/s (median, min, max over interleaved repeats), one step per call, compile
 time, host dispatch time per call, what XLA built, and PASS/FAIL against the targets.
-A benchmark, not a test: exit 0 whatever the timings, 2 on bad input.
+A benchmark, not a test: exit 0 whatever the timings, 2 on bad input, 4 when a worker of
+several processes died or could not join.
 """
 
 import sys
 import warnings
 
-from equivalence import cli, devices
+from equivalence import cli, devices, distributed
 
 
 def parse(argv: list[str] | None):
@@ -29,6 +30,7 @@ def parse(argv: list[str] | None):
     parser.add_argument('--nnx-form', default='split', help='form of the --strategy variants: split or graph')
     parser.add_argument('--json', default=None, metavar='PATH', help='write the results as JSON')
     parser.add_argument('--overwrite', action='store_true', help='replace an existing --json file')
+    distributed.add_flags(parser)
     return parser.parse_args(argv)
 
 
@@ -64,7 +66,12 @@ def make_config(args, n_available: int):
 def main(argv: list[str] | None = None) -> int:
     devices.simulate_cpu_devices()  # before anything imports jax
     args = parse(argv)
-    cli.check_output_path(args.json, args.overwrite)
+    check = lambda: cli.check_output_path(args.json, args.overwrite)
+    return distributed.command('equivalence.bench', argv, args, check, lambda: bench_(args))
+
+
+def bench_(args) -> int:
+    """Every variant timed; the report (process 0's timings, with several processes)."""
     import jax
 
     from equivalence import bench
@@ -75,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings('ignore', message='Some donated buffers were not usable')  # the batch, as score_sde
     result = bench.run(wl, config, args.repeats, args.compile_repeats, strategy_configs)
     print(benchreport.text(result))
-    if args.json:
+    if args.json and distributed.reports():
         report.write_json(args.json, benchreport.to_json(result))
     return 0
 

@@ -25,6 +25,7 @@ from equivalence.core import harness, randomness
 from equivalence.core.config import RunConfig
 from equivalence.core.ports import LoopPort
 from equivalence.core.ports import ModelPort as Workload
+from equivalence.distributed import rows
 from legacy_pmap import train as legacy
 from nnx_sharded import sharding
 from nnx_sharded import train as sharded
@@ -50,13 +51,13 @@ class Feed:
 
     def __init__(self, wl: Workload, config: RunConfig, pool_steps: int):
         data = wl.make_data(np.random.default_rng(config.seed), pool_steps, config.batch_size)
-        self.data, self.pool_steps = data, pool_steps
+        self.data, self.pool_steps, self.devices = data, pool_steps, config.devices
         self.variables, _, self.rng = harness.make_inputs(wl, dataclasses.replace(config, calls=1))
 
     def batches(self, k: int, n: int, start: int) -> list[dict[str, np.ndarray]]:
-        """``n`` batches ``[K, G, ...]`` from call ``start`` on."""
+        """``n`` batches ``[K, G, ...]`` from call ``start`` on (this process's rows, with several)."""
         idx = [np.arange(c * k, c * k + k) % self.pool_steps for c in range(start, start + n)]
-        return [jax.tree.map(lambda v, i=i: v[i], self.data) for i in idx]
+        return [rows.local_batch(jax.tree.map(lambda v, i=i: v[i], self.data), self.devices) for i in idx]
 
 
 class _Chain:
@@ -81,16 +82,17 @@ def _config(config: RunConfig, k: int) -> RunConfig:
 
 
 def legacy_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: str, label: str) -> Variant:
-    """``jax.pmap(partial(lax.scan, step))``: inputs placed as pmap's own outputs are, one row per device."""
+    """``jax.pmap(partial(lax.scan, step))``: inputs placed as pmap's own outputs are, one row per
+    device (of this process: with several, each passes its own devices' rows)."""
     cfg = _config(config, k)
     setup = harness.legacy_setup(wl, cfg, feed.variables)
-    devices = jax.devices()[: cfg.devices]
-    rows = NamedSharding(Mesh(np.array(devices), (legacy.AXIS,)), P(legacy.AXIS))
+    devices = rows.local_devices(cfg.devices)
+    per_device = NamedSharding(Mesh(np.array(devices), (legacy.AXIS,)), P(legacy.AXIS))
     chain = _Chain(feed, k, lambda rng: legacy.next_call_keys(rng, cfg.devices, cfg.rng_mode))
 
     def to_device(keys, batch_KxG):
-        batch_DxK = jax.tree.map(lambda v: legacy.shard_batch(v, cfg.devices), batch_KxG)
-        return jax.device_put((keys, batch_DxK), rows)
+        batch_nxK = jax.tree.map(lambda v: legacy.shard_batch(v, len(devices)), batch_KxG)
+        return jax.device_put((rows.local_keys(keys, cfg.devices), batch_nxK), per_device)
 
     def place(n: int) -> list[tuple]:
         return jax.block_until_ready([to_device(*a) for a in chain.take(n)])

@@ -17,6 +17,7 @@ from flax import nnx
 from equivalence.core import compare, convert, naming, randomness
 from equivalence.core.config import ConfigError, RunConfig, check_available
 from equivalence.core.ports import LoopPort, ModelPort, Port
+from equivalence.distributed import gather, rows
 from legacy_pmap import train as legacy
 from nnx_sharded import shard_map, sharding
 from nnx_sharded import train as sharded
@@ -47,10 +48,12 @@ class RunResult:
 
 
 def make_inputs(port: Port, config: RunConfig) -> tuple[dict, list, jax.Array]:
-    """Linen variables, the data of each call (pytrees of ``[K, G, ...]``), and the training key."""
+    """Linen variables, the data of each call (pytrees of ``[K, G, ...]``; with several processes,
+    only this process's rows ``[K, G*n/D, ...]``), and the training key."""
     data = port.make_data(np.random.default_rng(config.seed), config.steps, config.batch_size)
     k = config.steps_per_call
     calls = [jax.tree.map(lambda v, c=c: v[c * k : (c + 1) * k], data) for c in range(config.calls)]
+    calls = [rows.local_batch(batch_KxG, config.devices) for batch_KxG in calls]
     rng, init_rng = jax.random.split(jax.random.PRNGKey(config.seed))
     example = jax.tree.map(lambda v: v[0, :1], data)
     variables = port.legacy_model().init({'params': init_rng, 'dropout': init_rng}, *port.init_args(example))
@@ -123,11 +126,12 @@ class LegacySetup:
     context: Callable = contextlib.nullcontext  # entered around each call (a loop port's Dropout bridge)
 
     def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
-        """``(next rng, args of one call)`` in score_sde's layout."""
+        """``(next rng, args of one call)`` in score_sde's layout; this process's devices' rows only."""
         n = self.config.devices
         rng, keys_D = legacy.next_call_keys(rng, n, self.config.rng_mode)
-        batch_DxK = jax.tree.map(lambda v: legacy.shard_batch(v, n), batch_KxG)
-        return rng, ((keys_D, self.pstate), batch_DxK)
+        keys_n, n_local = rows.local_keys(keys_D, n), len(rows.positions(n))
+        batch_nxK = jax.tree.map(lambda v: legacy.shard_batch(v, n_local), batch_KxG)
+        return rng, ((keys_n, self.pstate), batch_nxK)
 
     def call(self, args: tuple) -> np.ndarray:
         """One compiled call; keeps the new state, returns the K losses (blocks: one call in flight)."""
@@ -170,7 +174,7 @@ class NnxSetup:
         return np.asarray(loss_K)
 
     def neutral(self) -> convert.Neutral:
-        return convert.nnx_to_neutral(self.graphdef, self.state)
+        return convert.nnx_to_neutral(self.graphdef, gather.to_host(self.state))
 
 
 @dataclasses.dataclass
@@ -191,7 +195,8 @@ class NnxGraphSetup:
         return np.asarray(loss_K)
 
     def neutral(self) -> convert.Neutral:
-        return convert.groups_to_neutral(convert.nnx_groups(self.ts.model, self.ts.optimizer, self.ts.ema))
+        groups = convert.nnx_groups(self.ts.model, self.ts.optimizer, self.ts.ema)
+        return convert.groups_to_neutral(gather.to_host(groups))
 
     @property
     def model(self):
@@ -217,7 +222,7 @@ class NnxLoopSetup:
 
     def neutral(self) -> convert.Neutral:
         groups = self.port.nnx_groups or convert.find_nnx_groups
-        return convert.groups_to_neutral(groups(self.train_state))
+        return convert.groups_to_neutral(gather.to_host(groups(self.train_state)))
 
     def as_pure_call(self) -> tuple[Callable, Any]:
         """``(jax.jit(call over split state), typed state)``: the user's call as one program whose
@@ -233,14 +238,15 @@ class NnxLoopSetup:
 
 
 def legacy_setup(port: Port, config: RunConfig, variables: dict) -> LegacySetup:
-    devices = jax.devices()[: config.devices]
+    """pmap spans the first D devices of every process; each process replicates onto its own."""
+    devices, local = jax.devices()[: config.devices], rows.local_devices(config.devices)
     if isinstance(port, LoopPort):
-        pstate = legacy.replicate(port.legacy_state(variables), devices)
+        pstate = legacy.replicate(port.legacy_state(variables), local)
         call = legacy.make_fused_call(port.legacy_step, devices, port.axis_name)
         context = functools.partial(randomness.bridged, config.rng_mode, port.axis_name)
         return LegacySetup(call, pstate, config, port.legacy_groups or convert.legacy_groups, context)
     tx = port.make_tx(1.0)
-    pstate = legacy.replicate(legacy.create_state(variables, tx, port.ema_rate), devices)
+    pstate = legacy.replicate(legacy.create_state(variables, tx, port.ema_rate), local)
     noise = port_noise(port, uses_dropout(port))
     step = legacy.make_step_fn(
         port.legacy_model(), legacy_loss(port, config), noise, tx, port.ema_rate, config.rng_mode

@@ -232,6 +232,8 @@ NNX_LOOP = Layout('nnx', "the port's NNX call", _nnx_loop_leaf, False, (1,))
 
 def placement(group: str, name: str, array: Any, sharding: Any, layout: Layout) -> Placement:
     shape = tuple(np.shape(array))
+    if layout.stacks_state:  # pmap: each process passes [its devices, ...]; the program's input is [D, ...]
+        shape = (len(sharding.device_set), *shape[1:])
     return Placement(
         group=group,
         name=name,

@@ -1,0 +1,114 @@
+"""``python -m equivalence.run``, run by the same launcher and worker mode, with two test hooks.
+
+- Records what each process hands JAX on the batch path (the rows it read, pmap's per-process
+  batch and keys, the local data given to ``jax.make_array_from_process_local_data`` and the rows
+  its devices hold of the global NNX batch) into ``$SPY_DIR/process-I.json``.
+- With ``SPY_FAIL_PROCESS=I``, process I raises after its second compiled call, while the others
+  go on into the next call's collectives: an exception in one process mid-run.
+
+Run from ``tests/`` (``python -m spy_worker --processes 2 ...``), so that the workers the launcher
+starts find this module too.
+"""
+
+import json
+import os
+import sys
+
+from equivalence import devices, distributed
+from equivalence import run as command
+
+MODULE = 'spy_worker'
+
+
+def held_rows(x, axis: int) -> int:
+    """Rows along ``axis`` of a global array held by this process's devices (replicas counted once)."""
+    spans = {(s.index[axis].start or 0, s.index[axis].stop or x.shape[axis]) for s in x.addressable_shards}
+    return sum(stop - start for start, stop in spans)
+
+
+def install(record: dict) -> None:
+    import jax
+
+    from equivalence.core import harness
+
+    def wrap(owner, name, before):
+        original = getattr(owner, name)
+
+        def wrapped(*args, **kwargs):
+            before(*args, **kwargs)
+            return original(*args, **kwargs)
+
+        setattr(owner, name, wrapped)
+
+    def first(tree) -> list[int]:
+        return list(jax.tree.leaves(tree)[0].shape)
+
+    def legacy_call(setup, args):
+        (keys, _), batch = args
+        record.setdefault('legacy_batch', first(batch))
+        record.setdefault('legacy_keys', list(keys.shape))
+
+    def nnx_call(setup, args):
+        _, batch = args
+        x = jax.tree.leaves(batch)[0]
+        record.setdefault('nnx_global_batch', list(x.shape))
+        record.setdefault('nnx_held_rows', held_rows(x, 1))
+
+    def local_data(sharding, data, *rest, **kw):
+        record.setdefault('local_data', []).append(list(getattr(data, 'shape', ())))
+
+    original_inputs = harness.make_inputs
+
+    def make_inputs(port, config):
+        variables, calls, rng = original_inputs(port, config)
+        record['read'] = first(calls[0])
+        return variables, calls, rng
+
+    harness.make_inputs = make_inputs
+    wrap(harness.LegacySetup, 'call', legacy_call)
+    wrap(harness.NnxSetup, 'call', nnx_call)
+    wrap(jax, 'make_array_from_process_local_data', local_data)
+
+
+def inject_fault() -> None:
+    """Process ``SPY_FAIL_PROCESS`` raises after its second compiled call."""
+    import jax
+
+    progress_log = distributed.progress_log
+
+    def failing(total: int):
+        tick, calls = progress_log(total), [0]
+
+        def fail_on_second(path: str) -> None:
+            tick(path)
+            calls[0] += 1
+            if calls[0] == 2 and jax.process_index() == int(os.environ['SPY_FAIL_PROCESS']):
+                raise ValueError(f'injected fault in process {jax.process_index()}')
+
+        return fail_on_second
+
+    distributed.progress_log = failing
+
+
+def spied(args) -> int:
+    import jax
+
+    record: dict = {}
+    install(record)
+    if 'SPY_FAIL_PROCESS' in os.environ:
+        inject_fault()
+    code = command.run(args)
+    record['process'] = jax.process_index()
+    with open(os.path.join(os.environ['SPY_DIR'], f'process-{jax.process_index()}.json'), 'w') as f:
+        json.dump(record, f)
+    return code
+
+
+def main() -> int:
+    devices.simulate_cpu_devices()
+    args = command.parse(sys.argv[1:])
+    return distributed.command(MODULE, None, args, lambda: command.check_outputs(args), lambda: spied(args))
+
+
+if __name__ == '__main__':
+    sys.exit(main())

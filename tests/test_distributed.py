@@ -1,0 +1,233 @@
+"""Several processes (``jax.distributed``): the same numbers as one process, bounded failure.
+
+Each multi-process run pays JAX's start-up in every process, so the runs are tiny and
+shared between assertions. The one-process references run in this pytest process
+(8 simulated devices, ``conftest``).
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import ROOT, assert_one_line_error, require_devices, run_module
+
+from equivalence.core import compare, harness, report, workloads
+from equivalence.distributed import launch
+
+TINY = ['--steps-per-call', '2', '--calls', '2']
+TOL = compare.FLOAT32_REDUCTION_ORDER
+BOUND_S = 60  # a dead worker ends the run within this, every time (the issue's bound)
+
+
+def one_process(workload: str, devices: int) -> dict:
+    """The JSON report of the same run in this single process."""
+    require_devices(devices)
+    wl = workloads.get(workload)
+    result = harness.check(wl, devices=devices, steps_per_call=2, calls=2)
+    return report.to_json(result, report.versions())
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """A fresh shell's environment: no device count inherited from this test process."""
+    environ = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS')}
+    return {**environ, **extra}
+
+
+def start(module: str, *args: str, cwd: str = ROOT, env: dict | None = None) -> subprocess.Popen:
+    """``python -m module args`` in the background, its output piped."""
+    pipe = subprocess.PIPE
+    return subprocess.Popen(
+        [sys.executable, '-m', module, *args], cwd=cwd, env=env or clean_env(), stdout=pipe, stderr=pipe, text=True
+    )
+
+
+def finish(proc: subprocess.Popen, out) -> tuple[str, dict]:
+    """Wait for a run that must match; its stdout and JSON report."""
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stdout + stderr
+    return stdout, json.loads(out.read_text())
+
+
+def assert_same_run(multi: dict, single: dict) -> None:
+    """Same verdict, same leaves, and each path's losses equal to the suite's tolerance."""
+    assert multi['match'] is single['match'] is True
+    assert multi['devices'] == single['devices'] and multi['steps'] == single['steps']
+    assert [leaf['name'] for leaf in multi['leaves']] == [leaf['name'] for leaf in single['leaves']]
+    assert all(leaf['ok'] for leaf in multi['leaves'])
+    for path in ('legacy', 'nnx'):
+        a, b = np.array(single['losses'][path]), np.array(multi['losses'][path])
+        np.testing.assert_allclose(b, a, rtol=TOL.rtol, atol=TOL.atol, err_msg=f'{path} losses, 2 processes vs 1')
+    for group, value in multi['max_abs_diff'].items():
+        assert value <= TOL.atol, (group, value)
+
+
+@pytest.mark.parametrize('workload', ['mlp', 'score'])
+def test_two_processes_of_4_devices_match_one_process_of_8(tmp_path, workload):
+    out = tmp_path / 'report.json'
+    proc = start('equivalence.run', '--processes', '2', '--workload', workload, *TINY, '--json', str(out))
+    single = one_process(workload, 8)  # while the workers run
+    stdout, multi = finish(proc, out)
+    assert f'{workload}: legacy pmap(scan) vs NNX sharded scan on 8 cpu device(s)' in stdout
+    assert stdout.count('MATCH') == 1 and '[Gloo]' not in stdout  # one report, process 0's
+    assert_same_run(multi, single)
+
+
+def spy(tmp_path, *args: str, **env: str) -> subprocess.Popen:
+    """``tests/spy_worker.py`` (the run command with recording hooks) under the same launcher."""
+    return start('spy_worker', *args, cwd=os.path.join(ROOT, 'tests'), env=clean_env(SPY_DIR=str(tmp_path), **env))
+
+
+def test_two_processes_of_2_devices_match_and_each_feeds_only_its_rows(tmp_path):
+    """The CI size; and a recorded shape: no process hands JAX, or holds, the global batch."""
+    out = tmp_path / 'report.json'
+    proc = spy(tmp_path, '--processes', '2', '--devices', '4', *TINY, '--json', str(out))
+    single = one_process('mlp', 4)
+    assert_same_run(finish(proc, out)[1], single)
+    for i in range(2):  # global batch 64 on 4 devices: 16 rows per device, 32 per process
+        seen = json.loads((tmp_path / f'process-{i}.json').read_text())
+        assert seen['read'] == [2, 32, 20]  # [K, rows of this process, features]: what it kept
+        assert seen['legacy_batch'] == [2, 2, 16, 20] and seen['legacy_keys'] == [2, 2]  # its 2 devices
+        assert seen['nnx_global_batch'] == [2, 64, 20] and seen['nnx_held_rows'] == 32
+        assert [2, 32, 20] in seen['local_data'] and [2, 64, 20] not in seen['local_data']
+
+
+def children_of(logs) -> list[int]:
+    with open(os.path.join(logs, 'workers.txt')) as f:
+        return [int(line.split()[1]) for line in f]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            return f.read().split(')')[-1].split()[0] != 'Z'
+    except FileNotFoundError:
+        return False
+
+
+def wait_for(path, text: str, timeout: float = 120) -> None:
+    """Until ``text`` appears in the file at ``path`` (a worker's log): the run is under way."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if os.path.exists(path) and text in open(path, errors='replace').read():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f'{text!r} never appeared in {path}')
+
+
+def assert_ended_with_one_line(proc: subprocess.Popen, t0: float, pids: list[int], expected: list[str]) -> str:
+    _, stderr = proc.communicate(timeout=BOUND_S)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == launch.EXIT_WORKER_DIED, stderr
+    assert elapsed < BOUND_S, elapsed
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith('error: ') and all(e in lines[0] for e in expected), stderr
+    assert not [pid for pid in pids if alive(pid)]
+    return lines[0]
+
+
+def test_a_killed_worker_ends_every_process_with_one_line(tmp_path):
+    long_run = ['--processes', '2', '--devices', '4', '--steps-per-call', '2', '--calls', '400']
+    proc = start('equivalence.run', *long_run, '--worker-logs', str(tmp_path))
+    wait_for(tmp_path / 'worker-1.log', 'compiled call 2/')  # mid-run: in the legacy path's calls
+    pids = children_of(tmp_path)
+    os.kill(pids[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    assert_ended_with_one_line(proc, t0, pids, ['worker 1 of 2', f'pid {pids[1]}', 'killed by SIGKILL'])
+
+
+def test_an_exception_in_one_worker_ends_every_process_with_one_line(tmp_path):
+    proc = spy(tmp_path, '--processes', '2', '--devices', '4', '--worker-logs', str(tmp_path), '--steps-per-call', '2',
+               '--calls', '400', SPY_FAIL_PROCESS='1')  # fmt: skip
+    wait_for(tmp_path / 'worker-1.log', 'compiled call 2/')
+    t0 = time.monotonic()
+    pids = children_of(tmp_path)
+    line = assert_ended_with_one_line(proc, t0, pids, ['worker 1 of 2', 'internal error'])
+    assert 'ValueError: injected fault in process 1' in line
+
+
+def test_on_a_cluster_the_survivors_of_a_dead_worker_end_within_the_heartbeat_timeout(tmp_path):
+    """No launcher: JAX's heartbeat (10 s) ends the other workers; measured ~8 s after a SIGKILL."""
+    port = launch.free_port()
+    env = clean_env(JAX_NUM_CPU_DEVICES='2')
+    procs, logs = [], []
+    for i in range(2):
+        flags = ['--coordinator', f'127.0.0.1:{port}', '--num-processes', '2', '--process-id', str(i)]
+        logs.append(open(tmp_path / f'worker-{i}.log', 'w'))
+        command = [sys.executable, '-m', 'equivalence.run', *flags, '--steps-per-call', '2', '--calls', '400']
+        procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=logs[-1]))
+    try:
+        wait_for(tmp_path / 'worker-1.log', 'compiled call 2/')
+        procs[1].kill()
+        t0 = time.monotonic()
+        code = procs[0].wait(timeout=BOUND_S)
+        assert code != 0 and time.monotonic() - t0 < 30, code  # heartbeat 10 s, with margin for a loaded machine
+        assert 'stopped sending heartbeats' in (tmp_path / 'worker-0.log').read_text()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_a_worker_that_cannot_reach_the_coordinator_fails_within_its_timeout():
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(('127.0.0.1', 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    proc = run_module('equivalence.run', '--coordinator', f'127.0.0.1:{port}', '--num-processes', '2',
+                      '--process-id', '1', '--init-timeout', '3')  # fmt: skip
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == launch.EXIT_WORKER_DIED, proc.stderr
+    assert elapsed < 3 + 15, elapsed  # the timeout, plus JAX's import on a loaded machine
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith('error: process 1 of 2: no run formed through') and '--init-timeout 3' in lines[0]
+    assert 'cannot be reached' in lines[0]
+
+
+@pytest.mark.parametrize(
+    'args, expected',
+    [
+        (['--processes', '3'], '--devices 8 cannot be split over --processes 3: use --processes in [1, 2, 4, 8]'),
+        (['--processes', '0'], '--processes must be at least 1'),
+        (['--processes', '2', '--process-id', '0'], '--processes starts its own workers'),
+        (['--process-id', '2', '--num-processes', '2'], '--process-id must be in 0..1, got 2'),
+    ],
+)
+def test_bad_process_flags_exit_2_with_one_line(args, expected):
+    assert_one_line_error(run_module('equivalence.run', *args), expected)
+
+
+def test_a_workers_bad_input_is_the_launchers_one_line():
+    proc = run_module('equivalence.run', '--processes', '2', '--batch-size', '100')
+    assert_one_line_error(proc, '--batch-size 100 is not divisible by --devices 8')
+
+
+def test_the_launcher_gives_workers_the_same_flags_and_their_own_address():
+    argv = ['--workload', 'score', '--processes', '2', '--worker-logs=/tmp/x', '--processes=2', '--json', 'r.json']
+    assert launch.worker_argv(argv, 1234, 2, 1) == [
+        '--workload', 'score', '--json', 'r.json',
+        '--coordinator', '127.0.0.1:1234', '--num-processes', '2', '--process-id', '1',
+    ]  # fmt: skip
+    env = launch.worker_env(4, 1234)
+    assert env['JAX_NUM_CPU_DEVICES'] == '4' and env['JAX_COORDINATOR_BIND_ADDRESS'] == '127.0.0.1:1234'
+
+
+def test_the_one_line_names_the_telling_line_of_a_workers_log(tmp_path):
+    log = tmp_path / 'worker-0.log'
+    log.write_text(
+        'Traceback (most recent call last):\nValueError: boom\n'
+        'error: process 0: internal error: ValueError: boom\n[Gloo] Rank 0 is connected\n'
+    )
+    assert launch.last_reason(str(log)) == 'error: process 0: internal error: ValueError: boom'
+    assert launch.describe(3, launch.last_reason(str(log))) == 'failed with an internal error (ValueError: boom)'
+    log.write_text('F1130 04:43:58.073611   23901 client.h:80] Terminating process because ...\n    @ 0x7f frames\n')
+    assert launch.describe(-signal.SIGABRT, launch.last_reason(str(log))) == (
+        'was killed by SIGABRT (Terminating process because ...)'
+    )
+    assert launch.describe(-signal.SIGKILL, '') == 'was killed by SIGKILL'
