@@ -1,0 +1,139 @@
+"""The proof behind ``python -m equivalence.run --resume-at N``: NNX resumes from a migrated
+legacy checkpoint and ends where legacy, trained without stopping, ends.
+
+Legacy trains all K x C steps and, as a pmap-era loop did, saves its unreplicated train state
+every ``--checkpoint-every`` calls (a real Orbax directory). The checkpoint of step N is
+migrated by ``migrate.migrate``, the function the command calls, and NNX restores it straight
+onto its mesh and trains the steps after N. The data continue at step N (the harness cuts
+the same stream) and the keys at the host key chain the checkpoint recorded; its record also
+holds the seed, batch and RNG mode, checked before NNX resumes. The comparison is the usual
+one, on the final states and on the losses of steps N+1 onwards.
+"""
+
+import contextlib
+import dataclasses
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+from flax import nnx
+
+from equivalence.checkpoint import layout, migrate, store
+from equivalence.checkpoint.options import CheckpointOptions
+from equivalence.core import compare, harness
+from equivalence.core.config import ConfigError, RunConfig
+from equivalence.core.ports import Port
+from legacy_pmap import checkpoints as legacy_checkpoints
+from nnx_sharded import checkpoints as nnx_checkpoints
+
+RECORDED = ('seed', 'batch_size', 'rng_mode', 'steps_per_call')  # what the data and key streams depend on
+
+
+def record(config: RunConfig) -> dict:
+    """What a checkpoint records beside the step so that a resumed run draws the same data and keys."""
+    return {'workload': config.workload, 'devices': config.devices, **{k: getattr(config, k) for k in RECORDED}}
+
+
+def check_record(meta: dict, config: RunConfig) -> None:
+    """A run resumed with other data or keys than the checkpoint's would not continue its streams."""
+    for key in RECORDED:
+        if key in meta and meta[key] != getattr(config, key):
+            raise ConfigError(f'the checkpoint was written with {key} {meta[key]}, this run has {getattr(config, key)}')
+    if config.rng_mode == 'per-device' and meta.get('devices', config.devices) != config.devices:
+        raise ConfigError(
+            f'the checkpoint was written on {meta["devices"]} devices and per-device keys depend on the count: '
+            f'resume on {meta["devices"]} devices, or run with --rng global'
+        )
+
+
+def saver(make_manager: Callable, save: Callable, directory: str, config: RunConfig, every: int, **keep) -> Callable:
+    """A harness ``after_call`` hook that saves every ``every`` calls, as a training loop does."""
+    manager = make_manager(directory, **keep)
+
+    def after_call(setup, calls_done: int, rng: jax.Array) -> None:
+        if calls_done % every == 0:
+            state = setup.pstate if hasattr(setup, 'pstate') else nnx_checkpoints.state_dict(layout.view(setup))
+            with store.quiet():  # orbax warns that the key item has no per-process OCDBT files to merge
+                save(manager, calls_done * config.steps_per_call, state, rng, record(config))
+
+    return after_call
+
+
+def legacy_saver(directory: str, config: RunConfig, every: int, keep: int | None = None, preserve=()) -> Callable:
+    return saver(
+        legacy_checkpoints.make_manager, legacy_checkpoints.save, directory, config, every, keep=keep, preserve=preserve
+    )
+
+
+def nnx_saver(directory: str, config: RunConfig, every: int, keep: int | None = None, preserve=()) -> Callable:
+    return saver(
+        nnx_checkpoints.make_manager, nnx_checkpoints.save, directory, config, every, keep=keep, preserve=preserve
+    )
+
+
+def restorer(directory: str, port: Port, config: RunConfig, step: int | None = None) -> Callable[[Any], jax.Array]:
+    """A harness ``restore`` hook: the NNX checkpoint read straight onto the setup's mesh
+    (a target carrying the shardings), loaded into its train state; returns the key chain."""
+
+    def restore(setup) -> jax.Array:
+        _, target = nnx_checkpoints.abstract_state(layout.nnx_init(port), setup.mesh)
+        state, rng, meta = store.read_nnx(directory, target, step)
+        check_record(meta, config)
+        train_state = layout.view(setup)
+        nnx_checkpoints.load_into(train_state, state)
+        if isinstance(setup, harness.NnxSetup):
+            setup.state = nnx.to_pure_dict(nnx.state(train_state))
+        return rng
+
+    return restore
+
+
+@contextlib.contextmanager
+def _root(directory: str | None) -> Iterator[str]:
+    if directory is not None:
+        yield directory
+        return
+    with tempfile.TemporaryDirectory(prefix='equivalence-checkpoints-') as tmp:
+        yield tmp
+
+
+def run(port: Port, config: RunConfig, options: CheckpointOptions, progress=None, nnx_devices: int | None = None):
+    """Both paths with legacy checkpoints; with ``resume_at``, NNX resumes from the migrated one
+    (on ``nnx_devices`` devices, default the run's) and is compared with legacy's last step."""
+    harness.validate(port, config)
+    options.check(config)
+    nnx_config = dataclasses.replace(config, devices=nnx_devices or config.devices)
+    variables, calls, rng = harness.make_inputs(port, config)
+    harness.check_names(port, variables)
+    progress = progress or (lambda path: None)
+    with _root(options.directory) as root:
+        legacy_dir, nnx_dir = os.path.join(root, 'legacy'), os.path.join(root, 'nnx')
+        every, preserve = options.save_every(config), [options.resume_at] if options.resume_at else []
+        hook = legacy_saver(legacy_dir, config, every, options.keep, preserve)
+        old = harness.run_legacy(port, config, variables, calls, rng, progress, after_call=hook)
+        if options.resume_at is None:
+            new = harness.run_nnx(port, nnx_config, variables, calls, rng, progress)
+            return _result(port, config, old, new, 0, [f'legacy checkpoints every {every} call(s) in {legacy_dir}'])
+        n = options.resume_at
+        migration = migrate.migrate(legacy_dir, nnx_dir, port, step=n)
+        resumed = calls[n // config.steps_per_call :]
+        new = harness.run_nnx(
+            port, nnx_config, variables, resumed, None, progress, restore=restorer(nnx_dir, port, nnx_config, n)
+        )
+        notes = [
+            f'legacy pmap trained {config.steps} steps without stopping and saved its train state at step {n} '
+            f'(Orbax, {legacy_dir}); migrated {len(migration.pairs)} leaves to {nnx_dir}; NNX restored it onto '
+            f'{nnx_config.devices} device(s) and trained steps {n + 1}-{config.steps}'
+        ]
+        return _result(port, config, old, new, n, notes)
+
+
+def _result(port: Port, config: RunConfig, old, new, resumed_at: int, notes: list[str]) -> harness.RunResult:
+    """The usual comparison; legacy's losses and per-call parameters cut to the steps NNX ran."""
+    old = dataclasses.replace(
+        old, losses=old.losses[resumed_at:], params_per_call=old.params_per_call[resumed_at // config.steps_per_call :]
+    )
+    ref, other = harness.with_losses(old.final, old.losses), harness.with_losses(new.final, new.losses)
+    return harness.RunResult(config, old, new, compare.compare(ref, other, port.tolerance), resumed_at, notes)
