@@ -111,8 +111,9 @@ def open_step(directory: str, step: int | None = None) -> tuple[ocp.CheckpointMa
 
 def restore(directory: str, target: TrainState, step: int | None = None) -> tuple[TrainState, jax.Array, dict]:
     """``(state, rng, meta)``: the unreplicated state as host arrays, typed as ``target``; then
-    ``train.replicate`` puts it back on the devices, as ``flax_utils.replicate`` did.
-    Raises ``ValueError`` naming the first leaf that does not fit ``target``."""
+    ``load_into`` puts it back on the devices. Raises ``ValueError`` naming the first leaf that
+    does not fit ``target``. Read as saved, then placed into ``target`` leaf by leaf: a state
+    whose leaves fit restores whatever empty fields (``None``, ``{}``) either side carries."""
     manager, step = open_step(directory, step)
     mismatch = first_mismatch(spec(manager.item_metadata(step)['state']), spec(target))
     if mismatch is not None:
@@ -120,12 +121,14 @@ def restore(directory: str, target: TrainState, step: int | None = None) -> tupl
             f'checkpoint {directory} step {step} does not fit this train state: first mismatching leaf {mismatch}'
         )
     items = ocp.args.Composite(
-        state=ocp.args.StandardRestore(target),
+        state=ocp.args.StandardRestore(),
         rng=ocp.args.JaxRandomKeyRestore(_on_host_device()),
         meta=ocp.args.JsonRestore(),
     )
     restored = manager.restore(step, args=items)
-    return restored['state'], restored['rng'], dict(restored['meta'])
+    flat = {path_str(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(restored['state'])[0]}
+    state = jax.tree_util.tree_map_with_path(lambda path, _: np.asarray(flat[path_str(path)]), target)
+    return state, restored['rng'], dict(restored['meta'])
 
 
 def load_into(state: TrainState, devices) -> TrainState:

@@ -99,41 +99,73 @@ def _root(directory: str | None) -> Iterator[str]:
         yield tmp
 
 
+@dataclasses.dataclass
+class LegacyRun:
+    """The uninterrupted legacy run, and what NNX needs to resume beside it."""
+
+    result: harness.PathResult
+    directory: str  # its checkpoints
+    variables: dict  # the linen initialisation both paths start from
+    calls: list  # every call's batch, [K, G, ...]
+    rng: jax.Array  # the host key chain before the first call
+
+
+def train_legacy(port: Port, config: RunConfig, options: CheckpointOptions, directory: str, progress=None) -> LegacyRun:
+    """All K x C legacy steps, saving every ``save_every`` calls into ``directory`` (the step
+    NNX resumes from is kept whatever ``keep`` says)."""
+    variables, calls, rng = harness.make_inputs(port, config)
+    harness.check_names(port, variables)
+    preserve = [options.resume_at] if options.resume_at else []
+    hook = legacy_saver(directory, config, options.save_every(config), options.keep, preserve)
+    result = harness.run_legacy(port, config, variables, calls, rng, progress or _silent, after_call=hook)
+    return LegacyRun(result, directory, variables, calls, rng)
+
+
+def resume_nnx(port: Port, config: RunConfig, legacy: LegacyRun, nnx_dir: str, step: int, progress=None):
+    """NNX restored from ``nnx_dir``'s ``step`` onto ``config.devices`` devices, trained on the
+    calls after it, and compared with the legacy run's end."""
+    after = legacy.calls[step // config.steps_per_call :]
+    restore = restorer(nnx_dir, port, config, step)
+    new = harness.run_nnx(port, config, legacy.variables, after, None, progress or _silent, restore=restore)
+    return compare_paths(port, config, legacy.result, new, step)
+
+
 def run(port: Port, config: RunConfig, options: CheckpointOptions, progress=None, nnx_devices: int | None = None):
     """Both paths with legacy checkpoints; with ``resume_at``, NNX resumes from the migrated one
     (on ``nnx_devices`` devices, default the run's) and is compared with legacy's last step."""
     harness.validate(port, config)
     options.check(config)
-    nnx_config = dataclasses.replace(config, devices=nnx_devices or config.devices)
-    variables, calls, rng = harness.make_inputs(port, config)
-    harness.check_names(port, variables)
-    progress = progress or (lambda path: None)
     with _root(options.directory) as root:
-        legacy_dir, nnx_dir = os.path.join(root, 'legacy'), os.path.join(root, 'nnx')
-        every, preserve = options.save_every(config), [options.resume_at] if options.resume_at else []
-        hook = legacy_saver(legacy_dir, config, every, options.keep, preserve)
-        old = harness.run_legacy(port, config, variables, calls, rng, progress, after_call=hook)
-        if options.resume_at is None:
-            new = harness.run_nnx(port, nnx_config, variables, calls, rng, progress)
-            return _result(port, config, old, new, 0, [f'legacy checkpoints every {every} call(s) in {legacy_dir}'])
-        n = options.resume_at
-        migration = migrate.migrate(legacy_dir, nnx_dir, port, step=n)
-        resumed = calls[n // config.steps_per_call :]
-        new = harness.run_nnx(
-            port, nnx_config, variables, resumed, None, progress, restore=restorer(nnx_dir, port, nnx_config, n)
+        legacy = train_legacy(port, config, options, os.path.join(root, 'legacy'), progress)
+        n, note = (
+            options.resume_at,
+            f'legacy checkpoints every {options.save_every(config)} call(s) in {legacy.directory}',
         )
-        notes = [
+        if n is None:
+            new = harness.run_nnx(port, config, legacy.variables, legacy.calls, legacy.rng, progress or _silent)
+            return compare_paths(port, config, legacy.result, new, 0, [note])
+        nnx_dir = os.path.join(root, 'nnx')
+        migration = migrate.migrate(legacy.directory, nnx_dir, port, step=n)
+        nnx_config = dataclasses.replace(config, devices=nnx_devices or config.devices)
+        result = resume_nnx(port, nnx_config, legacy, nnx_dir, n, progress)
+        result.config = config
+        result.notes.append(
             f'legacy pmap trained {config.steps} steps without stopping and saved its train state at step {n} '
-            f'(Orbax, {legacy_dir}); migrated {len(migration.pairs)} leaves to {nnx_dir}; NNX restored it onto '
-            f'{nnx_config.devices} device(s) and trained steps {n + 1}-{config.steps}'
-        ]
-        return _result(port, config, old, new, n, notes)
+            f'(Orbax, {legacy.directory}); migrated {len(migration.pairs)} leaves to {nnx_dir}; NNX restored it '
+            f'onto {nnx_config.devices} device(s) and trained steps {n + 1}-{config.steps}'
+        )
+        return result
 
 
-def _result(port: Port, config: RunConfig, old, new, resumed_at: int, notes: list[str]) -> harness.RunResult:
+def _silent(path: str) -> None:
+    pass
+
+
+def compare_paths(port: Port, config: RunConfig, old, new, resumed_at: int, notes=None) -> harness.RunResult:
     """The usual comparison; legacy's losses and per-call parameters cut to the steps NNX ran."""
     old = dataclasses.replace(
         old, losses=old.losses[resumed_at:], params_per_call=old.params_per_call[resumed_at // config.steps_per_call :]
     )
     ref, other = harness.with_losses(old.final, old.losses), harness.with_losses(new.final, new.losses)
-    return harness.RunResult(config, old, new, compare.compare(ref, other, port.tolerance), resumed_at, notes)
+    report = compare.compare(ref, other, port.tolerance)
+    return harness.RunResult(config, old, new, report, resumed_at, list(notes or []))
