@@ -16,6 +16,10 @@ class CheckpointOptions:
 
     @property
     def requested(self) -> bool:
+        return self.resume_at is not None or self.directory is not None or self.every is not None
+
+    @property
+    def saves(self) -> bool:
         return self.resume_at is not None or self.directory is not None
 
     def save_every(self, config: RunConfig) -> int:
@@ -34,7 +38,7 @@ class CheckpointOptions:
             raise ConfigError(f'--checkpoint-every must be at least 1, got {self.every}')
         if self.keep < 1:
             raise ConfigError(f'--keep-checkpoints must be at least 1, got {self.keep}')
-        if self.every is not None and not self.requested:
+        if self.every is not None and not self.saves:
             raise ConfigError('--checkpoint-every needs --checkpoint-dir or --resume-at')
         if self.resume_at is not None:
             _check_resume_at(self.resume_at, config, self.save_every(config))
