@@ -136,6 +136,13 @@ def load_into(state: TrainState, devices) -> TrainState:
     return replicate(state, devices)
 
 
+def restore_train_state(directory: str, make_state: Callable[[], TrainState], devices, step: int | None = None):
+    """``(pstate, rng, meta)``: the train state ``make_state`` builds, restored and replicated
+    onto ``devices``, ready for the pmapped step."""
+    state, rng, meta = restore(directory, abstract_state(make_state), step)
+    return load_into(state, devices), rng, meta
+
+
 def _on_host_device() -> ocp.ArrayRestoreArgs:
     """The host key chain goes back where ``jax.random.split`` made it: the default device."""
     return ocp.ArrayRestoreArgs(sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))

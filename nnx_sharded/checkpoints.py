@@ -137,3 +137,18 @@ def load_into(train_state: nnx.Module, state: dict) -> None:
 def _on_host_device() -> ocp.ArrayRestoreArgs:
     """The host key chain goes back where ``jax.random.split`` made it: the default device."""
     return ocp.ArrayRestoreArgs(sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+
+
+def restore_train_state(directory: str, init_fn: Callable[[], nnx.Module], mesh: Mesh, step: int | None = None):
+    """``(train_state, rng, meta)``: the train state ``init_fn`` builds, restored onto ``mesh``
+    without building it. Its random streams, which a checkpoint does not hold, are the ones
+    ``init_fn`` seeds: computed alone (XLA drops the unused parameter initialisers)."""
+    graphdef, abstract = nnx.get_abstract_model(init_fn, mesh)
+    train_state = nnx.merge(graphdef, abstract)
+    state, rng, meta = restore(directory, state_dict(train_state), step)
+    load_into(train_state, state)
+    streams = nnx.state(train_state, nnx.RngState)
+    if jax.tree.leaves(streams):
+        placement = jax.tree.map(lambda leaf: leaf.sharding, streams)
+        nnx.update(train_state, jax.jit(lambda: nnx.state(init_fn(), nnx.RngState), out_shardings=placement)())
+    return train_state, rng, meta
