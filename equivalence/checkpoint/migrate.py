@@ -67,10 +67,10 @@ class Migration:
     def lines(self) -> list[str]:
         """What the command prints: every pair, then a summary by group, then what was not mapped."""
         rows = [f'legacy checkpoint {self.legacy_dir} step {self.step} -> NNX train state checkpoint {self.nnx_dir}']
-        rows.append(f'  {"legacy (linen names)":<44} {"NNX train state":<44} {"shape":<14} dtype')
+        rows.append(f'  {"legacy (linen names)":<44} {"NNX train state":<44} {"shape":<16} dtype')
         for p in self.pairs:
             dtype = p.legacy_dtype if p.legacy_dtype == p.nnx_dtype else f'{p.legacy_dtype} -> {p.nnx_dtype} (exact)'
-            rows.append(f'  {p.legacy:<44} {p.nnx:<44} {str(list(p.shape)):<14} {dtype}')
+            rows.append(f'  {p.legacy:<44} {p.nnx:<44} {str(list(p.shape)):<16} {dtype}')
         groups: dict[str, int] = {}
         for p in self.pairs:
             groups[p.legacy.split('/')[0]] = groups.get(p.legacy.split('/')[0], 0) + 1
