@@ -25,7 +25,7 @@ from legacy_pmap import checkpoints as legacy_checkpoints
 from legacy_pmap import models as legacy_models
 from nnx_sharded import checkpoints as nnx_checkpoints
 from nnx_sharded import models as nnx_models
-from nnx_sharded import sharding
+from nnx_sharded import sharding, train
 
 EXAMPLE = os.path.join(ROOT, 'examples', 'mlp_port')
 sys.path.insert(0, EXAMPLE)
@@ -144,6 +144,21 @@ def test_migrated_checkpoint_restores_sharded_onto_2_4_8_devices_and_resumes_to_
     assert len(result.nnx.losses) == 4
 
 
+def test_restore_train_state_in_your_own_code_on_both_sides(mlp_global):
+    """The README's recipe: an NNX train state onto a 4-device mesh, a legacy one replicated on 2 devices."""
+    require_devices(4)
+    config, legacy, nnx_dir = mlp_global
+    mesh = sharding.make_mesh(4)
+    make = lambda: train.TrainState(nnx_models.MLP(rngs=nnx.Rngs(0)), MLP.make_tx(1.0), None)  # noqa: E731
+    train_state, rng, meta = nnx_checkpoints.restore_train_state(nnx_dir, make, mesh)
+    assert int(train_state.optimizer.step[...]) == 4 and meta['step'] == 4 and rng.shape == (2,)
+    assert train_state.model.hidden.kernel[...].sharding == sharding.replicated(mesh)
+    make_state = layout.legacy_init(MLP)
+    pstate, _, _ = legacy_checkpoints.restore_train_state(legacy.directory, make_state, jax.devices()[:2], step=4)
+    assert pstate.params['hidden']['kernel'].shape[0] == 2 and int(pstate.step[0]) == 4
+    np.testing.assert_array_equal(pstate.params['hidden']['kernel'][1], train_state.model.hidden.kernel[...])
+
+
 def test_resuming_on_other_data_than_where_the_checkpoint_stopped_mismatches(mlp_global):
     """Negative control: the comparison fails when the data stream does not continue at step 4."""
     config, legacy, nnx_dir = mlp_global
@@ -191,16 +206,17 @@ def test_resuming_without_the_recorded_key_chain_is_not_the_same_run(score_nnx):
 
 @pytest.fixture(scope='module')
 def loop_port_checkpoint(tmp_path_factory):
-    """The example loop port's own pmap TrainState (step, params, opt_state; AdamW), saved at step 2."""
-    config = RunConfig(workload='mlp-port-loop', devices=2, steps_per_call=2, calls=1, batch_size=8, rng_mode='global')
+    """The example loop port's own pmap TrainState (step, params, opt_state; AdamW), saved at steps 2 and 4."""
+    config = RunConfig(workload='mlp-port-loop', devices=2, steps_per_call=2, calls=2, batch_size=8, rng_mode='global')
     directory = str(tmp_path_factory.mktemp('loop') / 'legacy')
-    resume.train_legacy(my_port.LOOP, config, CheckpointOptions(every=1), directory)
-    return directory
+    legacy = resume.train_legacy(my_port.LOOP, config, CheckpointOptions(every=1), directory)
+    return config, legacy
 
 
-def test_a_user_loop_port_migrates_through_its_names(loop_port_checkpoint, tmp_path):
-    directory = loop_port_checkpoint
-    migration = migrate.migrate(directory, str(tmp_path / 'nnx'), my_port.LOOP)
+def test_a_user_loop_port_migrates_through_its_names_and_resumes(loop_port_checkpoint, tmp_path):
+    config, legacy = loop_port_checkpoint
+    directory = legacy.directory
+    migration = migrate.migrate(directory, str(tmp_path / 'nnx'), my_port.LOOP, step=2)
     pairs = {p.legacy: p.nnx for p in migration.pairs}
     assert pairs['params/Dense_0/kernel'] == 'model/fc1/kernel'  # names={'Dense_0': 'fc1', ...}
     assert pairs['opt_state/0/nu/LayerNorm_0/scale'] == 'optimizer/opt_state/0/nu/norm/scale'
@@ -209,11 +225,13 @@ def test_a_user_loop_port_migrates_through_its_names(loop_port_checkpoint, tmp_p
     state, _, _ = store.read_nnx(str(tmp_path / 'nnx'), nnx_checkpoints.state_dict(layout.View(model, optimizer)))
     nnx_checkpoints.load_into(layout.View(model, optimizer), state)  # into the user's own objects
     assert int(optimizer.step[...]) == 2
+    result = resume.resume_nnx(my_port.LOOP, config, legacy, str(tmp_path / 'nnx'), 2)  # the user's nnx.jit loop
+    assert result.report.match and len(result.nnx.losses) == 2
 
 
 def test_what_does_not_map_is_printed_and_nothing_is_written(loop_port_checkpoint, tmp_path):
     """An NNX port with another optimizer (SGD with momentum, not AdamW): exit 2, no NNX_DIR."""
-    directory = loop_port_checkpoint
+    directory = loop_port_checkpoint[1].directory
     (tmp_path / 'sgd_port.py').write_text(
         'import dataclasses, my_port, optax\nfrom flax import nnx\n'
         'def state(model):\n    return model, nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)\n'
