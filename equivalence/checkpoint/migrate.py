@@ -30,6 +30,7 @@ from equivalence.checkpoint import layout, store
 from equivalence.checkpoint.store import CheckpointError
 from equivalence.core import convert, harness, naming
 from equivalence.core.ports import Port
+from legacy_pmap import checkpoints as legacy_checkpoints
 from nnx_sharded import checkpoints as nnx_checkpoints
 
 Spec = dict[str, tuple[tuple[int, ...], str]]  # path -> (shape, dtype)
@@ -97,8 +98,8 @@ def migrate(legacy_dir: str, nnx_dir: str, port: Port, step: int | None = None, 
     state, rng, meta = store.read_legacy(legacy_dir, _legacy_target(port), step)
     legacy_leaves, mapping = _legacy_leaves(port, state)
     abstract = nnx_checkpoints.state_dict(nnx.eval_shape(layout.nnx_init(port)))
-    migration = plan(legacy_leaves, nnx_checkpoints.spec(abstract), mapping)
-    migration.legacy_dir, migration.nnx_dir, migration.step = legacy_dir, nnx_dir, int(meta['step'])
+    pairs, unmapped, conflicts = plan(legacy_leaves, nnx_checkpoints.spec(abstract), mapping)
+    migration = Migration(legacy_dir, nnx_dir, int(meta['step']), pairs, unmapped, conflicts)
     if migration.problem():
         raise MigrationError(migration)
     nnx_state = _fill(abstract, {p.nnx: _cast(legacy_leaves[p.legacy], p) for p in migration.pairs})
@@ -130,8 +131,6 @@ def _is_step(name: str) -> bool:
 
 
 def _legacy_target(port: Port) -> Any:
-    from legacy_pmap import checkpoints as legacy_checkpoints
-
     try:
         return legacy_checkpoints.abstract_state(layout.legacy_init(port))
     except Exception as e:  # noqa: BLE001 -- the user's port failed to build its state: say so in one line
@@ -163,8 +162,9 @@ def nnx_path(legacy_path: str, mapping: dict[str, str]) -> str:
     return f'{prefix}/{naming.rename_path(path, mapping)}'
 
 
-def plan(legacy: dict[str, np.ndarray], nnx_spec: Spec, mapping: dict[str, str]) -> Migration:
-    """Pair every legacy leaf with its NNX leaf; what does not pair, or differs, is listed."""
+def plan(legacy: dict[str, np.ndarray], nnx_spec: Spec, mapping: dict[str, str]) -> tuple[list, list, list]:
+    """``(pairs, unmapped, conflicts)``: every legacy leaf paired with its NNX leaf; what does
+    not pair, or pairs with another shape or dtype, described in one phrase each."""
     pairs, unmapped, conflicts, taken = [], [], [], set()
     for path, value in legacy.items():
         target = nnx_path(path, mapping)
@@ -179,7 +179,7 @@ def plan(legacy: dict[str, np.ndarray], nnx_spec: Spec, mapping: dict[str, str])
         else:
             pairs.append(Pair(path, target, shape, dtype, nnx_dtype))
     unmapped += [f'NNX {p} {list(s)} {d}: no legacy leaf' for p, (s, d) in nnx_spec.items() if p not in taken]
-    return Migration('', '', 0, pairs, unmapped, conflicts)
+    return pairs, unmapped, conflicts
 
 
 def _dtype_fits(legacy_dtype: str, nnx_dtype: str) -> bool:

@@ -48,29 +48,28 @@ def check_record(meta: dict, config: RunConfig) -> None:
         )
 
 
-def saver(make_manager: Callable, save: Callable, directory: str, config: RunConfig, every: int, **keep) -> Callable:
-    """A harness ``after_call`` hook that saves every ``every`` calls, as a training loop does."""
-    manager = make_manager(directory, **keep)
+def saver(package, state_of: Callable, directory: str, config: RunConfig, every: int, **keep) -> Callable:
+    """A harness ``after_call`` hook that saves every ``every`` calls through ``package``'s
+    ``checkpoints`` module, as a training loop does."""
+    manager = package.make_manager(directory, **keep)
 
     def after_call(setup, calls_done: int, rng: jax.Array) -> None:
         if calls_done % every == 0:
-            state = setup.pstate if hasattr(setup, 'pstate') else nnx_checkpoints.state_dict(layout.view(setup))
             with store.quiet():  # orbax warns that the key item has no per-process OCDBT files to merge
-                save(manager, calls_done * config.steps_per_call, state, rng, record(config))
+                package.save(manager, calls_done * config.steps_per_call, state_of(setup), rng, record(config))
 
     return after_call
 
 
 def legacy_saver(directory: str, config: RunConfig, every: int, keep: int | None = None, preserve=()) -> Callable:
-    return saver(
-        legacy_checkpoints.make_manager, legacy_checkpoints.save, directory, config, every, keep=keep, preserve=preserve
-    )
+    """Saves the replicated state the pmap loop carries (``save`` unreplicates it)."""
+    return saver(legacy_checkpoints, lambda setup: setup.pstate, directory, config, every, keep=keep, preserve=preserve)
 
 
 def nnx_saver(directory: str, config: RunConfig, every: int, keep: int | None = None, preserve=()) -> Callable:
-    return saver(
-        nnx_checkpoints.make_manager, nnx_checkpoints.save, directory, config, every, keep=keep, preserve=preserve
-    )
+    """Saves the NNX train state the setup trains, as its sharded arrays."""
+    state_of = lambda setup: nnx_checkpoints.state_dict(layout.view(setup))  # noqa: E731
+    return saver(nnx_checkpoints, state_of, directory, config, every, keep=keep, preserve=preserve)
 
 
 def restorer(directory: str, port: Port, config: RunConfig, step: int | None = None) -> Callable[[Any], jax.Array]:
