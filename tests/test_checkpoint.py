@@ -355,3 +355,14 @@ def test_bad_checkpoint_flags_exit_2_with_one_line(args, expected, capsys):
         run_command.main(args)
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count('\n') == 1 and err.startswith('error: ') and expected in err, err
+
+
+def test_a_checkpoint_dir_that_already_holds_checkpoints_is_refused_before_any_work(tmp_path, capsys):
+    (tmp_path / 'legacy' / '10').mkdir(parents=True)
+    with pytest.raises(SystemExit) as e:
+        run_command.main(['--resume-at', '10', '--checkpoint-dir', str(tmp_path)])
+    err = capsys.readouterr().err
+    assert (
+        e.value.code == 2
+        and err == f'error: --checkpoint-dir {tmp_path}: {tmp_path}/legacy is not empty; choose a new directory\n'
+    )
