@@ -180,7 +180,7 @@ def score_nnx(tmp_path_factory):
 
 def test_nnx_save_and_resume_is_bitwise_equal_to_an_uninterrupted_nnx_run(score_nnx):
     config, variables, calls, whole, directory = score_nnx
-    restore = resume.restorer(directory, SCORE, config, 4)
+    restore = resume.restorer(directory, config, 4)
     resumed = harness.run_nnx(SCORE, config, variables, calls[2:], None, restore=restore)
     np.testing.assert_array_equal(resumed.losses, whole.losses[4:])
     for group, leaves in whole.final.items():
@@ -196,7 +196,7 @@ def test_nnx_save_and_resume_is_bitwise_equal_to_an_uninterrupted_nnx_run(score_
 def test_resuming_without_the_recorded_key_chain_is_not_the_same_run(score_nnx):
     """Negative control: the checkpoint's host key chain is what makes the keys continue."""
     config, variables, calls, whole, directory = score_nnx
-    fresh = lambda setup: (resume.restorer(directory, SCORE, config, 4)(setup), jax.random.PRNGKey(0))[1]  # noqa: E731
+    fresh = lambda setup: (resume.restorer(directory, config, 4)(setup), jax.random.PRNGKey(0))[1]  # noqa: E731
     resumed = harness.run_nnx(SCORE, config, variables, calls[2:], None, restore=fresh)
     assert not np.array_equal(resumed.losses, whole.losses[4:])
 

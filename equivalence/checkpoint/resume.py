@@ -72,21 +72,26 @@ def nnx_saver(directory: str, config: RunConfig, every: int, keep: int | None = 
     return saver(nnx_checkpoints, state_of, directory, config, every, keep=keep, preserve=preserve)
 
 
-def restorer(directory: str, port: Port, config: RunConfig, step: int | None = None) -> Callable[[Any], jax.Array]:
-    """A harness ``restore`` hook: the NNX checkpoint read straight onto the setup's mesh
-    (a target carrying the shardings), loaded into its train state; returns the key chain."""
+def restorer(directory: str, config: RunConfig, step: int | None = None) -> Callable[[Any], jax.Array]:
+    """A harness ``restore`` hook: the NNX checkpoint read straight onto the setup's mesh and
+    loaded into its train state; returns the key chain. The target carries the placement the
+    setup chose for each array (whatever the strategy), so the compiled call's shardings fit."""
 
     def restore(setup) -> jax.Array:
-        _, target = nnx_checkpoints.abstract_state(layout.nnx_init(port), setup.mesh)
+        train_state = layout.view(setup)
+        target = jax.tree.map(placed_like, nnx_checkpoints.state_dict(train_state))
         state, rng, meta = store.read_nnx(directory, target, step)
         check_record(meta, config)
-        train_state = layout.view(setup)
         nnx_checkpoints.load_into(train_state, state)
         if isinstance(setup, harness.NnxSetup):
             setup.state = nnx.to_pure_dict(nnx.state(train_state))
         return rng
 
     return restore
+
+
+def placed_like(x: jax.Array) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
 
 @contextlib.contextmanager
@@ -124,7 +129,7 @@ def resume_nnx(port: Port, config: RunConfig, legacy: LegacyRun, nnx_dir: str, s
     """NNX restored from ``nnx_dir``'s ``step`` onto ``config.devices`` devices, trained on the
     calls after it, and compared with the legacy run's end."""
     after = legacy.calls[step // config.steps_per_call :]
-    restore = restorer(nnx_dir, port, config, step)
+    restore = restorer(nnx_dir, config, step)
     new = harness.run_nnx(port, config, legacy.variables, after, None, progress or _silent, restore=restore)
     return compare_paths(port, config, legacy.result, new, step)
 
