@@ -9,6 +9,7 @@ import sys
 import warnings
 
 from equivalence import cli, devices, distributed
+from equivalence.checkpoint import options as checkpoint_options
 
 
 def parse(argv: list[str] | None):
@@ -22,6 +23,7 @@ def parse(argv: list[str] | None):
     parser.add_argument('--plot', default=None, metavar='DIR', help='write losses.png and divergence.png into DIR')
     parser.add_argument('--overwrite', action='store_true', help='replace an existing --json file or --plot figures')
     distributed.add_flags(parser)
+    checkpoint_options.add_flags(parser)
     return parser.parse_args(argv)
 
 
@@ -72,9 +74,15 @@ def run(args) -> int:
 
     wl, config = cli.run_config(args, len(jax.devices()), perturb=args.perturb, nnx_form=args.nnx_form)
     warnings.filterwarnings('ignore', message='Some donated buffers were not usable')  # the batch, as score_sde
-    bar, tick = progress_bar(2 * config.calls)
+    checkpoints = checkpoint_options.from_args(args)
+    bar, tick = progress_bar(checkpoints.calls_to_run(config))
     try:
-        result = harness.run(wl, config, progress=tick)
+        if checkpoints.requested:  # legacy saves; with --resume-at, NNX resumes from the migrated checkpoint
+            from equivalence.checkpoint import resume
+
+            result = resume.run(wl, config, checkpoints, progress=tick)
+        else:
+            result = harness.run(wl, config, progress=tick)
     except ConfigError as e:  # a port whose sides do not pair: found before any training
         cli.fail(str(e))
     if bar is not None:

@@ -202,3 +202,18 @@ def test_negative_control_shard_map_without_the_cast_to_varying_gets_d_times_the
     assert not trapped.report.match
     mu = trapped.nnx.final['opt_state']['0/mu/fc2/kernel'] / trapped.legacy.final['opt_state']['0/mu/fc2/kernel']
     assert np.median(mu) == pytest.approx(8.0, rel=1e-3)
+
+
+@pytest.mark.parametrize('strategy, form', [('fsdp', 'split'), ('fsdp-tp', 'split'), ('tp', 'graph')])
+def test_a_migrated_pmap_checkpoint_resumes_onto_a_sharded_mesh(strategy, form):
+    """Restored straight onto the strategy's placement (the target carries each array's
+    sharding), then compared with pmap trained without stopping."""
+    from equivalence.checkpoint import resume
+    from equivalence.checkpoint.options import CheckpointOptions
+
+    require_devices(8)
+    config = RunConfig('wide', 8, steps_per_call=2, calls=2, strategy=strategy, nnx_form=form)
+    result = resume.run(WIDE, config, CheckpointOptions(resume_at=2))
+    assert result.report.match, _bad(result)
+    sharded = [d for d in result.nnx.placement if any(a is not None for a in d.spec)]
+    assert len(sharded) >= 5 and result.resumed_at == 2

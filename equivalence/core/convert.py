@@ -112,6 +112,11 @@ def nnx_groups(model: nnx.Module, optimizer: nnx.Optimizer, ema: nnx.Module | No
 def find_nnx_groups(train_state: Any) -> dict[str, Any]:
     """The groups of a user's NNX train state: ``(model, optimizer)``, or an object with
     ``model``, ``optimizer`` and optionally ``ema`` attributes."""
+    return nnx_groups(*find_nnx_objects(train_state))
+
+
+def find_nnx_objects(train_state: Any) -> tuple[nnx.Module, nnx.Optimizer, nnx.Module | None]:
+    """``(model, optimizer, ema or None)`` of a user's NNX train state, shaped as ``find_nnx_groups`` reads it."""
     if isinstance(train_state, tuple | list):
         objects = list(train_state)
     else:
@@ -123,4 +128,4 @@ def find_nnx_groups(train_state: Any) -> dict[str, Any]:
             'the NNX train state must be (model, optimizer) or have .model and .optimizer; '
             f'got {type(train_state).__name__}: give the port nnx_groups='
         )
-    return nnx_groups(models[0], optimizers[0], getattr(train_state, 'ema', None))
+    return models[0], optimizers[0], getattr(train_state, 'ema', None)

@@ -40,6 +40,8 @@ class RunResult:
     legacy: PathResult
     nnx: PathResult
     report: compare.Report
+    resumed_at: int = 0  # NNX resumed from a checkpoint of this step: losses and divergence cover the steps after it
+    notes: list[str] = dataclasses.field(default_factory=list)  # lines the report prints under its header
 
     def param_divergence(self) -> list[float]:
         """Max |nnx - legacy| over all parameters, after each call."""
@@ -289,20 +291,23 @@ def nnx_setup(port: Port, config: RunConfig, variables: dict) -> NnxSetup | NnxG
 
 
 Progress = Callable[[str], None]  # called with 'legacy' or 'nnx' after each compiled call
+AfterCall = Callable[[Any, int, jax.Array], None]  # (setup, calls done, host key chain for the next call)
 
 
 def _silent(path: str) -> None:
     pass
 
 
-def _train(setup, calls: list, rng, mapping: dict[str, str] | None, progress: Progress, path: str):
+def _train(setup, calls: list, rng, mapping, progress: Progress, path: str, after_call: AfterCall | None = None):
     """Every call in order, one in flight; the losses and the parameters after each call."""
     losses, per_call = [], []
-    for batch_KxG in calls:
+    for i, batch_KxG in enumerate(calls):
         rng, args = setup.call_args(rng, batch_KxG)
         losses.append(setup.call(args))
         per_call.append(_params(setup.neutral(), mapping))
         progress(path)
+        if after_call is not None:  # a checkpoint, as a training loop saves between calls
+            after_call(setup, i + 1, rng)
     return np.concatenate(losses), per_call
 
 
@@ -310,11 +315,11 @@ def _params(neutral: convert.Neutral, mapping: dict[str, str] | None) -> dict[st
     return convert.rename(neutral, mapping)['params'] if mapping else neutral['params']
 
 
-def run_legacy(port: Port, config: RunConfig, variables: dict, calls: list, rng, progress=_silent) -> PathResult:
+def run_legacy(port: Port, config: RunConfig, variables: dict, calls: list, rng, progress=_silent, after_call=None):
     """The pmap path; its leaves are named as the NNX side names them (``check_names``)."""
     mapping = check_names(port, variables)
     setup = legacy_setup(port, config, variables)
-    losses, per_call = _train(setup, calls, rng, mapping, progress, 'legacy')
+    losses, per_call = _train(setup, calls, rng, mapping, progress, 'legacy', after_call)
     result = PathResult(convert.rename(setup.neutral(), mapping), losses, per_call, setup.pstate)
     if getattr(port, 'eval_data', None) is not None:
         state, data = legacy.unreplicate(setup.pstate), port.eval_data()
@@ -323,9 +328,15 @@ def run_legacy(port: Port, config: RunConfig, variables: dict, calls: list, rng,
     return result
 
 
-def run_nnx(port: Port, config: RunConfig, variables: dict, calls: list, rng, progress=_silent) -> PathResult:
+def run_nnx(
+    port: Port, config: RunConfig, variables: dict, calls: list, rng, progress=_silent, after_call=None, restore=None
+):
+    """The sharded path. ``restore(setup) -> rng``, if given, loads a checkpoint into the setup
+    and returns its key chain: ``calls`` are then the ones after the checkpoint."""
     setup = nnx_setup(port, config, variables)
-    losses, per_call = _train(setup, calls, rng, None, progress, 'nnx')
+    if restore is not None:
+        rng = restore(setup)
+    losses, per_call = _train(setup, calls, rng, None, progress, 'nnx', after_call)
     raw = {NnxSetup: lambda: (setup.graphdef, setup.state), NnxGraphSetup: lambda: setup.ts}
     result = PathResult(setup.neutral(), losses, per_call, raw.get(type(setup), lambda: setup.train_state)())
     result.placement, result.mesh = getattr(setup, 'decisions', []), dict(setup.mesh.shape)

@@ -18,14 +18,14 @@ def existing(directory: str) -> list[str]:
     return [os.path.join(directory, f) for f in FILES if os.path.exists(os.path.join(directory, f))]
 
 
-def losses_figure(legacy_S: np.ndarray, nnx_S: np.ndarray, steps_per_call: int, title: str) -> Figure:
-    """Per-step losses of both paths on one axis; dotted lines mark the compiled calls."""
+def losses_figure(legacy_S: np.ndarray, nnx_S: np.ndarray, steps_per_call: int, title: str, first: int = 1) -> Figure:
+    """Per-step losses of both paths on one axis, from step ``first``; dotted lines mark the compiled calls."""
     fig = Figure(figsize=(7, 4), dpi=100, layout='constrained')
     ax = fig.add_subplot()
-    steps = np.arange(1, len(legacy_S) + 1)
+    steps = np.arange(first, first + len(legacy_S))
     ax.plot(steps, legacy_S, 'o-', color='tab:blue', lw=2.5, ms=6, label='legacy pmap(scan), pmean')
     ax.plot(steps, nnx_S, 'x--', color='tab:orange', lw=1.5, ms=7, label='NNX sharded scan, no pmean')
-    for boundary in range(steps_per_call, len(steps), steps_per_call):
+    for boundary in range(first - 1 + steps_per_call, steps[-1], steps_per_call):
         ax.axvline(boundary + 0.5, color='grey', ls=':', lw=0.8)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set(
@@ -35,7 +35,9 @@ def losses_figure(legacy_S: np.ndarray, nnx_S: np.ndarray, steps_per_call: int, 
     return fig
 
 
-def divergence_figure(divergence_C: list[float], steps_per_call: int, atol: float, rtol: float, title: str) -> Figure:
+def divergence_figure(
+    divergence_C: list[float], steps_per_call: int, atol: float, rtol: float, title: str, first: int = 1
+) -> Figure:
     """Max |nnx - legacy| over all parameters after each call, log y, the tolerance as a line.
 
     An exact zero has no place on a log axis: it is drawn at a floor below everything
@@ -44,7 +46,7 @@ def divergence_figure(divergence_C: list[float], steps_per_call: int, atol: floa
     fig = Figure(figsize=(7, 4), dpi=100, layout='constrained')
     ax = fig.add_subplot()
     d_C = np.asarray(divergence_C, np.float64)
-    steps_C = steps_per_call * np.arange(1, len(d_C) + 1)
+    steps_C = first - 1 + steps_per_call * np.arange(1, len(d_C) + 1)
     positive = d_C[d_C > 0]
     floor = min(positive.min(initial=atol), atol) / 100
     ax.semilogy(steps_C[d_C > 0], positive, 'o-', color='tab:red', label='max |nnx - legacy| over all parameters')
@@ -65,12 +67,13 @@ def write(result, directory: str) -> list[str]:
     c, tol = result.config, result.report.tolerance
     os.makedirs(directory, exist_ok=True)
     where = f'{c.workload}, {c.devices} devices'
+    first = getattr(result, 'resumed_at', 0) + 1  # NNX resumed from a checkpoint: the steps after it
     figures = {
         'losses.png': losses_figure(
-            result.legacy.losses, result.nnx.losses, c.steps_per_call, f'Per-step loss, both paths ({where})'
+            result.legacy.losses, result.nnx.losses, c.steps_per_call, f'Per-step loss, both paths ({where})', first
         ),
         'divergence.png': divergence_figure(
-            result.param_divergence(), c.steps_per_call, tol.atol, tol.rtol, f'Parameter divergence ({where})'
+            result.param_divergence(), c.steps_per_call, tol.atol, tol.rtol, f'Parameter divergence ({where})', first
         ),
     }
     paths = []

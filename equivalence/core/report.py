@@ -35,7 +35,7 @@ def placement_lines(result: RunResult) -> list[str]:
 
 def loss_table(result: RunResult) -> list[str]:
     rows = [f'{"step":>5}  {"legacy pmap loss":>17}  {"nnx sharded loss":>17}  {"|diff|":>9}']
-    for i, (a, b) in enumerate(zip(result.legacy.losses, result.nnx.losses, strict=True), start=1):
+    for i, (a, b) in enumerate(zip(result.legacy.losses, result.nnx.losses, strict=True), start=result.resumed_at + 1):
         rows.append(f'{i:>5}  {a:>17.9f}  {b:>17.9f}  {abs(float(a) - float(b)):>9.2e}')
     return rows
 
@@ -72,6 +72,7 @@ def text(result: RunResult, backend: str) -> str:
     return '\n'.join(
         [
             header(result, backend),
+            *result.notes,
             '',
             *placement_lines(result),
             *loss_table(result),
@@ -101,6 +102,8 @@ def to_json(result: RunResult, versions: dict[str, str]) -> dict:
         'mesh': result.nnx.mesh,
         'nnx_form': c.nnx_form,
         'placement': [{'path': d.path, 'spec': [a for a in d.spec], 'note': d.note} for d in result.nnx.placement],
+        'resumed_at': result.resumed_at,
+        'notes': result.notes,
         'losses': {'legacy': _floats(result.legacy.losses), 'nnx': _floats(result.nnx.losses)},
         'eval_accuracy': {'legacy': result.legacy.eval_accuracy, 'nnx': result.nnx.eval_accuracy},
         'max_abs_diff': {g: _num(r.max_abs(g)) for g in GROUPS},

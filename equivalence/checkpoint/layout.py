@@ -1,0 +1,64 @@
+"""A port's two train states as their checkpoints hold them, built without allocating either.
+
+The legacy side is the train state the port's pmap loop carries (the suite's
+``legacy_pmap.train.TrainState`` for a model port, the user's own for a loop port). The NNX
+side is laid out as ``nnx_sharded.train.TrainState`` is: ``model`` (parameters and batch
+statistics), ``optimizer`` (its ``opt_state`` and ``step``) and ``ema``; a loop port's own
+objects are viewed under those names (``View``), so one checkpoint layout serves both levels.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from equivalence.core import convert, harness
+from equivalence.core.ports import LoopPort, Port
+from legacy_pmap import train as legacy
+from nnx_sharded import train as sharded
+
+
+class View(nnx.Module):
+    """A loop port's NNX objects under the names of ``nnx_sharded.train.TrainState``. The view
+    shares them: restoring into the view restores into the user's own model and optimizer."""
+
+    def __init__(self, model: nnx.Module, optimizer: nnx.Optimizer, ema: nnx.Module | None = None):
+        self.model, self.optimizer, self.ema = model, optimizer, ema
+
+
+def _variables(port: Port) -> dict:
+    """The linen variables, initialised from one example as the harness does."""
+    data = port.make_data(np.random.default_rng(0), 1, 1)
+    example = jax.tree.map(lambda v: v[0, :1], data)
+    key = jax.random.PRNGKey(0)
+    return dict(port.legacy_model().init({'params': key, 'dropout': key}, *port.init_args(example)))
+
+
+def legacy_init(port: Port) -> Callable[[], Any]:
+    """A function building the port's legacy train state (one replica)."""
+    if isinstance(port, LoopPort):
+        return lambda: port.legacy_state(_variables(port))
+    return lambda: legacy.create_state(_variables(port), port.make_tx(1.0), port.ema_rate)
+
+
+def nnx_init(port: Port) -> Callable[[], nnx.Module]:
+    """A function building the port's NNX train state, laid out as ``nnx_sharded.train.TrainState``."""
+    if isinstance(port, LoopPort):
+        return lambda: View(*convert.find_nnx_objects(port.nnx_state(port.nnx_model(nnx.Rngs(0)))))
+    return lambda: sharded.TrainState(port.nnx_model(nnx.Rngs(0)), port.make_tx(1.0), port.ema_rate)
+
+
+def view(setup: harness.NnxSetup | harness.NnxGraphSetup | harness.NnxLoopSetup) -> nnx.Module:
+    """The NNX train state a harness setup trains, as one object that shares its arrays."""
+    if isinstance(setup, harness.NnxLoopSetup):
+        return View(*convert.find_nnx_objects(setup.train_state))
+    if isinstance(setup, harness.NnxGraphSetup):
+        return setup.ts
+    return nnx.merge(setup.graphdef, setup.state)
+
+
+def legacy_groups(port: Port) -> Callable[[Any], dict]:
+    """One replica of the port's legacy train state -> ``{group: tree}``, as the comparison reads it."""
+    return getattr(port, 'legacy_groups', None) or convert.legacy_groups

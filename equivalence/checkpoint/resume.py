@@ -1,0 +1,175 @@
+"""The proof behind ``python -m equivalence.run --resume-at N``: NNX resumes from a migrated
+legacy checkpoint and ends where legacy, trained without stopping, ends.
+
+Legacy trains all K x C steps and, as a pmap-era loop did, saves its unreplicated train state
+every ``--checkpoint-every`` calls (a real Orbax directory). The checkpoint of step N is
+migrated by ``migrate.migrate``, the function the command calls, and NNX restores it straight
+onto its mesh and trains the steps after N. The data continue at step N (the harness cuts
+the same stream) and the keys at the host key chain the checkpoint recorded; its record also
+holds the seed, batch and RNG mode, checked before NNX resumes. The comparison is the usual
+one, on the final states and on the losses of steps N+1 onwards.
+"""
+
+import contextlib
+import dataclasses
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+from flax import nnx
+
+from equivalence.checkpoint import layout, migrate, store
+from equivalence.checkpoint.options import CheckpointOptions
+from equivalence.core import compare, harness
+from equivalence.core.config import ConfigError, RunConfig
+from equivalence.core.ports import Port
+from legacy_pmap import checkpoints as legacy_checkpoints
+from nnx_sharded import checkpoints as nnx_checkpoints
+
+RECORDED = ('seed', 'batch_size', 'rng_mode', 'steps_per_call')  # what the data and key streams depend on
+
+
+def record(config: RunConfig) -> dict:
+    """What a checkpoint records beside the step so that a resumed run draws the same data and keys."""
+    return {'workload': config.workload, 'devices': config.devices, **{k: getattr(config, k) for k in RECORDED}}
+
+
+def check_record(meta: dict, config: RunConfig) -> None:
+    """A run resumed with other data or keys than the checkpoint's would not continue its streams."""
+    for key in RECORDED:
+        if key in meta and meta[key] != getattr(config, key):
+            raise ConfigError(f'the checkpoint was written with {key} {meta[key]}, this run has {getattr(config, key)}')
+    if config.rng_mode == 'per-device' and meta.get('devices', config.devices) != config.devices:
+        raise ConfigError(
+            f'the checkpoint was written on {meta["devices"]} devices and per-device keys depend on the count: '
+            f'resume on {meta["devices"]} devices, or run with --rng global'
+        )
+
+
+def saver(package, state_of: Callable, directory: str, config: RunConfig, every: int, **keep) -> Callable:
+    """A harness ``after_call`` hook that saves every ``every`` calls through ``package``'s
+    ``checkpoints`` module, as a training loop does."""
+    manager = package.make_manager(directory, **keep)
+
+    def after_call(setup, calls_done: int, rng: jax.Array) -> None:
+        if calls_done % every == 0:
+            with store.quiet():  # orbax warns that the key item has no per-process OCDBT files to merge
+                package.save(manager, calls_done * config.steps_per_call, state_of(setup), rng, record(config))
+
+    return after_call
+
+
+def legacy_saver(directory: str, config: RunConfig, every: int, keep: int | None = None, preserve=()) -> Callable:
+    """Saves the replicated state the pmap loop carries (``save`` unreplicates it)."""
+    return saver(legacy_checkpoints, lambda setup: setup.pstate, directory, config, every, keep=keep, preserve=preserve)
+
+
+def nnx_saver(directory: str, config: RunConfig, every: int, keep: int | None = None, preserve=()) -> Callable:
+    """Saves the NNX train state the setup trains, as its sharded arrays."""
+    state_of = lambda setup: nnx_checkpoints.state_dict(layout.view(setup))  # noqa: E731
+    return saver(nnx_checkpoints, state_of, directory, config, every, keep=keep, preserve=preserve)
+
+
+def restorer(directory: str, config: RunConfig, step: int | None = None) -> Callable[[Any], jax.Array]:
+    """A harness ``restore`` hook: the NNX checkpoint read straight onto the setup's mesh and
+    loaded into its train state; returns the key chain. The target carries the placement the
+    setup chose for each array (whatever the strategy), so the compiled call's shardings fit."""
+
+    def restore(setup) -> jax.Array:
+        train_state = layout.view(setup)
+        target = jax.tree.map(placed_like, nnx_checkpoints.state_dict(train_state))
+        state, rng, meta = store.read_nnx(directory, target, step)
+        check_record(meta, config)
+        nnx_checkpoints.load_into(train_state, state)
+        if isinstance(setup, harness.NnxSetup):
+            setup.state = nnx.to_pure_dict(nnx.state(train_state))
+        return rng
+
+    return restore
+
+
+def placed_like(x: jax.Array) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+
+@contextlib.contextmanager
+def _root(directory: str | None) -> Iterator[str]:
+    if directory is not None:
+        yield directory
+        return
+    with tempfile.TemporaryDirectory(prefix='equivalence-checkpoints-') as tmp:
+        yield tmp
+
+
+@dataclasses.dataclass
+class LegacyRun:
+    """The uninterrupted legacy run, and what NNX needs to resume beside it."""
+
+    result: harness.PathResult
+    directory: str  # its checkpoints
+    variables: dict  # the linen initialisation both paths start from
+    calls: list  # every call's batch, [K, G, ...]
+    rng: jax.Array  # the host key chain before the first call
+
+
+def train_legacy(port: Port, config: RunConfig, options: CheckpointOptions, directory: str, progress=None) -> LegacyRun:
+    """All K x C legacy steps, saving every ``save_every`` calls into ``directory`` (the step
+    NNX resumes from is kept whatever ``keep`` says)."""
+    variables, calls, rng = harness.make_inputs(port, config)
+    harness.check_names(port, variables)
+    preserve = [options.resume_at] if options.resume_at else []
+    hook = legacy_saver(directory, config, options.save_every(config), options.keep, preserve)
+    result = harness.run_legacy(port, config, variables, calls, rng, progress or _silent, after_call=hook)
+    return LegacyRun(result, directory, variables, calls, rng)
+
+
+def resume_nnx(port: Port, config: RunConfig, legacy: LegacyRun, nnx_dir: str, step: int, progress=None):
+    """NNX restored from ``nnx_dir``'s ``step`` onto ``config.devices`` devices, trained on the
+    calls after it, and compared with the legacy run's end."""
+    after = legacy.calls[step // config.steps_per_call :]
+    restore = restorer(nnx_dir, config, step)
+    new = harness.run_nnx(port, config, legacy.variables, after, None, progress or _silent, restore=restore)
+    return compare_paths(port, config, legacy.result, new, step)
+
+
+def run(port: Port, config: RunConfig, options: CheckpointOptions, progress=None, nnx_devices: int | None = None):
+    """Both paths with legacy checkpoints; with ``resume_at``, NNX resumes from the migrated one
+    (on ``nnx_devices`` devices, default the run's) and is compared with legacy's last step."""
+    harness.validate(port, config)
+    options.check(config)
+    with _root(options.directory) as root:
+        legacy = train_legacy(port, config, options, os.path.join(root, 'legacy'), progress)
+        n, note = (
+            options.resume_at,
+            f'legacy checkpoints every {options.save_every(config)} call(s) in {legacy.directory}',
+        )
+        if n is None:
+            new = harness.run_nnx(port, config, legacy.variables, legacy.calls, legacy.rng, progress or _silent)
+            return compare_paths(port, config, legacy.result, new, 0, [note])
+        nnx_dir = os.path.join(root, 'nnx')
+        migration = migrate.migrate(legacy.directory, nnx_dir, port, step=n)
+        nnx_config = dataclasses.replace(config, devices=nnx_devices or config.devices)
+        result = resume_nnx(port, nnx_config, legacy, nnx_dir, n, progress)
+        result.config = config
+        result.notes.append(
+            f'legacy pmap trained {config.steps} steps without stopping and saved its train state at step {n} '
+            f'(Orbax, {legacy.directory}); migrated {len(migration.pairs)} leaves to {nnx_dir}; NNX restored it '
+            f'onto {nnx_config.devices} device(s) and trained steps {n + 1}-{config.steps}'
+        )
+        return result
+
+
+def _silent(path: str) -> None:
+    pass
+
+
+def compare_paths(port: Port, config: RunConfig, old, new, resumed_at: int, notes=None) -> harness.RunResult:
+    """The usual comparison; legacy's losses and per-call parameters cut to the steps NNX ran."""
+    old = dataclasses.replace(
+        old, losses=old.losses[resumed_at:], params_per_call=old.params_per_call[resumed_at // config.steps_per_call :]
+    )
+    ref, other = harness.with_losses(old.final, old.losses), harness.with_losses(new.final, new.losses)
+    report = compare.compare(ref, other, port.tolerance)
+    return harness.RunResult(config, old, new, report, resumed_at, list(notes or []))
