@@ -1,41 +1,34 @@
-"""``python -m equivalence.run``: both paths, same seed and data; exit 0 when they match.
+"""``python -m equivalence.run``: both paths, same seed and data; exit 0 when they match."""
 
-Exit codes: 0 everything matches, 1 a leaf or loss is outside tolerance, 2 bad input.
-"""
-
-import os
 import sys
 import warnings
 
-from equivalence import cli, devices
+from equivalence import cli
+
+EXIT_CODES = cli.exit_codes('every leaf and loss matches', 'a leaf or loss is outside tolerance (MISMATCH)')
 
 
 def parse(argv: list[str] | None):
     from equivalence.core.workloads import WORKLOADS
 
-    parser = cli.OneLineParser(prog='python -m equivalence.run', description=__doc__)
+    parser = cli.OneLineParser(prog='python -m equivalence.run', description=__doc__, epilog=EXIT_CODES)
     cli.add_run_flags(parser, list(WORKLOADS))
-    parser.add_argument('--perturb', type=float, default=0.0, help='NNX lr * (1+REL): a deliberate mismatch')
-    parser.add_argument('--json', default=None, metavar='PATH', help='write a machine-readable report')
-    parser.add_argument('--plot', default=None, metavar='DIR', help='write losses.png and divergence.png into DIR')
-    parser.add_argument('--overwrite', action='store_true', help='replace an existing --json file or --plot figures')
-    return parser.parse_args(argv)
+    parser.add_argument(
+        '--perturb',
+        type=float,
+        default=0.0,
+        metavar='REL',
+        help='NNX lr * (1+REL), -1 < REL <= 1000: a deliberate mismatch',
+    )
+    cli.add_output_flags(parser, 'write a machine-readable report', plot=True)
+    return cli.parse(parser, argv)
 
 
-def check_plot_dir(directory: str | None, overwrite: bool) -> None:
-    """Before any work: DIR is a directory we can create or use, and holds no figure we would replace."""
-    if directory is None:
-        return
-    from equivalence.core import plots
-
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        cli.fail(f'--plot {directory} is not a directory')
-    if plots.existing(directory) and not overwrite:
-        cli.fail(f'{", ".join(plots.existing(directory))} exists; pass --overwrite to replace it')
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError as e:
-        cli.fail(f'cannot create --plot directory {directory}: {e.strerror}')
+def inputs(argv: list[str] | None, n_available: int | None = None):
+    """Every flag parsed and checked, nothing run: ``(args, workload, RunConfig)``; raises ``ConfigError``."""
+    args = parse(argv)
+    wl, config = cli.run_config(args, n_available, perturb=args.perturb)
+    return args, wl, config
 
 
 def progress_bar(total: int):
@@ -48,29 +41,29 @@ def progress_bar(total: int):
     return bar, lambda path: (bar.set_postfix_str(path, refresh=False), bar.update())
 
 
-def main(argv: list[str] | None = None) -> int:
-    devices.simulate_cpu_devices()  # before anything imports jax
-    args = parse(argv)
-    cli.check_output_path(args.json, args.overwrite)
-    check_plot_dir(args.plot, args.overwrite)
+def work(validated) -> int:
     import jax
 
-    from equivalence.core import harness, report
+    from equivalence.core import harness, output, report
 
-    wl, config = cli.run_config(args, len(jax.devices()), perturb=args.perturb)
+    args, wl, config = validated
     warnings.filterwarnings('ignore', message='Some donated buffers were not usable')  # the batch, as score_sde
     bar, tick = progress_bar(2 * config.calls)
     result = harness.run(wl, config, progress=tick)
     if bar is not None:
         bar.close()
     print(report.text(result, jax.default_backend()))
-    if args.json:
-        report.write_json(args.json, report.to_json(result, report.versions()))
-    if args.plot:
+    if args.json is not None:
+        output.write_json(args.json, report.to_json(result, report.versions()))
+    if args.plot is not None:
         from equivalence.core import plots
 
         print('wrote ' + ', '.join(plots.write(result, args.plot)))
     return cli.EXIT_MATCH if result.report.match else cli.EXIT_MISMATCH
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.main(inputs, work, argv)
 
 
 if __name__ == '__main__':
