@@ -155,7 +155,7 @@ def command_name(fn: Callable) -> str:
 
 def internal_error(error: Exception, command: str, argv: list[str]) -> int:
     """One line on stderr; the traceback, with the command line, in a file that outlives the run."""
-    text = f'command: python -m {command} {shlex.join(argv)}\n\n{traceback.format_exc()}'
+    text = f'command: python -m {command} {shlex.join(map(str, argv))}\n\n{traceback.format_exc()}'
     try:
         with tempfile.NamedTemporaryFile('w', prefix=f'{command}-', suffix='.traceback.txt', delete=False) as f:
             f.write(text)
