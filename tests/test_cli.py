@@ -6,6 +6,7 @@ import importlib
 import json
 import os
 import subprocess
+import tempfile
 
 import pytest
 from conftest import assert_one_line_error, run_module
@@ -141,16 +142,15 @@ def test_defaults_are_only_used_when_a_flag_is_not_given():
 
 
 @pytest.mark.parametrize('command', list(COMMANDS))
-def test_injected_internal_error_exits_3_with_one_line_and_the_traceback_in_a_file(command):
-    proc = run_module(COMMANDS[command].removesuffix('.__main__'), env={cli.INJECT_INTERNAL_ERROR: '1'})
+def test_injected_internal_error_exits_3_with_one_line_and_the_traceback_in_a_file(command, tmp_path):
+    env = {cli.INJECT_INTERNAL_ERROR: '1', 'TMPDIR': str(tmp_path)}  # tempfile writes the traceback there
+    proc = run_module(COMMANDS[command].removesuffix('.__main__'), env=env)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith(cli.INTERNAL) and 'RuntimeError: injected' in line, line
     path = line.rsplit('full traceback in ', 1)[1]
-    try:
-        text = open(path).read()
-    finally:
-        os.unlink(path)
+    assert os.path.dirname(path) == str(tmp_path)
+    text = open(path).read()
     assert text.startswith(f'command: python -m {COMMANDS[command].removesuffix(".__main__")}')
     assert (
         'Traceback (most recent call last)' in text
@@ -158,7 +158,7 @@ def test_injected_internal_error_exits_3_with_one_line_and_the_traceback_in_a_fi
     )
 
 
-def test_main_maps_every_outcome_to_its_exit_code(monkeypatch, capsys):
+def test_main_maps_every_outcome_to_its_exit_code(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(cli.devices, 'simulate_cpu_devices', lambda: None)  # JAX is already up in this process
     inputs = lambda argv: argv
 
@@ -171,10 +171,11 @@ def test_main_maps_every_outcome_to_its_exit_code(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(inputs, work, [ConfigError('needs scikit-learn')])
     assert exit_.value.code == 2 and capsys.readouterr().err == 'error: needs scikit-learn\n'
+    monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path))
     assert cli.main(inputs, work, [ValueError('boom\nsecond line')]) == 3
     [line] = capsys.readouterr().err.splitlines()
-    assert '(ValueError: boom); full traceback in ' in line
-    os.unlink(line.rsplit('full traceback in ', 1)[1])
+    assert line.startswith(cli.INTERNAL) and f'(ValueError: boom); full traceback in {tmp_path}' in line
+    assert 'second line' in open(line.rsplit('full traceback in ', 1)[1]).read()
 
 
 @pytest.mark.parametrize('command', list(COMMANDS))
