@@ -31,14 +31,12 @@ def inputs(argv: list[str] | None, n_available: int | None = None):
     ``RunConfig.calls`` is the calls per timed block.
     """
     from equivalence import bench
-    from equivalence.core.config import check_count, check_examples
+    from equivalence.core.config import check_count
 
     args = parse(argv)
     check_count('--repeats', args.repeats, MAX_REPEATS)
     check_count('--compile-repeats', args.compile_repeats, MAX_REPEATS)
-    wl, config = cli.run_config(args, n_available)
-    pool = f'--calls {config.calls} x max(--steps-per-call {config.steps_per_call}, {bench.POOL_K})'
-    check_examples(bench.pool_steps(config), config.batch_size, pool)
+    wl, config = cli.run_config(args, n_available, data_k=bench.POOL_K)
     return args, wl, config
 
 

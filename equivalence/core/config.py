@@ -29,8 +29,9 @@ class RunConfig:
     rng_mode: str = 'per-device'  # 'per-device' (score_sde) or 'global' (one key per global batch)
     perturb: float = 0.0  # NNX learning rate * (1 + perturb): a deliberate mismatch
     available: dataclasses.InitVar[int | None] = None  # devices JAX sees; None: not checked (library use)
+    data_k: dataclasses.InitVar[int] = 1  # bench: each call's data covers max(K, data_k) steps
 
-    def __post_init__(self, available: int | None):
+    def __post_init__(self, available: int | None, data_k: int):
         for name in ('devices', 'steps_per_call', 'calls', 'batch_size'):
             check_count(_flag(name), getattr(self, name))
         check_seed(self.seed)
@@ -39,9 +40,15 @@ class RunConfig:
         check_perturb(self.perturb)
         if available is not None:
             check_available(self.devices, available)  # before divisibility: its suggestions assume D fits
-        check_examples(self.steps, self.batch_size, f'--steps-per-call {self.steps_per_call} x --calls {self.calls}')
+        data_steps = self.calls * max(self.steps_per_call, data_k)
+        k = (
+            f'--steps-per-call {self.steps_per_call}'
+            if data_k <= 1
+            else f'max(--steps-per-call {self.steps_per_call}, {data_k})'
+        )
+        check_examples(data_steps, self.batch_size, f'--calls {self.calls} x {k}')
         if self.batch_size % self.devices:
-            raise ConfigError(_indivisible(self.batch_size, self.devices, available, self.steps))
+            raise ConfigError(_indivisible(self.batch_size, self.devices, available, data_steps))
 
     @property
     def per_device_batch(self) -> int:
@@ -95,10 +102,10 @@ def _flag(field: str) -> str:
     return '--' + field.replace('_', '-')
 
 
-def _indivisible(batch: int, devices: int, available: int | None, steps: int) -> str:
+def _indivisible(batch: int, devices: int, available: int | None, data_steps: int) -> str:
     """The error, naming only batches and device counts that would themselves be accepted."""
     lower = batch - batch % devices
-    batches = [b for b in (lower, lower + devices) if 1 <= b and steps * b <= MAX_EXAMPLES]
+    batches = [b for b in (lower, lower + devices) if 1 <= b and data_steps * b <= MAX_EXAMPLES]
     counts = [d for d in range(1, (available or devices) + 1) if batch % d == 0]
     use = f'use --batch-size {" or ".join(map(str, batches))}, or ' if batches else 'use '
     return f'--batch-size {batch} is not divisible by --devices {devices}: {use}--devices in {counts}'
