@@ -47,6 +47,13 @@ class OneLineParser(argparse.ArgumentParser):
         # Python 3.13's rule: '-1e-3' and '-.5' are values, not flags (3.11 knows only '-1' and '-0.5').
         self._negative_number_matcher = re.compile(r'^-\.?\d')
 
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        for action in self._actions:  # Python 3.11 reads '--devices=--' as an empty list, not an error
+            if action.nargs is None and isinstance(getattr(parsed, action.dest, None), list):
+                self.error(f'argument {"/".join(action.option_strings)}: expected one argument')
+        return parsed
+
     def error(self, message: str) -> NoReturn:
         fail(f'{message} (see --help)')
 
