@@ -106,6 +106,6 @@ def _indivisible(batch: int, devices: int, available: int | None, data_steps: in
     """The error, naming only batches and device counts that would themselves be accepted."""
     lower = batch - batch % devices
     batches = [b for b in (lower, lower + devices) if 1 <= b and data_steps * b <= MAX_EXAMPLES]
-    counts = [d for d in range(1, (available or devices) + 1) if batch % d == 0]
+    counts = [d for d in range(1, min(available or devices, batch) + 1) if batch % d == 0]  # no divisor > batch
     use = f'use --batch-size {" or ".join(map(str, batches))}, or ' if batches else 'use '
     return f'--batch-size {batch} is not divisible by --devices {devices}: {use}--devices in {counts}'
