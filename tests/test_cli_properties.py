@@ -48,13 +48,16 @@ def counts(good: st.SearchStrategy, too_large: int) -> tuple:
     return good, bad
 
 
+AWKWARD = st.sampled_from(['--', '-', '']).map(Wrong)  # argparse's own corners: '--devices=--' once crashed
+
+
 def wrongly_typed(kind) -> st.SearchStrategy:
-    texts = ['many', '1.5', '1e3', '', '0x10', '3 4', '--'] if kind is int else ['abc', '', '1,5', '1e', '0x1p', '--']
-    return st.sampled_from(texts).map(Wrong)
+    texts = ['many', '1.5', '1e3', '0x10', '3 4'] if kind is int else ['abc', '1,5', '1e', '0x1p', '0,5']
+    return st.sampled_from(texts).map(Wrong) | AWKWARD
 
 
 def words(taken) -> st.SearchStrategy:
-    return st.text('abcdefgilmnoprs-_0123456789', max_size=10).filter(lambda s: s not in taken)
+    return st.text('abcdefgilmnoprs-_0123456789', max_size=10).filter(lambda s: s not in taken) | AWKWARD
 
 
 RUN_FLAGS = {
@@ -68,30 +71,56 @@ RUN_FLAGS = {
 }
 PERTURB = (
     st.floats(-1, 1000, exclude_min=True),
-    st.floats(max_value=-1) | st.floats(min_value=1000, exclude_min=True) | st.just(math.nan) | wrongly_typed(float),
+    st.sampled_from([math.nan, math.inf, -math.inf, -1.0])
+    | st.floats(min_value=1000, exclude_min=True, allow_nan=False)
+    | st.floats(max_value=-1, allow_nan=False)
+    | wrongly_typed(float),
 )
 REPEATS = counts(st.integers(1, 5), MAX_REPEATS + 1)
-JSON_TARGETS = st.sampled_from(['new.json', 'old.json', 'adir', 'missing/r.json', 'afile/r.json', 'new/', '', 'null'])
-PLOT_TARGETS = st.sampled_from(['figs', 'adir', 'figs-old', 'afile', 'missing/figs', ''])
+JSON = (  # names inside the ``place`` fixture; 'old.json' is good only with --overwrite, 'null' is os.devnull
+    st.sampled_from(['new.json', 'old.json']),
+    st.sampled_from(['adir', 'missing/r.json', 'afile/r.json', 'new/', '', 'null']),
+)
+PLOT = (st.sampled_from(['figs', 'adir', 'figs-old']), st.sampled_from(['afile', 'missing/figs', '']))
 FLAGS = {
-    'run': {**RUN_FLAGS, 'perturb': PERTURB, 'json': (JSON_TARGETS,) * 2, 'plot': (PLOT_TARGETS,) * 2},
-    'explain': {**RUN_FLAGS, 'json': (JSON_TARGETS,) * 2},
-    'bench': {**RUN_FLAGS, 'repeats': REPEATS, 'compile-repeats': REPEATS, 'json': (JSON_TARGETS,) * 2},
-    'pitfalls': {'only': (st.sampled_from(CASES), words(CASES)), 'json': (JSON_TARGETS,) * 2},
+    'run': {**RUN_FLAGS, 'perturb': PERTURB, 'json': JSON, 'plot': PLOT},
+    'explain': {**RUN_FLAGS, 'json': JSON},
+    'bench': {**RUN_FLAGS, 'repeats': REPEATS, 'compile-repeats': REPEATS, 'json': JSON},
+    'pitfalls': {'only': (st.sampled_from(CASES), words(CASES)), 'json': JSON},
 }
 
 
 @st.composite
-def command_lines(draw, command: str) -> tuple[dict, set]:
-    """Flags mostly valid, a few (at most two) drawn from the invalid values; the switches given."""
-    flags, broken = {}, draw(st.sets(st.sampled_from(sorted(FLAGS[command])), max_size=2))
+def command_lines(draw, command: str) -> tuple[dict, set, int]:
+    """Flags mostly valid and coherent, none, one or two drawn from the invalid values; switches; devices seen."""
+    available = draw(st.sampled_from([8, 8, 8, 3, 1]), label='devices available')
+    switches = {s for s in ('overwrite', 'list') if draw(st.booleans()) and (s != 'list' or command == 'pitfalls')}
+    n_broken = draw(st.sampled_from([0, 1, 1, 2]))
+    broken = draw(st.lists(st.sampled_from(sorted(FLAGS[command])), min_size=n_broken, max_size=n_broken, unique=True))
+    flags = {}
     for name, (good, bad) in FLAGS[command].items():
         if name in broken:
             flags[name] = draw(bad)
         elif draw(st.booleans()):
-            flags[name] = draw(good)
-    switches = {s for s in ('overwrite', 'list') if draw(st.booleans()) and (s != 'list' or command == 'pitfalls')}
-    return flags, switches
+            flags[name] = draw(coherent(name, good, flags, switches, available))
+    d, wl = flags.get('devices', available), WORKLOADS.get(flags.get('workload', 'mlp'))
+    if 'batch-size' in FLAGS[command] and 'batch-size' not in flags and isinstance(d, int) and 0 < d < 9 and wl:
+        if wl.default_batch % d:  # e.g. 64 on 3 devices: give a batch, or the line is invalid whatever else
+            flags['batch-size'] = draw(coherent('batch-size', None, flags, switches, available))
+    return flags, switches, available
+
+
+def coherent(name: str, good: st.SearchStrategy, flags: dict, switches: set, available: int) -> st.SearchStrategy:
+    """Mostly devices that exist, a batch they divide, a report it may write: most unbroken lines are valid."""
+    devices = flags.get('devices', available)
+    if name == 'devices':
+        return st.integers(1, available) | st.integers(1, available) | good
+    if name == 'batch-size' and isinstance(devices, int) and 0 < devices < 9:
+        divisible = st.integers(1, 16).map(lambda n: n * devices)
+        return divisible if good is None else divisible | divisible | good
+    if name in ('json', 'plot') and 'overwrite' not in switches:
+        return st.just({'json': 'new.json', 'plot': 'figs'}[name]) | good
+    return good
 
 
 def argv(flags: dict, switches: set, place: str, joined: list[bool]) -> list[str]:
@@ -171,11 +200,10 @@ def validate(command: str, args: list[str], available: int) -> tuple[int | None,
 
 
 @pytest.mark.parametrize('command', list(COMMANDS))
-@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=500, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_validation_follows_the_rules_and_answers_in_one_line(command, place, data):
-    flags, switches = data.draw(command_lines(command))
-    available = data.draw(st.sampled_from([8, 8, 3, 1]), label='devices available')
+    flags, switches, available = data.draw(command_lines(command))
     joined = data.draw(st.lists(st.booleans(), min_size=len(flags), max_size=len(flags)))
     args = argv(flags, switches, place, joined)
     code, printed = validate(command, args, available)
