@@ -136,7 +136,9 @@ def validate(inputs: Callable[[list[str] | None], Inputs], argv: list[str] | Non
         fail(str(e))
 
 
-def main(inputs: Callable[[list[str] | None], Inputs], work: Callable[[Inputs], int], argv=None) -> int:
+def main(
+    inputs: Callable[[list[str] | None], Inputs], work: Callable[[Inputs], int], argv: list[str] | None = None
+) -> int:
     """One command: devices requested, every flag validated, then the work. Exit 0/1 from ``work``,
     2 on bad input, 3 on anything unexpected (a bug here, which must not read as a mismatch)."""
     try:

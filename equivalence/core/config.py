@@ -11,7 +11,7 @@ import math
 RNG_MODES = ('per-device', 'global')
 SEED_LIMIT = 2**32  # np.random.default_rng takes any seed >= 0, jax.random.PRNGKey keeps only 32 bits
 MAX_EXAMPLES = 2**22  # examples generated on the host for one run (steps x global batch): ~0.7 GB for mlp
-MAX_PERTURB = 1e3  # a deliberate mismatch needs 1e-3; beyond a 1000x learning rate the NNX side only overflows
+MAX_PERTURB = 1e3  # a deliberate mismatch needs 1e-3; a 1001x learning rate is far past any use
 
 
 class ConfigError(ValueError):
@@ -40,14 +40,9 @@ class RunConfig:
         check_perturb(self.perturb)
         if available is not None:
             check_available(self.devices, available)  # before divisibility: its suggestions assume D fits
-        data_steps = self.calls * max(self.steps_per_call, data_k)
-        k = (
-            f'--steps-per-call {self.steps_per_call}'
-            if data_k <= 1
-            else f'max(--steps-per-call {self.steps_per_call}, {data_k})'
-        )
-        check_examples(data_steps, self.batch_size, f'--calls {self.calls} x {k}')
+        check_examples(self.calls, self.steps_per_call, self.batch_size, data_k)
         if self.batch_size % self.devices:
+            data_steps = self.calls * max(self.steps_per_call, data_k)
             raise ConfigError(_indivisible(self.batch_size, self.devices, available, data_steps))
 
     @property
@@ -89,11 +84,13 @@ def check_available(devices: int, available: int) -> None:
         )
 
 
-def check_examples(steps: int, batch: int, steps_from: str) -> None:
-    """The host generates ``steps x batch`` examples up front: refuse what would not fit in memory."""
+def check_examples(calls: int, steps_per_call: int, batch: int, data_k: int = 1) -> None:
+    """The host generates the data of every call up front: refuse what would not fit in memory."""
+    steps = calls * max(steps_per_call, data_k)
     if steps * batch > MAX_EXAMPLES:
+        k = f'--steps-per-call {steps_per_call}' if data_k <= 1 else f'max(--steps-per-call {steps_per_call}, {data_k})'
         raise ConfigError(
-            f'{steps_from} = {steps:,} steps of --batch-size {batch} is {steps * batch:,} examples, '
+            f'--calls {calls} x {k} = {steps:,} steps of --batch-size {batch} is {steps * batch:,} examples, '
             f'more than the {MAX_EXAMPLES:,} this suite generates on the host; lower one of them'
         )
 
