@@ -1,56 +1,149 @@
-"""What every ``python -m equivalence.<cmd>`` shares: flags, one-line errors, exit codes.
+"""What every ``python -m equivalence.<cmd>`` shares: flags, validation, one-line errors, exit codes.
 
+A command is two functions: ``inputs(argv)`` parses and validates every flag and runs
+nothing (bad input: one ``error: ...`` line, exit 2), and ``work(inputs)`` does the job and
+returns 0 or 1. ``main`` runs them in that order and turns any other exception into exit 3.
 Nothing here imports JAX: the device count must be requested before JAX starts.
 """
 
 import argparse
 import os
+import re
+import shlex
 import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import NoReturn, TypeVar
 
-EXIT_MATCH, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
+from equivalence import devices
+from equivalence.core.config import ConfigError
+
+EXIT_MATCH, EXIT_MISMATCH, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 EXIT_WORKER_DIED = 4  # several processes: a worker died or could not join (equivalence.distributed)
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports it
+INJECT_INTERNAL_ERROR = 'EQUIVALENCE_INJECT_INTERNAL_ERROR'  # tests only: '1' raises once the flags are valid
+INTERNAL = 'internal error: a bug in this suite, not a verdict on the port'
+
+Inputs = TypeVar('Inputs')
+
+
+def exit_codes(ok: str, mismatch: str | None = None, workers: bool = True) -> str:
+    """The exit-code paragraph of a command's ``--help``."""
+    lines = ['exit codes:', f'  0  {ok}']
+    lines += [f'  1  {mismatch}'] if mismatch else []
+    lines += [
+        '  2  bad input: one "error: ..." line on stderr, before anything runs',
+        '  3  internal error: a bug in this suite, not a verdict on the port; stderr names the',
+        '     file holding the traceback',
+    ]
+    lines += ['  4  several processes: a worker died or could not join (one line naming it)'] if workers else []
+    return '\n'.join(lines)
 
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but a bad flag is one line on stderr and exit 2, no usage dump."""
 
-    def error(self, message: str):
+    def __init__(self, **kwargs):
+        super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+        # Python 3.13's rule: '-1e-3' and '-.5' are values, not flags (3.11 knows only '-1' and '-0.5').
+        self._negative_number_matcher = re.compile(r'^-\.?\d')
+
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        for action in self._actions:  # Python 3.11 reads '--devices=--' as an empty list, not an error
+            if action.nargs is None and isinstance(getattr(parsed, action.dest, None), list):
+                self.error(f'argument {"/".join(action.option_strings)}: expected one argument')
+        return parsed
+
+    def error(self, message: str) -> NoReturn:
         fail(f'{message} (see --help)')
 
 
-def fail(message: str):
-    print(f'error: {message}', file=sys.stderr)
+def fail(message: str) -> NoReturn:
+    print('error: ' + ' '.join(str(message).splitlines()), file=sys.stderr)
     sys.exit(EXIT_BAD_INPUT)
 
 
-def add_run_flags(parser: argparse.ArgumentParser, workloads: list[str]) -> None:
+def add_run_flags(
+    parser: argparse.ArgumentParser,
+    workloads: list[str],
+    calls_help: str | None = None,
+    calls_default: int = 4,
+    strategy_help: str = 'NNX placement: dp, fsdp, tp, fsdp-tp, shard_map (default dp)',
+) -> None:
+    """The flags that make a ``RunConfig``; ``None`` means "not given", never a value to replace."""
     parser.add_argument('--workload', default='mlp', help=f'one of: {", ".join(workloads)} (default mlp)')
     parser.add_argument('--devices', type=int, default=None, help='D devices (default: all; 8 simulated on CPU)')
     parser.add_argument('--steps-per-call', type=int, default=5, help='K steps fused per call (default 5)')
-    parser.add_argument('--calls', type=int, default=4, help='C compiled calls (default 4)')
+    parser.add_argument('--calls', type=int, default=calls_default, help=calls_help or 'C compiled calls (default 4)')
     parser.add_argument('--batch-size', type=int, default=None, help="global batch (default: the workload's)")
-    parser.add_argument('--seed', type=int, default=0, help='seed of data, initial parameters and keys')
-    parser.add_argument('--rng', default='per-device', help='per-device (score_sde) or global (default per-device)')
-    parser.add_argument('--strategy', default='dp', help='NNX placement: dp, fsdp, tp, fsdp-tp, shard_map (default dp)')
+    parser.add_argument('--seed', type=int, default=0, help='seed of data, parameters and keys, 0 <= S < 2**32')
+    parser.add_argument('--rng', default=None, help="per-device (score_sde) or global (default: the port's first)")
+    parser.add_argument('--strategy', default='dp', help=strategy_help)
     parser.add_argument('--mesh', default=None, help="fsdp-tp's 2-D mesh, data=A,model=B (default data=D/2,model=2)")
 
 
-def check_output_path(path: str | None, overwrite: bool) -> None:
-    """Fail before any work if a report would clobber a file or cannot be written."""
-    if path is None:
-        return
-    if os.path.exists(path) and not overwrite:
-        fail(f'{path} exists; pass --overwrite to replace it')
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        fail(f'cannot write {path}: directory {parent} does not exist')
+def add_output_flags(parser: argparse.ArgumentParser, json_help: str, plot: bool = False) -> None:
+    """``--json`` (and ``--plot``): checked by ``parse`` before anything runs, written atomically."""
+    parser.add_argument('--json', default=None, metavar='PATH', help=json_help)
+    if plot:
+        parser.add_argument('--plot', default=None, metavar='DIR', help='write losses.png and divergence.png into DIR')
+    parser.add_argument('--overwrite', action='store_true', help='replace an existing report')
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Flags -> namespace, with the output targets checked; raises ``ConfigError`` on a bad target."""
+    from equivalence.core import output
+
+    args = parser.parse_args(argv)
+    if getattr(args, 'json', None) is not None:
+        output.check_file(args.json, args.overwrite)
+    if getattr(args, 'plot', None) is not None:
+        from equivalence.core import plots
+
+        output.check_dir(args.plot, plots.FILES, args.overwrite)
+    return args
+
+
+def available_devices(n_available: int | None = None) -> int:
+    """The devices JAX sees (starts JAX's backend), unless the caller already knows."""
+    if n_available is not None:
+        return n_available
+    import jax
+
+    return len(jax.devices())
+
+
+def run_config(args: argparse.Namespace, n_available: int | None = None, **extra):
+    """The flags of ``add_run_flags`` -> ``(workload, RunConfig)``, the port's own limits checked
+    too (``harness.validate``); raises ``ConfigError`` on bad input."""
+    from equivalence.core import harness, workloads
+    from equivalence.core.config import RunConfig, parse_mesh
+
+    wl = workloads.get(args.workload)
+    available = available_devices(n_available)
+    config = RunConfig(
+        workload=wl.name,
+        devices=available if args.devices is None else args.devices,
+        steps_per_call=args.steps_per_call,
+        calls=args.calls,
+        batch_size=wl.default_batch if args.batch_size is None else args.batch_size,
+        seed=args.seed,
+        rng_mode=wl.rng_modes[0] if args.rng is None else args.rng,
+        strategy=args.strategy,
+        mesh=parse_mesh(args.mesh) if args.mesh is not None else None,
+        available=available,
+        **extra,
+    )
+    check_processes(config, available)
+    harness.validate(wl, config)
+    return wl, config
 
 
 def check_processes(config, n_available: int) -> None:
     """With several processes, pmap and the mesh span every device of every process."""
     import jax
-
-    from equivalence.core.config import ConfigError
 
     if jax.process_count() > 1 and config.devices != n_available:
         raise ConfigError(
@@ -58,27 +151,50 @@ def check_processes(config, n_available: int) -> None:
         )
 
 
-def run_config(args: argparse.Namespace, n_available: int, **extra):
-    """The flags of ``add_run_flags`` -> ``(workload, RunConfig)``; bad input exits 2 with one line."""
-    from equivalence.core import workloads
-    from equivalence.core.config import ConfigError, RunConfig, check_available, parse_mesh
-
+def validate(inputs: Callable[[list[str] | None], Inputs], argv: list[str] | None) -> Inputs:
+    """``inputs(argv)``, with bad input turned into one ``error:`` line and exit 2. Runs nothing."""
     try:
-        wl = workloads.get(args.workload)
-        config = RunConfig(
-            workload=wl.name,
-            devices=args.devices or n_available,
-            steps_per_call=args.steps_per_call,
-            calls=args.calls,
-            batch_size=args.batch_size or wl.default_batch,
-            seed=args.seed,
-            rng_mode=args.rng,
-            strategy=args.strategy,
-            mesh=parse_mesh(args.mesh) if args.mesh else None,
-            **extra,
-        )
-        check_available(config, n_available)
-        check_processes(config, n_available)
+        return inputs(argv)
     except ConfigError as e:
         fail(str(e))
-    return wl, config
+
+
+def main(
+    inputs: Callable[[list[str] | None], Inputs], work: Callable[[Inputs], int], argv: list[str] | None = None
+) -> int:
+    """One command: devices requested, every flag validated, then the work. Exit 0/1 from ``work``,
+    2 on bad input, 3 on anything unexpected (a bug here, which must not read as a mismatch)."""
+    try:
+        devices.simulate_cpu_devices()  # before anything imports jax
+        validated = validate(inputs, argv)
+        if os.environ.get(INJECT_INTERNAL_ERROR) == '1':
+            raise RuntimeError(f'injected by {INJECT_INTERNAL_ERROR}=1')
+        return work(validated)
+    except ConfigError as e:  # found only while working, e.g. an optional dependency missing
+        fail(str(e))
+    except KeyboardInterrupt:
+        print('interrupted', file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as e:  # noqa: BLE001 -- every unexpected failure becomes exit 3, with its traceback kept
+        return internal_error(e, command_name(inputs), sys.argv[1:] if argv is None else argv)
+
+
+def command_name(fn: Callable) -> str:
+    """'equivalence.run' for a function of that command, also when it runs as ``__main__``."""
+    spec = getattr(sys.modules.get(fn.__module__), '__spec__', None)
+    return (spec.name if spec else fn.__module__).removesuffix('.__main__')
+
+
+def internal_error(error: Exception, command: str, argv: list[str]) -> int:
+    """One line on stderr; the traceback, with the command line, in a file that outlives the run."""
+    text = f'command: python -m {command} {shlex.join(map(str, argv))}\n\n{traceback.format_exc()}'
+    try:
+        with tempfile.NamedTemporaryFile('w', prefix=f'{command}-', suffix='.traceback.txt', delete=False) as f:
+            f.write(text)
+        where = f'full traceback in {f.name}'
+    except OSError as e:
+        where = f'the traceback could not be written to a file ({e.strerror})'
+    first = (str(error).splitlines() or [''])[0][:200]
+    what = f'{type(error).__name__}: {first}' if first else type(error).__name__
+    print(f'{INTERNAL} ({what}); {where}', file=sys.stderr)
+    return EXIT_INTERNAL

@@ -1,46 +1,41 @@
-"""``python -m equivalence.run``: both paths, same seed and data; exit 0 when they match.
+"""``python -m equivalence.run``: both paths, same seed and data; exit 0 when they match."""
 
-Exit codes: 0 everything matches, 1 a leaf or loss is outside tolerance, 2 bad input,
-4 a worker of several processes died or could not join.
-"""
-
-import os
 import sys
 import warnings
 
-from equivalence import cli, devices, distributed
+from equivalence import cli, distributed
 from equivalence.checkpoint import options as checkpoint_options
+
+EXIT_CODES = cli.exit_codes('every leaf and loss matches', 'a leaf or loss is outside tolerance (MISMATCH)')
 
 
 def parse(argv: list[str] | None):
     from equivalence.core.workloads import WORKLOADS
 
-    parser = cli.OneLineParser(prog='python -m equivalence.run', description=__doc__)
+    parser = cli.OneLineParser(prog='python -m equivalence.run', description=__doc__, epilog=EXIT_CODES)
     cli.add_run_flags(parser, list(WORKLOADS))
     parser.add_argument('--nnx-form', default='split', help='split: jax.jit(lax.scan); graph: nnx.jit(nnx.scan)')
-    parser.add_argument('--perturb', type=float, default=0.0, help='NNX lr * (1+REL): a deliberate mismatch')
-    parser.add_argument('--json', default=None, metavar='PATH', help='write a machine-readable report')
-    parser.add_argument('--plot', default=None, metavar='DIR', help='write losses.png and divergence.png into DIR')
-    parser.add_argument('--overwrite', action='store_true', help='replace an existing --json file or --plot figures')
+    parser.add_argument(
+        '--perturb',
+        type=float,
+        default=0.0,
+        metavar='REL',
+        help='NNX lr * (1+REL), -1 < REL <= 1000: a deliberate mismatch',
+    )
+    cli.add_output_flags(parser, 'write a machine-readable report', plot=True)
     distributed.add_flags(parser)
     checkpoint_options.add_flags(parser)
-    return parser.parse_args(argv)
+    return cli.parse(parser, argv)
 
 
-def check_plot_dir(directory: str | None, overwrite: bool) -> None:
-    """Before any work: DIR is a directory we can create or use, and holds no figure we would replace."""
-    if directory is None:
-        return
-    from equivalence.core import plots
-
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        cli.fail(f'--plot {directory} is not a directory')
-    if plots.existing(directory) and not overwrite:
-        cli.fail(f'{", ".join(plots.existing(directory))} exists; pass --overwrite to replace it')
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError as e:
-        cli.fail(f'cannot create --plot directory {directory}: {e.strerror}')
+def inputs(argv: list[str] | None, n_available: int | None = None):
+    """Every flag parsed and checked, nothing run: ``(args, workload, RunConfig, CheckpointOptions)``;
+    raises ``ConfigError``."""
+    args = parse(argv)
+    wl, config = cli.run_config(args, n_available, perturb=args.perturb, nnx_form=args.nnx_form)
+    checkpoints = checkpoint_options.from_args(args)
+    checkpoints.check(config)
+    return args, wl, config, checkpoints
 
 
 def progress_bar(total: int):
@@ -54,47 +49,36 @@ def progress_bar(total: int):
     return bar, lambda path: (bar.set_postfix_str(path, refresh=False), bar.update())
 
 
-def main(argv: list[str] | None = None) -> int:
-    devices.simulate_cpu_devices()  # before anything imports jax
-    args = parse(argv)
-    return distributed.command('equivalence.run', argv, args, lambda: check_outputs(args), lambda: run(args))
-
-
-def check_outputs(args) -> None:
-    cli.check_output_path(args.json, args.overwrite)
-    check_plot_dir(args.plot, args.overwrite)
-
-
-def run(args) -> int:
-    """Both paths, the report on stdout (process 0's, with several), the files; the exit code."""
+def work(validated) -> int:
     import jax
 
-    from equivalence.core import harness, report
-    from equivalence.core.config import ConfigError
+    from equivalence.core import harness, output, report
 
-    wl, config = cli.run_config(args, len(jax.devices()), perturb=args.perturb, nnx_form=args.nnx_form)
+    args, wl, config, checkpoints = validated
     warnings.filterwarnings('ignore', message='Some donated buffers were not usable')  # the batch, as score_sde
-    checkpoints = checkpoint_options.from_args(args)
     bar, tick = progress_bar(checkpoints.calls_to_run(config))
-    try:
-        if checkpoints.requested:  # legacy saves; with --resume-at, NNX resumes from the migrated checkpoint
-            from equivalence.checkpoint import resume
+    if checkpoints.requested:  # legacy saves; with --resume-at, NNX resumes from the migrated checkpoint
+        from equivalence.checkpoint import resume
 
-            result = resume.run(wl, config, checkpoints, progress=tick)
-        else:
-            result = harness.run(wl, config, progress=tick)
-    except ConfigError as e:  # a port whose sides do not pair: found before any training
-        cli.fail(str(e))
+        result = resume.run(wl, config, checkpoints, progress=tick)
+    else:
+        result = harness.run(wl, config, progress=tick)
     if bar is not None:
         bar.close()
     print(report.text(result, jax.default_backend()))
-    if args.json and distributed.reports():
-        report.write_json(args.json, report.to_json(result, report.versions()))
-    if args.plot and distributed.reports():
+    if not distributed.reports():  # several processes: process 0 writes the files
+        return cli.EXIT_MATCH if result.report.match else cli.EXIT_MISMATCH
+    if args.json is not None:
+        output.write_json(args.json, report.to_json(result, report.versions()))
+    if args.plot is not None:
         from equivalence.core import plots
 
         print('wrote ' + ', '.join(plots.write(result, args.plot)))
     return cli.EXIT_MATCH if result.report.match else cli.EXIT_MISMATCH
+
+
+def main(argv: list[str] | None = None) -> int:
+    return distributed.main('equivalence.run', inputs, work, argv)
 
 
 if __name__ == '__main__':

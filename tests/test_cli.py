@@ -1,21 +1,29 @@
-"""``python -m equivalence.run`` end to end, in a subprocess: exit codes 0, 1 and 2."""
+"""The command line: ``run`` end to end in a subprocess (exit 0, 1, 2), every command's validation
+in-process, and exit 3 for an internal error."""
 
+import functools
+import importlib
 import json
+import os
 import subprocess
+import tempfile
 
 import pytest
 from conftest import assert_one_line_error, run_module
 
+from equivalence import cli
+from equivalence.core.config import ConfigError
+
 QUICK = ['--steps-per-call', '2', '--calls', '2']
 
 
-def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def equivalence_run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return run_module('equivalence.run', *args, env=env)
 
 
 def test_match_exits_0_on_8_simulated_devices_and_writes_json(tmp_path):
     out = tmp_path / 'report.json'
-    proc = cli(*QUICK, '--json', str(out))
+    proc = equivalence_run(*QUICK, '--json', str(out))
     assert proc.returncode == 0, proc.stderr
     assert 'on 8 cpu device(s)' in proc.stdout and 'MATCH' in proc.stdout
     report = json.loads(out.read_text())
@@ -29,7 +37,7 @@ def test_match_exits_0_on_8_simulated_devices_and_writes_json(tmp_path):
 
 def test_perturbed_learning_rate_exits_1(tmp_path):
     out = tmp_path / 'report.json'
-    proc = cli(*QUICK, '--perturb', '1e-3', '--json', str(out))
+    proc = equivalence_run(*QUICK, '--perturb', '1e-3', '--json', str(out))
     assert proc.returncode == 1, proc.stderr
     assert 'MISMATCH' in proc.stdout
     assert json.loads(out.read_text())['match'] is False
@@ -48,7 +56,7 @@ def test_perturbed_learning_rate_exits_1(tmp_path):
     ],
 )
 def test_bad_input_exits_2_with_one_line(args, expected):
-    proc = cli(*args)
+    proc = equivalence_run(*args)
     assert 'Traceback' not in proc.stderr
     assert_one_line_error(proc, expected)
 
@@ -56,6 +64,128 @@ def test_bad_input_exits_2_with_one_line(args, expected):
 def test_existing_report_is_not_overwritten_without_asking(tmp_path):
     out = tmp_path / 'report.json'
     out.write_text('precious')
-    proc = cli(*QUICK, '--json', str(out))
+    proc = equivalence_run(*QUICK, '--json', str(out))
     assert proc.returncode == 2 and 'pass --overwrite' in proc.stderr
     assert out.read_text() == 'precious'
+
+
+# ---- every command: the issue's table of inputs, validated in-process through the commands' own path ----
+
+COMMANDS = {
+    'run': 'equivalence.run',
+    'explain': 'equivalence.explain.__main__',
+    'bench': 'equivalence.bench.__main__',
+    'pitfalls': 'equivalence.pitfalls.__main__',
+}
+
+
+def validate(command: str, argv: list[str], n_available: int = 8):
+    """What the command does before any work: its inputs, or SystemExit with the one-line error printed."""
+    module = importlib.import_module(COMMANDS[command])
+    return cli.validate(functools.partial(module.inputs, n_available=n_available), argv)
+
+
+ISSUE_TABLE = [
+    (['--devices', '0'], '--devices must be at least 1, got 0'),
+    (['--batch-size', '0'], '--batch-size must be at least 1, got 0'),
+    (['--seed', '-1'], '--seed must be in 0 .. 4294967295'),
+    (['--seed', '99999999999999999999'], '--seed must be in 0 .. 4294967295'),
+    (['--devices', '9'], 'more devices than the 8 available'),
+]
+
+
+@pytest.mark.parametrize('command', ['run', 'explain', 'bench'])
+@pytest.mark.parametrize('args, expected', ISSUE_TABLE)
+def test_issue_table_rows_exit_2_with_one_line(command, args, expected, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        validate(command, args)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count('\n') == 1 and err.startswith('error: ') and expected in err, err
+
+
+@pytest.mark.parametrize('value', ['nan', 'inf', '-inf', '-1', '1e4'])
+def test_perturb_must_be_finite_above_minus_one(value, capsys):
+    with pytest.raises(SystemExit):
+        validate('run', [f'--perturb={value}'])
+    assert capsys.readouterr().err.startswith('error: --perturb must be a finite number above -1')
+
+
+def test_negative_exponent_is_a_value_not_a_flag():
+    args, _, config = validate('run', ['--perturb', '-1e-3'])
+    assert config.perturb == -1e-3
+
+
+@pytest.mark.parametrize('command', list(COMMANDS))
+def test_json_directory_is_refused_even_with_overwrite(command, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        validate(command, ['--json', str(tmp_path), '--overwrite'])
+    assert capsys.readouterr().err == f'error: --json {tmp_path} is a directory; give a file name\n'
+
+
+def test_suggestions_name_only_device_counts_that_exist(capsys):
+    with pytest.raises(SystemExit):
+        validate('run', ['--batch-size', '60', '--devices', '8'], n_available=8)
+    assert capsys.readouterr().err.endswith('use --batch-size 56 or 64, or --devices in [1, 2, 3, 4, 5, 6]\n')
+    with pytest.raises(SystemExit):
+        validate('run', ['--batch-size', '62', '--devices', '4'], n_available=4)
+    assert capsys.readouterr().err.endswith('use --batch-size 60 or 64, or --devices in [1, 2]\n')
+
+
+def test_defaults_are_only_used_when_a_flag_is_not_given():
+    _, _, config = validate('run', [], n_available=4)
+    assert (config.devices, config.batch_size) == (4, 64)
+    _, _, config = validate('run', ['--workload', 'score', '--devices', '2'], n_available=4)
+    assert (config.devices, config.batch_size) == (2, 128)
+
+
+# ---- exit 3: an internal failure never reads as a verdict ----
+
+
+@pytest.mark.parametrize('command', list(COMMANDS))
+def test_injected_internal_error_exits_3_with_one_line_and_the_traceback_in_a_file(command, tmp_path):
+    env = {cli.INJECT_INTERNAL_ERROR: '1', 'TMPDIR': str(tmp_path)}  # tempfile writes the traceback there
+    proc = run_module(COMMANDS[command].removesuffix('.__main__'), env=env)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith(cli.INTERNAL) and 'RuntimeError: injected' in line, line
+    path = line.rsplit('full traceback in ', 1)[1]
+    assert os.path.dirname(path) == str(tmp_path)
+    text = open(path).read()
+    assert text.startswith(f'command: python -m {COMMANDS[command].removesuffix(".__main__")}')
+    assert (
+        'Traceback (most recent call last)' in text
+        and f'RuntimeError: injected by {cli.INJECT_INTERNAL_ERROR}=1' in text
+    )
+
+
+def test_main_maps_every_outcome_to_its_exit_code(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(cli.devices, 'simulate_cpu_devices', lambda: None)  # JAX is already up in this process
+    inputs = lambda argv: argv
+
+    def work(argv):
+        raise argv[0]
+
+    assert cli.main(inputs, lambda argv: 1, ['x']) == 1
+    assert cli.main(inputs, work, [KeyboardInterrupt()]) == cli.EXIT_INTERRUPTED
+    assert capsys.readouterr().err == 'interrupted\n'
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(inputs, work, [ConfigError('needs scikit-learn')])
+    assert exit_.value.code == 2 and capsys.readouterr().err == 'error: needs scikit-learn\n'
+    monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path))
+    assert cli.main(inputs, work, [ValueError('boom\nsecond line')]) == 3
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(cli.INTERNAL) and f'(ValueError: boom); full traceback in {tmp_path}' in line
+    assert 'second line' in open(line.rsplit('full traceback in ', 1)[1]).read()
+
+
+@pytest.mark.parametrize('command', list(COMMANDS))
+def test_help_documents_the_exit_codes(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        validate(command, ['--help'])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0
+    for code in ('0  ', '2  bad input', '3  internal error: a bug in this suite, not a verdict on the port'):
+        assert '\n  ' + code in out, out
+    assert ('\n  1  ' in out) == (command in ('run', 'pitfalls'))
+    if command == 'explain':
+        assert 'explain compiles one call' in ' '.join(out.split())

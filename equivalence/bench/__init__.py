@@ -8,6 +8,12 @@ import dataclasses
 
 K_SCALING = 20  # the fused K that the "fusing pays" target compares with one step per call
 K_COMPILE = (5, 100)  # compile time must not grow with K: the scan stays a loop
+POOL_K = max(K_SCALING, *K_COMPILE)  # the data pool holds C calls of the longest K a variant uses
+
+
+def pool_steps(config) -> int:
+    """Steps of data generated up front: ``calls`` calls of the longest K any variant takes."""
+    return config.calls * max(config.steps_per_call, POOL_K)
 
 
 def run(wl, config, repeats: int, compile_repeats: int, strategy_configs=()):
@@ -25,8 +31,7 @@ def run(wl, config, repeats: int, compile_repeats: int, strategy_configs=()):
     progress = measure.Progress(f'{config.workload} D={config.devices} K={config.steps_per_call}')
     machine = measure.machine()
     progress('building variants')
-    pool_steps = config.calls * max(config.steps_per_call, K_SCALING, *K_COMPILE)
-    feed = variants.Feed(wl, config, pool_steps)
+    feed = variants.Feed(wl, config, pool_steps(config))
     built = variants.build_all(wl, config, feed, K_SCALING, strategy_configs)
     compiles = {}
     for v in built:

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from equivalence.core import compare, convert, naming, randomness
-from equivalence.core.config import ConfigError, RunConfig, check_available
+from equivalence.core.config import ConfigError, RunConfig
 from equivalence.core.ports import LoopPort, ModelPort, Port
 from equivalence.distributed import gather, rows
 from legacy_pmap import train as legacy
@@ -398,6 +398,5 @@ def check(port: Port, **flags) -> RunResult:
     flags.setdefault('devices', len(jax.devices()))
     flags.setdefault('batch_size', port.default_batch)
     flags.setdefault('rng_mode', port.rng_modes[0])
-    config = RunConfig(workload=port.name, **flags)
-    check_available(config, len(jax.devices()))
+    config = RunConfig(workload=port.name, available=len(jax.devices()), **flags)
     return run(port, config)

@@ -10,12 +10,9 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from equivalence.core.output import atomic_write
+
 FILES = ('losses.png', 'divergence.png')
-
-
-def existing(directory: str) -> list[str]:
-    """The figures that writing to ``directory`` would replace."""
-    return [os.path.join(directory, f) for f in FILES if os.path.exists(os.path.join(directory, f))]
 
 
 def losses_figure(legacy_S: np.ndarray, nnx_S: np.ndarray, steps_per_call: int, title: str, first: int = 1) -> Figure:
@@ -63,7 +60,7 @@ def divergence_figure(
 
 
 def write(result, directory: str) -> list[str]:
-    """Both figures of a ``harness.RunResult`` into ``directory`` (created if missing)."""
+    """Both figures of a ``harness.RunResult`` into ``directory`` (created if missing), each written atomically."""
     c, tol = result.config, result.report.tolerance
     os.makedirs(directory, exist_ok=True)
     where = f'{c.workload}, {c.devices} devices'
@@ -79,5 +76,6 @@ def write(result, directory: str) -> list[str]:
     paths = []
     for name, fig in figures.items():
         paths.append(os.path.join(directory, name))
-        fig.savefig(paths[-1])
+        with atomic_write(paths[-1], binary=True) as f:
+            fig.savefig(f, format='png')
     return paths

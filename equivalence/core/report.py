@@ -1,6 +1,5 @@
 """The readable side-by-side table, and the machine-readable JSON report of one run."""
 
-import json
 import platform
 
 import numpy as np
@@ -140,12 +139,6 @@ def versions() -> dict[str, str]:
         'optax': optax.__version__,
         'numpy': np.__version__,
     }
-
-
-def write_json(path: str, payload: dict) -> None:
-    with open(path, 'w') as f:
-        json.dump(payload, f, indent=2, allow_nan=False)
-        f.write('\n')
 
 
 def _floats(a: np.ndarray) -> list[float]:

@@ -2,41 +2,42 @@
 
 Nothing is trained: each path's fused call is lowered and compiled once, then read
 (see the ``equivalence.explain`` package for what is measured and how).
-Exit codes: 0 explained, 2 bad input, 4 a worker of several processes died or could not join.
 """
 
 import sys
 import warnings
 
-from equivalence import cli, devices, distributed
+from equivalence import cli, distributed
 from equivalence.explain import answers_text, draw, header_text, measure_both, path_text, report, strategy_text
+
+EXIT_CODES = cli.exit_codes('explained')
+CALLS_HELP = "C: checked as run's (default 4), but explain compiles one call of K steps whatever C"
 
 
 def parse(argv: list[str] | None):
     from equivalence.core.workloads import WORKLOADS
 
-    parser = cli.OneLineParser(prog='python -m equivalence.explain', description=__doc__)
-    cli.add_run_flags(parser, list(WORKLOADS))
-    parser.add_argument('--json', default=None, metavar='PATH', help='write the same content as JSON')
-    parser.add_argument('--overwrite', action='store_true', help='replace an existing --json file')
+    parser = cli.OneLineParser(prog='python -m equivalence.explain', description=__doc__, epilog=EXIT_CODES)
+    cli.add_run_flags(parser, list(WORKLOADS), calls_help=CALLS_HELP)
+    cli.add_output_flags(parser, 'write the same content as JSON')
     distributed.add_flags(parser)
-    return parser.parse_args(argv)
+    return cli.parse(parser, argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    devices.simulate_cpu_devices()  # before anything imports jax
+def inputs(argv: list[str] | None, n_available: int | None = None):
+    """Every flag parsed and checked, nothing compiled: ``(args, workload, RunConfig)``; raises ``ConfigError``."""
     args = parse(argv)
-    check = lambda: cli.check_output_path(args.json, args.overwrite)
-    return distributed.command('equivalence.explain', argv, args, check, lambda: explain(args))
+    wl, config = cli.run_config(args, n_available)
+    return args, wl, config
 
 
-def explain(args) -> int:
-    """Both paths' compiled calls, read and printed (process 0's view, with several processes)."""
+def work(validated) -> int:
     import jax
 
+    from equivalence.core import output
     from equivalence.core import report as report_io
 
-    wl, config = cli.run_config(args, len(jax.devices()))  # as run: bad input exits 2 with one line
+    args, wl, config = validated
     warnings.filterwarnings('ignore', message='Some donated buffers were not usable')  # the batch, as score_sde
     legacy, nnx = measure_both(wl, config)
     r = report(legacy, nnx, config, jax.default_backend(), report_io.versions())
@@ -46,9 +47,13 @@ def explain(args) -> int:
         draw(m)
     print(answers_text(r))
     print(strategy_text(r))
-    if args.json and distributed.reports():
-        report_io.write_json(args.json, r)
+    if args.json is not None and distributed.reports():
+        output.write_json(args.json, r)
     return cli.EXIT_MATCH
+
+
+def main(argv: list[str] | None = None) -> int:
+    return distributed.main('equivalence.explain', inputs, work, argv)
 
 
 if __name__ == '__main__':

@@ -1,27 +1,44 @@
-"""``python -m equivalence.pitfalls``: every porting pitfall, wrong version and fix, measured.
+"""``python -m equivalence.pitfalls``: every porting pitfall, wrong version and fix, measured."""
 
-Exit codes: 0 every case behaves as documented (the wrong version shows the damage, the
-fix matches), 1 some case does not, 2 bad input.
-"""
-
-import json
 import sys
 import time
 import traceback
 import warnings
 
-from equivalence import cli, devices
+from equivalence import cli
+from equivalence.core.config import ConfigError
 
 MIN_DEVICES = 2  # replicas must be able to disagree
+EXIT_CODES = cli.exit_codes(
+    'every case behaves as documented: the wrong version shows the damage, the fix matches',
+    'some case does not',
+)
 
 
 def parse(argv: list[str] | None):
-    parser = cli.OneLineParser(prog='python -m equivalence.pitfalls', description=__doc__)
+    parser = cli.OneLineParser(prog='python -m equivalence.pitfalls', description=__doc__, epilog=EXIT_CODES)
     parser.add_argument('--list', action='store_true', help='list the cases and exit')
     parser.add_argument('--only', default=None, metavar='NAME', help='run one case')
-    parser.add_argument('--json', default=None, metavar='PATH', help='write the results as JSON')
-    parser.add_argument('--overwrite', action='store_true', help='replace an existing --json file')
-    return parser.parse_args(argv)
+    cli.add_output_flags(parser, 'write the results as JSON')
+    return cli.parse(parser, argv)
+
+
+def inputs(argv: list[str] | None, n_available: int | None = None):
+    """Every flag parsed and checked, nothing run: ``(args, devices)``; raises ``ConfigError``."""
+    from equivalence import pitfalls
+
+    args = parse(argv)
+    names = pitfalls.names()
+    if args.only is not None and args.only not in names:
+        raise ConfigError(f'unknown pitfall {args.only!r}; choose one of {", ".join(names)}')
+    if args.list:
+        return args, None
+    n_devices = cli.available_devices(n_available)
+    if n_devices < MIN_DEVICES:
+        raise ConfigError(
+            f'the pitfalls need at least {MIN_DEVICES} devices, JAX sees {n_devices}; set JAX_NUM_CPU_DEVICES=8'
+        )
+    return args, n_devices
 
 
 def run_case(module, n_devices: int) -> dict:
@@ -63,52 +80,40 @@ def table(rows: list[dict], n_devices: int, backend: str) -> str:
     return '\n'.join([*lines, '', verdict + (f'; not: {", ".join(bad)}' if bad else '')])
 
 
-def main(argv: list[str] | None = None) -> int:
-    devices.simulate_cpu_devices()  # before anything imports jax
-    args = parse(argv)
-    from equivalence import pitfalls
+def work(validated) -> int:
+    import jax
 
+    from equivalence import pitfalls
+    from equivalence.core import output
+
+    args, n_devices = validated
     names = pitfalls.names()
-    if args.only is not None and args.only not in names:
-        cli.fail(f'unknown pitfall {args.only!r}; choose one of {", ".join(names)}')
     if args.list:
         for name in names:
             module = pitfalls.load(name)
             print(f'{module.NUMBER:>2}  {name:<24}  {module.TITLE}')
         return cli.EXIT_MATCH
-    cli.check_output_path(args.json, args.overwrite)
-    import jax
-
-    n_devices = len(jax.devices())
-    if n_devices < MIN_DEVICES:
-        cli.fail(f'the pitfalls need at least {MIN_DEVICES} devices, JAX sees {n_devices}; set JAX_NUM_CPU_DEVICES=8')
     warnings.filterwarnings('ignore', message='Some donated buffers were not usable')  # the batch, as score_sde
     rows = [run_case(pitfalls.load(name), n_devices) for name in ([args.only] if args.only else names)]
     print(table(rows, n_devices, jax.default_backend()))
-    if args.json:
-        write_json(args.json, rows, n_devices)
+    if args.json is not None:
+        output.write_json(args.json, json_report(rows, n_devices))
     return cli.EXIT_MATCH if all(r['documented'] for r in rows) else cli.EXIT_MISMATCH
 
 
-def write_json(path: str, rows: list[dict], n_devices: int) -> None:
+def json_report(rows: list[dict], n_devices: int) -> dict:
     from equivalence.core.report import versions
 
-    payload = {
+    return {
         'all_documented': all(r['documented'] for r in rows),
         'devices': n_devices,
         'cases': rows,
         'versions': versions(),
     }
-    with open(path, 'w') as f:
-        json.dump(payload, f, indent=2, allow_nan=False, default=_plain)
-        f.write('\n')
 
 
-def _plain(value):
-    """numpy scalars and arrays as JSON numbers and lists."""
-    if hasattr(value, 'tolist'):
-        return value.tolist()
-    raise TypeError(f'not JSON-serialisable: {type(value).__name__}')
+def main(argv: list[str] | None = None) -> int:
+    return cli.main(inputs, work, argv)
 
 
 if __name__ == '__main__':

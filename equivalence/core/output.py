@@ -1,0 +1,104 @@
+"""Where reports go: checked before any work, written atomically after it.
+
+A report (``--json`` of every command, ``run``'s figures) is written to a temporary file
+in the target's directory and renamed over the target (``os.replace``), so an interrupted
+run leaves either the old file or the new one, never half of one.
+"""
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterator
+from typing import IO
+
+from equivalence.core.config import ConfigError
+
+
+def check_file(path: str, overwrite: bool, flag: str = '--json') -> None:
+    """Raise unless a report can be written at ``path`` without clobbering anything unasked."""
+    if not path or path.endswith(os.sep) or (os.altsep and path.endswith(os.altsep)):
+        raise ConfigError(f'{flag} needs a file name, got {path!r}')
+    target = os.path.realpath(path)
+    if os.path.isdir(target):
+        raise ConfigError(f'{flag} {path} is a directory; give a file name')
+    if os.path.lexists(target):
+        if not os.path.isfile(target):
+            raise ConfigError(f'{flag} {path} exists and is not a regular file')
+        if not overwrite:
+            raise ConfigError(f'{path} exists; pass --overwrite to replace it')
+    _check_writable_dir(os.path.dirname(target), f'{flag} {path}')
+
+
+def check_dir(directory: str, files: tuple[str, ...], overwrite: bool, flag: str = '--plot') -> None:
+    """Raise unless ``files`` can be written into ``directory`` (created if missing; its parent must exist)."""
+    if not directory:
+        raise ConfigError(f'{flag} needs a directory name, got {directory!r}')
+    target = os.path.realpath(directory)
+    if not os.path.lexists(target):
+        _check_writable_dir(os.path.dirname(target), f'{flag} {directory}')
+        return
+    if not os.path.isdir(target):
+        raise ConfigError(f'{flag} {directory} is not a directory')
+    _check_writable_dir(target, f'{flag} {directory}')
+    existing = [os.path.join(directory, f) for f in files if os.path.lexists(os.path.join(target, f))]
+    for path in existing:
+        if not os.path.isfile(path):
+            raise ConfigError(f'{path} exists and is not a regular file')
+    if existing and not overwrite:
+        raise ConfigError(f'{", ".join(existing)} exists; pass --overwrite to replace it')
+
+
+def _check_writable_dir(directory: str, what: str) -> None:
+    if not os.path.exists(directory):
+        raise ConfigError(f'cannot write {what}: directory {directory} does not exist')
+    if not os.path.isdir(directory):
+        raise ConfigError(f'cannot write {what}: {directory} is not a directory')
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ConfigError(f'cannot write {what}: directory {directory} is not writable')
+
+
+@contextlib.contextmanager
+def atomic_write(path: str, binary: bool = False) -> Iterator[IO]:
+    """Open a temporary file beside ``path``; on success, rename it over ``path``; on failure, delete it."""
+    target = os.path.realpath(path)  # a symlink keeps pointing at the report
+    directory, name = os.path.split(target)
+    fd, tmp = tempfile.mkstemp(prefix=f'.{name}.', suffix='.tmp', dir=directory)
+    try:
+        with os.fdopen(fd, 'wb' if binary else 'w') as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a report gets the usual permissions
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(path: str, payload) -> None:
+    """``payload`` as indented JSON; numpy values as numbers and lists, non-finite numbers as null."""
+    text = json.dumps(plain(payload), indent=2, allow_nan=False) + '\n'
+    with atomic_write(path) as f:
+        f.write(text)
+
+
+def plain(value):
+    """JSON-ready: numpy scalars and arrays as Python numbers and lists; nan and inf (JSON has none) as None."""
+    if hasattr(value, 'tolist'):
+        value = value.tolist()
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    return value
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -1,0 +1,86 @@
+"""Report targets are checked before any work, and reports are written atomically."""
+
+import json
+import os
+import stat
+
+import pytest
+
+from equivalence.core import output
+from equivalence.core.config import ConfigError
+
+
+@pytest.fixture
+def place(tmp_path):
+    (tmp_path / 'old.json').write_text('precious')
+    (tmp_path / 'adir').mkdir()
+    (tmp_path / 'afile').write_text('x')
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    'name, overwrite, expected',
+    [
+        ('adir', True, 'is a directory'),
+        ('missing/r.json', False, 'does not exist'),
+        ('afile/r.json', False, 'is not a directory'),
+        ('new/', False, 'needs a file name'),
+        ('old.json', False, 'pass --overwrite'),
+    ],
+)
+def test_bad_json_targets_are_refused(place, name, overwrite, expected):
+    with pytest.raises(ConfigError, match=expected):
+        output.check_file(os.path.join(place, name), overwrite)
+
+
+def test_good_json_targets_pass(place):
+    output.check_file(str(place / 'new.json'), overwrite=False)
+    output.check_file(str(place / 'old.json'), overwrite=True)
+    with pytest.raises(ConfigError, match='needs a file name'):
+        output.check_file('', overwrite=True)
+    with pytest.raises(ConfigError, match='not a regular file'):
+        output.check_file(os.devnull, overwrite=True)
+
+
+def test_unwritable_directory_is_refused(place, monkeypatch):
+    # root may write anywhere, so the permission bit cannot be tested by chmod here
+    monkeypatch.setattr(os, 'access', lambda path, mode: False)
+    with pytest.raises(ConfigError, match='not writable'):
+        output.check_file(str(place / 'new.json'), overwrite=False)
+    with pytest.raises(ConfigError, match='not writable'):
+        output.check_dir(str(place / 'adir'), ('a.png',), overwrite=False)
+
+
+def test_plot_directory_rules(place):
+    output.check_dir(str(place / 'figs'), ('a.png',), overwrite=False)  # created later; its parent exists
+    assert not (place / 'figs').exists()  # checking creates nothing
+    with pytest.raises(ConfigError, match='is not a directory'):
+        output.check_dir(str(place / 'afile'), ('a.png',), overwrite=True)
+    with pytest.raises(ConfigError, match='does not exist'):
+        output.check_dir(str(place / 'missing' / 'figs'), ('a.png',), overwrite=True)
+    (place / 'adir' / 'a.png').write_text('old')
+    with pytest.raises(ConfigError, match='pass --overwrite'):
+        output.check_dir(str(place / 'adir'), ('a.png',), overwrite=False)
+    output.check_dir(str(place / 'adir'), ('a.png',), overwrite=True)
+    (place / 'adir' / 'b.png').mkdir()
+    with pytest.raises(ConfigError, match='not a regular file'):
+        output.check_dir(str(place / 'adir'), ('b.png',), overwrite=True)
+
+
+def test_interrupted_write_keeps_the_old_file_and_leaves_no_temporary(place):
+    with pytest.raises(KeyboardInterrupt), output.atomic_write(str(place / 'old.json')) as f:
+        f.write('{"half": ')
+        raise KeyboardInterrupt
+    assert (place / 'old.json').read_text() == 'precious'
+    assert sorted(os.listdir(place)) == ['adir', 'afile', 'old.json']
+
+
+def test_write_json_replaces_with_usual_permissions_and_writes_nan_as_null(place):
+    link = place / 'link.json'
+    link.symlink_to(place / 'old.json')
+    output.write_json(str(link), {'loss': float('nan'), 'xs': (1.0, float('inf')), 'n': 3})
+    assert link.is_symlink()  # the report behind the link was replaced, not the link
+    assert json.loads((place / 'old.json').read_text()) == {'loss': None, 'xs': [1.0, None], 'n': 3}
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(os.stat(place / 'old.json').st_mode) == 0o666 & ~umask
