@@ -142,7 +142,12 @@ def run_config(args: argparse.Namespace, n_available: int | None = None, **extra
 
 
 def check_processes(config, n_available: int) -> None:
-    """With several processes, pmap and the mesh span every device of every process."""
+    """With several processes, pmap and the mesh span every device of every process. Asked only
+    of a process that joined a run: the launcher must not start JAX's backend before it forks."""
+    from equivalence.distributed import worker
+
+    if not worker.JOINED:
+        return
     import jax
 
     if jax.process_count() > 1 and config.devices != n_available:

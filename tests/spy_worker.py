@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-from equivalence import devices, distributed
+from equivalence import distributed
 from equivalence import run as command
 
 MODULE = 'spy_worker'
@@ -90,14 +90,14 @@ def inject_fault() -> None:
     distributed.progress_log = failing
 
 
-def spied(args) -> int:
+def spied(validated) -> int:
     import jax
 
     record: dict = {}
     install(record)
     if 'SPY_FAIL_PROCESS' in os.environ:
         inject_fault()
-    code = command.run(args)
+    code = command.work(validated)
     record['process'] = jax.process_index()
     with open(os.path.join(os.environ['SPY_DIR'], f'process-{jax.process_index()}.json'), 'w') as f:
         json.dump(record, f)
@@ -105,9 +105,7 @@ def spied(args) -> int:
 
 
 def main() -> int:
-    devices.simulate_cpu_devices()
-    args = command.parse(sys.argv[1:])
-    return distributed.command(MODULE, None, args, lambda: command.check_outputs(args), lambda: spied(args))
+    return distributed.main(MODULE, command.inputs, spied)
 
 
 if __name__ == '__main__':

@@ -111,7 +111,7 @@ def test_perturb_must_be_finite_above_minus_one(value, capsys):
 
 
 def test_negative_exponent_is_a_value_not_a_flag():
-    args, _, config = validate('run', ['--perturb', '-1e-3'])
+    config = validate('run', ['--perturb', '-1e-3'])[2]
     assert config.perturb == -1e-3
 
 
@@ -132,9 +132,9 @@ def test_suggestions_name_only_device_counts_that_exist(capsys):
 
 
 def test_defaults_are_only_used_when_a_flag_is_not_given():
-    _, _, config = validate('run', [], n_available=4)
+    config = validate('run', [], n_available=4)[2]
     assert (config.devices, config.batch_size) == (4, 64)
-    _, _, config = validate('run', ['--workload', 'score', '--devices', '2'], n_available=4)
+    config = validate('run', ['--workload', 'score', '--devices', '2'], n_available=4)[2]
     assert (config.devices, config.batch_size) == (2, 128)
 
 

@@ -50,6 +50,9 @@ def is_worker(args: argparse.Namespace) -> bool:
     return bool(args.distributed or args.coordinator or args.num_processes is not None or args.process_id is not None)
 
 
+JOINED = []  # [True] once this process has joined a run (a launcher never joins, nor starts JAX's backend)
+
+
 def join(args: argparse.Namespace) -> None:
     """``jax.distributed.initialize`` with deliberate timeouts; a run that does not form within
     ``--init-timeout`` ends this process with one line saying why (JAX's own failure is an abort)."""
@@ -72,6 +75,7 @@ def join(args: argparse.Namespace) -> None:
         _leave(f'error: --distributed: {NO_CLUSTER} (JAX: {str(e).strip()})', 2)
     finally:
         timer.cancel()
+    JOINED.append(True)
     keep_stdout_for_the_report(jax.process_index())
 
 
