@@ -98,7 +98,7 @@ def test_example_in_a_fresh_directory_through_the_pytest_helper_at_1_2_4_8_devic
     assert 'Some donated buffers' not in proc.stdout  # the plugin's warning filter is in force
 
 
-def test_a_slip_in_the_port_exits_1_naming_the_leaves_and_bad_names_exit_2(tmp_path):
+def test_from_a_fresh_directory_the_loop_matches_a_slip_exits_1_naming_the_leaves_bad_names_exit_2(tmp_path):
     for name in ('legacy_code.py', 'nnx_code.py', 'my_port.py'):
         shutil.copy(os.path.join(EXAMPLE, name), tmp_path)
     (tmp_path / 'unnamed.py').write_text(
@@ -111,6 +111,8 @@ def test_a_slip_in_the_port_exits_1_naming_the_leaves_and_bad_names_exit_2(tmp_p
         cmd = [sys.executable, '-m', 'equivalence.run', *args]
         return subprocess.run(cmd, cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=300)
 
+    loop = cli('my_port:LOOP')  # level 2 from the command line: --rng defaults to the port's global
+    assert loop.returncode == 0 and 'MATCH' in loop.stdout and 'rng global' in loop.stdout, loop.stderr
     slip = cli('my_port:MODEL_GELU_SLIP')  # gelu(approximate=False) against linen's approximate gelu
     assert slip.returncode == 1, slip.stderr
     assert 'MISMATCH' in slip.stdout and 'params/fc1/kernel' in slip.stdout and ' NO' in slip.stdout
