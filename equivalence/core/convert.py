@@ -14,7 +14,8 @@ from flax import nnx
 Neutral = dict[str, dict[str, np.ndarray]]  # group ('params', 'opt_state', ...) -> path -> array
 
 
-def _key_name(entry) -> str:
+def key_name(entry) -> str:
+    """One pytree key as a path component: dict keys, list indices and namedtuple fields alike."""
     for attr in ('key', 'name', 'idx'):
         if hasattr(entry, attr):
             return str(getattr(entry, attr))
@@ -24,7 +25,7 @@ def _key_name(entry) -> str:
 def flatten(tree: Any) -> dict[str, np.ndarray]:
     """``{'a/b/c': host array}``; optax namedtuple fields and NNX dict keys read alike."""
     leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {'/'.join(_key_name(k) for k in path): np.asarray(leaf) for path, leaf in leaves}
+    return {'/'.join(key_name(k) for k in path): np.asarray(leaf) for path, leaf in leaves}
 
 
 def load_linen_variables(model: nnx.Module, variables: dict, mapping: dict[str, str] | None = None) -> None:

@@ -62,21 +62,26 @@ def make_inputs(port: Port, config: RunConfig) -> tuple[dict, list, jax.Array]:
     return dict(variables), calls, rng
 
 
+def abstract_model(port: Port) -> nnx.Module:
+    """The port's NNX model with shapes and dtypes only: what checks read, nothing allocated."""
+    return nnx.eval_shape(lambda: port.nnx_model(nnx.Rngs(0)))
+
+
 def check_names(port: Port, variables: dict) -> dict[str, str]:
     """``{linen path: NNX path}`` for every variable, from an abstract NNX model (nothing is
     allocated); ``naming.PortError`` (exit 2) when the two sides do not pair."""
-    abstract = nnx.eval_shape(lambda: port.nnx_model(nnx.Rngs(0)))
+    abstract = abstract_model(port)
     return naming.resolve(naming.linen_spec(variables), naming.nnx_spec(abstract), port.names)
 
 
 def has_batch_stats(port: Port) -> bool:
-    abstract = nnx.eval_shape(lambda: port.nnx_model(nnx.Rngs(0)))
+    abstract = abstract_model(port)
     return any(isinstance(node, nnx.BatchStat) for _, node in nnx.iter_graph(abstract))
 
 
 def uses_dropout(port: Port) -> bool:
     """Whether the NNX model has Dropout layers (then the suite hands both sides dropout keys)."""
-    abstract = nnx.eval_shape(lambda: port.nnx_model(nnx.Rngs(0)))
+    abstract = abstract_model(port)
     return any(isinstance(node, nnx.Dropout) for _, node in nnx.iter_graph(abstract))
 
 

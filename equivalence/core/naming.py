@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from equivalence.core.config import ConfigError
+from equivalence.core.convert import key_name
 
 STRUCTURE = 'structure'
 COLLECTIONS = {nnx.Param: 'params', nnx.BatchStat: 'batch_stats'}  # NNX Variable type -> linen collection
@@ -36,13 +37,6 @@ Spec = dict[str, tuple[str, tuple[int, ...], str]]  # path -> (collection, shape
 
 class PortError(ConfigError):
     """A port whose two sides cannot be paired: exit 2, before any training."""
-
-
-def _key(entry) -> str:
-    for attr in ('key', 'name', 'idx'):
-        if hasattr(entry, attr):
-            return str(getattr(entry, attr))
-    return str(entry)
 
 
 def _flat(tree: Any) -> list[tuple[str, Any]]:
@@ -75,7 +69,7 @@ def nnx_spec(model: nnx.Module) -> Spec:
     for var_type, collection in COLLECTIONS.items():
         flat, _ = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model, var_type)))
         for path, leaf in flat:
-            spec['/'.join(_key(k) for k in path)] = (collection, tuple(np.shape(leaf)), str(leaf.dtype))
+            spec['/'.join(key_name(k) for k in path)] = (collection, tuple(np.shape(leaf)), str(leaf.dtype))
     return spec
 
 
