@@ -11,15 +11,9 @@ import jax
 import numpy as np
 from flax import nnx
 
+from equivalence.core.paths import key_name, rename  # noqa: F401 -- rename: part of this module's API
+
 Neutral = dict[str, dict[str, np.ndarray]]  # group ('params', 'opt_state', ...) -> path -> array
-
-
-def key_name(entry) -> str:
-    """One pytree key as a path component: dict keys, list indices and namedtuple fields alike."""
-    for attr in ('key', 'name', 'idx'):
-        if hasattr(entry, attr):
-            return str(getattr(entry, attr))
-    return str(entry)
 
 
 def flatten(tree: Any) -> dict[str, np.ndarray]:
@@ -57,14 +51,6 @@ def _int_keys(nested: dict, like: dict) -> dict:
         key = next((c for c in like if str(c) == k), k)
         out[key] = _int_keys(v, like[key]) if isinstance(v, dict) else v
     return out
-
-
-def rename(neutral: Neutral, mapping: dict[str, str]) -> Neutral:
-    """A legacy neutral tree with linen leaf paths replaced by their NNX paths, in every group:
-    parameters and EMA by path, optimizer state and statistics where a path ends in one."""
-    from equivalence.core.naming import rename_path
-
-    return {group: {rename_path(p, mapping): a for p, a in leaves.items()} for group, leaves in neutral.items()}
 
 
 def legacy_to_neutral(state) -> Neutral:

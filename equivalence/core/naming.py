@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from equivalence.core.config import ConfigError
-from equivalence.core.convert import key_name
+from equivalence.core.paths import key_name, rename_path  # noqa: F401 -- rename_path: part of this API
 
 STRUCTURE = 'structure'
 COLLECTIONS = {nnx.Param: 'params', nnx.BatchStat: 'batch_stats'}  # NNX Variable type -> linen collection
@@ -164,13 +164,3 @@ def _unmatched(side: str, path: str, leaf: tuple, other: Spec, candidates: list[
     if close:
         text += f', closest {other_side}: ' + ', '.join(f'{c} {list(other[c][1])}' for c in close)
     return text
-
-
-def rename_path(path: str, mapping: Mapping[str, str]) -> str:
-    """A path that ends in a linen leaf path (``0/mu/Dense_0/kernel``), with that end renamed."""
-    parts = path.split('/')
-    for i in range(len(parts)):
-        tail = '/'.join(parts[i:])
-        if tail in mapping:
-            return '/'.join([*parts[:i], mapping[tail]])
-    return path
