@@ -203,3 +203,47 @@ def internal_error(error: Exception, command: str, argv: list[str]) -> int:
     what = f'{type(error).__name__}: {first}' if first else type(error).__name__
     print(f'{INTERNAL} ({what}); {where}', file=sys.stderr)
     return EXIT_INTERNAL
+
+
+def dispatch(module: str, inputs: Callable, work: Callable, argv: list[str] | None = None) -> int:
+    """A command in the mode its flags ask for: one process (the default), one worker of several
+    (join the runtime first, then the command as usual), or the local launcher of
+    ``--processes N`` workers, which checks every flag against the whole run before starting them.
+    ``inputs(argv, n_available)`` and ``work(validated)`` are the command's (``main``); the
+    runtime is ``equivalence.distributed``."""
+    from equivalence.distributed import launch, worker
+
+    args = _process_flags(argv)
+    if args.processes != 1 or worker.is_worker(args):
+        strategy, form = getattr(args, 'strategy', 'dp'), getattr(args, 'nnx_form', 'split')
+        if (strategy, form) != ('dp', 'split'):
+            fail('several processes run --strategy dp in split form, the pmap-equivalent one; other '
+                 'strategies and --nnx-form graph are checked in one process')  # fmt: skip
+    if args.processes != 1:
+        total = args.devices or devices.default_count()
+        argv_list = list(sys.argv[1:] if argv is None else argv)
+        return main(lambda a: inputs(a, total), lambda v: launch.run(module, argv_list, v[0], total), argv)
+    if worker.is_worker(args):
+        return worker.run(args, lambda: main(inputs, work, argv))
+    return main(inputs, work, argv)
+
+
+class _Quiet(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise ValueError(message)
+
+
+def _process_flags(argv: list[str] | None) -> argparse.Namespace:
+    """The process flags alone (the command's own parser checks everything, in ``inputs``)."""
+    from equivalence.distributed import worker
+
+    parser = _Quiet(add_help=False)
+    worker.add_flags(parser)
+    parser.add_argument('--devices', type=int, default=None)
+    parser.add_argument('--strategy', default='dp')
+    parser.add_argument('--nnx-form', default='split')
+    try:
+        args, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    except ValueError:  # a malformed value: the command's parser will say which, in one line
+        args = parser.parse_args([])
+    return args

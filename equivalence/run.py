@@ -78,7 +78,7 @@ def work(validated) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return distributed.main('equivalence.run', inputs, work, argv)
+    return cli.dispatch('equivalence.run', inputs, work, argv)
 
 
 if __name__ == '__main__':

@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-from equivalence import distributed
+from equivalence import cli, distributed
 from equivalence import run as command
 
 MODULE = 'spy_worker'
@@ -105,7 +105,7 @@ def spied(validated) -> int:
 
 
 def main() -> int:
-    return distributed.main(MODULE, command.inputs, spied)
+    return cli.dispatch(MODULE, command.inputs, spied)
 
 
 if __name__ == '__main__':

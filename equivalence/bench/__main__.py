@@ -73,7 +73,7 @@ def work(validated) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return distributed.main('equivalence.bench', inputs, work, argv)
+    return cli.dispatch('equivalence.bench', inputs, work, argv)
 
 
 if __name__ == '__main__':

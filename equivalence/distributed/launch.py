@@ -26,6 +26,8 @@ import tempfile
 import time
 from collections.abc import Sequence
 
+from equivalence.core.config import ConfigError
+
 POLL_S = 0.1  # how often the launcher looks at its workers
 ENDING_TOGETHER_S = 20  # workers that finished normally leave within a shutdown barrier of each other
 EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_WORKER_DIED = 2, 3, 4  # as cli and worker
@@ -176,16 +178,16 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 
 def check(args: argparse.Namespace, devices: int) -> None:
-    """Flags that make no sense together end here, before any worker starts (exit 2, one line)."""
-    from equivalence import cli
-
+    """Flags that make no sense together end here, before any worker starts (``ConfigError``: exit 2, one line)."""
     if args.processes < 1:
-        cli.fail(f'--processes must be at least 1, got {args.processes}')
+        raise ConfigError(f'--processes must be at least 1, got {args.processes}')
     if args.distributed or args.coordinator or args.num_processes is not None or args.process_id is not None:
-        cli.fail('--processes starts its own workers: leave out --distributed and the address flags')
+        raise ConfigError('--processes starts its own workers: leave out --distributed and the address flags')
     if devices % args.processes:
         counts = [n for n in range(1, devices + 1) if devices % n == 0]
-        cli.fail(f'--devices {devices} cannot be split over --processes {args.processes}: use --processes in {counts}')
+        raise ConfigError(
+            f'--devices {devices} cannot be split over --processes {args.processes}: use --processes in {counts}'
+        )
 
 
 def run(module: str, argv: Sequence[str], args: argparse.Namespace, devices: int) -> int:

@@ -53,7 +53,7 @@ def work(validated) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return distributed.main('equivalence.explain', inputs, work, argv)
+    return cli.dispatch('equivalence.explain', inputs, work, argv)
 
 
 if __name__ == '__main__':
