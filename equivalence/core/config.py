@@ -30,7 +30,7 @@ class RunConfig:
     seed: int = 0  # one seed for the data, the initial parameters and every key; 0 <= seed < 2**32
     rng_mode: str = 'per-device'  # 'per-device' (score_sde) or 'global' (one key per global batch)
     perturb: float = 0.0  # NNX learning rate * (1 + perturb): a deliberate mismatch
-    strategy: str = 'dp'  # how the NNX side places its state: dp, fsdp, tp, fsdp-tp, shard_map (README: Strategies)
+    strategy: str = 'dp'  # how the NNX side places its state: dp, fsdp, tp, fsdp-tp, shard_map (docs/strategies.md)
     mesh: tuple[tuple[str, int], ...] | None = None  # fsdp-tp's mesh, e.g. (('data', 4), ('model', 2))
     nnx_form: str = 'split'  # 'split': jax.jit(lax.scan) over split state; 'graph': nnx.jit(nnx.scan) over objects
     available: dataclasses.InitVar[int | None] = None  # devices JAX sees; None: not checked (library use)

@@ -34,7 +34,7 @@ EXIT_WORKER = 4  # this process could not join the run, or a worker died (cli.EX
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """The flags of several processes, shared by run, explain and bench."""
-    group = parser.add_argument_group('several processes (README: "Running on a cluster")')
+    group = parser.add_argument_group('several processes (docs/cluster.md)')
     add = group.add_argument
     add('--processes', type=int, default=1, metavar='N', help='start N local worker processes (D/N devices each)')
     add('--distributed', action='store_true', help='be one worker of a multi-process run (jax.distributed)')

@@ -4,7 +4,7 @@ score_sde gives each pmap device its own key and draws noise for its own G/D exa
 natural sharded code draws once, with one key, for the global batch. Both are right,
 but they are different random numbers, so the two trainings are not the same run and
 no comparison of them can pass. The fix is to use one mode on both sides: the suite
-implements both (``--rng per-device|global``, see the README), and either matches.
+implements both (``--rng per-device|global``, see docs/randomness.md), and either matches.
 """
 
 import numpy as np

@@ -1,0 +1,55 @@
+"""``python -m equivalence``: the commands, one line each, and where the guides are.
+
+Imports no JAX and runs nothing: it is the front door for someone who typed the package name.
+"""
+
+import sys
+
+COMMANDS = (
+    ('equivalence.run', 'train both paths from one seed and compare every leaf: MATCH (0) or MISMATCH (1)'),
+    ('equivalence.explain', 'what XLA compiled for each path: collectives, placements, memory, three answers'),
+    ('equivalence.bench', 'steps/s, dispatch and compile time of both paths and NNX variants, side by side'),
+    ('equivalence.pitfalls', 'eleven porting traps, each run wrong (damage measured) and fixed (matches)'),
+    ('equivalence.checkpoint migrate LEGACY_DIR NNX_DIR', 'a legacy (linen, pmap) checkpoint -> an NNX one'),
+)
+GUIDES = (
+    ('docs/port.md', 'check your own port: ModelPort, LoopPort, names, randomness, the pytest plugin'),
+    ('docs/verdict.md', 'what MATCH proves, the tolerance and why, run flags, the JSON report'),
+    ('docs/commands.md', 'what every command shares: validation, exit codes 0 to 4, reports'),
+    ('docs/strategies.md', 'FSDP, TP, 2-D meshes and shard_map, each checked against pmap'),
+    ('docs/cluster.md', 'several processes and clusters: --processes, SLURM, timeouts'),
+    ('docs/checkpoints.md', 'legacy saves, migrate, restoring onto a mesh, run --resume-at'),
+    ('docs/explain.md', 'what each path compiles to, the plots, the two steps side by side'),
+    ('docs/performance.md', 'bench, with the benchmark tables, their date and machine'),
+    ('docs/pitfalls.md', 'eleven porting traps, measured'),
+    ('docs/workloads.md', 'the built-in workloads'),
+    ('docs/randomness.md', 'the two --rng modes'),
+    ('docs/layout.md', 'how the repository is laid out'),
+    ('docs/versions.md', 'versions, and why pmap is the legacy path'),
+)
+USAGE = '--workload takes a built-in (mlp, wide, score, cnn) or your port as module:NAME; every command has --help.'
+
+
+def text() -> str:
+    width = max(len(name) for name, _ in COMMANDS) + len('python -m ')
+    lines = ['pmap -> NNX on a mesh: does the port train the same model?', '', 'commands:']
+    lines += [f'  {"python -m " + name:<{width}}  {what}' for name, what in COMMANDS]
+    lines += ['', USAGE, '', 'guides (in the repository; README.md first):']
+    lines += [f'  {path:<20}  {what}' for path, what in GUIDES]
+    return '\n'.join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] not in ('-h', '--help'):
+        commands = ', '.join('python -m ' + name.split()[0] for name, _ in COMMANDS)
+        print(
+            f'error: python -m equivalence takes no arguments, got {argv[0]!r}; commands: {commands}', file=sys.stderr
+        )
+        return 2
+    print(text())
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
