@@ -20,20 +20,24 @@ import numpy as np
 from equivalence.core import compare
 from equivalence.core.compare import FloorRule, LeafDiff, Report, spacing32
 
-# SAFETY 3: over the correct runs measured (README "What MATCH proves": mlp, wide, score, cnn,
-# D in {1, 2, 8}, seeds 0-3, every strategy at D=8), max |nnx - legacy| / max |nnx - twin| on
-# leaves above the ulp minimum stayed <= 2.0 (FACTS: Transformer ~1.0, bias before BatchNorm
-# 1.1, cnn seed 3 conv1/kernel 1.0); slips measured 4 to 199 (LayerNorm eps, FACTS).
-# MIN_ULPS 4: where the twin happens to round like NNX (floor 0), legacy still differs by
-# reduction order; measured up to 2.5 spacings of the leaf's largest value, first-step losses
-# up to 1 spacing. NOISE_REL 1e-3: a floor above 0.1% of the leaf's own scale is chaos, not
-# rounding (bias before BatchNorm: floor 7.8e-3 on values ~1e-2); cnn's worst correct floor
-# (conv1/kernel, 4.95e-6 on 0.3) is 1.6e-5.
+# Measured (scratch sweep, legacy / NNX / twin on the same inputs, default 4 calls x 5 steps):
+# 36 correct runs (mlp, wide, score: D in {1, 2, 8}, seeds 0-3) and 19 at D=8 with Adam eps 1e-8
+# (cnn: dp, fsdp, tp, fsdp-tp, seeds 0 and 3, and --rng global seed 3; wide: all five
+# strategies, seeds 0 and 1). SAFETY: on leaves beyond the ulp minimum, max |nnx - legacy| /
+# max |nnx - twin| reached 5.5 (cnn tp seed 3, params/hidden/kernel: 3.3e-7 against a floor
+# of 6.0e-8), 3.9 (cnn fsdp-tp), 3.05 (wide fsdp-tp); 10 leaves a margin of 1.8 over the worst.
+# Slips measured far beyond it: LayerNorm eps 1e-5 for 1e-6, leaf ratios up to 199 (FACTS),
+# its first-step loss 19x its limit; --perturb 1e-5 on mlp at D=8, 13x to 34x.
+# MIN_ULPS: where the twin rounds like NNX (floor 0 on a leaf), legacy still differs by
+# reduction order: up to 8 spacings of the leaf's largest value on correct runs (score D1,
+# D8), the first step's loss up to 1. NOISE_REL: a floor above 0.1% of the leaf's own scale
+# is chaos, not rounding (bias before BatchNorm: floor 7.8e-3 on values ~1e-2, FACTS); the
+# largest correct floor measured relative to its leaf was 5.5e-5 (cnn tp seed 0, hidden/kernel).
 MEASURED_FLOOR = FloorRule(
-    safety=3.0,
-    min_ulps=4.0,
+    safety=10.0,
+    min_ulps=8.0,
     noise_rel=1e-3,
-    reason='each leaf within 3x its measured floor |nnx - twin|, or 4 float32 spacings of its largest value',
+    reason='each leaf within 10x its measured floor |nnx - twin|, or 8 float32 spacings of its largest value',
 )
 
 # The twin must compute what the checked NNX run computes: its losses at steps 1 and 2 (before
