@@ -10,7 +10,6 @@ import sys
 
 import jax
 import numpy as np
-import pytest
 from conftest import ROOT, require_devices
 
 from equivalence.core import compare, harness, twin, verdict, workloads
@@ -121,4 +120,3 @@ def test_the_judge_runs_no_twin_when_asked_for_the_screen_only_and_it_passes():
     result = run(workloads.get('mlp'), devices=2, verdict='screen', calls=1)
     assert result.report.match and result.report.floor is None
     assert result.verdict.twin.startswith('not run')
-
