@@ -22,6 +22,12 @@ def parse(argv: list[str] | None):
         metavar='REL',
         help='NNX lr * (1+REL), -1 < REL <= 1000: a deliberate mismatch',
     )
+    parser.add_argument(
+        '--verdict',
+        default='measured',
+        help='measured: every leaf against the noise floor of a twin run (default); strict: and the first '
+        "step's gradients always; screen: a fixed tolerance, the twin only when it fails",
+    )
     cli.add_output_flags(parser, 'write a machine-readable report', plot=True)
     distributed.add_flags(parser)
     checkpoint_options.add_flags(parser)
@@ -32,7 +38,7 @@ def inputs(argv: list[str] | None, n_available: int | None = None):
     """Every flag parsed and checked, nothing run: ``(args, workload, RunConfig, CheckpointOptions)``;
     raises ``ConfigError``."""
     args = parse(argv)
-    wl, config = cli.run_config(args, n_available, perturb=args.perturb, nnx_form=args.nnx_form)
+    wl, config = cli.run_config(args, n_available, perturb=args.perturb, nnx_form=args.nnx_form, verdict=args.verdict)
     checkpoints = checkpoint_options.from_args(args)
     checkpoints.check(config)
     return args, wl, config, checkpoints

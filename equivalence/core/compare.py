@@ -34,6 +34,10 @@ class LeafDiff:
     note: str = ''  # why a leaf could not be compared element-wise
     bad: int = 0  # elements outside tolerance
     size: int = 0  # elements compared
+    floor: float | None = None  # measured noise floor, max |nnx - twin| (compare_to_floor only)
+    limit: float | None = None  # the max |nnx - legacy| allowed: max(safety * floor, min_ulps spacings)
+    noise_dominated: bool = False  # the floor itself is large: the final value cannot verify this leaf
+    one_sided: str = ''  # 'legacy' or 'nnx' when the leaf exists on that side only
 
     @property
     def name(self) -> str:
@@ -57,10 +61,15 @@ def compare_leaf(group: str, path: str, ref: np.ndarray, other: np.ndarray, tol:
     return LeafDiff(group, path, float(diff.max(initial=0.0)), rel, not bad, '', bad, diff.size)
 
 
+def one_sided(group: str, path: str, side: str) -> LeafDiff:
+    return LeafDiff(group, path, np.inf, np.inf, False, f'only on the {side} side', one_sided=side)
+
+
 @dataclasses.dataclass(frozen=True)
 class Report:
     leaves: list[LeafDiff]
     tolerance: Tolerance
+    floor: 'FloorRule | None' = None  # set when a twin measured each leaf's noise floor
 
     @property
     def match(self) -> bool:
@@ -80,8 +89,61 @@ def compare(ref: Neutral, other: Neutral, tol: Tolerance = FLOAT32_REDUCTION_ORD
         a, b = ref.get(group, {}), other.get(group, {})
         for path in sorted(set(a) | set(b)):
             if path not in a or path not in b:
-                side = 'legacy' if path in a else 'nnx'
-                leaves.append(LeafDiff(group, path, np.inf, np.inf, False, f'only on the {side} side'))
+                leaves.append(one_sided(group, path, 'legacy' if path in a else 'nnx'))
             else:
                 leaves.append(compare_leaf(group, path, a[path], b[path], tol))
     return Report(leaves, tol)
+
+
+@dataclasses.dataclass(frozen=True)
+class FloorRule:
+    """What "match" means for a leaf whose noise floor a twin run measured (``compare_to_floor``)."""
+
+    safety: float  # ok when max |nnx - legacy| <= safety * max |nnx - twin| ...
+    min_ulps: float  # ... or <= this many float32 spacings of the leaf's largest |legacy| value
+    noise_rel: float  # noise-dominated when max |nnx - twin| > noise_rel * max |legacy|
+    reason: str
+
+
+def spacing32(x: float) -> float:
+    """The float32 spacing (one ulp) at ``|x|``; the smallest subnormal at 0."""
+    return float(np.spacing(np.float32(abs(x))))
+
+
+def floor_leaf(group: str, path: str, ref: np.ndarray, other: np.ndarray, twin: np.ndarray, rule: FloorRule):
+    """One float leaf held to its own measured floor; counters and shapes as ``compare_leaf``."""
+    screened = compare_leaf(group, path, ref, other, Tolerance(0.0, 0.0, ''))
+    if screened.note or not np.issubdtype(ref.dtype, np.floating) or twin.shape != other.shape:
+        return screened
+    if not (np.isfinite(ref).all() and np.isfinite(other).all() and np.isfinite(twin).all()):
+        return dataclasses.replace(screened, ok=False, note=nonfinite_note(ref, other))
+    ref64, other64 = ref.astype(np.float64), other.astype(np.float64)
+    floor = float(np.abs(other64 - twin.astype(np.float64)).max(initial=0.0))
+    scale = float(np.abs(ref64).max(initial=0.0))
+    limit = max(rule.safety * floor, rule.min_ulps * spacing32(scale))
+    noisy = floor > rule.noise_rel * scale
+    bad = int((np.abs(other64 - ref64) > limit).sum())
+    return dataclasses.replace(screened, ok=noisy or not bad, bad=bad, floor=floor, limit=limit, noise_dominated=noisy)
+
+
+def nonfinite_note(ref: np.ndarray, other: np.ndarray) -> str:
+    """Which side holds NaN or Inf; identical non-finite values are said to be identical, not 'max rel 0'."""
+    a, b = ~np.isfinite(ref), ~np.isfinite(other)
+    if np.array_equal(a, b) and np.array_equal(ref[a], other[b], equal_nan=True):
+        return f'non-finite on both sides alike ({int(a.sum()):,} elements)'
+    sides = [s for s, m in (('legacy', a), ('nnx', b)) if m.any()]
+    return f'non-finite on the {" and ".join(sides)} side' if sides else 'non-finite in the twin'
+
+
+def compare_to_floor(ref: Neutral, other: Neutral, twin: Neutral, rule: FloorRule) -> Report:
+    """Every leaf of ``ref`` (legacy) against ``other`` (NNX), each within its own floor, what
+    ``other`` differs from ``twin`` by (the same NNX run, only the reductions reordered)."""
+    leaves = []
+    for group in sorted(set(ref) | set(other)):
+        a, b, t = ref.get(group, {}), other.get(group, {}), twin.get(group, {})
+        for path in sorted(set(a) | set(b)):
+            if path not in a or path not in b:
+                leaves.append(one_sided(group, path, 'legacy' if path in a else 'nnx'))
+            else:
+                leaves.append(floor_leaf(group, path, a[path], b[path], t.get(path, b[path]), rule))
+    return Report(leaves, FLOAT32_REDUCTION_ORDER, rule)

@@ -11,6 +11,7 @@ import math
 RNG_MODES = ('per-device', 'global')
 STRATEGIES = ('dp', 'fsdp', 'tp', 'fsdp-tp', 'shard_map')  # nnx_sharded.sharding.STRATEGIES, without importing JAX
 NNX_FORMS = ('split', 'graph')
+VERDICTS = ('measured', 'strict', 'screen')  # equivalence.core.judge: what the verdict measures
 SEED_LIMIT = 2**32  # np.random.default_rng takes any seed >= 0, jax.random.PRNGKey keeps only 32 bits
 MAX_EXAMPLES = 2**22  # examples generated on the host for one run (steps x global batch): ~0.7 GB for mlp
 MAX_PERTURB = 1e3  # a deliberate mismatch needs 1e-3; a 1001x learning rate is far past any use
@@ -33,6 +34,7 @@ class RunConfig:
     strategy: str = 'dp'  # how the NNX side places its state: dp, fsdp, tp, fsdp-tp, shard_map (docs/strategies.md)
     mesh: tuple[tuple[str, int], ...] | None = None  # fsdp-tp's mesh, e.g. (('data', 4), ('model', 2))
     nnx_form: str = 'split'  # 'split': jax.jit(lax.scan) over split state; 'graph': nnx.jit(nnx.scan) over objects
+    verdict: str = 'measured'  # measured: twin floor always; strict: + first-step gradients; screen: twin if it fails
     available: dataclasses.InitVar[int | None] = None  # devices JAX sees; None: not checked (library use)
     data_k: dataclasses.InitVar[int] = 1  # bench: each call's data covers max(K, data_k) steps
 
@@ -43,6 +45,8 @@ class RunConfig:
         if self.rng_mode not in RNG_MODES:
             raise ConfigError(f'--rng must be one of {", ".join(RNG_MODES)}, got {self.rng_mode!r}')
         check_perturb(self.perturb)
+        if self.verdict not in VERDICTS:
+            raise ConfigError(f'--verdict must be one of {", ".join(VERDICTS)}, got {self.verdict!r}')
         self._check_placement()
         if available is not None:
             check_available(self.devices, available)  # before divisibility: its suggestions assume D fits

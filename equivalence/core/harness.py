@@ -42,6 +42,7 @@ class RunResult:
     report: compare.Report
     resumed_at: int = 0  # NNX resumed from a checkpoint of this step: losses and divergence cover the steps after it
     notes: list[str] = dataclasses.field(default_factory=list)  # lines the report prints under its header
+    verdict: Any = None  # verdict.Verdict: what was measured and, on MISMATCH, the diagnosis (judge)
 
     def param_divergence(self) -> list[float]:
         """Max |nnx - legacy| over all parameters, after each call."""
@@ -392,8 +393,15 @@ def run(port: Port, config: RunConfig, progress: Progress | None = None) -> RunR
     check_names(port, variables)
     old = run_legacy(port, config, variables, calls, rng, progress or _silent)
     new = run_nnx(port, config, variables, calls, rng, progress or _silent)
-    report = compare.compare(with_losses(old.final, old.losses), with_losses(new.final, new.losses), port.tolerance)
-    return RunResult(config, old, new, report)
+    return judged(port, config, old, new, variables, calls, rng)
+
+
+def judged(port: Port, config: RunConfig, old: PathResult, new: PathResult, variables, calls, rng) -> RunResult:
+    """The two runs judged against their measured noise floor (``equivalence.core.judge``)."""
+    from equivalence.core import judge  # judge runs the twin through this module
+
+    report, verdict = judge.judge(port, config, old, new, judge.Inputs(variables, calls, rng))
+    return RunResult(config, old, new, report, verdict=verdict)
 
 
 def check(port: Port, **flags) -> RunResult:

@@ -106,8 +106,20 @@ def _mode_of(key: jax.Array) -> str:
     return 'per-device' if key.ndim == (1 if typed else 2) else 'global'
 
 
+@contextlib.contextmanager
+def dropout_off():
+    """Every bridged Dropout passes its input through while tracing in this block: the
+    deterministic re-run a MISMATCH's diagnosis compares (``equivalence.core.judge``)."""
+    previous = getattr(_active, 'off', False)
+    _active.off = True
+    try:
+        yield
+    finally:
+        _active.off = previous
+
+
 def _apply(x: jax.Array, rate: float, broadcast_dims, deterministic: bool, key_fn, bridge: _Bridge, legacy_side: bool):
-    if rate == 0.0 or deterministic:
+    if rate == 0.0 or deterministic or getattr(_active, 'off', False):
         return x
     if rate == 1.0:
         return jnp.zeros_like(x)

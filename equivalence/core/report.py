@@ -40,16 +40,45 @@ def loss_table(result: RunResult) -> list[str]:
 
 
 def leaf_table(result: RunResult, n: int = 8) -> list[str]:
-    tol = result.report.tolerance
+    tol, rule = result.report.tolerance, result.report.floor
+    if rule is not None:
+        return floor_table(result, n)
     rows = [
         f'worst leaves of {len(result.report.leaves)} '
         f'(ok when |nnx - legacy| <= {tol.atol:g} + {tol.rtol:g} * |legacy|; {tol.reason})',
         f'{"leaf":<40}  {"max abs":>9}  {"max rel":>9}  ok',
     ]
     for leaf in result.report.worst(n):
-        flag = 'yes' if leaf.ok else 'NO' + (f' ({leaf.note})' if leaf.note else f' ({leaf.bad:,} of {leaf.size:,})')
-        rows.append(f'{leaf.name:<40}  {leaf.max_abs:>9.2e}  {leaf.max_rel:>9.2e}  {flag}')
+        rows.append(f'{leaf.name:<40}  {_abs(leaf.max_abs):>9}  {_abs(leaf.max_rel):>9}  {_flag(leaf)}')
     return rows
+
+
+def floor_table(result: RunResult, n: int) -> list[str]:
+    """Each leaf beside its measured floor and the difference it was allowed."""
+    rule = result.report.floor
+    rows = [
+        f'worst leaves of {len(result.report.leaves)} (ok when max |nnx - legacy| <= max({rule.safety:g} x floor, '
+        f'{rule.min_ulps:g} float32 spacings of max |legacy|); floor = max |nnx - twin|)',
+        f'{"leaf":<40}  {"max abs":>9}  {"floor":>9}  {"allowed":>9}  ok',
+    ]
+    order = sorted(result.report.leaves, key=lambda x: (x.ok, -(x.max_abs / x.limit if x.limit else x.max_abs)))
+    for leaf in order[:n]:
+        floor, limit = _abs(leaf.floor), _abs(leaf.limit)
+        rows.append(f'{leaf.name:<40}  {_abs(leaf.max_abs):>9}  {floor:>9}  {limit:>9}  {_flag(leaf)}')
+    return rows
+
+
+def _abs(x: float | None) -> str:
+    """A figure, or '-' where there is none (a leaf on one side only has no difference)."""
+    return '-' if x is None or not np.isfinite(x) else f'{x:.2e}'
+
+
+def _flag(leaf) -> str:
+    if leaf.noise_dominated:
+        return 'NOISE-DOMINATED'
+    if leaf.ok:
+        return 'yes'
+    return 'NO' + (f' ({leaf.note})' if leaf.note else f' ({leaf.bad:,} of {leaf.size:,})')
 
 
 def accuracy_line(result: RunResult) -> list[str]:
@@ -61,10 +90,28 @@ def accuracy_line(result: RunResult) -> list[str]:
 
 def verdict(result: RunResult) -> str:
     bad = [leaf for leaf in result.report.leaves if not leaf.ok]
-    sums = ', '.join(f'{g} {result.report.max_abs(g):.1e}' for g in GROUPS)
+    sums = ', '.join(f'{g} {_abs(result.report.max_abs(g))}' for g in GROUPS)
+    noisy = sum(leaf.noise_dominated for leaf in result.report.leaves)
+    noisy_text = f', {noisy} noise-dominated (not verified by value)' if noisy else ''
     if not bad:
-        return f'MATCH: all {len(result.report.leaves)} leaves within tolerance (max abs: {sums})'
+        return f'MATCH: all {len(result.report.leaves)} leaves within tolerance{noisy_text} (max abs: {sums})'
     return f'MISMATCH: {len(bad)} of {len(result.report.leaves)} leaves outside tolerance (max abs: {sums})'
+
+
+def verdict_lines(result: RunResult) -> list[str]:
+    """What the verdict measured, noise-dominated leaves, and on MISMATCH the diagnosis line."""
+    return [*result.verdict.lines(), ''] if result.verdict is not None else []
+
+
+def verdict_json(result: RunResult) -> dict | None:
+    v = result.verdict
+    if v is None:
+        return None
+    noisy = [{'name': leaf.name, 'floor': leaf.floor, 'max_abs': leaf.max_abs} for leaf in v.noise_dominated]
+    rule = result.report.floor
+    floor = None if rule is None else {'safety': rule.safety, 'min_ulps': rule.min_ulps, 'noise_rel': rule.noise_rel}
+    return {'mode': v.mode, 'done': list(v.done), 'twin': v.twin, 'kind': v.kind, 'diagnosis': v.diagnosis,
+            'floor_rule': floor, 'noise_dominated': noisy}  # fmt: skip
 
 
 def text(result: RunResult, backend: str) -> str:
@@ -76,6 +123,7 @@ def text(result: RunResult, backend: str) -> str:
             *placement_lines(result),
             *loss_table(result),
             '',
+            *verdict_lines(result),
             *leaf_table(result),
             '',
             *accuracy_line(result),
@@ -108,6 +156,7 @@ def to_json(result: RunResult, versions: dict[str, str]) -> dict:
         'max_abs_diff': {g: _num(r.max_abs(g)) for g in GROUPS},
         'param_divergence_per_call': result.param_divergence(),
         'tolerance': {'rtol': r.tolerance.rtol, 'atol': r.tolerance.atol, 'reason': r.tolerance.reason},
+        'verdict': verdict_json(result),
         'leaves': [
             {
                 'name': leaf.name,
@@ -117,6 +166,10 @@ def to_json(result: RunResult, versions: dict[str, str]) -> dict:
                 'note': leaf.note,
                 'elements_outside': leaf.bad,
                 'elements': leaf.size,
+                'floor': leaf.floor,
+                'allowed': leaf.limit,
+                'noise_dominated': leaf.noise_dominated,
+                'only_on': leaf.one_sided or None,
             }
             for leaf in r.leaves
         ],

@@ -36,16 +36,15 @@ def wide_data(rng: np.random.Generator, n_steps: int, batch: int) -> dict[str, n
 
 
 def wide_tx(lr_scale: float = 1.0) -> optax.GradientTransformation:
-    """Adam with eps 1e-5, not 1e-8. In its first steps Adam moves a weight by about
+    """Adam with its default eps 1e-8. In its first steps Adam moves a weight by about
     lr * g / (|g| + eps); where a batch's per-example gradients cancel to |g| ~ 1e-7, the
     float32 rounding of that sum, which fsdp and tp order differently from pmap's per-device
-    sums, is a relative error of ~1e-3 that the division carries into the weight. Measured on
-    8 devices, 20 steps, largest parameter difference under fsdp / tp / fsdp-tp: eps 1e-8:
-    7.7e-6 / 4.6e-6 / 9.9e-6 (one element of fc1/kernel's 16,384; losses within 9e-8);
-    1e-6: 8.9e-7 / 8.3e-7 / 3.4e-7; 1e-5: 1.3e-7 / 1.5e-7 / 9.4e-8; SGD: 3.4e-8. The cnn workload
-    had it too with eps 1e-8: one element of hidden/kernel's 8,192 off by 1.9e-5 under tp, 3.5e-6
-    under fsdp-tp, 3.8e-6 across 2 processes; with 1e-5 every strategy matches to 4.6e-7."""
-    return optax.adam(1e-3 * lr_scale, eps=1e-5)
+    sums, is a relative error of ~1e-3 that the division carries into the weight: one element
+    of fc1/kernel's 16,384 ends up to ~1e-5 off after 20 steps on 8 devices (the cnn workload:
+    one of hidden/kernel's 8,192 up to 1.9e-5 under tp). That is reduction order, not a slip:
+    the verdict measures it per leaf with a twin run (``equivalence.core.judge``) and holds
+    each leaf to it, so the optimizer keeps the setting real code uses."""
+    return optax.adam(1e-3 * lr_scale)
 
 
 def ring_data(rng: np.random.Generator, n_steps: int, batch: int) -> dict[str, np.ndarray]:
@@ -153,7 +152,7 @@ WORKLOADS: dict[str, ModelPort] = {
         noise=legacy_losses.cnn_noise,
         init_args=lambda b: (b['x'], False),
         make_data=digits_data,
-        make_tx=lambda lr_scale=1.0: optax.adam(3e-3 * lr_scale, eps=1e-5),  # eps: see wide_tx
+        make_tx=lambda lr_scale=1.0: optax.adam(3e-3 * lr_scale),  # eps 1e-8: see wide_tx
         ema_rate=None,
         default_batch=64,
         eval_data=digits_eval,

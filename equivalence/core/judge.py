@@ -1,0 +1,118 @@
+"""Turns two finished runs into the measured verdict: twin, first step, diagnosis (``verdict``).
+
+What runs, by ``RunConfig.verdict``:
+
+- ``measured`` (default): the twin (``twin.run_twin``), then every leaf and the first step's
+  loss against its floor. On MISMATCH only: the first step's gradients (``probe``, model
+  ports), and, when the first step differs and the port has Dropout, a deterministic re-run.
+- ``strict``: as measured, and the first step's gradients always (a model port), so that a
+  backward-pass slip fails even when the loss and the final state hide it.
+- ``screen``: the fixed tolerance of ``compare.FLOAT32_REDUCTION_ORDER``; the twin runs only
+  when the screen fails, to adjudicate (a correct but ill-conditioned port still MATCHes).
+
+No twin with several processes (its one-device mesh would need every process's rows) or
+where no other mesh fits: the fixed screen decides, and the report says so.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from equivalence.core import compare, harness, probe, randomness, twin, verdict
+from equivalence.core.config import RunConfig
+from equivalence.core.ports import ModelPort, Port
+from equivalence.core.verdict import MEASURED_FLOOR, Verdict
+
+
+@dataclasses.dataclass
+class Inputs:
+    """What both runs were given: the verdict's re-runs take the same."""
+
+    variables: dict
+    calls: list
+    rng: jax.Array
+
+
+def trees(path: harness.PathResult, first: compare.Neutral | None = None) -> compare.Neutral:
+    return {**harness.with_losses(path.final, path.losses), **(first or {})}
+
+
+def judge(port: Port, config: RunConfig, old, new, inputs: Inputs) -> tuple[compare.Report, Verdict]:
+    """The report every leaf is judged by, and the verdict with its diagnosis."""
+    screen = compare.compare(trees(old), trees(new), port.tolerance)
+    done = [f'fixed screen {"passed" if screen.match else "failed"}']
+    n_twin = twin.twin_devices(config, len(jax.devices())) if jax.process_count() == 1 else None
+    if n_twin is None or (config.verdict == 'screen' and screen.match):
+        why = 'several processes' if jax.process_count() > 1 else 'no second mesh fits'
+        text = f'not run: {"--verdict screen, and the screen passed" if n_twin else why}'
+        return screen, finish(port, config, screen, old, new, inputs, done + [f'twin {text}'], text, None)
+    tw = twin.run_twin(port, config, inputs.variables, inputs.calls, inputs.rng, n_twin)
+    refusal = verdict.twin_refusal(new.losses, tw.losses)
+    if refusal:
+        return screen, finish(port, config, screen, old, new, inputs, done + [f'twin {refusal}'], refusal, None)
+    first = [verdict.first_step_tree(float(p.losses[0])) for p in (old, new, tw)]
+    report = compare.compare_to_floor(trees(old, first[0]), trees(new, first[1]), trees(tw, first[2]), MEASURED_FLOOR)
+    done.append(f'every leaf and the first loss held to the floor of a twin on {n_twin} device(s)')
+    return report, finish(port, config, report, old, new, inputs, done, f'on {n_twin} device(s)', n_twin)
+
+
+def finish(port, config, report, old, new, inputs, done, twin_text, n_twin) -> Verdict:
+    """Gradients (strict, or to diagnose), the diagnosis on MISMATCH, and the verdict."""
+    grads = None
+    if isinstance(port, ModelPort) and jax.process_count() == 1 and (config.verdict == 'strict' or not report.match):
+        grads = first_step_grads(port, config, inputs, n_twin)
+        report.leaves.extend(grads.leaves)
+        done.append(f'first-step gradients {"agree" if grads.match else "differ"}')
+    noisy = tuple(leaf for leaf in report.leaves if leaf.noise_dominated)
+    if report.match:
+        return Verdict(True, config.verdict, tuple(done), twin=twin_text, noise_dominated=noisy)
+    rerun = None
+    if verdict.failed(report, 'first_step') and harness.uses_dropout(port) and jax.process_count() == 1:
+        rerun = deterministic_rerun_matches(port, config, inputs, report)
+        done.append(f'deterministic re-run (dropout off) {"matches" if rerun else "differs"}')
+    nonfinite = verdict.nonfinite_line(
+        {'legacy': old.losses, 'nnx': new.losses}, {'legacy': old.final, 'nnx': new.final}, data_nonfinite(inputs)
+    )
+    kind, line = verdict.diagnose(report, nonfinite, rerun, grads is not None)
+    return Verdict(False, config.verdict, tuple(done), kind, line, twin_text, noisy)
+
+
+def first_step_grads(port: ModelPort, config: RunConfig, inputs: Inputs, n_twin: int | None) -> compare.Report:
+    """The first step's gradients of both sides, held to the floor of the twin's (0 without one)."""
+    twin_setup = twin.twin_setup(port, config, inputs.variables, n_twin) if n_twin else None
+    steps = probe.first_steps(port, config, inputs.variables, inputs.calls, inputs.rng, twin_setup)
+    ref, other, floor = (verdict.first_step_tree(grads=steps[s].grads) for s in ('legacy', 'nnx', 'twin'))
+    return compare.compare_to_floor(ref, other, floor, MEASURED_FLOOR)
+
+
+def deterministic_rerun_matches(port: Port, config: RunConfig, inputs: Inputs, report: compare.Report) -> bool:
+    """The first call again, both sides, every bridged Dropout off: do the first losses now agree?
+
+    A user's own jitted step (a loop port) keeps its traces across calls, and the bridge acts
+    only while tracing: JAX's caches are cleared before the re-run, and after it, so that no
+    later run reuses a trace without dropout."""
+    one = dataclasses.replace(config, calls=1)
+    jax.clear_caches()
+    try:
+        with randomness.dropout_off():
+            old = harness.run_legacy(port, one, inputs.variables, inputs.calls[:1], inputs.rng)
+            new = harness.run_nnx(port, one, inputs.variables, inputs.calls[:1], inputs.rng)
+    finally:
+        jax.clear_caches()
+    leaf = next((x for x in report.leaves if x.name == 'first_step/loss'), None)
+    limit = leaf.limit if leaf is not None and leaf.limit is not None else 0.0
+    allowed = max(limit, MEASURED_FLOOR.min_ulps * compare.spacing32(float(old.losses[0])))
+    return bool(abs(float(old.losses[0]) - float(new.losses[0])) <= allowed)
+
+
+def data_nonfinite(inputs: Inputs) -> int | None:
+    """The first step (1-based) whose batch holds NaN or Inf, or None."""
+    step = 0
+    for batch_KxG in inputs.calls:
+        leaves = [np.asarray(v) for v in jax.tree.leaves(batch_KxG)]
+        for k in range(leaves[0].shape[0]):
+            step += 1
+            if any(np.issubdtype(v.dtype, np.floating) and not np.isfinite(v[k]).all() for v in leaves):
+                return step
+    return None

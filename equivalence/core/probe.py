@@ -1,0 +1,106 @@
+"""The first step, before any optimizer has amplified anything: loss, gradients, parameters after it.
+
+A model port's first step is computed once more on each side, outside the fused loops: the
+same initial state, the first batch and the first call's keys, drawn as each loop draws them.
+What this returns is compared by ``verdict``: a slip in the forward or backward pass shows in
+the loss and gradients here even when twenty steps of Adam hide it in the parameters, and an
+optimizer slip shows in the parameters after one update while the gradients agree.
+
+Three small programs (one step each, no scan): legacy under pmap, NNX on the checked mesh,
+NNX on the twin's mesh. A loop port's step is the user's own code and has no loss function to
+differentiate: its first-step check is on the losses of the runs alone.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from equivalence.core import convert, harness
+from equivalence.core.config import RunConfig
+from equivalence.core.ports import ModelPort
+from legacy_pmap import train as legacy
+from nnx_sharded import sharding
+from nnx_sharded import train as sharded
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstStep:
+    """One side's first step, leaves named as NNX names them."""
+
+    loss: float  # the mean loss over the global batch
+    grads: dict[str, np.ndarray]  # the gradient the optimizer is given (pmap: after the pmean)
+    params: dict[str, np.ndarray]  # the parameters after the first update
+
+
+def first_batch(batch_KxG):
+    """The first step's global batch ``[1, G, ...]`` of the first call (a scan of one step)."""
+    return jax.tree.map(lambda v: v[:1], batch_KxG)
+
+
+def legacy_first_step(port: ModelPort, config: RunConfig, variables: dict, batch_KxG, rng, mapping) -> FirstStep:
+    """The pmap step's first step (``legacy_pmap.train.make_step_fn``), its gradient kept."""
+    tx, mode = port.make_tx(1.0), config.rng_mode
+    noise_fn, loss = harness.port_noise(port, harness.uses_dropout(port)), harness.legacy_loss(port, config)
+    model, devices = port.legacy_model(), jax.devices()[: config.devices]
+
+    def step(key, state, batch):
+        _, step_rng = jax.random.split(key)
+        batch = jax.tree.map(lambda v: v[0], batch)
+        noise = legacy.draw_noise(noise_fn, step_rng, batch, mode)
+
+        def mean_loss(params):
+            return jnp.mean(loss(model, params, state.model_state, batch, noise)[0])
+
+        value, grads = jax.value_and_grad(mean_loss)(state.params)
+        grads = jax.lax.pmean(grads, legacy.AXIS)
+        updates, _ = tx.update(grads, state.opt_state, state.params)
+        return jax.lax.pmean(value, legacy.AXIS), grads, optax.apply_updates(state.params, updates)
+
+    pstate = legacy.replicate(legacy.create_state(variables, tx, port.ema_rate), devices)
+    _, keys_D = legacy.next_call_keys(rng, config.devices, mode)
+    batch = jax.tree.map(lambda v: legacy.shard_batch(v, config.devices), first_batch(batch_KxG))
+    value, grads, params = jax.pmap(step, axis_name=legacy.AXIS, devices=devices)(keys_D, pstate, batch)
+    named = lambda tree: convert.rename({'p': convert.flatten(legacy.unreplicate(tree))}, mapping)['p']  # noqa: E731
+    return FirstStep(float(value[0]), named(grads), named(params))
+
+
+def nnx_first_step(setup: harness.NnxSetup, port: ModelPort, batch_KxG, rng) -> FirstStep:
+    """The NNX step's first step (``nnx_sharded.train.make_update_fn``) on ``setup``'s mesh and state."""
+    mode, graphdef = setup.config.rng_mode, setup.graphdef
+    noise_fn, loss = harness.port_noise(port, harness.uses_dropout(port)), harness.nnx_loss(port, setup.config)
+
+    def step(keys, state, batch_KxG):
+        ts, batch = nnx.merge(graphdef, state), jax.tree.map(lambda v: v[0], batch_KxG)
+        _, step_rng = sharded.split_keys(keys, mode)
+        noise = sharded.draw_noise(noise_fn, step_rng, batch, mode)
+        value, grads = nnx.value_and_grad(lambda m: jnp.mean(loss(m, batch, noise)))(ts.model)
+        ts.optimizer.update(ts.model, grads)
+        return value, nnx.to_pure_dict(grads), nnx.to_pure_dict(nnx.state(ts.model, nnx.Param))
+
+    _, keys = sharded.next_call_keys(rng, setup.config.devices, mode)
+    keys = sharding.put(keys, sharding.replicated(setup.mesh))
+    value, grads, params = jax.jit(step)(keys, setup.state, sharding.place_batch(first_batch(batch_KxG), setup.mesh))
+    return FirstStep(float(value), convert.flatten(grads), convert.flatten(params))
+
+
+def probe_config(config: RunConfig) -> RunConfig:
+    """The checked run's placement, in the split form (the graph form computes the same); shard_map's
+    per-device program is probed as the global one it must equal."""
+    strategy = 'dp' if config.strategy == 'shard_map' else config.strategy
+    return dataclasses.replace(config, nnx_form='split', strategy=strategy)
+
+
+def first_steps(port: ModelPort, config: RunConfig, variables: dict, calls: list, rng, twin_setup=None) -> dict:
+    """``{'legacy', 'nnx', 'twin'}`` -> ``FirstStep``; ``twin_setup`` is a fresh twin (``twin.twin_setup``);
+    without one, 'twin' is the NNX side's own step (a floor of 0: only the ulp minimum applies)."""
+    mapping = harness.check_names(port, variables)
+    checked = nnx_first_step(harness.nnx_setup(port, probe_config(config), variables), port, calls[0], rng)
+    return {
+        'legacy': legacy_first_step(port, config, variables, calls[0], rng, mapping),
+        'nnx': checked,
+        'twin': nnx_first_step(twin_setup, port, calls[0], rng) if twin_setup is not None else checked,
+    }

@@ -1,0 +1,174 @@
+"""The verdict: every leaf held to the noise floor a twin run measured, and one line saying why not.
+
+Framework-free, like ``compare``: named host arrays and numbers in, a ``Verdict`` out. What
+runs the twin and the probes is ``judge``; this module holds the rules and their numbers.
+
+The statistic, per leaf (the per-step losses are one leaf; the first step's loss and, at
+level 1, the first step's gradients are leaves of their own, ``first_step/...``):
+
+    floor = max |nnx - twin|     (the twin: the NNX run again, only the reductions reordered)
+    ok    when max |nnx - legacy| <= max(SAFETY * floor, MIN_ULPS float32 spacings of max |legacy|)
+
+and a leaf whose floor exceeds NOISE_REL of its own largest value is NOISE-DOMINATED:
+reported with its figure, not failed, because its final value cannot verify anything.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from equivalence.core import compare
+from equivalence.core.compare import FloorRule, LeafDiff, Report, spacing32
+
+# Measured (scratch sweep, legacy / NNX / twin on the same inputs, default 4 calls x 5 steps):
+# 36 correct runs (mlp, wide, score: D in {1, 2, 8}, seeds 0-3) and 19 at D=8 with Adam eps 1e-8
+# (cnn: dp, fsdp, tp, fsdp-tp, seeds 0 and 3, and --rng global seed 3; wide: all five
+# strategies, seeds 0 and 1). SAFETY: on leaves beyond the ulp minimum, max |nnx - legacy| /
+# max |nnx - twin| reached 5.5 (cnn tp seed 3, params/hidden/kernel: 3.3e-7 against a floor
+# of 6.0e-8), 3.9 (cnn fsdp-tp), 3.05 (wide fsdp-tp); 10 leaves a margin of 1.8 over the worst.
+# Slips measured far beyond it: LayerNorm eps 1e-5 for 1e-6, leaf ratios up to 199 (FACTS),
+# its first-step loss 19x its limit; --perturb 1e-5 on mlp at D=8, 13x to 34x.
+# MIN_ULPS: where the twin rounds like NNX (floor 0 on a leaf), legacy still differs by
+# reduction order: up to 8 spacings of the leaf's largest value on correct runs (score D1,
+# D8), the first step's loss up to 1. NOISE_REL: a floor above 0.1% of the leaf's own scale
+# is chaos, not rounding (bias before BatchNorm: floor 7.8e-3 on values ~1e-2, FACTS); the
+# largest correct floor measured relative to its leaf was 5.5e-5 (cnn tp seed 0, hidden/kernel).
+MEASURED_FLOOR = FloorRule(
+    safety=10.0,
+    min_ulps=8.0,
+    noise_rel=1e-3,
+    reason='each leaf within 10x its measured floor |nnx - twin|, or 8 float32 spacings of its largest value',
+)
+
+# The twin must compute what the checked NNX run computes: its losses at steps 1 and 2 (before
+# and after one update, before Adam's amplification builds up) within TWIN_ULPS spacings of
+# the checked run's. Measured on correct twins: at most 1 spacing. A twin with lr * (1 + 1e-3)
+# is off by 40+ at step 2; LayerNorm eps 1e-5 for 1e-6 by 16 at step 1 (FACTS).
+TWIN_ULPS = 8.0
+
+KINDS = ('non-finite', 'bookkeeping', 'math', 'randomness', 'optimizer', 'update', 'twin')
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """The measured verdict of one run: what was done, and on MISMATCH one line of diagnosis."""
+
+    match: bool
+    mode: str  # RunConfig.verdict: 'measured', 'strict' or 'screen'
+    done: tuple[str, ...]  # what was measured, in words, in the order it was done
+    kind: str = ''  # one of KINDS on MISMATCH
+    diagnosis: str = ''  # the line above the leaf table
+    twin: str = ''  # 'on 1 device', or why there is no floor: 'refused: ...', 'not run: ...'
+    noise_dominated: tuple[LeafDiff, ...] = ()
+
+    def lines(self) -> list[str]:
+        out = [f'verdict: {self.mode}; ' + '; '.join(self.done)]
+        out += [f'twin {self.twin}'] if self.twin and not self.twin.startswith('on ') else []
+        for leaf in self.noise_dominated:
+            out.append(
+                f'NOISE-DOMINATED {leaf.name}: reordering the sums alone moves it by {leaf.floor:.2e} '
+                f'(legacy differs by {leaf.max_abs:.2e}); its final value cannot verify it'
+            )
+        return out + ([f'diagnosis ({self.kind}): {self.diagnosis}'] if self.diagnosis else [])
+
+
+def ulps(a: float, b: float) -> float:
+    """|a - b| in float32 spacings of the larger magnitude."""
+    return abs(a - b) / spacing32(max(abs(a), abs(b)) or 1.0)
+
+
+def twin_refusal(nnx_losses: np.ndarray, twin_losses: np.ndarray) -> str:
+    """'' when the twin computes what the NNX run computes; else why it is refused as a floor."""
+    for k in range(min(2, len(nnx_losses))):
+        n, t = float(nnx_losses[k]), float(twin_losses[k])
+        if not (np.isfinite(n) and np.isfinite(t)):
+            return f'refused: a non-finite loss at step {k + 1} (nnx {n}, twin {t})'
+        if ulps(n, t) > TWIN_ULPS:
+            return (
+                f'refused: its loss at step {k + 1} is {ulps(n, t):.0f} float32 spacings from the NNX run '
+                f'({t:.9g} vs {n:.9g}, more than {TWIN_ULPS:g}): it does not compute the same thing, '
+                'so it measures no floor'
+            )
+    return ''
+
+
+def first_step_tree(loss: float | None = None, grads: dict[str, np.ndarray] | None = None) -> compare.Neutral:
+    """The first step's loss and gradients as leaves of their own group, ``first_step/...``."""
+    tree = {'loss': np.asarray(loss, np.float32)} if loss is not None else {}
+    return {'first_step': {**tree, **{f'grads/{k}': v for k, v in (grads or {}).items()}}}
+
+
+def failed(report: Report, group: str | None = None) -> list[LeafDiff]:
+    return [leaf for leaf in report.leaves if not leaf.ok and (group is None or leaf.group == group)]
+
+
+def names(leaves: list[LeafDiff], n: int = 3) -> str:
+    shown = ', '.join(leaf.name for leaf in leaves[:n])
+    return shown + (f' and {len(leaves) - n} more' if len(leaves) > n else '')
+
+
+def diagnose(report: Report, nonfinite: str, rerun_matched: bool | None, grads_checked: bool) -> tuple[str, str]:
+    """``(kind, line)`` for a report that does not match; the first kind that explains it wins."""
+    bad = failed(report)
+    if nonfinite:
+        return 'non-finite', nonfinite
+    sided = [leaf for leaf in bad if leaf.one_sided]
+    if sided and len(sided) == len(bad):
+        return 'bookkeeping', bookkeeping_line(sided)
+    also = f' (also: {bookkeeping_line(sided)})' if sided else ''
+    early = failed(report, 'first_step')
+    if early and rerun_matched:
+        return 'randomness', (
+            f"the first step's loss differs ({describe(early[0])}), but with dropout off on both sides it matches: "
+            'the two sides draw different random numbers (dropout masks, or noise from another key)' + also
+        )
+    if early:
+        return 'math', f'the first step already differs beyond its floor, before any update: {details(early)}' + also
+    later = [leaf for leaf in bad if not leaf.one_sided]
+    if grads_checked:
+        return 'optimizer', (
+            "the first step's loss and gradients agree within their floor, the state after training does not: "
+            f'{details(later)}; the optimizer, its settings or its state differ' + also
+        )
+    return 'update', (
+        "the first step's loss agrees within its floor, later losses or the final state do not: "
+        f'{details(later)}; the update differs (the optimizer, its state, or a gradient the loss does not show)' + also
+    )
+
+
+def describe(leaf: LeafDiff) -> str:
+    limit = f'allowed {leaf.limit:.2e}' if leaf.limit is not None else 'outside the fixed tolerance'
+    return f'{leaf.name} by {leaf.max_abs:.2e}, {limit}'
+
+
+def details(leaves: list[LeafDiff], n: int = 3) -> str:
+    shown = '; '.join(describe(leaf) for leaf in leaves[:n])
+    return shown + (f'; and {len(leaves) - n} more' if len(leaves) > n else '')
+
+
+def bookkeeping_line(sided: list[LeafDiff]) -> str:
+    fields = ', '.join(f'{leaf.name} only on the {leaf.one_sided} side' for leaf in sided)
+    return (
+        f"{fields}: nothing numeric differs here; map the field (the port's legacy_groups / nnx_groups), "
+        'or keep it on both sides'
+    )
+
+
+def nonfinite_line(losses: dict[str, np.ndarray], finals: dict[str, compare.Neutral], data_step: int | None) -> str:
+    """'' when everything is finite; else where the first NaN or Inf appeared, per side, and whether the data had it."""
+    where = []
+    for side, per_step in losses.items():
+        steps = np.flatnonzero(~np.isfinite(per_step))
+        leaves = [f'{g}/{p}' for g, tree in finals[side].items() for p, a in tree.items() if not _finite(a)]
+        if len(steps):
+            where.append(f'{side} from step {steps[0] + 1}')
+        elif leaves:
+            where.append(f'{side} in {leaves[0]} (losses finite)')
+    if not where:
+        return ''
+    data = f'the data holds NaN or Inf at step {data_step}' if data_step else 'the data is finite (training diverged)'
+    return f'non-finite values: {", ".join(where)}; {data}'
+
+
+def _finite(a: np.ndarray) -> bool:
+    return not np.issubdtype(a.dtype, np.floating) or bool(np.isfinite(a).all())

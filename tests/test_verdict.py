@@ -1,0 +1,122 @@
+"""The measured verdict is right in both directions, and says why: twin floor, first step, diagnosis.
+
+Each diagnosis kind has a port that must produce it (a negative control), and the twin itself
+can fail: a twin that computes something else is refused, never used as a floor.
+"""
+
+import dataclasses
+import os
+import sys
+
+import jax
+import numpy as np
+from conftest import ROOT, require_devices
+
+from equivalence.core import compare, harness, twin, verdict, workloads
+from equivalence.core.config import RunConfig
+
+sys.path.insert(0, os.path.join(ROOT, 'examples', 'mlp_port'))
+import my_port  # noqa: E402  (the example, imported as a user's module)
+
+
+def run(port, devices=8, **fields) -> harness.RunResult:
+    require_devices(devices)
+    fields = {'steps_per_call': 2, 'calls': 2, 'batch_size': port.default_batch, **fields}
+    rng = fields.pop('rng_mode', port.rng_modes[0])
+    return harness.run(port, RunConfig(workload=port.name, devices=devices, rng_mode=rng, **fields))
+
+
+def kind(result: harness.RunResult) -> str:
+    assert not result.report.match, 'expected a MISMATCH'
+    return result.verdict.kind
+
+
+def test_cnn_seed_3_global_keys_is_noise_not_a_slip():
+    """The fixed tolerance failed it (conv1/kernel 4.95e-6, reduction order only); the twin's floor passes it."""
+    result = run(workloads.get('cnn'), rng_mode='global', seed=3, steps_per_call=5, calls=4)
+    assert result.report.match, verdict.details(verdict.failed(result.report))
+    assert result.report.floor is not None and 'twin on 1 device' in result.verdict.done[-1]
+
+
+def test_perturb_1e_5_is_caught_at_8_devices():
+    """The fixed tolerance passes a 1e-5 learning-rate change on mlp; its measured floor does not."""
+    result = run(workloads.get('mlp'), perturb=1e-5, steps_per_call=5, calls=4)
+    assert kind(result) == 'optimizer'
+    assert {leaf.group for leaf in verdict.failed(result.report)} >= {'params'}
+
+
+def test_layernorm_epsilon_slip_is_math_from_the_first_step():
+    """LayerNorm eps 1e-5 for linen's 1e-6 (a loop port): the first step's loss already differs."""
+    result = run(my_port.LOOP_EPSILON_SLIP, devices=4)
+    assert kind(result) == 'math'
+    assert 'first_step/loss' in result.verdict.diagnosis
+
+
+def test_gelu_slip_names_the_first_step_gradients():
+    result = run(my_port.MODEL_GELU_SLIP, devices=2)
+    assert kind(result) == 'math'
+    assert any(leaf.name.startswith('first_step/grads/') for leaf in verdict.failed(result.report))
+
+
+def test_dropout_keyed_differently_is_randomness():
+    """The NNX loop reseeds dropout from another key: the losses differ from step 1, the dropout-off re-run matches."""
+    call = my_port.LOOP.nnx_call
+    port = dataclasses.replace(my_port.LOOP, nnx_call=lambda ts, key, b: call(ts, jax.random.fold_in(key, 7), b))
+    result = run(port, devices=2)
+    assert kind(result) == 'randomness'
+    assert 'deterministic re-run (dropout off) matches' in result.verdict.done
+
+
+def test_a_step_counter_on_one_side_is_bookkeeping():
+    def no_step(state):
+        return {'params': state.params, 'opt_state': state.opt_state}
+
+    result = run(dataclasses.replace(my_port.LOOP, legacy_groups=no_step), devices=2)
+    assert kind(result) == 'bookkeeping'
+    assert 'step/step only on the nnx side' in result.verdict.diagnosis
+
+
+def test_identical_nans_are_non_finite_not_a_zero_difference():
+    mlp = workloads.get('mlp')
+
+    def nan_data(rng, n_steps, batch):
+        data = mlp.make_data(rng, n_steps, batch)
+        data['x'][2, 0, 0] = np.nan  # step 3
+        return data
+
+    result = run(dataclasses.replace(mlp, make_data=nan_data), devices=2)
+    assert kind(result) == 'non-finite'
+    assert 'from step 3' in result.verdict.diagnosis and 'data holds NaN or Inf at step 3' in result.verdict.diagnosis
+
+
+def test_a_twin_that_changes_the_math_is_refused():
+    """A 'twin' whose learning rate is 1e-3 off must not be taken as a floor (it would hide a slip that size)."""
+    require_devices(2)
+    port = workloads.get('mlp')
+    config = RunConfig(workload='mlp', devices=2, steps_per_call=2, calls=1)
+    variables, calls, rng = harness.make_inputs(port, config)
+    new = harness.run_nnx(port, config, variables, calls, rng)
+    honest, secret = (twin.run_twin(port, config, variables, calls, rng, 1, lr_scale=s) for s in (1.0, 1.0 + 1e-3))
+    assert verdict.twin_refusal(new.losses, honest.losses) == ''
+    assert verdict.twin_refusal(new.losses, secret.losses).startswith('refused: its loss at step 2')
+
+
+def test_floor_rule_holds_a_leaf_to_its_own_noise():
+    """The rule itself on numbers: within the floor, beyond it, noise-dominated, and the ulp minimum."""
+    ref = {'params': {'w': np.array([1.0, 2.0], np.float32), 'b': np.array([1e-2], np.float32)}}
+    shift = lambda tree, dw, db: {'params': {'w': tree['params']['w'] + dw, 'b': tree['params']['b'] + db}}  # noqa: E731
+    nnx_, twin_ = shift(ref, 1e-5, 1e-4), shift(ref, 2e-5, -1e-4)
+    report = compare.compare_to_floor(ref, nnx_, twin_, verdict.MEASURED_FLOOR)
+    by_name = {leaf.name: leaf for leaf in report.leaves}
+    assert by_name['params/w'].ok and not by_name['params/w'].noise_dominated
+    assert by_name['params/b'].noise_dominated and by_name['params/b'].ok  # floor 2e-4 on a value of 1e-2
+    slipped = compare.compare_to_floor(ref, shift(ref, 1e-4, 0), shift(ref, 1e-4 + 1e-6, 0), verdict.MEASURED_FLOOR)
+    assert not slipped.match  # 1e-4 off, floor 1e-6: 100x
+    within_ulps = compare.compare_to_floor(ref, shift(ref, 2.4e-7, 0), shift(ref, 2.4e-7, 0), verdict.MEASURED_FLOOR)
+    assert within_ulps.match  # floor 0, one spacing of 2.0: the ulp minimum
+
+
+def test_the_judge_runs_no_twin_when_asked_for_the_screen_only_and_it_passes():
+    result = run(workloads.get('mlp'), devices=2, verdict='screen', calls=1)
+    assert result.report.match and result.report.floor is None
+    assert result.verdict.twin.startswith('not run')
