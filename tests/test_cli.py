@@ -33,6 +33,8 @@ def test_match_exits_0_on_8_simulated_devices_and_writes_json(tmp_path):
     assert set(report['max_abs_diff']) >= {'params', 'opt_state', 'losses'}
     assert all(isinstance(v, float) for v in report['max_abs_diff'].values())
     assert report['tolerance']['reason'].startswith('float32 reduction order')
+    assert report['verdict']['mode'] == 'measured' and report['verdict']['twin'] == 'on 1 device(s)'
+    assert report['verdict']['floor_rule']['safety'] > 1 and report['verdict']['kind'] == ''
 
 
 def test_perturbed_learning_rate_exits_1(tmp_path):
@@ -52,6 +54,7 @@ def test_perturbed_learning_rate_exits_1(tmp_path):
         (['--calls', '0'], '--calls must be at least 1'),
         (['--workload', 'resnet'], "unknown workload 'resnet'"),
         (['--rng', 'sometimes'], '--rng must be one of'),
+        (['--verdict', 'loose'], '--verdict must be one of measured, strict, screen'),
         (['--devices', 'many'], "invalid int value: 'many'"),
     ],
 )

@@ -61,7 +61,9 @@ def floor_table(result: RunResult, n: int) -> list[str]:
         f'{rule.min_ulps:g} float32 spacings of max |legacy|); floor = max |nnx - twin|)',
         f'{"leaf":<40}  {"max abs":>9}  {"floor":>9}  {"allowed":>9}  ok',
     ]
-    order = sorted(result.report.leaves, key=lambda x: (x.ok, -(x.max_abs / x.limit if x.limit else x.max_abs)))
+    # the final state first (the diagnosis line names the first step's leaves), worst ratio first
+    ratio = lambda x: x.max_abs / x.limit if x.limit else x.max_abs  # noqa: E731
+    order = sorted(result.report.leaves, key=lambda x: (x.ok, x.group == 'first_step', -ratio(x)))
     for leaf in order[:n]:
         floor, limit = _abs(leaf.floor), _abs(leaf.limit)
         rows.append(f'{leaf.name:<40}  {_abs(leaf.max_abs):>9}  {floor:>9}  {limit:>9}  {_flag(leaf)}')

@@ -46,7 +46,7 @@ MEASURED_FLOOR = FloorRule(
 # is off by 40+ at step 2; LayerNorm eps 1e-5 for 1e-6 by 16 at step 1 (FACTS).
 TWIN_ULPS = 8.0
 
-KINDS = ('non-finite', 'bookkeeping', 'math', 'randomness', 'optimizer', 'update', 'twin')
+KINDS = ('non-finite', 'bookkeeping', 'math', 'randomness', 'optimizer', 'update', 'unmeasured')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +63,6 @@ class Verdict:
 
     def lines(self) -> list[str]:
         out = [f'verdict: {self.mode}; ' + '; '.join(self.done)]
-        out += [f'twin {self.twin}'] if self.twin and not self.twin.startswith('on ') else []
         for leaf in self.noise_dominated:
             out.append(
                 f'NOISE-DOMINATED {leaf.name}: reordering the sums alone moves it by {leaf.floor:.2e} '
@@ -125,6 +124,11 @@ def diagnose(report: Report, nonfinite: str, rerun_matched: bool | None, grads_c
     if early:
         return 'math', f'the first step already differs beyond its floor, before any update: {details(early)}' + also
     later = [leaf for leaf in bad if not leaf.one_sided]
+    if report.floor is None:
+        return 'unmeasured', (
+            f'outside the fixed tolerance, and no floor was measured to tell noise from a slip: {details(later)}; '
+            'run it in one process (a twin, and the first step, are then measured)' + also
+        )
     if grads_checked:
         return 'optimizer', (
             "the first step's loss and gradients agree within their floor, the state after training does not: "
