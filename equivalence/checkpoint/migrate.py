@@ -94,7 +94,10 @@ class MigrationError(CheckpointError):
 def migrate(legacy_dir: str, nnx_dir: str, port: Port, step: int | None = None, force: bool = False) -> Migration:
     """Convert the legacy checkpoint of ``step`` (default: the latest complete one) into an NNX
     train state checkpoint in ``nnx_dir``, which must not exist unless ``force``."""
+    from equivalence.core import preflight
+
     _check_destination(nnx_dir, force)
+    preflight.check_states(port)
     state, rng, meta = store.read_legacy(legacy_dir, _legacy_target(port), step)
     legacy_leaves, mapping = _legacy_leaves(port, state)
     abstract = nnx_checkpoints.state_dict(nnx.eval_shape(layout.nnx_init(port)))

@@ -137,8 +137,11 @@ def resume_nnx(port: Port, config: RunConfig, legacy: LegacyRun, nnx_dir: str, s
 def run(port: Port, config: RunConfig, options: CheckpointOptions, progress=None, nnx_devices: int | None = None):
     """Both paths with legacy checkpoints; with ``resume_at``, NNX resumes from the migrated one
     (on ``nnx_devices`` devices, default the run's) and is compared with legacy's last step."""
+    from equivalence.core import preflight
+
     harness.validate(port, config)
     options.check(config)
+    preflight.check(port, config)
     with _root(options.directory) as root:
         legacy = train_legacy(port, config, options, os.path.join(root, 'legacy'), progress)
         n, note = (

@@ -81,8 +81,11 @@ def check_names(port: Any) -> None:
     if isinstance(names, Mapping):
         bad = next(((k, v) for k, v in names.items() if not isinstance(k, str) or not isinstance(v, str)), None)
         if bad is not None:
-            raise _error(port, 'names', f'maps {bad[0]!r} to {bad[1]!r}: a names dict maps linen path prefixes '
-                                        'to NNX path prefixes, both str')  # fmt: skip
+            raise _error(
+                port,
+                'names',
+                f'maps {bad[0]!r} to {bad[1]!r}: a names dict maps linen path prefixes to NNX path prefixes, both str',
+            )
         return
     raise _error(port, 'names', f"is {_what(names)}: use None, a dict of path prefixes, a function or 'structure'")
 
@@ -93,8 +96,9 @@ def check_legacy_model(port: Any) -> None:
     model = port.legacy_model
     if isinstance(model, nn.Module):
         cls = type(model).__name__
-        raise _error(port, 'legacy_model', f'is an instance ({cls}(...)): give the class or a factory, '
-                                           f'legacy_model={cls}')  # fmt: skip
+        raise _error(
+            port, 'legacy_model', f'is an instance ({cls}(...)): give the class or a factory, legacy_model={cls}'
+        )
     if not callable(model):
         raise _error(port, 'legacy_model', f'is {_what(model)}: give the linen Module class or a factory () -> Module')
     _arity(port, 'legacy_model', model, 0, 'legacy_model()')
@@ -105,8 +109,12 @@ def check_nnx_model(port: Any) -> None:
 
     model = port.nnx_model
     if isinstance(model, nnx.Module):
-        raise _error(port, 'nnx_model', f'is an instance ({type(model).__name__}): give a function of rngs, '
-                                        f'nnx_model=lambda rngs: {type(model).__name__}(rngs=rngs)')  # fmt: skip
+        raise _error(
+            port,
+            'nnx_model',
+            f'is an instance ({type(model).__name__}): give a function of rngs, '
+            f'nnx_model=lambda rngs: {type(model).__name__}(rngs=rngs)',
+        )
     if not callable(model):
         raise _error(port, 'nnx_model', f'is {_what(model)}: give a function (nnx.Rngs) -> nnx.Module')
     params = _parameters(model)
@@ -118,8 +126,12 @@ def check_nnx_model(port: Any) -> None:
         return
     if any(p.name == 'rngs' for p in params):
         name = getattr(model, '__name__', 'Model')
-        raise _error(port, 'nnx_model', f'takes rngs by keyword only, the suite calls nnx_model(rngs): use '
-                                        f'nnx_model=lambda rngs: {name}(rngs=rngs)')  # fmt: skip
+        raise _error(
+            port,
+            'nnx_model',
+            f'takes rngs by keyword only, the suite calls nnx_model(rngs): use '
+            f'nnx_model=lambda rngs: {name}(rngs=rngs)',
+        )
     raise _error(port, 'nnx_model', 'takes no rngs argument: the suite calls nnx_model(nnx.Rngs(0))')
 
 
