@@ -524,3 +524,12 @@ class _FlakyLogger:
 @case('nnx_call', ('run', 'pytest'))
 def nnx_call_fails_while_training():
     return loop(nnx_call=functools.partial(_FlakyLogger.__call__, _FlakyLogger()))
+
+
+# -- good ports that once failed in the suite's own code ----------------------------------------
+
+
+def keyless_loop():
+    """A loop port whose NNX call ignores its key (a model without dropout): ``jax.jit`` drops the
+    unused input, which once made explain exit 3 ('57 inputs but 56 input shardings')."""
+    return loop(nnx_call=lambda ts, key, batch: (ts, _losses(ts, jnp.zeros_like(key), batch)))

@@ -98,3 +98,9 @@ def test_a_hostile_port_is_one_line_naming_its_field(case, no_training, tmp_path
     assert seconds < 15 or name in TRAINS_FIRST, f'{seconds:.1f} s'
     if command == 'migrate':
         assert not (tmp_path / 'nnx').exists()
+
+
+def test_explain_reads_a_loop_call_that_ignores_its_key():
+    code, out, err = invoke(_main('explain'), ['--workload', 'hostile_ports:keyless_loop', *QUICK])
+    assert code == 0, err
+    assert 'keys' in out and 'Traceback' not in out + err

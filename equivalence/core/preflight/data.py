@@ -21,7 +21,7 @@ def check_names(port: Port, variables: dict) -> dict:
     except PreflightError:
         raise
     except PortError as e:
-        raise fail(port, 'names', f'={port.names!r} leaves the variables unpaired: {e}') from None
+        raise fail(port, 'names', f'does not pair the two models: {e}') from None
 
 
 def make_data(port: Port, seed: int, n_steps: int, batch: int, steps_text: str) -> Any:
