@@ -1,16 +1,21 @@
-"""``python -m equivalence.checkpoint migrate LEGACY_DIR NNX_DIR``: a pmap-era checkpoint -> an NNX one.
+"""``python -m equivalence.checkpoint migrate LEGACY_DIR NNX_DIR``: a pmap-era checkpoint -> an NNX one;
+``python -m equivalence.checkpoint verify NNX_DIR [LEGACY_DIR]``: every leaf against its sha256.
 
-Exit codes: 0 written; 2 bad input (one line: nothing mapped wrongly is ever written, an
-existing NNX_DIR is kept unless --force, a damaged checkpoint is named).
+migrate writes nothing unless every legacy leaf has an NNX place (or the port's ``skip=`` names
+it), never writes where it reads, keeps an existing NNX_DIR unless --force, and writes a sha256
+per leaf beside the checkpoint; verify re-reads both checkpoints and names the first leaf whose
+bytes changed since (Orbax keeps no checksum of its own).
 """
 
 import sys
 
-from equivalence import cli, devices
+from equivalence import cli
+
+EXIT_CODES = cli.exit_codes('written (migrate), or every leaf matches its sha256 (verify)', workers=False)
 
 
 def parse(argv: list[str] | None):
-    parser = cli.OneLineParser(prog='python -m equivalence.checkpoint', description=__doc__)
+    parser = cli.OneLineParser(prog='python -m equivalence.checkpoint', description=__doc__, epilog=EXIT_CODES)
     commands = parser.add_subparsers(dest='command', required=True, parser_class=cli.OneLineParser)
     migrate = commands.add_parser('migrate', help='convert a legacy (linen, pmap) checkpoint into an NNX one')
     migrate.add_argument('legacy_dir', metavar='LEGACY_DIR', help='an Orbax directory of legacy train states')
@@ -18,28 +23,41 @@ def parse(argv: list[str] | None):
     migrate.add_argument('--workload', default='mlp', help='a built-in workload or a port, package.module:NAME')
     migrate.add_argument('--step', type=int, default=None, help='the step to convert (default: the latest complete)')
     migrate.add_argument('--force', action='store_true', help='replace an existing NNX_DIR')
+    verify = commands.add_parser('verify', help='check a migrated checkpoint against the sha256 migrate wrote')
+    verify.add_argument('nnx_dir', metavar='NNX_DIR', help='a checkpoint written by migrate')
+    verify.add_argument('legacy_dir', metavar='LEGACY_DIR', nargs='?', default=None, help='and its legacy source')
+    verify.add_argument('--step', type=int, default=None, help='the step to check (default: the latest complete)')
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    devices.simulate_cpu_devices()  # before anything imports jax
-    args = parse(argv)
-    from equivalence.checkpoint import migrate, store
+def inputs(argv: list[str] | None):
+    """The flags, parsed; nothing read (bad flags: one line, exit 2)."""
+    return parse(argv)
+
+
+def work(args) -> int:
+    from equivalence.checkpoint import manifest, migrate, store
     from equivalence.core import workloads
     from equivalence.core.config import ConfigError
 
+    if args.command == 'verify':
+        with store.quiet():
+            lines = manifest.verify(args.nnx_dir, args.legacy_dir, args.step)
+        print('\n'.join(lines))
+        return cli.EXIT_MATCH
+    port = workloads.get(args.workload)
     try:
         with store.quiet():
-            result = migrate.migrate(
-                args.legacy_dir, args.nnx_dir, workloads.get(args.workload), step=args.step, force=args.force
-            )
+            result = migrate.migrate(args.legacy_dir, args.nnx_dir, port, step=args.step, force=args.force)
     except migrate.MigrationError as e:
         print('\n'.join(e.migration.lines()))
-        cli.fail(str(e))
-    except ConfigError as e:
-        cli.fail(str(e))
+        raise ConfigError(str(e)) from None
     print('\n'.join(result.lines()))
     return cli.EXIT_MATCH
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.main(inputs, work, argv)
 
 
 if __name__ == '__main__':

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from equivalence.checkpoint import layout, migrate, store
+from equivalence.checkpoint import layout, manifest, migrate, store
 from equivalence.checkpoint.options import CheckpointOptions
 from equivalence.core import compare, harness
 from equivalence.core.config import ConfigError, RunConfig
@@ -80,6 +80,8 @@ def restorer(directory: str, config: RunConfig, step: int | None = None) -> Call
     def restore(setup) -> jax.Array:
         train_state = layout.view(setup)
         target = jax.tree.map(placed_like, nnx_checkpoints.state_dict(train_state))
+        with store.quiet():
+            manifest.verify(directory, step=step, required=False)  # a changed byte is exit 2, before it trains
         state, rng, meta = store.read_nnx(directory, target, step)
         check_record(meta, config)
         nnx_checkpoints.load_into(train_state, state)
