@@ -3,9 +3,9 @@ or this suite (exit 3, a bug to fix).
 
 An exception's traceback is read from the innermost frame outwards, skipping the libraries
 (JAX, Flax, optax, NumPy, Orbax, the standard library): the first frame left is where the
-mistake was made. In the suite's own packages it is the suite's bug; anywhere else, it is the
-port's code, and the port field it came through is the outermost frame whose code is one of
-the port's callables (``legacy_step``, ``nnx_call``, ``make_data``, ...).
+mistake was made. In the suite's own packages it is the suite's bug. Outside them, and when
+the traceback passes through one of the port's callables (``legacy_step``, ``nnx_call``,
+``make_data``, ...; the outermost such frame names the field), it is the port's.
 """
 
 import dataclasses
@@ -143,13 +143,12 @@ def first_line(error: BaseException, width: int = 300) -> str:
 
 
 def runtime_line(error: BaseException) -> str | None:
-    """One line blaming the port for an exception raised in its code while the suite ran it, or
-    None when the innermost non-library frame is the suite's own (a bug here: exit 3)."""
+    """One line blaming the port for an exception raised in its code while the suite ran it: the
+    innermost non-library frame is outside the suite and the traceback passes through one of the
+    port's callables. None otherwise (a bug here: exit 3)."""
     who, frame = innermost(error)
-    if who != 'user':
-        return None
     port = current_port()
-    field = port_field(error, port)
-    name = f'port {port.name!r}: ' if port is not None else ''
-    through = f'{field} ' if field else 'your code '
-    return f'{name}{through}raised {first_line(error)} ({frame.where}); this is in the port, not the suite'
+    field = port_field(error, port) if who == 'user' else None
+    if field is None:
+        return None
+    return f'port {port.name!r}: {field} raised {first_line(error)} ({frame.where}); this is in the port, not the suite'
