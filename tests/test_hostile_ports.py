@@ -5,10 +5,12 @@ pre-flight before any training step runs (``tests/hostile_ports.py`` holds the p
 
 import contextlib
 import io
+import os
 import time
 
 import hostile_ports
 import pytest
+from conftest import run_module
 
 from equivalence.core import harness
 
@@ -104,3 +106,14 @@ def test_explain_reads_a_loop_call_that_ignores_its_key():
     code, out, err = invoke(_main('explain'), ['--workload', 'hostile_ports:keyless_loop', *QUICK])
     assert code == 0, err
     assert 'keys' in out and 'Traceback' not in out + err
+
+
+def test_under_processes_a_workers_mistake_in_the_port_is_its_one_line_not_a_dead_worker():
+    """Each worker runs the pre-flight: its exit 2 and its whole line reach the launcher's stderr."""
+    proc = run_module('equivalence.run', '--workload', 'hostile_ports:legacy_step_pmean_other_axis', '--processes',
+                      '2', '--devices', '4', *QUICK[2:], env={'PYTHONPATH': os.path.dirname(__file__)})  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("error: port 'mlp-port-loop': legacy_step raised NameError") and line.endswith(
+        "fix: the port declares axis_name='batch': set axis_name='data' or pmean over 'batch'"
+    ), line

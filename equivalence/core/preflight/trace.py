@@ -10,6 +10,7 @@ from equivalence.core import harness, randomness
 from equivalence.core.config import RunConfig
 from equivalence.core.ports import LoopPort, Port
 from equivalence.core.preflight.errors import HOST_ONLY, blamed, fail, kind
+from equivalence.distributed import rows
 from legacy_pmap import train as legacy
 from nnx_sharded import train as sharded
 
@@ -44,13 +45,14 @@ def trace_legacy(port: Port, config: RunConfig, variables: dict, batch_KxG: Any)
         noise = harness.port_noise(port, harness.uses_dropout(port))
         step = legacy.make_step_fn(port.legacy_model(), loss, noise, tx, port.ema_rate, config.rng_mode)
         axis, field = legacy.AXIS, 'legacy_loss'
-    stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct((d, *s.shape), s.dtype), state)
-    keys = jax.ShapeDtypeStruct((d, 2), np.uint32)
-    batch = jax.tree.map(lambda v: jax.ShapeDtypeStruct((d, k, v.shape[1] // d, *v.shape[2:]), v.dtype), batch_KxG)
+    n = len(rows.positions(d))  # pmap takes this process's rows: all D in one process
+    stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct((n, *s.shape), s.dtype), state)
+    keys = jax.ShapeDtypeStruct((n, 2), np.uint32)
+    batch = jax.tree.map(lambda v: jax.ShapeDtypeStruct((n, k, v.shape[1] // d, *v.shape[2:]), v.dtype), batch_KxG)
     fused = legacy.make_fused_call(step, jax.devices()[:d], axis)
     with blamed(port, field), randomness.bridged(config.rng_mode, axis):
         (_, loss_DxK) = jax.eval_shape(fused, (keys, stacked), batch)
-    check_losses(port, field, loss_DxK, (d, k), 'one mean loss per step (a scalar, pmean-ed)')
+    check_losses(port, field, loss_DxK, (n, k), 'one mean loss per step (a scalar, pmean-ed)')
     return state
 
 
