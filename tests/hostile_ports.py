@@ -533,3 +533,22 @@ def keyless_loop():
     """A loop port whose NNX call ignores its key (a model without dropout): ``jax.jit`` drops the
     unused input, which once made explain exit 3 ('57 inputs but 56 input shardings')."""
     return loop(nnx_call=lambda ts, key, batch: (ts, _losses(ts, jnp.zeros_like(key), batch)))
+
+
+class Trainer(nnx.Module):
+    """An NNX train state with its own attribute names: the comparison reads it through nnx_groups=."""
+
+    def __init__(self, model: nnx.Module):
+        self.net = model
+        self.opt = nnx.Optimizer(model, new.make_tx(), wrt=nnx.Param)
+
+
+def grouped_loop():
+    """The loop port with a train state that is not (model, optimizer): nnx_groups= says where things are."""
+    from equivalence.core import convert
+
+    return loop(
+        nnx_state=Trainer,
+        nnx_call=lambda t, key, batch: (t, new.train_calls(t.net, t.opt, key, batch)),
+        nnx_groups=lambda t: convert.nnx_groups(t.net, t.opt),
+    )

@@ -117,3 +117,16 @@ def test_under_processes_a_workers_mistake_in_the_port_is_its_one_line_not_a_dea
     assert line.startswith("error: port 'mlp-port-loop': legacy_step raised NameError") and line.endswith(
         "fix: the port declares axis_name='batch': set axis_name='data' or pmean over 'batch'"
     ), line
+
+
+def test_nnx_groups_is_honoured_by_resume_and_migrate(tmp_path):
+    """A train state with its own names (``net``, ``opt``): ``--resume-at`` restores into it and
+    ``checkpoint migrate`` maps into it, both through the port's ``nnx_groups=``."""
+    flags = ['--workload', 'hostile_ports:grouped_loop', *QUICK, '--resume-at', '2', '--checkpoint-dir', str(tmp_path)]
+    code, out, err = invoke(_main('run'), flags)
+    assert code == 0 and 'MATCH' in out, out + err
+    migrate = command_line('grouped_loop', 'migrate', tmp_path)
+    code, out, err = invoke(migrate[0], [*migrate[1][:2], str(tmp_path / 'again'), *migrate[1][3:]])
+    assert code == 0, err
+    rows = [r.split()[:2] for r in out.splitlines()]
+    assert ['params/Dense_0/kernel', 'net/fc1/kernel'] in rows and ['step/step', 'opt/step'] in rows, out

@@ -29,7 +29,7 @@ from flax import nnx
 from equivalence.checkpoint import layout, manifest, store
 from equivalence.checkpoint.store import CheckpointError
 from equivalence.core import convert, harness, naming
-from equivalence.core.ports import Port
+from equivalence.core.ports import LoopPort, Port
 from legacy_pmap import checkpoints as legacy_checkpoints
 from nnx_sharded import checkpoints as nnx_checkpoints
 
@@ -106,7 +106,8 @@ def migrate(legacy_dir: str, nnx_dir: str, port: Port, step: int | None = None, 
     state, rng, meta = store.read_legacy(legacy_dir, _legacy_target(port), step)
     legacy_leaves, mapping, outside, skipped = _legacy_leaves(port, state)
     abstract = nnx_checkpoints.state_dict(nnx.eval_shape(layout.nnx_init(port)))
-    pairs, unmapped, conflicts = plan(legacy_leaves, nnx_checkpoints.spec(abstract), mapping)
+    places = layout.group_places(port) if isinstance(port, LoopPort) else None
+    pairs, unmapped, conflicts = plan(legacy_leaves, nnx_checkpoints.spec(abstract), mapping, places)
     migration = Migration(legacy_dir, nnx_dir, int(meta['step']), pairs, outside + unmapped, conflicts, False, skipped)
     if migration.problem():
         raise MigrationError(migration)
@@ -193,9 +194,12 @@ def outside_groups(state: Any, groups: dict, skip: tuple[str, ...]) -> tuple[lis
     return outside, skipped
 
 
-def nnx_path(legacy_path: str, mapping: dict[str, str]) -> str:
-    """Where the NNX train state keeps a legacy leaf (see the module docstring)."""
+def nnx_path(legacy_path: str, mapping: dict[str, str], places: dict[str, str] | None = None) -> str:
+    """Where the NNX train state keeps a legacy leaf (see the module docstring); with a port's
+    ``nnx_groups=``, where its own train state keeps the leaf that group reads (``places``)."""
     group, _, path = legacy_path.partition('/')
+    if places is not None:
+        return places.get(f'{group}/{naming.rename_path(path, mapping)}', f'(no leaf of nnx_groups {legacy_path})')
     if group == 'step':
         return 'optimizer/step'
     if group == 'model_state':
@@ -207,12 +211,14 @@ def nnx_path(legacy_path: str, mapping: dict[str, str]) -> str:
     return f'{prefix}/{naming.rename_path(path, mapping)}'
 
 
-def plan(legacy: dict[str, np.ndarray], nnx_spec: Spec, mapping: dict[str, str]) -> tuple[list, list, list]:
+def plan(
+    legacy: dict[str, np.ndarray], nnx_spec: Spec, mapping: dict[str, str], places=None
+) -> tuple[list, list, list]:
     """``(pairs, unmapped, conflicts)``: every legacy leaf paired with its NNX leaf; what does
     not pair, or pairs with another shape or dtype, described in one phrase each."""
     pairs, unmapped, conflicts, taken = [], [], [], set()
     for path, value in legacy.items():
-        target = nnx_path(path, mapping)
+        target = nnx_path(path, mapping, places)
         shape, dtype = tuple(np.shape(value)), str(value.dtype)
         if target not in nnx_spec:
             unmapped.append(f'legacy {path} {list(shape)} {dtype}: no NNX leaf {target}')
