@@ -4,13 +4,14 @@ import inspect
 from collections.abc import Iterator
 from typing import Any
 
+import flax.linen as nn
 import jax
 import numpy as np
 
 from equivalence.core import harness
 from equivalence.core.naming import PortError
 from equivalence.core.ports import Port
-from equivalence.core.preflight.errors import PreflightError, blamed, fail
+from equivalence.core.preflight.errors import PreflightError, blamed, fail, kind
 
 
 def check_names(port: Port, variables: dict) -> dict:
@@ -84,4 +85,6 @@ def abstract_variables(port: Port, data: Any) -> dict:
     key = jax.random.PRNGKey(0)
     with blamed(port, 'legacy_model', 'legacy_model().init(rngs, *init_args(example))'):
         model = port.legacy_model()
+        if not isinstance(model, nn.Module):
+            raise fail(port, 'legacy_model', f'returned {kind(model)}; expected a linen Module')
         return dict(jax.eval_shape(lambda: model.init({'params': key, 'dropout': key}, *args)))

@@ -19,7 +19,10 @@ def legacy_state(port: Port, variables: dict) -> Any:
     """One replica of the legacy train state, shapes only."""
     if isinstance(port, LoopPort):
         with blamed(port, 'legacy_state', 'legacy_state(linen_variables) -> your train state'):
-            return jax.eval_shape(port.legacy_state, variables)
+            state = jax.eval_shape(port.legacy_state, variables)
+        if not jax.tree.leaves(state):
+            raise fail(port, 'legacy_state', f'returned {kind(state)} holding no arrays; expected your train state')
+        return state
     tx = make_tx(port)
     with blamed(port, 'make_tx', 'make_tx(lr_scale) -> optax.GradientTransformation'):
         return jax.eval_shape(lambda v: legacy.create_state(v, tx, port.ema_rate), variables)
@@ -104,7 +107,11 @@ def trace_nnx(port: Port, config: RunConfig, batch_KxG: Any) -> Any:
 
 def nnx_train_state(port: LoopPort) -> Any:
     with blamed(port, 'nnx_state', 'nnx_state(nnx_model) -> your NNX train state'):
-        return nnx.eval_shape(lambda: port.nnx_state(port.nnx_model(nnx.Rngs(0))))
+        ts = nnx.eval_shape(lambda: port.nnx_state(port.nnx_model(nnx.Rngs(0))))
+        variables = jax.tree.leaves(nnx.state(ts))
+    if not variables:
+        raise fail(port, 'nnx_state', f'returned {kind(ts)} holding no NNX variables; expected your NNX train state')
+    return ts
 
 
 def trace_nnx_loop(port: LoopPort, config: RunConfig, keys: Any, batch_KxG: Any) -> Any:
