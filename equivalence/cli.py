@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import NoReturn, TypeVar
 
 from equivalence import devices
+from equivalence.core import blame
 from equivalence.core.config import ConfigError
 
 EXIT_MATCH, EXIT_MISMATCH, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
@@ -33,7 +34,8 @@ def exit_codes(ok: str, mismatch: str | None = None, workers: bool = True) -> st
     lines = ['exit codes:', f'  0  {ok}']
     lines += [f'  1  {mismatch}'] if mismatch else []
     lines += [
-        '  2  bad input: one "error: ..." line on stderr, before anything runs',
+        '  2  bad input or a mistake in the port: one "error: ..." line on stderr naming the flag, or',
+        '     the port field and the file:line in your code (checked before anything trains)',
         '  3  internal error: a bug in this suite, not a verdict on the port; stderr names the',
         '     file holding the traceback',
     ]
@@ -181,6 +183,9 @@ def main(
         print('interrupted', file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001 -- every unexpected failure becomes exit 3, with its traceback kept
+        line = blame.runtime_line(e)  # raised in the port's own code: the port's mistake, exit 2
+        if line is not None:
+            fail(line)
         return internal_error(e, command_name(inputs), sys.argv[1:] if argv is None else argv)
 
 

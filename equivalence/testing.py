@@ -39,10 +39,19 @@ def require_devices(n: int) -> None:
 def assert_port_matches(port, devices: int, steps_per_call: int = 2, calls: int = 2, **flags):
     """Run both sides of ``port`` on ``devices`` devices and fail with the worst leaves unless
     every leaf matches; returns the ``RunResult``. ``flags``: other ``RunConfig`` fields."""
-    from equivalence.core import harness, report
+    from equivalence.core import blame, harness, report
+    from equivalence.core.config import ConfigError
 
     require_devices(devices)
-    result = harness.check(port, devices=devices, steps_per_call=steps_per_call, calls=calls, **flags)
+    try:
+        result = harness.check(port, devices=devices, steps_per_call=steps_per_call, calls=calls, **flags)
+    except ConfigError as e:  # a mistake in the port or the flags: its one line, not a traceback into the suite
+        pytest.fail(f'error: {e}', pytrace=False)
+    except Exception as e:
+        line = blame.runtime_line(e)  # raised in the port's own code while it trained
+        if line is None:
+            raise
+        pytest.fail(f'error: {line}', pytrace=False)
     if not result.report.match:
         pytest.fail('\n'.join([report.header(result, 'cpu'), *report.leaf_table(result), report.verdict(result)]))
     return result

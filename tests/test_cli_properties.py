@@ -19,6 +19,7 @@ import os
 import re
 import tempfile
 
+import numpy as np
 import pytest
 from conftest import run_module
 from hypothesis import HealthCheck, event, given, settings
@@ -247,3 +248,91 @@ def test_run_for_real_exits_0_or_1_on_valid_input_and_2_on_invalid(run):
             assert json.load(open(report))['match'] is (proc.returncode == 0)
         else:
             assert proc.returncode == 2 and proc.stderr.count('\n') == 1 and proc.stderr.startswith('error: ')
+
+
+# -- ports: a known-good port with one field replaced by a wrong value ------------------------------
+
+NOT_CALLABLE = st.sampled_from([0, 'text', [1, 2], {'a': 1}, 2.5]) | st.just(np.zeros(3))
+RETURNS = st.sampled_from([None, 0, 'x', (1, 2, 3)]) | st.just(np.zeros((2, 3)))
+PORT_FIELDS = {  # field -> (arity the suite calls it with, the good ports that have it)
+    'make_data': 3, 'init_args': 1, 'legacy_model': 0, 'nnx_model': 1, 'legacy_state': 1, 'legacy_step': 2,
+    'nnx_state': 1, 'nnx_call': 3, 'legacy_groups': 1, 'nnx_groups': 1, 'legacy_loss': 5, 'nnx_loss': 3,
+    'make_tx': 1,
+}  # fmt: skip
+OTHER_FIELDS = {  # wrong values of fields that are not callables
+    'rng_modes': st.sampled_from(['global', ('per_device',), (), None, ('global', 7)]),
+    'names': st.sampled_from([3, 2.5, ['Dense_0'], {'Dense_0': 1}, 'structur']),
+    'axis_name': st.sampled_from([None, '', 3, ('batch',)]),
+    'default_batch': st.sampled_from([0, -8, 2.5, '64', True]),
+}
+
+
+def function_of(n: int, value=0):
+    """A function of ``n`` positional arguments returning ``value``."""
+    return eval(f'lambda {",".join("abcdef"[:n])}: v', {'v': value})  # noqa: S307
+
+
+def wrong_callable(arity: int) -> st.SearchStrategy:
+    """A function of another arity, or of the right arity returning something of another type or shape."""
+    other = st.sampled_from([n for n in range(6) if n != arity]).map(function_of)
+    right = RETURNS.map(lambda value: function_of(arity, value))
+    return NOT_CALLABLE | other | right
+
+
+@st.composite
+def broken_ports(draw) -> tuple[str, str, object]:
+    """(level, field, wrong value): one field of the example's good port replaced."""
+    level = draw(st.sampled_from(['LOOP', 'MODEL']))
+    import hostile_ports
+
+    good = getattr(hostile_ports, level)
+    fields = [f for f in (*PORT_FIELDS, *OTHER_FIELDS) if hasattr(good, f)]
+    field = draw(st.sampled_from(fields), label='field')
+    value = draw(wrong_callable(PORT_FIELDS[field]) if field in PORT_FIELDS else OTHER_FIELDS[field], label='value')
+    return level, field, value
+
+
+@settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(case=broken_ports())
+def test_a_port_with_one_wrong_field_is_exit_2_in_one_line_naming_a_port_field(case, monkeypatch_module):
+    """Built (``ports.load``) and run (``python -m equivalence.run``, in-process): one line, exit 2,
+    naming a field of the port, the replaced one when its kind or arity is wrong; nothing trains."""
+    import dataclasses
+
+    import hostile_ports
+
+    from equivalence import run as run_command
+    from equivalence.core import ports
+
+    level, field, value = case
+    hostile_ports.DRAWN = lambda: dataclasses.replace(getattr(hostile_ports, level), **{field: value})
+    argv = ['--workload', 'hostile_ports:DRAWN', '--devices', '2', '--steps-per-call', '2', '--calls', '2',
+            '--batch-size', '8']  # fmt: skip
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = run_command.main(argv)
+        except SystemExit as e:
+            code = e.code
+    line = err.getvalue()
+    event(f'{field}: ' + line.split(': ', 2)[-1][:40])
+    assert code == 2 and line.count('\n') == 1 and line.startswith('error: '), (field, value, code, line)
+    assert 'Traceback' not in out.getvalue() + line
+    named = {f.name for f in dataclasses.fields(ports.LoopPort)} | {f.name for f in dataclasses.fields(ports.ModelPort)}
+    assert any(f in line for f in named), line
+    if not callable(value) or field in OTHER_FIELDS:
+        assert field in line, line
+
+
+@pytest.fixture(scope='module')
+def monkeypatch_module():
+    """No training step may run: the pre-flight (or the port's own checks) must stop every drawn port."""
+    from equivalence.core import harness
+
+    def trained(*args, **kwargs):
+        raise AssertionError('a training step ran')
+
+    with pytest.MonkeyPatch.context() as patch:
+        for setup in (harness.LegacySetup, harness.NnxSetup, harness.NnxLoopSetup):
+            patch.setattr(setup, 'call', trained)
+        yield

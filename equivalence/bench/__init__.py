@@ -24,10 +24,11 @@ def run(wl, config, repeats: int, compile_repeats: int, strategy_configs=()):
     from equivalence.bench import report as benchreport
     from equivalence.bench import timing as measure
     from equivalence.bench import variants
-    from equivalence.core import harness
+    from equivalence.core import harness, preflight
 
     for cfg in (config, *strategy_configs):
         harness.validate(wl, cfg)
+    preflight.check(wl, config, pool_steps(config))
     progress = measure.Progress(f'{config.workload} D={config.devices} K={config.steps_per_call}')
     machine = measure.machine()
     progress('building variants')

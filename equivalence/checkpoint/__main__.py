@@ -1,14 +1,17 @@
-"""``python -m equivalence.checkpoint migrate LEGACY_DIR NNX_DIR``: a pmap-era checkpoint -> an NNX one.
+"""``python -m equivalence.checkpoint migrate LEGACY_DIR NNX_DIR``: a pmap-era checkpoint -> an NNX one;
+``python -m equivalence.checkpoint verify NNX_DIR [LEGACY_DIR]``: every leaf against its sha256.
 
-Nothing mapped wrongly is ever written: a leaf without a place, an existing NNX_DIR (unless
---force) or a damaged checkpoint is bad input, named in one line.
+migrate writes nothing unless every legacy leaf has an NNX place (or the port's ``skip=`` names
+it), never writes where it reads, keeps an existing NNX_DIR unless --force, and writes a sha256
+per leaf beside the checkpoint; verify re-reads both checkpoints and names the first leaf whose
+bytes changed since (Orbax keeps no checksum of its own).
 """
 
 import sys
 
 from equivalence import cli
 
-EXIT_CODES = cli.exit_codes('migrated: the NNX checkpoint is written', workers=False)
+EXIT_CODES = cli.exit_codes('written (migrate), or every leaf matches its sha256 (verify)', workers=False)
 
 
 def parse(argv: list[str] | None):
@@ -22,28 +25,40 @@ def parse(argv: list[str] | None):
     migrate.add_argument('--workload', default='mlp', help='a built-in workload, or your port as module:NAME')
     migrate.add_argument('--step', type=int, default=None, help='the step to convert (default: the latest complete)')
     migrate.add_argument('--force', action='store_true', help='replace an existing NNX_DIR')
+    verify = commands.add_parser(
+        'verify', help='check a migrated checkpoint against the sha256 migrate wrote', epilog=EXIT_CODES
+    )
+    verify.add_argument('nnx_dir', metavar='NNX_DIR', help='a checkpoint written by migrate')
+    verify.add_argument('legacy_dir', metavar='LEGACY_DIR', nargs='?', default=None, help='and its legacy source')
+    verify.add_argument('--step', type=int, default=None, help='the step to check (default: the latest complete)')
     return parser.parse_args(argv)
 
 
 def inputs(argv: list[str] | None, n_available: int | None = None):
-    """Every flag parsed and the workload loaded, nothing read or written: ``(args, port)``;
-    raises ``ConfigError``. The directories are checked by the migration itself."""
+    """Every flag parsed and (migrate) the workload loaded, nothing read or written: ``(args, port)``;
+    raises ``ConfigError``. The directories are checked by the command itself."""
     from equivalence.core import workloads
 
     args = parse(argv)
-    return args, workloads.get(args.workload)
+    return args, workloads.get(args.workload) if args.command == 'migrate' else None
 
 
 def work(validated) -> int:
-    from equivalence.checkpoint import migrate, store
+    from equivalence.checkpoint import manifest, migrate, store
+    from equivalence.core.config import ConfigError
 
     args, port = validated
+    if args.command == 'verify':
+        with store.quiet():
+            lines = manifest.verify(args.nnx_dir, args.legacy_dir, args.step)
+        print('\n'.join(lines))
+        return cli.EXIT_MATCH
     try:
         with store.quiet():
             result = migrate.migrate(args.legacy_dir, args.nnx_dir, port, step=args.step, force=args.force)
     except migrate.MigrationError as e:
         print('\n'.join(e.migration.lines()))
-        cli.fail(str(e))
+        raise ConfigError(str(e)) from None
     print('\n'.join(result.lines()))
     return cli.EXIT_MATCH
 

@@ -17,6 +17,7 @@ from flax import nnx
 from equivalence.core import convert, harness
 from equivalence.core.ports import LoopPort, Port
 from legacy_pmap import train as legacy
+from nnx_sharded import checkpoints as nnx_checkpoints
 from nnx_sharded import train as sharded
 
 
@@ -44,7 +45,10 @@ def legacy_init(port: Port) -> Callable[[], Any]:
 
 
 def nnx_init(port: Port) -> Callable[[], nnx.Module]:
-    """A function building the port's NNX train state, laid out as ``nnx_sharded.train.TrainState``."""
+    """A function building the port's NNX train state, laid out as ``nnx_sharded.train.TrainState``;
+    a loop port with ``nnx_groups=`` keeps its own layout (``group_places`` maps into it)."""
+    if isinstance(port, LoopPort) and port.nnx_groups is not None:
+        return lambda: port.nnx_state(port.nnx_model(nnx.Rngs(0)))
     if isinstance(port, LoopPort):
         return lambda: View(*convert.find_nnx_objects(port.nnx_state(port.nnx_model(nnx.Rngs(0)))))
     return lambda: sharded.TrainState(port.nnx_model(nnx.Rngs(0)), port.make_tx(1.0), port.ema_rate)
@@ -52,11 +56,39 @@ def nnx_init(port: Port) -> Callable[[], nnx.Module]:
 
 def view(setup: harness.NnxSetup | harness.NnxGraphSetup | harness.NnxLoopSetup) -> nnx.Module:
     """The NNX train state a harness setup trains, as one object that shares its arrays."""
+    if isinstance(setup, harness.NnxLoopSetup) and setup.port.nnx_groups is not None:
+        return setup.train_state
     if isinstance(setup, harness.NnxLoopSetup):
         return View(*convert.find_nnx_objects(setup.train_state))
     if isinstance(setup, harness.NnxGraphSetup):
         return setup.ts
     return nnx.merge(setup.graphdef, setup.state)
+
+
+class _Marker(jax.ShapeDtypeStruct):
+    """An abstract leaf with an identity: ``v[...]`` of a Variable holding it gives it back."""
+
+    def __getitem__(self, index):
+        return self
+
+
+def group_places(port: LoopPort) -> dict[str, str] | None:
+    """For a loop port with ``nnx_groups=``: ``{'params/fc1/kernel': 'net/fc1/kernel'}``, where each
+    leaf its groups read lives in its own train state's checkpoint. Found without allocating: each
+    abstract leaf is a distinct marker, and the groups hand the markers back. None without nnx_groups."""
+    if port.nnx_groups is None:
+        return None
+    train_state = nnx.eval_shape(nnx_init(port))
+    state = nnx.state(train_state, nnx_checkpoints.SAVED)
+    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]
+    markers = {nnx_checkpoints.path_str(p): _Marker(leaf.shape, leaf.dtype) for p, leaf in flat}
+    nested = jax.tree_util.tree_unflatten(jax.tree.structure(nnx.to_pure_dict(state)), list(markers.values()))
+    nnx.replace_by_pure_dict(state, nested)
+    nnx.update(train_state, state)
+    where = {id(m): path for path, m in markers.items()}
+    groups = port.nnx_groups(train_state)
+    leaves = jax.tree_util.tree_flatten_with_path({g: t for g, t in groups.items() if t is not None})[0]
+    return {nnx_checkpoints.path_str(p): where[id(m)] for p, m in leaves if id(m) in where}
 
 
 def legacy_groups(port: Port) -> Callable[[Any], dict]:

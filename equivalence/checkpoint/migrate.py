@@ -26,10 +26,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from equivalence.checkpoint import layout, store
+from equivalence.checkpoint import layout, manifest, store
 from equivalence.checkpoint.store import CheckpointError
 from equivalence.core import convert, harness, naming
-from equivalence.core.ports import Port
+from equivalence.core.ports import LoopPort, Port
 from legacy_pmap import checkpoints as legacy_checkpoints
 from nnx_sharded import checkpoints as nnx_checkpoints
 
@@ -56,6 +56,8 @@ class Migration:
     unmapped: list[str]  # 'legacy opt_state/... [3] float32: no NNX leaf optimizer/...', 'NNX ...: no legacy leaf'
     conflicts: list[str]  # a pair whose shapes or dtypes differ
     written: bool = False
+    skipped: list[str] = dataclasses.field(default_factory=list)  # legacy leaves the port's skip= leaves behind
+    manifest: str | None = None  # the sha256 manifest written beside the checkpoint
 
     def problem(self) -> str | None:
         bad = self.conflicts + self.unmapped
@@ -78,8 +80,10 @@ class Migration:
         summary = ', '.join(f'{g} {n}' for g, n in groups.items())
         rows.append(f'mapped {len(self.pairs)} leaves ({summary}), with the host key chain and the step')
         rows.append('could not map: ' + ('; '.join(self.conflicts + self.unmapped) or 'nothing'))
+        if self.skipped:
+            rows.append("skipped, as the port's skip= says: " + '; '.join(self.skipped))
         if self.written:
-            rows.append(f'wrote {self.nnx_dir} step {self.step}')
+            rows.append(f'wrote {self.nnx_dir} step {self.step}, sha256 of every leaf in {self.manifest}')
         return rows
 
 
@@ -94,12 +98,17 @@ class MigrationError(CheckpointError):
 def migrate(legacy_dir: str, nnx_dir: str, port: Port, step: int | None = None, force: bool = False) -> Migration:
     """Convert the legacy checkpoint of ``step`` (default: the latest complete one) into an NNX
     train state checkpoint in ``nnx_dir``, which must not exist unless ``force``."""
+    from equivalence.core import preflight
+
+    _check_apart(legacy_dir, nnx_dir)
     _check_destination(nnx_dir, force)
+    preflight.check_states(port)
     state, rng, meta = store.read_legacy(legacy_dir, _legacy_target(port), step)
-    legacy_leaves, mapping = _legacy_leaves(port, state)
+    legacy_leaves, mapping, outside, skipped = _legacy_leaves(port, state)
     abstract = nnx_checkpoints.state_dict(nnx.eval_shape(layout.nnx_init(port)))
-    pairs, unmapped, conflicts = plan(legacy_leaves, nnx_checkpoints.spec(abstract), mapping)
-    migration = Migration(legacy_dir, nnx_dir, int(meta['step']), pairs, unmapped, conflicts)
+    places = layout.group_places(port) if isinstance(port, LoopPort) else None
+    pairs, unmapped, conflicts = plan(legacy_leaves, nnx_checkpoints.spec(abstract), mapping, places)
+    migration = Migration(legacy_dir, nnx_dir, int(meta['step']), pairs, outside + unmapped, conflicts, False, skipped)
     if migration.problem():
         raise MigrationError(migration)
     nnx_state = _fill(abstract, {p.nnx: _cast(legacy_leaves[p.legacy], p) for p in migration.pairs})
@@ -110,8 +119,25 @@ def migrate(legacy_dir: str, nnx_dir: str, port: Port, step: int | None = None, 
     with store.quiet():
         nnx_checkpoints.save(manager, migration.step, nnx_state, rng, record)
     manager.close()
+    pairs = {p.nnx: p.legacy for p in migration.pairs}
+    migration.manifest = manifest.write(nnx_dir, migration.step, legacy_dir, nnx_state, state, pairs)
     migration.written = True
     return migration
+
+
+def _check_apart(legacy_dir: str, nnx_dir: str) -> None:
+    """``migrate`` never writes where it reads: not the same directory, not one inside the other."""
+    source, target = os.path.realpath(legacy_dir), os.path.realpath(nnx_dir)
+    if source == target:
+        where = 'is the legacy checkpoint itself'
+    elif target.startswith(source + os.sep):
+        where = f'lies inside the legacy checkpoint {legacy_dir}'
+    elif source.startswith(target + os.sep):
+        where = f'holds the legacy checkpoint {legacy_dir}'
+    else:
+        return
+    raise CheckpointError(f'NNX_DIR {nnx_dir} {where}: migrate never writes where it reads, --force or not; '
+                          'choose another NNX_DIR')  # fmt: skip
 
 
 def _check_destination(nnx_dir: str, force: bool) -> None:
@@ -138,19 +164,42 @@ def _legacy_target(port: Port) -> Any:
         raise CheckpointError(message) from None
 
 
-def _legacy_leaves(port: Port, state: Any) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """``{'params/Dense_0/kernel': array}`` by group, and ``{linen path: nnx path}`` from the port check."""
+def _legacy_leaves(port: Port, state: Any) -> tuple[dict[str, np.ndarray], dict[str, str], list[str], list[str]]:
+    """``{'params/Dense_0/kernel': array}`` by group, ``{linen path: nnx path}`` from the port check,
+    and the leaves of the train state outside every group: unmapped, or skipped as the port says."""
     groups = layout.legacy_groups(port)(state)
     neutral = convert.groups_to_neutral({g: t for g, t in groups.items() if t is not None})
     variables = {'params': groups['params'], **(groups.get('model_state') or {})}
     mapping = harness.check_names(port, variables)  # naming.PortError: one line, exit 2
     leaves = {f'{g}/{p}': a for g, tree in neutral.items() for p, a in tree.items()}
-    return leaves, mapping
+    outside, skipped = outside_groups(state, groups, getattr(port, 'skip', ()))
+    return leaves, mapping, outside, skipped
 
 
-def nnx_path(legacy_path: str, mapping: dict[str, str]) -> str:
-    """Where the NNX train state keeps a legacy leaf (see the module docstring)."""
+def outside_groups(state: Any, groups: dict, skip: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """Legacy leaves no group reads (flax's ``dynamic_scale``, a custom counter): each has no NNX
+    place, so it is unmapped (exit 2) unless the port's ``skip=`` names it (or a field above it).
+    A leaf is read when a group holds that very array (groups select fields, they do not copy)."""
+    read = {id(leaf) for leaf in jax.tree.leaves(groups)}
+    outside, skipped = [], []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if id(leaf) in read:
+            continue
+        name = legacy_checkpoints.path_str(path)
+        text = f'legacy {name} {list(np.shape(leaf))} {np.asarray(leaf).dtype}'
+        if any(name == s or name.startswith(s + '/') for s in skip):
+            skipped.append(text)
+        else:
+            outside.append(f"{text}: no group reads it, so it has no NNX place (name it in the port's skip=)")
+    return outside, skipped
+
+
+def nnx_path(legacy_path: str, mapping: dict[str, str], places: dict[str, str] | None = None) -> str:
+    """Where the NNX train state keeps a legacy leaf (see the module docstring); with a port's
+    ``nnx_groups=``, where its own train state keeps the leaf that group reads (``places``)."""
     group, _, path = legacy_path.partition('/')
+    if places is not None:
+        return places.get(f'{group}/{naming.rename_path(path, mapping)}', f'(no leaf of nnx_groups {legacy_path})')
     if group == 'step':
         return 'optimizer/step'
     if group == 'model_state':
@@ -162,12 +211,14 @@ def nnx_path(legacy_path: str, mapping: dict[str, str]) -> str:
     return f'{prefix}/{naming.rename_path(path, mapping)}'
 
 
-def plan(legacy: dict[str, np.ndarray], nnx_spec: Spec, mapping: dict[str, str]) -> tuple[list, list, list]:
+def plan(
+    legacy: dict[str, np.ndarray], nnx_spec: Spec, mapping: dict[str, str], places=None
+) -> tuple[list, list, list]:
     """``(pairs, unmapped, conflicts)``: every legacy leaf paired with its NNX leaf; what does
     not pair, or pairs with another shape or dtype, described in one phrase each."""
     pairs, unmapped, conflicts, taken = [], [], [], set()
     for path, value in legacy.items():
-        target = nnx_path(path, mapping)
+        target = nnx_path(path, mapping, places)
         shape, dtype = tuple(np.shape(value)), str(value.dtype)
         if target not in nnx_spec:
             unmapped.append(f'legacy {path} {list(shape)} {dtype}: no NNX leaf {target}')

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from equivalence.checkpoint import layout, migrate, store
+from equivalence.checkpoint import layout, manifest, migrate, store
 from equivalence.checkpoint.options import CheckpointOptions
 from equivalence.core import compare, harness
 from equivalence.core.config import ConfigError, RunConfig
@@ -80,6 +80,8 @@ def restorer(directory: str, config: RunConfig, step: int | None = None) -> Call
     def restore(setup) -> jax.Array:
         train_state = layout.view(setup)
         target = jax.tree.map(placed_like, nnx_checkpoints.state_dict(train_state))
+        with store.quiet():
+            manifest.verify(directory, step=step, required=False)  # a changed byte is exit 2, before it trains
         state, rng, meta = store.read_nnx(directory, target, step)
         check_record(meta, config)
         nnx_checkpoints.load_into(train_state, state)
@@ -137,8 +139,11 @@ def resume_nnx(port: Port, config: RunConfig, legacy: LegacyRun, nnx_dir: str, s
 def run(port: Port, config: RunConfig, options: CheckpointOptions, progress=None, nnx_devices: int | None = None):
     """Both paths with legacy checkpoints; with ``resume_at``, NNX resumes from the migrated one
     (on ``nnx_devices`` devices, default the run's) and is compared with legacy's last step."""
+    from equivalence.core import preflight
+
     harness.validate(port, config)
     options.check(config)
+    preflight.check(port, config)
     with _root(options.directory) as root:
         legacy = train_legacy(port, config, options, os.path.join(root, 'legacy'), progress)
         n, note = (

@@ -242,7 +242,7 @@ class NnxLoopSetup:
                 ts, losses_K = self.port.nnx_call(nnx.merge(graphdef, state), keys, batch_KxG)
             return nnx.state(ts), losses_K
 
-        return jax.jit(pure), state
+        return jax.jit(pure, keep_unused=True), state  # a key the call ignores is an input too (FACTS.md)
 
 
 def legacy_setup(port: Port, config: RunConfig, variables: dict) -> LegacySetup:
@@ -388,7 +388,10 @@ def run(port: Port, config: RunConfig, progress: Progress | None = None) -> RunR
     here, before any training (``naming.PortError``). ``progress``, if given, is called
     after each of the 2 * C compiled calls.
     """
+    from equivalence.core import preflight  # it traces what this module builds
+
     validate(port, config)
+    preflight.check(port, config)  # every port traced abstractly: a mistake in it is exit 2, before training
     variables, calls, rng = make_inputs(port, config)
     check_names(port, variables)
     old = run_legacy(port, config, variables, calls, rng, progress or _silent)

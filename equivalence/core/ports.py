@@ -18,6 +18,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+from equivalence.core import port_fields
 from equivalence.core.compare import FLOAT32_REDUCTION_ORDER, Tolerance
 from equivalence.core.config import ConfigError
 from equivalence.core.naming import Names
@@ -57,6 +58,9 @@ class ModelPort:
     legacy_predict: Callable | None = None  # (model, params, model_state, x) -> logits
     nnx_predict: Callable | None = None  # (model, x) -> logits
 
+    def __post_init__(self):
+        port_fields.check(self)  # each wrong field: one ConfigError line naming it and the fix
+
 
 @dataclasses.dataclass(frozen=True)
 class LoopPort:
@@ -86,6 +90,10 @@ class LoopPort:
     rng_modes: tuple[str, ...] = ('per-device', 'global')  # what your loops support; the first is the default
     summary: str = ''
     tolerance: Tolerance = FLOAT32_REDUCTION_ORDER
+    skip: tuple[str, ...] = ()  # legacy train-state fields deliberately not migrated (e.g. 'dynamic_scale')
+
+    def __post_init__(self):
+        port_fields.check(self)
 
 
 Port = ModelPort | LoopPort
@@ -98,6 +106,8 @@ def load(spec: str) -> Port:
         raise ConfigError(f'--workload {spec!r}: a port is named package.module:NAME')
     try:
         module = importlib.import_module(module_name)
+    except ConfigError as e:  # a port built with a wrong field: its own line says which
+        raise ConfigError(f'--workload {spec!r}: {e}') from None
     except ModuleNotFoundError as e:
         raise ConfigError(f'--workload {spec!r}: cannot import {e.name!r} (is its folder on PYTHONPATH?)') from None
     except Exception as e:  # noqa: BLE001 -- the user's module failed: say so in one line
@@ -106,7 +116,10 @@ def load(spec: str) -> Port:
         raise ConfigError(f'--workload {spec!r}: {module_name} has no attribute {attr!r}')
     port = getattr(module, attr)
     if callable(port) and not isinstance(port, Port):
-        port = port()
+        try:
+            port = port()
+        except ConfigError as e:
+            raise ConfigError(f'--workload {spec!r}: {e}') from None
     if not isinstance(port, Port):
         raise ConfigError(f'--workload {spec!r} is a {type(port).__name__}, not an equivalence ModelPort or LoopPort')
     return port

@@ -150,8 +150,9 @@ EXCEPTION = re.compile(r'^[\w.]+(Error|Exception|Interrupt)\b.*')
 
 
 def last_reason(path: str, width: int = 240) -> str:
-    """The most telling line of a worker's log: its ``error:`` line, else a fatal log line of the
-    runtime, else the last exception, else the last line."""
+    """The most telling line of a worker's log: its ``error:`` line (whole: it is the command's own
+    one line, a port's mistake with its fix), else a fatal log line of the runtime, else the last
+    exception, else the last line."""
     try:
         with open(path, errors='replace') as f:
             lines = [line.strip() for line in f if line.strip()]
@@ -164,7 +165,7 @@ def last_reason(path: str, width: int = 240) -> str:
     ):
         found = [p for p in map(pick, lines) if p]
         if found:
-            return found[-1][:width]
+            return found[-1] if found[-1].startswith('error: ') else found[-1][:width]
     return lines[-1][:width] if lines else ''
 
 

@@ -1,0 +1,154 @@
+"""Whose mistake an exception is: the user's port (exit 2, one line naming the field and the frame)
+or this suite (exit 3, a bug to fix).
+
+An exception's traceback is read from the innermost frame outwards, skipping the libraries
+(JAX, Flax, optax, NumPy, Orbax, the standard library): the first frame left is where the
+mistake was made. In the suite's own packages it is the suite's bug. Outside them, and when
+the traceback passes through one of the port's callables (``legacy_step``, ``nnx_call``,
+``make_data``, ...; the outermost such frame names the field), it is the port's.
+"""
+
+import dataclasses
+import inspect
+import os
+import sysconfig
+import threading
+from typing import Any
+
+LIBRARIES = frozenset(
+    {
+        'jax',
+        'jaxlib',
+        'flax',
+        'optax',
+        'numpy',
+        'orbax',
+        'chex',
+        'tensorstore',
+        'ml_dtypes',
+        'absl',
+        'etils',
+        'treescope',
+        'scipy',
+        'typing_extensions',
+        'pytest',
+        '_pytest',
+        'pluggy',
+        'hypothesis',
+    }
+)
+SUITE = frozenset({'equivalence', 'legacy_pmap', 'nnx_sharded'})
+_STDLIB = os.path.realpath(sysconfig.get_paths()['stdlib'])
+_current = threading.local()
+
+
+@dataclasses.dataclass(frozen=True)
+class Frame:
+    module: str
+    file: str
+    line: int
+    function: str
+
+    @property
+    def where(self) -> str:
+        return f'{os.path.basename(self.file)}:{self.line} in {self.function}'
+
+
+def set_port(port: Any) -> None:
+    """The port now being checked or run: its callables name the field an exception came through."""
+    _current.port = port
+
+
+def current_port() -> Any:
+    return getattr(_current, 'port', None)
+
+
+def frames(error: BaseException) -> list[tuple[Frame, Any]]:
+    """Every frame of the traceback, outermost first, with its code object."""
+    out, tb = [], error.__traceback__
+    while tb is not None:
+        f = tb.tb_frame
+        out.append(
+            (Frame(f.f_globals.get('__name__', ''), f.f_code.co_filename, tb.tb_lineno, f.f_code.co_name), f.f_code)
+        )
+        tb = tb.tb_next
+    return out
+
+
+def kind(frame: Frame) -> str:
+    """'library', 'suite' or 'user'."""
+    top = frame.module.split('.', 1)[0]
+    if top in SUITE:
+        return 'suite'
+    path = os.path.realpath(frame.file)
+    in_stdlib = path.startswith(_STDLIB) and 'site-packages' not in path and 'dist-packages' not in path
+    if top in LIBRARIES or in_stdlib or frame.file.startswith('<frozen') or top == 'importlib':
+        return 'library'
+    return 'user'
+
+
+def innermost(error: BaseException) -> tuple[str, Frame | None]:
+    """``(kind, frame)`` of the innermost frame outside the libraries; ``('library', None)`` if none."""
+    for frame, _ in reversed(frames(error)):
+        k = kind(frame)
+        if k != 'library':
+            return k, frame
+    return 'library', None
+
+
+def innermost_user(error: BaseException) -> Frame | None:
+    """The innermost frame in the user's code, wherever the exception then passed through."""
+    return next((f for f, _ in reversed(frames(error)) if kind(f) == 'user'), None)
+
+
+def _codes(fn: Any) -> list[Any]:
+    """The code objects that run when the suite calls ``fn`` (a function, a partial, a jit, a class)."""
+    seen = []
+    for candidate in (
+        fn,
+        getattr(fn, 'func', None),
+        getattr(fn, '__init__', None),
+        vars(type(fn)).get('__call__'),
+    ):
+        if candidate is None:
+            continue
+        try:
+            candidate = inspect.unwrap(candidate)
+        except ValueError:
+            continue
+        code = getattr(candidate, '__code__', None)
+        if code is not None:
+            seen.append(code)
+    return seen
+
+
+def port_field(error: BaseException, port: Any) -> str | None:
+    """The port field the exception came through: the outermost frame running one of its callables."""
+    if port is None:
+        return None
+    by_code = {}
+    for field in dataclasses.fields(port):
+        value = getattr(port, field.name)
+        if callable(value):
+            for code in _codes(value):
+                by_code.setdefault(code, field.name)
+    return next((by_code[c] for _, c in frames(error) if c in by_code), None)
+
+
+def first_line(error: BaseException, width: int = 300) -> str:
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    text = lines[0] if lines else ''
+    text = text if len(text) <= width else text[:width] + '...'
+    return f'{type(error).__name__}: {text}' if text else type(error).__name__
+
+
+def runtime_line(error: BaseException) -> str | None:
+    """One line blaming the port for an exception raised in its code while the suite ran it: the
+    innermost non-library frame is outside the suite and the traceback passes through one of the
+    port's callables. None otherwise (a bug here: exit 3)."""
+    who, frame = innermost(error)
+    port = current_port()
+    field = port_field(error, port) if who == 'user' else None
+    if field is None:
+        return None
+    return f'port {port.name!r}: {field} raised {first_line(error)} ({frame.where}); this is in the port, not the suite'

@@ -1,0 +1,188 @@
+"""A port's own fields, checked as the flags are: each wrong one is one ``ConfigError`` line that
+names the field and the fix, raised when the port is built (``ModelPort``/``LoopPort.__post_init__``).
+
+What can be known without running anything is checked here: the kind of every field, and how
+many positional arguments each callable takes (the suite calls them positionally). What a
+callable returns is the pre-flight's business (``equivalence.core.preflight``).
+"""
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from equivalence.core.config import RNG_MODES, ConfigError
+
+# field -> (positional arguments the suite passes, what it is called as); '?' marks an optional field
+CALLS = {
+    'make_data': (3, 'make_data(rng: np.random.Generator, n_steps, global_batch)'),
+    'make_tx': (1, 'make_tx(lr_scale)'),
+    'init_args': (1, 'init_args(batch_of_one_example)'),
+    'legacy_loss': (5, 'legacy_loss(model, params, model_state, batch, noise)'),
+    'nnx_loss': (3, 'nnx_loss(model, batch, noise)'),
+    'noise?': (2, 'noise(key, batch_spec)'),
+    'eval_data?': (0, 'eval_data()'),
+    'legacy_predict?': (4, 'legacy_predict(model, params, model_state, x)'),
+    'nnx_predict?': (2, 'nnx_predict(model, x)'),
+    'legacy_state': (1, 'legacy_state(linen_variables)'),
+    'legacy_step': (2, 'legacy_step((rng, state), batch)'),
+    'nnx_state': (1, 'nnx_state(nnx_model)'),
+    'nnx_call': (3, 'nnx_call(train_state, keys, batch_KxG)'),
+    'legacy_groups?': (1, 'legacy_groups(train_state)'),
+    'nnx_groups?': (1, 'nnx_groups(train_state)'),
+}
+
+
+def check(port: Any) -> None:
+    """Every field of ``port`` (a ModelPort or LoopPort being built); ``ConfigError`` on the first wrong one."""
+    name = port.name
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f'port name={name!r}: give the port a non-empty name string')
+    fields = set(vars(port))
+    check_rng_modes(port)
+    check_names(port)
+    check_legacy_model(port)
+    check_nnx_model(port)
+    for key, (n, form) in CALLS.items():
+        field = key.rstrip('?')
+        if field in fields:
+            check_callable(port, field, n, form, optional=key.endswith('?'))
+    if not isinstance(port.default_batch, int) or isinstance(port.default_batch, bool) or port.default_batch < 1:
+        raise _error(port, 'default_batch', f'must be a positive int, got {port.default_batch!r}')
+    axis = getattr(port, 'axis_name', 'batch')
+    if not isinstance(axis, str) or not axis:
+        raise _error(port, 'axis_name', f'must be the pmap axis name your lax.pmean uses, a str; got {axis!r}')
+    ema = getattr(port, 'ema_rate', None)
+    if ema is not None and (isinstance(ema, bool) or not isinstance(ema, float | int) or not 0 <= ema < 1):
+        raise _error(port, 'ema_rate', f'must be None or a number in [0, 1), got {ema!r}')
+    check_skip(port)
+
+
+def _error(port: Any, field: str, text: str) -> ConfigError:
+    return ConfigError(f'port {port.name!r}: {field} {text}')
+
+
+def check_rng_modes(port: Any) -> None:
+    modes = port.rng_modes
+    if isinstance(modes, str):
+        raise _error(port, 'rng_modes', f'is the string {modes!r}, not a tuple: use rng_modes=({modes!r},)')
+    if not isinstance(modes, tuple | list) or not modes:
+        raise _error(port, 'rng_modes', f'must be a non-empty tuple of {RNG_MODES}, got {modes!r}')
+    unknown = [m for m in modes if m not in RNG_MODES]
+    if unknown:
+        raise _error(port, 'rng_modes', f'has {unknown[0]!r}; known modes are {", ".join(RNG_MODES)}')
+
+
+def check_names(port: Any) -> None:
+    from equivalence.core.naming import STRUCTURE
+
+    names = port.names
+    if names is None or callable(names) or names == STRUCTURE:
+        return
+    if isinstance(names, Mapping):
+        bad = next(((k, v) for k, v in names.items() if not isinstance(k, str) or not isinstance(v, str)), None)
+        if bad is not None:
+            raise _error(
+                port,
+                'names',
+                f'maps {bad[0]!r} to {bad[1]!r}: a names dict maps linen path prefixes to NNX path prefixes, both str',
+            )
+        return
+    raise _error(port, 'names', f"is {_what(names)}: use None, a dict of path prefixes, a function or 'structure'")
+
+
+def check_legacy_model(port: Any) -> None:
+    import flax.linen as nn
+
+    model = port.legacy_model
+    if isinstance(model, nn.Module):
+        cls = type(model).__name__
+        raise _error(
+            port, 'legacy_model', f'is an instance ({cls}(...)): give the class or a factory, legacy_model={cls}'
+        )
+    if not callable(model):
+        raise _error(port, 'legacy_model', f'is {_what(model)}: give the linen Module class or a factory () -> Module')
+    _arity(port, 'legacy_model', model, 0, 'legacy_model()')
+
+
+def check_nnx_model(port: Any) -> None:
+    from flax import nnx
+
+    model = port.nnx_model
+    if isinstance(model, nnx.Module):
+        raise _error(
+            port,
+            'nnx_model',
+            f'is an instance ({type(model).__name__}): give a function of rngs, '
+            f'nnx_model=lambda rngs: {type(model).__name__}(rngs=rngs)',
+        )
+    if not callable(model):
+        raise _error(port, 'nnx_model', f'is {_what(model)}: give a function (nnx.Rngs) -> nnx.Module')
+    params = _parameters(model)
+    if params is None:
+        return
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    if positional:
+        _arity(port, 'nnx_model', model, 1, 'nnx_model(rngs)')
+        return
+    if any(p.name == 'rngs' for p in params):
+        name = getattr(model, '__name__', 'Model')
+        raise _error(
+            port,
+            'nnx_model',
+            f'takes rngs by keyword only, the suite calls nnx_model(rngs): use '
+            f'nnx_model=lambda rngs: {name}(rngs=rngs)',
+        )
+    raise _error(port, 'nnx_model', 'takes no rngs argument: the suite calls nnx_model(nnx.Rngs(0))')
+
+
+def check_callable(port: Any, field: str, n: int, form: str, optional: bool) -> None:
+    fn = getattr(port, field)
+    if fn is None and optional:
+        return
+    if not callable(fn):
+        raise _error(port, field, f'is {_what(fn)}, not a function: the suite calls {form}')
+    _arity(port, field, fn, n, form)
+
+
+def check_skip(port: Any) -> None:
+    skip = getattr(port, 'skip', ())
+    if isinstance(skip, str) or not isinstance(skip, tuple | list) or not all(isinstance(s, str) for s in skip):
+        raise _error(port, 'skip', f"must be a tuple of legacy field names, e.g. skip=('dynamic_scale',); got {skip!r}")
+
+
+def _signature(fn: Callable) -> inspect.Signature:
+    """A class's constructor signature (an NNX Module's metaclass hides it behind ``*args``), else ``fn``'s."""
+    if isinstance(fn, type) and '__init__' in {n for c in fn.__mro__[:-1] for n in vars(c)}:
+        init = inspect.signature(fn.__init__)
+        return init.replace(parameters=list(init.parameters.values())[1:])  # less self
+    return inspect.signature(fn)
+
+
+def _parameters(fn: Callable) -> list | None:
+    try:
+        return list(_signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to read, the pre-flight calls it
+        return None
+
+
+def _arity(port: Any, field: str, fn: Callable, n: int, form: str) -> None:
+    """Whether ``fn`` accepts ``n`` positional arguments, read from its signature when it has one."""
+    try:
+        _signature(fn).bind(*range(n))
+    except TypeError as e:
+        where = _where(fn)
+        raise _error(port, field, f'{where}cannot be called as {form}: {e}') from None
+    except ValueError:
+        return
+
+
+def _where(fn: Callable) -> str:
+    code = getattr(inspect.unwrap(fn), '__code__', None)
+    if code is None:
+        return ''
+    return f'({code.co_filename.rsplit("/", 1)[-1]}:{code.co_firstlineno}) '
+
+
+def _what(value: Any) -> str:
+    text = repr(value)
+    return f'{type(value).__name__} {text[:40]}' if len(text) < 60 else f'a {type(value).__name__}'

@@ -1,0 +1,57 @@
+"""Pre-flight: every port traced abstractly before anything trains, so that a mistake in the
+port is one line (exit 2) in seconds, not an internal error after the legacy run.
+
+What runs is what the harness will run (``harness.legacy_setup`` / ``nnx_setup``), traced with
+``jax.eval_shape`` on abstract inputs of the run's real shapes (the linen variables, both train
+states, one call's keys and batch); only ``make_data`` runs for real, since its arrays are
+what is checked. Found here, each named with the port field, the user's file:line, expected
+against given and the fix where one is known:
+
+- ``make_data``: a generator, non-array or object leaves, leading axes other than
+  ``[n_steps, global_batch]`` (``[batch, steps]`` named as such), ragged leaves;
+- ``init_args``, ``legacy_model``, ``nnx_model``: what building and initialising them raises;
+- ``legacy_step`` / ``nnx_call`` (a loop port) or ``legacy_loss`` / ``nnx_loss`` / ``noise`` /
+  ``make_tx`` (a model port): signatures, return structures, carries that change structure,
+  unbound axis names, loss shapes;
+- ``legacy_state`` / ``nnx_state`` and their groups: train states the comparison cannot read
+  (a plain tuple without ``legacy_groups=``, NNX objects without ``nnx_groups=``).
+"""
+
+import jax
+
+from equivalence.core import blame
+from equivalence.core.config import RunConfig
+from equivalence.core.ports import LoopPort, Port
+from equivalence.core.preflight.data import abstract_variables, check_names, make_data
+from equivalence.core.preflight.errors import PreflightError, blamed, line
+from equivalence.core.preflight.groups import check_groups
+from equivalence.core.preflight.trace import legacy_state, nnx_train_state, trace_legacy, trace_nnx
+
+__all__ = ['PreflightError', 'blamed', 'check', 'check_states', 'line']
+
+
+def check(port: Port, config: RunConfig, n_steps: int | None = None) -> None:
+    """Everything a run of ``port`` under ``config`` will trace, traced abstractly; raises
+    ``PreflightError`` (exit 2) on the first mistake. ``n_steps``: the steps ``make_data`` is
+    asked for (default the run's, ``config.steps``)."""
+    blame.set_port(port)
+    n_steps = config.steps if n_steps is None else n_steps
+    data = make_data(port, config.seed, n_steps, config.batch_size, f'--calls x --steps-per-call = {n_steps}')
+    variables = abstract_variables(port, data)
+    check_names(port, variables)
+    batch_KxG = jax.tree.map(lambda v: jax.ShapeDtypeStruct((config.steps_per_call, *v.shape[1:]), v.dtype), data)
+    legacy_state = trace_legacy(port, config, variables, batch_KxG)
+    nnx_state = trace_nnx(port, config, batch_KxG)
+    if isinstance(port, LoopPort):
+        check_groups(port, legacy_state, nnx_state, variables)
+
+
+def check_states(port: Port) -> None:
+    """What ``checkpoint migrate`` builds of a port (its data of one example, both train states and
+    their groups), checked abstractly; nothing is traced beyond that."""
+    blame.set_port(port)
+    data = make_data(port, 0, 1, 1, '1 (checkpoint layout)')
+    variables = abstract_variables(port, data)
+    check_names(port, variables)
+    if isinstance(port, LoopPort):
+        check_groups(port, legacy_state(port, variables), nnx_train_state(port), variables)

@@ -1,0 +1,73 @@
+"""The pre-flight's one line: the port field, the user's frame, expected against given, the fix."""
+
+import contextlib
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+
+from equivalence.core import blame
+from equivalence.core.config import ConfigError
+from equivalence.core.naming import PortError
+from equivalence.core.ports import Port
+from legacy_pmap import train as legacy
+
+EXPECTED = {
+    'legacy_step': 'legacy_step((rng, state), batch) -> ((rng, state), loss)',
+    'nnx_call': 'nnx_call(train_state, keys, batch_KxG) -> (train_state, losses_K)',
+    'legacy_loss': 'legacy_loss(model, params, model_state, batch, noise) -> losses_B or (losses_B, model_state)',
+    'nnx_loss': 'nnx_loss(model, batch, noise) -> losses_B',
+}
+FIXES = (  # (pattern in the error, fix); {axis} is the port's axis_name
+    (
+        re.compile(r'unbound axis name: ([\w-]+)'),
+        "the port declares axis_name={axis!r}: set axis_name='{0}' or pmean over {axis!r}",
+    ),
+    (re.compile(r'should match the mesh passed to shard_map'), 'give the step itself: the suite pmaps it'),
+    (re.compile(r'carry'), 'return the carry ((rng, state)) with the structure, shapes and dtypes it came in with'),
+    (re.compile(r"no attribute '(params|opt_state|step)'"), 'give the port legacy_groups='),
+)
+
+
+# What code that runs eagerly on the host (np.asarray of a result, a Python branch on a value) raises
+# when traced: such a callable cannot be checked abstractly, so the pre-flight leaves it to the run.
+HOST_ONLY = (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError)
+
+
+class PreflightError(PortError):
+    """A port that cannot run as given: exit 2, one line, before any training."""
+
+
+def fail(port: Port, field: str, text: str) -> PreflightError:
+    return PreflightError(f'port {port.name!r}: {field} {text}')
+
+
+def line(port: Port, field: str, error: BaseException, expected: str = '') -> str:
+    """The one line for an exception raised while tracing ``field``."""
+    field = blame.port_field(error, port) or field
+    frame = blame.innermost_user(error)
+    where = f' at {frame.where}' if frame else ''
+    text = f'port {port.name!r}: {field} raised {blame.first_line(error)}{where}'
+    expected = expected or EXPECTED.get(field, '')
+    text += f'; expected {expected}' if expected else ''
+    for pattern, fix in FIXES:
+        m = pattern.search(str(error))
+        if m:
+            return text + '; fix: ' + fix.format(*m.groups(), axis=getattr(port, 'axis_name', legacy.AXIS))
+    return text
+
+
+@contextlib.contextmanager
+def blamed(port: Port, field: str, expected: str = '') -> Iterator[None]:
+    """Whatever the port's code raises inside -> ``PreflightError`` naming ``field``."""
+    try:
+        yield
+    except ConfigError:  # already one line: a name mapping, a Dropout the bridge refuses, a check below
+        raise
+    except Exception as e:  # noqa: BLE001 -- the user's code failed while traced: say where, in one line
+        raise PreflightError(line(port, field, e, expected)) from None
+
+
+def kind(value: Any) -> str:
+    return f'an array of shape {list(value.shape)}' if hasattr(value, 'shape') else f'a {type(value).__name__}'

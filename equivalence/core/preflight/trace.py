@@ -1,0 +1,154 @@
+"""Both sides' fused calls, built as the harness builds them and traced with ``jax.eval_shape``."""
+
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from equivalence.core import harness, randomness
+from equivalence.core.config import RunConfig
+from equivalence.core.ports import LoopPort, Port
+from equivalence.core.preflight.errors import HOST_ONLY, blamed, fail, kind
+from equivalence.distributed import rows
+from legacy_pmap import train as legacy
+from nnx_sharded import train as sharded
+
+
+def legacy_state(port: Port, variables: dict) -> Any:
+    """One replica of the legacy train state, shapes only."""
+    if isinstance(port, LoopPort):
+        with blamed(port, 'legacy_state', 'legacy_state(linen_variables) -> your train state'):
+            state = jax.eval_shape(port.legacy_state, variables)
+        if not jax.tree.leaves(state):
+            raise fail(port, 'legacy_state', f'returned {kind(state)} holding no arrays; expected your train state')
+        return state
+    tx = make_tx(port)
+    with blamed(port, 'make_tx', 'make_tx(lr_scale) -> optax.GradientTransformation'):
+        return jax.eval_shape(lambda v: legacy.create_state(v, tx, port.ema_rate), variables)
+
+
+def make_tx(port: Port) -> Any:
+    with blamed(port, 'make_tx', 'make_tx(lr_scale) -> optax.GradientTransformation'):
+        tx = port.make_tx(1.0)
+    if not (callable(getattr(tx, 'init', None)) and callable(getattr(tx, 'update', None))):
+        raise fail(port, 'make_tx', f'returned a {type(tx).__name__}: return an optax.GradientTransformation')
+    return tx
+
+
+def trace_legacy(port: Port, config: RunConfig, variables: dict, batch_KxG: Any) -> Any:
+    """The pmap(scan) call of ``harness.legacy_setup``, traced once on abstract keys, state and batch."""
+    d, k = config.devices, config.steps_per_call
+    state = legacy_state(port, variables)
+    if isinstance(port, LoopPort):
+        step, axis, field = port.legacy_step, port.axis_name, 'legacy_step'
+    else:
+        tx, b = make_tx(port), config.batch_size // d
+        loss = checked_loss(port, 'legacy_loss', harness.legacy_loss(port, config), b, with_state=True)
+        noise = harness.port_noise(port, harness.uses_dropout(port))
+        step = legacy.make_step_fn(port.legacy_model(), loss, noise, tx, port.ema_rate, config.rng_mode)
+        axis, field = legacy.AXIS, 'legacy_loss'
+    n = len(rows.positions(d))  # pmap takes this process's rows: all D in one process
+    stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct((n, *s.shape), s.dtype), state)
+    keys = jax.ShapeDtypeStruct((n, 2), np.uint32)
+    batch = jax.tree.map(lambda v: jax.ShapeDtypeStruct((n, k, v.shape[1] // d, *v.shape[2:]), v.dtype), batch_KxG)
+    fused = legacy.make_fused_call(step, jax.devices()[:d], axis)
+    with blamed(port, field), randomness.bridged(config.rng_mode, axis):
+        (_, loss_DxK) = jax.eval_shape(fused, (keys, stacked), batch)
+    check_losses(port, field, loss_DxK, (n, k), 'one mean loss per step (a scalar, pmean-ed)')
+    return state
+
+
+def checked_loss(port: Port, field: str, loss_fn: Any, b: int, with_state: bool) -> Any:
+    """``loss_fn`` as the suite's loop calls it, its result checked while traced: ``[b]`` losses
+    (and the model state, unchanged in structure, on the legacy side)."""
+
+    def loss(model, *args):
+        out = loss_fn(model, *args)
+        losses = out
+        if with_state:
+            if not isinstance(out, tuple) or len(out) != 2:
+                raise fail(
+                    port, field, f'returned a tuple of {len(out)}: return losses_B, or (losses_B, new model_state)'
+                )
+            losses, new_state = out
+            if jax.tree.structure(new_state) != jax.tree.structure(args[1]):
+                raise fail(port, field, 'returned a model_state of another structure than the one it was given')
+        shape = getattr(losses, 'shape', None)
+        if shape != (b,):
+            given = f'shape {list(shape)}' if shape is not None else f'a {type(losses).__name__}'
+            raise fail(
+                port, field, f'returned {given}; expected one loss per example, shape [{b}] (the suite averages them)'
+            )
+        return out
+
+    return loss
+
+
+def trace_nnx(port: Port, config: RunConfig, batch_KxG: Any) -> Any:
+    """The NNX call of ``harness.nnx_setup`` in split form, traced once; the abstract train state."""
+    d, mode = config.devices, config.rng_mode
+    keys = jax.ShapeDtypeStruct((d, 2) if mode == 'per-device' else (2,), np.uint32)
+    if isinstance(port, LoopPort):
+        return trace_nnx_loop(port, config, keys, batch_KxG)
+    tx = make_tx(port)
+    with blamed(port, 'nnx_model', 'nnx_model(rngs) -> nnx.Module'):
+        ts = nnx.eval_shape(lambda: sharded.TrainState(port.nnx_model(nnx.Rngs(0)), tx, port.ema_rate))
+    graphdef, state = nnx.split(ts)
+    loss = checked_loss(port, 'nnx_loss', harness.nnx_loss(port, config), config.batch_size, with_state=False)
+    step = sharded.make_step_fn(
+        graphdef, loss, harness.port_noise(port, harness.uses_dropout(port)), port.ema_rate, mode
+    )
+    with blamed(port, 'nnx_loss'):
+        _, loss_K = jax.eval_shape(sharded.scan_steps(step), (keys, nnx.to_pure_dict(state)), batch_KxG)
+    check_losses(port, 'nnx_loss', loss_K, (config.steps_per_call,), 'one mean loss per step')
+    return ts
+
+
+def nnx_train_state(port: LoopPort) -> Any:
+    with blamed(port, 'nnx_state', 'nnx_state(nnx_model) -> your NNX train state'):
+        ts = nnx.eval_shape(lambda: port.nnx_state(port.nnx_model(nnx.Rngs(0))))
+        variables = jax.tree.leaves(nnx.state(ts))
+    if not variables:
+        raise fail(port, 'nnx_state', f'returned {kind(ts)} holding no NNX variables; expected your NNX train state')
+    return ts
+
+
+def trace_nnx_loop(port: LoopPort, config: RunConfig, keys: Any, batch_KxG: Any) -> Any:
+    ts = nnx_train_state(port)
+    graphdef, state = nnx.split(ts)
+
+    def pure(state, keys, batch):
+        out = port.nnx_call(nnx.merge(graphdef, state), keys, batch)
+        if not isinstance(out, tuple) or len(out) != 2:
+            given = f'a tuple of {len(out)}' if isinstance(out, tuple) else kind(out)
+            raise fail(port, 'nnx_call', f'returned {given}; expected (train_state, losses_K)')
+        new_ts, losses_K = out
+        try:
+            new_state = nnx.state(new_ts)
+        except Exception:  # noqa: BLE001 -- not NNX objects at all
+            raise fail(
+                port,
+                'nnx_call',
+                f'returned a train state of type {type(new_ts).__name__}; expected the '
+                'train state it was given (its NNX objects)',
+            ) from None
+        if jax.tree.structure(new_state) != jax.tree.structure(state):
+            raise fail(port, 'nnx_call', 'returned a train state of another structure than the one it was given')
+        return new_state, losses_K
+
+    with blamed(port, 'nnx_call'), randomness.bridged(config.rng_mode):
+        try:
+            _, losses_K = jax.eval_shape(pure, state, keys, batch_KxG)
+        except HOST_ONLY:  # host-side code in the call: it runs eagerly, and only the run can check it
+            return ts
+    check_losses(port, 'nnx_call', losses_K, (config.steps_per_call,), 'one mean loss per step, shape [K]')
+    return ts
+
+
+def check_losses(port: Port, field: str, losses: Any, expected: tuple[int, ...], what: str) -> None:
+    shape = getattr(losses, 'shape', None)
+    if shape == expected:
+        return
+    given = f'losses of shape {list(shape)}' if shape is not None else f'{type(losses).__name__} as its losses'
+    raise fail(port, field, f'returned {given}; expected {list(expected)}: {what}')

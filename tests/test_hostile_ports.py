@@ -1,0 +1,132 @@
+"""A corpus of hostile ports: each a realistic mistake in a user's port, tried through every
+command that takes a port. Each must end in exit 2 with one ``error:`` line that names the
+port field at fault, no traceback and no exit 3; all but the last few are stopped by the
+pre-flight before any training step runs (``tests/hostile_ports.py`` holds the ports)."""
+
+import contextlib
+import io
+import os
+import time
+
+import hostile_ports
+import pytest
+from conftest import run_module
+
+from equivalence.core import harness
+
+QUICK = ['--devices', '2', '--steps-per-call', '2', '--calls', '2', '--batch-size', '8']
+COMMANDS = {
+    'run': ('equivalence.run', QUICK),
+    'explain': ('equivalence.explain.__main__', QUICK),
+    'bench': (
+        'equivalence.bench.__main__',
+        [*QUICK[:6], '--calls', '1', '--batch-size', '8', '--repeats', '1', '--compile-repeats', '1'],
+    ),  # fmt: skip
+}
+TRAINS_FIRST = {'nnx_call_fails_while_training'}  # shows only while training: the frame, not the pre-flight
+CASES = [(name, command) for name, (_, commands) in hostile_ports.CASES.items() for command in commands]
+
+
+def _main(command: str):
+    import importlib
+
+    return importlib.import_module(COMMANDS[command][0]).main
+
+
+def invoke(main, argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture
+def no_training(monkeypatch, request):
+    """Any compiled call of either path fails the test: the pre-flight must have stopped the port."""
+    if request.node.callspec.params['case'][0] in TRAINS_FIRST:
+        return
+
+    def trained(*args, **kwargs):
+        raise AssertionError('a training step ran before the mistake was reported')
+
+    for setup in (harness.LegacySetup, harness.NnxSetup, harness.NnxLoopSetup, harness.NnxGraphSetup):
+        monkeypatch.setattr(setup, 'call', trained)
+
+
+def command_line(name: str, command: str, tmp_path) -> tuple:
+    workload = f'hostile_ports:{name}'
+    if command == 'migrate':
+        from equivalence.checkpoint.__main__ import main
+
+        return main, ['migrate', str(tmp_path / 'legacy'), str(tmp_path / 'nnx'), '--workload', workload]
+    module, flags = COMMANDS[command]
+    return _main(command), ['--workload', workload, *flags]
+
+
+def pytest_helper(name: str) -> tuple[int, str, str]:
+    """``assert_port_matches`` as a team's test calls it: a failed test with one line, or a pass."""
+    from equivalence.core import ports
+    from equivalence.core.config import ConfigError
+    from equivalence.testing import assert_port_matches
+
+    try:
+        port = ports.load(f'hostile_ports:{name}')
+        assert_port_matches(port, devices=2, batch_size=8)
+    except ConfigError as e:  # the port refused to be built: the line its author sees at import
+        return 2, '', f'error: {e}\n'
+    except pytest.fail.Exception as e:
+        return 2, '', str(e) + '\n'
+    return 0, '', ''
+
+
+@pytest.mark.parametrize('case', CASES, ids=[f'{c}-{n}' for n, c in CASES])
+def test_a_hostile_port_is_one_line_naming_its_field(case, no_training, tmp_path):
+    name, command = case
+    field = hostile_ports.CASES[name][0]
+    t0 = time.monotonic()
+    if command == 'pytest':
+        code, out, err = pytest_helper(name)
+    else:
+        code, out, err = invoke(*command_line(name, command, tmp_path))
+    seconds = time.monotonic() - t0
+    lines = err.strip().splitlines()
+    assert code == 2, (code, out, err)
+    assert 'Traceback' not in out + err
+    assert len(lines) == 1 and lines[0].startswith('error: '), err
+    assert f'{field}' in lines[0], (field, lines[0])
+    assert seconds < 15 or name in TRAINS_FIRST, f'{seconds:.1f} s'
+    if command == 'migrate':
+        assert not (tmp_path / 'nnx').exists()
+
+
+def test_explain_reads_a_loop_call_that_ignores_its_key():
+    code, out, err = invoke(_main('explain'), ['--workload', 'hostile_ports:keyless_loop', *QUICK])
+    assert code == 0, err
+    assert 'keys' in out and 'Traceback' not in out + err
+
+
+def test_under_processes_a_workers_mistake_in_the_port_is_its_one_line_not_a_dead_worker():
+    """Each worker runs the pre-flight: its exit 2 and its whole line reach the launcher's stderr."""
+    proc = run_module('equivalence.run', '--workload', 'hostile_ports:legacy_step_pmean_other_axis', '--processes',
+                      '2', '--devices', '4', *QUICK[2:], env={'PYTHONPATH': os.path.dirname(__file__)})  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("error: port 'mlp-port-loop': legacy_step raised NameError") and line.endswith(
+        "fix: the port declares axis_name='batch': set axis_name='data' or pmean over 'batch'"
+    ), line
+
+
+def test_nnx_groups_is_honoured_by_resume_and_migrate(tmp_path):
+    """A train state with its own names (``net``, ``opt``): ``--resume-at`` restores into it and
+    ``checkpoint migrate`` maps into it, both through the port's ``nnx_groups=``."""
+    flags = ['--workload', 'hostile_ports:grouped_loop', *QUICK, '--resume-at', '2', '--checkpoint-dir', str(tmp_path)]
+    code, out, err = invoke(_main('run'), flags)
+    assert code == 0 and 'MATCH' in out, out + err
+    migrate = command_line('grouped_loop', 'migrate', tmp_path)
+    code, out, err = invoke(migrate[0], [*migrate[1][:2], str(tmp_path / 'again'), *migrate[1][3:]])
+    assert code == 0, err
+    rows = [r.split()[:2] for r in out.splitlines()]
+    assert ['params/Dense_0/kernel', 'net/fc1/kernel'] in rows and ['step/step', 'opt/step'] in rows, out
