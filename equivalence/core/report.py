@@ -61,9 +61,11 @@ def floor_table(result: RunResult, n: int) -> list[str]:
         f'{rule.min_ulps:g} float32 spacings of max |legacy|); floor = max |nnx - twin|)',
         f'{"leaf":<40}  {"max abs":>9}  {"floor":>9}  {"allowed":>9}  ok',
     ]
-    # the final state first (the diagnosis line names the first step's leaves), worst ratio first
+    # failing parameters first, then the rest of the final state, then the first step's leaves (the
+    # diagnosis line names those); within each, the worst ratio to the allowed difference first
     ratio = lambda x: x.max_abs / x.limit if x.limit else x.max_abs  # noqa: E731
-    order = sorted(result.report.leaves, key=lambda x: (x.ok, x.group == 'first_step', -ratio(x)))
+    rank = lambda x: (x.ok, x.group == 'first_step', x.group != 'params', -ratio(x))  # noqa: E731
+    order = sorted(result.report.leaves, key=rank)
     for leaf in order[:n]:
         floor, limit = _abs(leaf.floor), _abs(leaf.limit)
         rows.append(f'{leaf.name:<40}  {_abs(leaf.max_abs):>9}  {floor:>9}  {limit:>9}  {_flag(leaf)}')
