@@ -67,6 +67,7 @@ def install(record: dict) -> None:
     harness.make_inputs = make_inputs
     wrap(harness.LegacySetup, 'call', legacy_call)
     wrap(harness.NnxSetup, 'call', nnx_call)
+    wrap(harness.NnxGraphSetup, 'call', nnx_call)  # args (keys, batch): the batch is last as well
     wrap(jax, 'make_array_from_process_local_data', local_data)
 
 

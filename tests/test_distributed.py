@@ -25,11 +25,11 @@ TOL = compare.FLOAT32_REDUCTION_ORDER
 BOUND_S = 60  # a dead worker ends the run within this, every time (the issue's bound)
 
 
-def one_process(workload: str, devices: int) -> dict:
+def one_process(workload: str, devices: int, **flags) -> dict:
     """The JSON report of the same run in this single process."""
     require_devices(devices)
     wl = workloads.get(workload)
-    result = harness.check(wl, devices=devices, steps_per_call=2, calls=2)
+    result = harness.check(wl, devices=devices, steps_per_call=2, calls=2, **flags)
     return report.to_json(result, report.versions())
 
 
@@ -80,7 +80,12 @@ def test_two_processes_of_4_devices_match_one_process_of_8(tmp_path, workload):
 
 def spy(tmp_path, *args: str, **env: str) -> subprocess.Popen:
     """``tests/spy_worker.py`` (the run command with recording hooks) under the same launcher."""
-    return start('spy_worker', *args, cwd=os.path.join(ROOT, 'tests'), env=clean_env(SPY_DIR=str(tmp_path), **env))
+    env = clean_env(
+        SPY_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get('PYTHONPATH')])), **env
+    )
+    return start(
+        'spy_worker', *args, cwd=os.path.join(ROOT, 'tests'), env=env
+    )  # this checkout's suite, not an install's
 
 
 def test_two_processes_of_2_devices_match_and_each_feeds_only_its_rows(tmp_path):
@@ -95,6 +100,21 @@ def test_two_processes_of_2_devices_match_and_each_feeds_only_its_rows(tmp_path)
         assert seen['legacy_batch'] == [2, 2, 16, 20] and seen['legacy_keys'] == [2, 2]  # its 2 devices
         assert seen['nnx_global_batch'] == [2, 64, 20] and seen['nnx_held_rows'] == 32
         assert [2, 32, 20] in seen['local_data'] and [2, 64, 20] not in seen['local_data']
+
+
+def test_tp_in_graph_form_across_processes_feeds_the_batch_whole_to_both(tmp_path):
+    """``tp`` spans both processes with its ``model`` axis, and the batch is copied over it: each
+    process hands JAX all 64 rows for NNX (pmap still gets its own 32). Fed its pmap rows instead,
+    as before the rows followed the sharding, this run was a MISMATCH (losses 6.3e-1 apart)."""
+    out = tmp_path / 'report.json'
+    flags = ['--strategy', 'tp', '--nnx-form', 'graph']
+    proc = spy(tmp_path, '--processes', '2', '--devices', '4', *flags, *TINY, '--json', str(out))
+    single = one_process('mlp', 4, strategy='tp', nnx_form='graph')
+    assert_same_run(finish(proc, out)[1], single)
+    for i in range(2):
+        seen = json.loads((tmp_path / f'process-{i}.json').read_text())
+        assert seen['read'] == [2, 64, 20] and seen['legacy_batch'] == [2, 2, 16, 20]
+        assert seen['nnx_global_batch'] == [2, 64, 20] and seen['nnx_held_rows'] == 64
 
 
 def children_of(logs) -> list[int]:
