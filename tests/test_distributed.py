@@ -80,12 +80,9 @@ def test_two_processes_of_4_devices_match_one_process_of_8(tmp_path, workload):
 
 def spy(tmp_path, *args: str, **env: str) -> subprocess.Popen:
     """``tests/spy_worker.py`` (the run command with recording hooks) under the same launcher."""
-    env = clean_env(
-        SPY_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get('PYTHONPATH')])), **env
-    )
-    return start(
-        'spy_worker', *args, cwd=os.path.join(ROOT, 'tests'), env=env
-    )  # this checkout's suite, not an install's
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get('PYTHONPATH')]))  # this checkout's suite
+    env = clean_env(SPY_DIR=str(tmp_path), PYTHONPATH=path, **env)
+    return start('spy_worker', *args, cwd=os.path.join(ROOT, 'tests'), env=env)
 
 
 def test_two_processes_of_2_devices_match_and_each_feeds_only_its_rows(tmp_path):
