@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from equivalence.checkpoint import layout, store
 from equivalence.checkpoint.store import CheckpointError
@@ -103,8 +104,9 @@ def migrate(legacy_dir: str, nnx_dir: str, port: Port, step: int | None = None, 
     if migration.problem():
         raise MigrationError(migration)
     nnx_state = _fill(abstract, {p.nnx: _cast(legacy_leaves[p.legacy], p) for p in migration.pairs})
-    if os.path.exists(nnx_dir):
+    if os.path.exists(nnx_dir) and jax.process_index() == 0:
         shutil.rmtree(nnx_dir)  # --force, checked above; only once everything mapped
+    together('equivalence-migrate-destination-checked')  # several processes: none writes before all checked
     manager = nnx_checkpoints.make_manager(nnx_dir)
     record = {**meta, 'migrated_from': os.path.abspath(legacy_dir)}
     with store.quiet():
@@ -112,6 +114,12 @@ def migrate(legacy_dir: str, nnx_dir: str, port: Port, step: int | None = None, 
     manager.close()
     migration.written = True
     return migration
+
+
+def together(name: str) -> None:
+    """With several processes (a run migrating before it resumes), every one arrives here first."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
 
 
 def _check_destination(nnx_dir: str, force: bool) -> None:
