@@ -157,12 +157,11 @@ def restore_train_state(directory: str, make_state: Callable[[], TrainState], de
     return load_into(state, devices), rng, meta
 
 
-def _on_this_process(leaf: Any) -> jax.ShapeDtypeStruct:
-    """Each leaf read whole onto this process's default device, whatever devices wrote it: a
-    checkpoint saved by several processes names devices this process may not have."""
-    return jax.ShapeDtypeStruct(
-        leaf.shape, leaf.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    )
+def _on_this_process(leaf: Any) -> np.ndarray:
+    """Each leaf read whole into host memory, whatever devices wrote it: a checkpoint saved by
+    several processes names devices this process may not have. (A ``numpy`` leaf in the target
+    is Orbax's way to ask for host arrays; its values are not read.)"""
+    return np.empty(leaf.shape, leaf.dtype)
 
 
 def _on_host_device() -> ocp.ArrayRestoreArgs:
