@@ -106,7 +106,7 @@ def migrate(legacy_dir: str, nnx_dir: str, port: Port, step: int | None = None, 
     nnx_state = _fill(abstract, {p.nnx: _cast(legacy_leaves[p.legacy], p) for p in migration.pairs})
     if os.path.exists(nnx_dir) and jax.process_index() == 0:
         shutil.rmtree(nnx_dir)  # --force, checked above; only once everything mapped
-    together('equivalence-migrate-destination-checked')  # several processes: none writes before all checked
+    _together('equivalence-migrate-destination-checked')  # several processes: none writes before all checked
     manager = nnx_checkpoints.make_manager(nnx_dir)
     record = {**meta, 'migrated_from': os.path.abspath(legacy_dir)}
     with store.quiet():
@@ -116,7 +116,7 @@ def migrate(legacy_dir: str, nnx_dir: str, port: Port, step: int | None = None, 
     return migration
 
 
-def together(name: str) -> None:
+def _together(name: str) -> None:
     """With several processes (a run migrating before it resumes), every one arrives here first."""
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(name)
