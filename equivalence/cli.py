@@ -219,11 +219,6 @@ def dispatch(module: str, inputs: Callable, work: Callable, argv: list[str] | No
     from equivalence.distributed import launch, worker
 
     args = _process_flags(argv)
-    if args.processes != 1 or worker.is_worker(args):
-        strategy, form = getattr(args, 'strategy', 'dp'), getattr(args, 'nnx_form', 'split')
-        if (strategy, form) != ('dp', 'split'):
-            fail('several processes run --strategy dp in split form, the pmap-equivalent one; other '
-                 'strategies and --nnx-form graph are checked in one process')  # fmt: skip
     if args.processes != 1:
         total = args.devices or devices.default_count()
         argv_list = list(sys.argv[1:] if argv is None else argv)
@@ -245,8 +240,6 @@ def _process_flags(argv: list[str] | None) -> argparse.Namespace:
     parser = _Quiet(add_help=False)
     worker.add_flags(parser)
     parser.add_argument('--devices', type=int, default=None)
-    parser.add_argument('--strategy', default='dp')
-    parser.add_argument('--nnx-form', default='split')
     try:
         args, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     except ValueError:  # a malformed value: the command's parser will say which, in one line

@@ -11,7 +11,20 @@ batch, as score_sde did: no output can reuse it). Then, in a test::
     @pytest.mark.parametrize('devices', [1, 2, 4, 8])
     def test_port(devices):
         assert_port_matches(my_port.MODEL, devices=devices)
+
+Across processes, the layout of a cluster (one ``jax.distributed`` process per host): the port
+is named as for ``--workload``, and the helper starts the workers itself::
+
+    def test_port_across_processes():
+        assert_port_matches_across_processes('my_port:LOOP', processes=2, devices=8)
 """
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
 
 import pytest
 
@@ -55,3 +68,45 @@ def assert_port_matches(port, devices: int, steps_per_call: int = 2, calls: int 
     if not result.report.match:
         pytest.fail('\n'.join([report.header(result, 'cpu'), *report.leaf_table(result), report.verdict(result)]))
     return result
+
+
+def assert_port_matches_across_processes(
+    port: str, processes: int = 2, devices: int = 8, steps_per_call: int = 2, calls: int = 2,
+    flags: Sequence[str] = (), timeout_s: int = 600,
+) -> dict:  # fmt: skip
+    """``python -m equivalence.run --processes N --workload port``: N workers joined by
+    ``jax.distributed`` on this machine, D/N simulated CPU devices each, every collective crossing
+    processes. A separate command because a process joins one run, before JAX starts: this test
+    process cannot. Fails with the report unless every leaf matches; returns the JSON report.
+    ``port`` is ``module:NAME``; the workers find the module in its folder, and this suite where
+    the test found it. ``flags``: more ``run`` flags (``['--strategy', 'fsdp']``)."""
+    from equivalence.core import ports
+
+    ports.load(port)  # a name that does not resolve fails here (ConfigError), before any worker starts
+    module = sys.modules[port.partition(':')[0]]
+    with tempfile.TemporaryDirectory(prefix='equivalence-processes-') as tmp:
+        out = os.path.join(tmp, 'report.json')
+        args = ['--processes', str(processes), '--devices', str(devices), '--workload', port, '--json', out,
+                '--steps-per-call', str(steps_per_call), '--calls', str(calls), *flags]  # fmt: skip
+        proc = subprocess.run([sys.executable, '-m', 'equivalence.run', *args], env=_worker_env(module),
+                              capture_output=True, text=True, timeout=timeout_s)  # fmt: skip
+        if proc.returncode != 0:
+            what = 'MISMATCH' if proc.returncode == 1 else f'exit {proc.returncode}'
+            pytest.fail(f'{port} across {processes} processes: {what}\n{proc.stdout}{proc.stderr[-2000:]}')
+        with open(out) as f:
+            return json.load(f)
+
+
+def _worker_env(module) -> dict[str, str]:
+    """This environment, less the device count (the launcher sets D/N per worker), with the port's
+    root folder and this suite's first on ``PYTHONPATH``: the workers import what this test imported."""
+    import equivalence
+
+    depth = module.__name__.count('.') + 1
+    root = os.path.abspath(module.__file__)
+    for _ in range(depth):
+        root = os.path.dirname(root)
+    suite = os.path.dirname(os.path.dirname(os.path.abspath(equivalence.__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS')}
+    env['PYTHONPATH'] = os.pathsep.join(p for p in (root, suite, env.get('PYTHONPATH')) if p)
+    return env

@@ -1,12 +1,20 @@
 """Checkpoints as pmap-era code wrote them, through Orbax.
 
-score_sde saved ``flax_utils.unreplicate(pstate)`` from host 0 every ``snapshot_freq`` steps,
-with the host key chain beside it, so that a restarted run draws the keys the first one would
-have drawn. The same here with Orbax's ``CheckpointManager`` in its standard layout: one
-directory per step, written under a temporary name and renamed when complete (a killed writer
-leaves nothing that reads as a checkpoint), the last ``keep`` kept. Each step holds three
-items: ``state`` (the unreplicated ``TrainState``, host arrays), ``rng`` (the host key chain
-after the step) and ``meta`` (JSON: the step, and whatever the caller records).
+score_sde saved ``flax_utils.unreplicate(pstate)`` every ``snapshot_freq`` steps, with the host
+key chain beside it, so that a restarted run draws the keys the first one would have drawn.
+The same here with Orbax's ``CheckpointManager`` in its standard layout: one directory per
+step, written under a temporary name and renamed when complete (a killed writer leaves nothing
+that reads as a checkpoint), the last ``keep`` kept. Each step holds three items: ``state``
+(the unreplicated ``TrainState``), ``rng`` (the host key chain after the step) and ``meta``
+(JSON: the step, and whatever the caller records).
+
+One process saves host arrays, replica 0. Several processes save as flax's multi-host pmap
+examples do (``save_checkpoint_multiprocess``): every process calls ``save``, each leaf becomes
+a global array replicated over every device of the run
+(``ocp.utils.fully_replicated_host_local_array_to_global_array``), Orbax writes each leaf once,
+from process 0, and renames the step into place only once every process has finished: a
+process killed during a save leaves the step unfinished, and the previous one the newest
+complete. The directory must be one that every process sees (a shared file system).
 ``nnx_sharded/checkpoints.py`` mirrors this file function by function.
 """
 
@@ -17,45 +25,50 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from legacy_pmap.train import TrainState, replicate, unreplicate
 
-WRITER = 0  # the one process that writes, as score_sde's ``if jax.process_index() == 0``
 
-
-def make_manager(directory: str, keep: int | None = None, preserve: Sequence[int] = ()) -> ocp.CheckpointManager | None:
-    """The writer's manager: keeps the last ``keep`` steps (all when None) and every step in
-    ``preserve``; synchronous, as the old ``save_checkpoint`` was. Other processes get None."""
-    if jax.process_index() != WRITER:
-        return None
-    os.makedirs(directory, exist_ok=True)  # orbax creates no root for a subset of processes
+def make_manager(directory: str, keep: int | None = None, preserve: Sequence[int] = ()) -> ocp.CheckpointManager:
+    """Keeps the last ``keep`` steps (all when None) and every step in ``preserve``; synchronous,
+    as the old ``save_checkpoint`` was. Every process makes one (Orbax's barriers span them all)."""
     policies = [ocp.checkpoint_managers.CustomSteps(list(preserve))]
     if keep is not None:
         policies.append(ocp.checkpoint_managers.LatestN(keep))
     options = ocp.CheckpointManagerOptions(
-        create=False,
         enable_async_checkpointing=False,
         preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies) if keep is not None else None,
-        multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=WRITER, active_processes={WRITER}),
     )
     return ocp.CheckpointManager(os.path.abspath(directory), options=options)
 
 
-def save(manager: ocp.CheckpointManager | None, step: int, pstate: TrainState, rng: jax.Array, meta=None) -> None:
-    """Replica 0 of the replicated state, as host arrays, with the host key chain; process 0 only."""
-    if manager is None:
-        return
+def save(manager: ocp.CheckpointManager, step: int, pstate: TrainState, rng: jax.Array, meta=None) -> None:
+    """Replica 0 of the replicated state, with the host key chain; every process calls it."""
     items = ocp.args.Composite(
         state=ocp.args.StandardSave(state_dict(pstate)),
-        rng=ocp.args.JaxRandomKeySave(rng),
+        rng=ocp.args.JaxRandomKeySave(_everywhere(rng)),
         meta=ocp.args.JsonSave({**(meta or {}), 'step': step}),
     )
     manager.save(step, args=items)
 
 
 def state_dict(pstate: TrainState) -> TrainState:
-    """What a checkpoint holds of the replicated state: replica 0, as host arrays."""
-    return jax.device_get(unreplicate(pstate))
+    """What a checkpoint holds of the replicated state: replica 0, as host arrays; with several
+    processes, as global arrays replicated over every device (the pmap spans them all)."""
+    if jax.process_count() == 1:
+        return jax.device_get(unreplicate(pstate))
+    return jax.tree.map(ocp.utils.fully_replicated_host_local_array_to_global_array, pstate)
+
+
+def _everywhere(x: jax.Array) -> jax.Array:
+    """A value every process holds alike (the host key chain), as one array over every device of
+    the run, so that Orbax writes it once; itself with one process."""
+    if jax.process_count() == 1:
+        return x
+    everywhere = NamedSharding(Mesh(np.array(jax.devices()), ('all',)), P())
+    return jax.make_array_from_process_local_data(everywhere, np.asarray(x), np.shape(x))
 
 
 def abstract_state(make_state: Callable[[], TrainState]) -> TrainState:
@@ -115,13 +128,14 @@ def restore(directory: str, target: TrainState, step: int | None = None) -> tupl
     does not fit ``target``. Read as saved, then placed into ``target`` leaf by leaf: a state
     whose leaves fit restores whatever empty fields (``None``, ``{}``) either side carries."""
     manager, step = open_step(directory, step)
-    mismatch = first_mismatch(spec(manager.item_metadata(step)['state']), spec(target))
+    saved = manager.item_metadata(step)['state']
+    mismatch = first_mismatch(spec(saved), spec(target))
     if mismatch is not None:
         raise ValueError(
             f'checkpoint {directory} step {step} does not fit this train state: first mismatching leaf {mismatch}'
         )
     items = ocp.args.Composite(
-        state=ocp.args.StandardRestore(),
+        state=ocp.args.StandardRestore(jax.tree.map(_on_this_process, saved)),
         rng=ocp.args.JaxRandomKeyRestore(_on_host_device()),
         meta=ocp.args.JsonRestore(),
     )
@@ -143,6 +157,13 @@ def restore_train_state(directory: str, make_state: Callable[[], TrainState], de
     return load_into(state, devices), rng, meta
 
 
+def _on_this_process(leaf: Any) -> np.ndarray:
+    """Each leaf read whole into host memory, whatever devices wrote it: a checkpoint saved by
+    several processes names devices this process may not have. (A ``numpy`` leaf in the target
+    is Orbax's way to ask for host arrays; its values are not read.)"""
+    return np.empty(leaf.shape, leaf.dtype)
+
+
 def _on_host_device() -> ocp.ArrayRestoreArgs:
-    """The host key chain goes back where ``jax.random.split`` made it: the default device."""
-    return ocp.ArrayRestoreArgs(sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    """The host key chain goes back where ``jax.random.split`` made it: this process's default device."""
+    return ocp.ArrayRestoreArgs(sharding=jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))

@@ -21,7 +21,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 SAVED = nnx.Not(nnx.RngState)  # what a checkpoint holds: all but the random streams
 
@@ -44,7 +45,7 @@ def save(manager: ocp.CheckpointManager, step: int, train_state: nnx.Module | di
     state = train_state if isinstance(train_state, dict) else state_dict(train_state)
     items = ocp.args.Composite(
         state=ocp.args.StandardSave(state),
-        rng=ocp.args.JaxRandomKeySave(rng),
+        rng=ocp.args.JaxRandomKeySave(_everywhere(rng)),
         meta=ocp.args.JsonSave({**(meta or {}), 'step': step}),
     )
     manager.save(step, args=items)
@@ -53,6 +54,15 @@ def save(manager: ocp.CheckpointManager, step: int, train_state: nnx.Module | di
 def state_dict(train_state: nnx.Module) -> dict:
     """What a checkpoint holds of a train state: a plain nested dict of its arrays."""
     return nnx.to_pure_dict(nnx.state(train_state, SAVED))
+
+
+def _everywhere(x: jax.Array) -> jax.Array:
+    """A value every process holds alike (the host key chain), as one array over every device of
+    the run, so that Orbax writes it once; itself with one process."""
+    if jax.process_count() == 1:
+        return x
+    everywhere = NamedSharding(Mesh(np.array(jax.devices()), ('all',)), P())
+    return jax.make_array_from_process_local_data(everywhere, np.asarray(x), np.shape(x))
 
 
 def abstract_state(init_fn: Callable[[], nnx.Module], mesh: Mesh) -> tuple[Any, dict]:
@@ -135,8 +145,8 @@ def load_into(train_state: nnx.Module, state: dict) -> None:
 
 
 def _on_host_device() -> ocp.ArrayRestoreArgs:
-    """The host key chain goes back where ``jax.random.split`` made it: the default device."""
-    return ocp.ArrayRestoreArgs(sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    """The host key chain goes back where ``jax.random.split`` made it: this process's default device."""
+    return ocp.ArrayRestoreArgs(sharding=jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
 
 
 def restore_train_state(directory: str, init_fn: Callable[[], nnx.Module], mesh: Mesh, step: int | None = None):

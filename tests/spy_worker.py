@@ -5,6 +5,8 @@
   its devices hold of the global NNX batch) into ``$SPY_DIR/process-I.json``.
 - With ``SPY_FAIL_PROCESS=I``, process I raises after its second compiled call, while the others
   go on into the next call's collectives: an exception in one process mid-run.
+- With ``SPY_KILL_IN_SAVE=I:N``, process I SIGKILLs itself during its N-th legacy checkpoint
+  save, once Orbax has made the step's temporary directory: a worker killed mid-save.
 
 Run from ``tests/`` (``python -m spy_worker --processes 2 ...``), so that the workers the launcher
 starts find this module too.
@@ -67,6 +69,7 @@ def install(record: dict) -> None:
     harness.make_inputs = make_inputs
     wrap(harness.LegacySetup, 'call', legacy_call)
     wrap(harness.NnxSetup, 'call', nnx_call)
+    wrap(harness.NnxGraphSetup, 'call', nnx_call)  # args (keys, batch): the batch is last as well
     wrap(jax, 'make_array_from_process_local_data', local_data)
 
 
@@ -90,6 +93,32 @@ def inject_fault() -> None:
     distributed.progress_log = failing
 
 
+def kill_in_save(process: int, nth: int) -> None:
+    """Process ``process`` runs its ``nth`` legacy save in a thread and SIGKILLs itself as soon as
+    the step's temporary directory exists: the save has begun and cannot have been committed (the
+    commit waits for every process)."""
+    import signal
+    import threading
+    import time
+
+    import jax
+
+    from legacy_pmap import checkpoints
+
+    original, saves = checkpoints.save, [0]
+
+    def save(manager, step, *args, **kwargs):
+        saves[0] += 1
+        if saves[0] != nth or jax.process_index() != process:
+            return original(manager, step, *args, **kwargs)
+        threading.Thread(target=original, args=(manager, step, *args), kwargs=kwargs, daemon=True).start()
+        while not any(name.startswith(f'{step}.orbax-checkpoint-tmp') for name in os.listdir(manager.directory)):
+            time.sleep(0.001)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    checkpoints.save = save
+
+
 def spied(validated) -> int:
     import jax
 
@@ -97,6 +126,8 @@ def spied(validated) -> int:
     install(record)
     if 'SPY_FAIL_PROCESS' in os.environ:
         inject_fault()
+    if 'SPY_KILL_IN_SAVE' in os.environ:
+        kill_in_save(*map(int, os.environ['SPY_KILL_IN_SAVE'].split(':')))
     code = command.work(validated)
     record['process'] = jax.process_index()
     with open(os.path.join(os.environ['SPY_DIR'], f'process-{jax.process_index()}.json'), 'w') as f:

@@ -17,19 +17,21 @@ import numpy as np
 import pytest
 from conftest import ROOT, assert_one_line_error, require_devices, run_module
 
+from equivalence.checkpoint import migrate
 from equivalence.core import compare, harness, report, workloads
 from equivalence.distributed import launch
+from legacy_pmap import checkpoints as legacy_checkpoints
 
 TINY = ['--steps-per-call', '2', '--calls', '2']
 TOL = compare.FLOAT32_REDUCTION_ORDER
 BOUND_S = 60  # a dead worker ends the run within this, every time (the issue's bound)
 
 
-def one_process(workload: str, devices: int) -> dict:
+def one_process(workload: str, devices: int, **flags) -> dict:
     """The JSON report of the same run in this single process."""
     require_devices(devices)
     wl = workloads.get(workload)
-    result = harness.check(wl, devices=devices, steps_per_call=2, calls=2)
+    result = harness.check(wl, devices=devices, steps_per_call=2, calls=2, **flags)
     return report.to_json(result, report.versions())
 
 
@@ -80,7 +82,9 @@ def test_two_processes_of_4_devices_match_one_process_of_8(tmp_path, workload):
 
 def spy(tmp_path, *args: str, **env: str) -> subprocess.Popen:
     """``tests/spy_worker.py`` (the run command with recording hooks) under the same launcher."""
-    return start('spy_worker', *args, cwd=os.path.join(ROOT, 'tests'), env=clean_env(SPY_DIR=str(tmp_path), **env))
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get('PYTHONPATH')]))  # this checkout's suite
+    env = clean_env(SPY_DIR=str(tmp_path), PYTHONPATH=path, **env)
+    return start('spy_worker', *args, cwd=os.path.join(ROOT, 'tests'), env=env)
 
 
 def test_two_processes_of_2_devices_match_and_each_feeds_only_its_rows(tmp_path):
@@ -95,6 +99,51 @@ def test_two_processes_of_2_devices_match_and_each_feeds_only_its_rows(tmp_path)
         assert seen['legacy_batch'] == [2, 2, 16, 20] and seen['legacy_keys'] == [2, 2]  # its 2 devices
         assert seen['nnx_global_batch'] == [2, 64, 20] and seen['nnx_held_rows'] == 32
         assert [2, 32, 20] in seen['local_data'] and [2, 64, 20] not in seen['local_data']
+
+
+def test_tp_in_graph_form_across_processes_feeds_the_batch_whole_to_both(tmp_path):
+    """``tp`` spans both processes with its ``model`` axis, and the batch is copied over it: each
+    process hands JAX all 64 rows for NNX (pmap still gets its own 32). Fed its pmap rows instead,
+    as before the rows followed the sharding, this run was a MISMATCH (losses 6.3e-1 apart)."""
+    out = tmp_path / 'report.json'
+    flags = ['--strategy', 'tp', '--nnx-form', 'graph']
+    proc = spy(tmp_path, '--processes', '2', '--devices', '4', *flags, *TINY, '--json', str(out))
+    single = one_process('mlp', 4, strategy='tp', nnx_form='graph')
+    assert_same_run(finish(proc, out)[1], single)
+    for i in range(2):
+        seen = json.loads((tmp_path / f'process-{i}.json').read_text())
+        assert seen['read'] == [2, 64, 20] and seen['legacy_batch'] == [2, 2, 16, 20]
+        assert seen['nnx_global_batch'] == [2, 64, 20] and seen['nnx_held_rows'] == 64
+
+
+def test_resume_from_a_checkpoint_saved_across_processes_onto_an_fsdp_mesh_across_processes(tmp_path):
+    """Both processes take part in every legacy save (Orbax's multi-process save: a file set per
+    process, one commit); migrated, the checkpoint is read back by each process onto an FSDP mesh
+    that splits the state over both, and NNX resumed at step 2 ends where legacy, uninterrupted,
+    ends (the run's own verdict)."""
+    out, root = tmp_path / 'report.json', tmp_path / 'checkpoints'
+    args = ['--resume-at', '2', '--strategy', 'fsdp', '--checkpoint-dir', str(root), '--json', str(out)]
+    stdout, report = finish(start('equivalence.run', '--processes', '2', '--devices', '4', *TINY, *args), out)
+    assert report['match'] is True and 'NNX restored it onto 4 device(s)' in stdout, stdout
+    assert sorted(os.listdir(root / 'legacy')) == ['2', '4'] and os.listdir(root / 'nnx') == ['2']
+    assert {'ocdbt.process_0', 'ocdbt.process_1'} <= set(os.listdir(root / 'legacy' / '2' / 'state'))
+
+
+def test_a_worker_killed_during_a_save_leaves_the_previous_checkpoint_the_newest_complete(tmp_path):
+    """Process 1 is SIGKILLed inside its second legacy save, after Orbax made the step's temporary
+    directory: the step is never committed (the commit waits for every process), step 2 stays the
+    newest complete one, and migrate, from this one process, converts step 2."""
+    root, logs = tmp_path / 'checkpoints', tmp_path / 'logs'
+    every = ['--checkpoint-dir', str(root), '--checkpoint-every', '1', '--worker-logs', str(logs)]
+    proc = spy(tmp_path, '--processes', '2', '--devices', '4', '--steps-per-call', '2', '--calls', '3', *every,
+               SPY_KILL_IN_SAVE='1:2')  # fmt: skip
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == launch.EXIT_WORKER_DIED and 'worker 1 of 2' in stderr and 'SIGKILL' in stderr, stderr
+    left = sorted(os.listdir(root / 'legacy'))
+    assert left[0] == '2' and left[1].startswith('4.orbax-checkpoint-tmp') and len(left) == 2, left
+    assert legacy_checkpoints.open_step(str(root / 'legacy'))[1] == 2
+    migration = migrate.migrate(str(root / 'legacy'), str(tmp_path / 'nnx'), workloads.get('mlp'))
+    assert migration.step == 2 and migration.written
 
 
 def children_of(logs) -> list[int]:

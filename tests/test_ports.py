@@ -80,8 +80,9 @@ def test_unpaired_names_stop_the_run_before_any_training(monkeypatch):
 # -- the example, both levels ---------------------------------------------------------------------
 
 
-def test_example_in_a_fresh_directory_through_the_pytest_helper_at_1_2_4_8_devices(tmp_path):
-    """Both levels, D in {1, 2, 4, 8}, as a team runs it: a folder that only imports the suite."""
+def test_example_in_a_fresh_directory_through_the_pytest_helpers_at_1_2_4_8_devices_and_2_processes(tmp_path):
+    """Both levels, D in {1, 2, 4, 8}, and the loop across 2 processes of 2 devices (the helper starts the
+    workers), as a team runs it: a folder that only imports the suite."""
     for name in ('legacy_code.py', 'nnx_code.py', 'my_port.py', 'conftest.py', 'test_port.py'):
         shutil.copy(os.path.join(EXAMPLE, name), tmp_path)
     environ = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS', 'PYTHONPATH')}
@@ -94,7 +95,7 @@ def test_example_in_a_fresh_directory_through_the_pytest_helper_at_1_2_4_8_devic
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert '8 passed' in proc.stdout, proc.stdout[-2000:]
+    assert '9 passed' in proc.stdout, proc.stdout[-2000:]
     assert 'Some donated buffers' not in proc.stdout  # the plugin's warning filter is in force
 
 

@@ -55,9 +55,10 @@ class Feed:
         self.variables, _, self.rng = harness.make_inputs(wl, dataclasses.replace(config, calls=1))
 
     def batches(self, k: int, n: int, start: int) -> list[dict[str, np.ndarray]]:
-        """``n`` batches ``[K, G, ...]`` from call ``start`` on (this process's rows, with several)."""
+        """``n`` batches ``[K, G, ...]`` from call ``start`` on, on the host: each variant hands JAX
+        only the rows its placement gives this process (``rows``), before the timer starts."""
         idx = [np.arange(c * k, c * k + k) % self.pool_steps for c in range(start, start + n)]
-        return [rows.local_batch(jax.tree.map(lambda v, i=i: v[i], self.data), self.devices) for i in idx]
+        return [jax.tree.map(lambda v, i=i: v[i], self.data) for i in idx]
 
 
 class _Chain:
@@ -91,7 +92,8 @@ def legacy_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: st
     chain = _Chain(feed, k, lambda rng: legacy.next_call_keys(rng, cfg.devices, cfg.rng_mode))
 
     def to_device(keys, batch_KxG):
-        batch_nxK = jax.tree.map(lambda v: legacy.shard_batch(v, len(devices)), batch_KxG)
+        batch_KxR = rows.local_batch(batch_KxG, cfg.devices)
+        batch_nxK = jax.tree.map(lambda v: legacy.shard_batch(v, len(devices)), batch_KxR)
         return jax.device_put((rows.local_keys(keys, cfg.devices), batch_nxK), per_device)
 
     def place(n: int) -> list[tuple]:
@@ -117,9 +119,12 @@ def legacy_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: st
 
 def _nnx_place(setup: harness.NnxSetup, chain: _Chain) -> Callable[[int], list[tuple]]:
     def place(n: int) -> list[tuple]:
-        mode = setup.config.rng_mode
-        mesh = setup.mesh
-        placed = [(sharding.place_keys(k, mesh, mode), sharding.place_batch(b, mesh)) for k, b in chain.take(n)]
+        mode, mesh, cfg = setup.config.rng_mode, setup.mesh, setup.config
+        held = rows.held_rows(sharding.batch_sharding(mesh), cfg.batch_size)
+        placed = [
+            (sharding.place_keys(k, mesh, mode), sharding.place_batch(rows.local_batch(b, cfg.devices, held), mesh))
+            for k, b in chain.take(n)
+        ]
         return jax.block_until_ready(placed)
 
     return place

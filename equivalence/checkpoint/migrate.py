@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from equivalence.checkpoint import layout, manifest, store
 from equivalence.checkpoint.store import CheckpointError
@@ -112,8 +113,9 @@ def migrate(legacy_dir: str, nnx_dir: str, port: Port, step: int | None = None, 
     if migration.problem():
         raise MigrationError(migration)
     nnx_state = _fill(abstract, {p.nnx: _cast(legacy_leaves[p.legacy], p) for p in migration.pairs})
-    if os.path.exists(nnx_dir):
+    if os.path.exists(nnx_dir) and jax.process_index() == 0:
         shutil.rmtree(nnx_dir)  # --force, checked above; only once everything mapped
+    _together('equivalence-migrate-destination-checked')  # several processes: none writes before all checked
     manager = nnx_checkpoints.make_manager(nnx_dir)
     record = {**meta, 'migrated_from': os.path.abspath(legacy_dir)}
     with store.quiet():
@@ -138,6 +140,12 @@ def _check_apart(legacy_dir: str, nnx_dir: str) -> None:
         return
     raise CheckpointError(f'NNX_DIR {nnx_dir} {where}: migrate never writes where it reads, --force or not; '
                           'choose another NNX_DIR')  # fmt: skip
+
+
+def _together(name: str) -> None:
+    """With several processes (a run migrating before it resumes), every one arrives here first."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
 
 
 def _check_destination(nnx_dir: str, force: bool) -> None:

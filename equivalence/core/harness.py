@@ -56,11 +56,19 @@ def make_inputs(port: Port, config: RunConfig) -> tuple[dict, list, jax.Array]:
     data = port.make_data(np.random.default_rng(config.seed), config.steps, config.batch_size)
     k = config.steps_per_call
     calls = [jax.tree.map(lambda v, c=c: v[c * k : (c + 1) * k], data) for c in range(config.calls)]
-    calls = [rows.local_batch(batch_KxG, config.devices) for batch_KxG in calls]
+    calls = [rows.local_batch(batch_KxG, config.devices, input_rows(config)) for batch_KxG in calls]
     rng, init_rng = jax.random.split(jax.random.PRNGKey(config.seed))
     example = jax.tree.map(lambda v: v[0, :1], data)
     variables = port.legacy_model().init({'params': init_rng, 'dropout': init_rng}, *port.init_args(example))
     return dict(variables), calls, rng
+
+
+@functools.cache
+def input_rows(config: RunConfig) -> rows.Rows:
+    """The rows of the global batch this process reads: those its pmap devices take, and those its
+    devices hold of the NNX batch (all of them where the batch is copied over a ``model`` axis)."""
+    g, held = config.batch_size, rows.held_rows(sharding.batch_sharding(nnx_mesh(config)), config.batch_size)
+    return rows.hull(rows.pmap_rows(config.devices, g), held)
 
 
 def abstract_model(port: Port) -> nnx.Module:
@@ -138,7 +146,8 @@ class LegacySetup:
         n = self.config.devices
         rng, keys_D = legacy.next_call_keys(rng, n, self.config.rng_mode)
         keys_n, n_local = rows.local_keys(keys_D, n), len(rows.positions(n))
-        batch_nxK = jax.tree.map(lambda v: legacy.shard_batch(v, n_local), batch_KxG)
+        batch_KxR = rows.take(batch_KxG, rows.pmap_rows(n, self.config.batch_size), input_rows(self.config))
+        batch_nxK = jax.tree.map(lambda v: legacy.shard_batch(v, n_local), batch_KxR)
         return rng, ((keys_n, self.pstate), batch_nxK)
 
     def call(self, args: tuple) -> np.ndarray:
@@ -155,7 +164,9 @@ def placed_inputs(setup, rng, batch_KxG) -> tuple[jax.Array, tuple]:
     """``(next rng, (keys, batch_KxG))`` of one NNX call, placed on ``setup.mesh``."""
     mode = setup.config.rng_mode
     rng, keys = sharded.next_call_keys(rng, setup.config.devices, mode)
-    return rng, (sharding.place_keys(keys, setup.mesh, mode), sharding.place_batch(batch_KxG, setup.mesh))
+    held = rows.held_rows(sharding.batch_sharding(setup.mesh), setup.config.batch_size)
+    batch_KxR = rows.take(batch_KxG, held, input_rows(setup.config))
+    return rng, (sharding.place_keys(keys, setup.mesh, mode), sharding.place_batch(batch_KxR, setup.mesh))
 
 
 @dataclasses.dataclass
