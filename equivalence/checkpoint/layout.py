@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from equivalence.core import convert, harness
+from equivalence.core import convert, harness, states
 from equivalence.core.ports import LoopPort, Port
 from legacy_pmap import train as legacy
 from nnx_sharded import train as sharded
@@ -61,4 +61,4 @@ def view(setup: harness.NnxSetup | harness.NnxGraphSetup | harness.NnxLoopSetup)
 
 def legacy_groups(port: Port) -> Callable[[Any], dict]:
     """One replica of the port's legacy train state -> ``{group: tree}``, as the comparison reads it."""
-    return getattr(port, 'legacy_groups', None) or convert.legacy_groups
+    return getattr(port, 'legacy_groups', None) or states.legacy_groups

@@ -22,7 +22,7 @@ from flax import nnx
 
 from equivalence.checkpoint import layout, migrate, store
 from equivalence.checkpoint.options import CheckpointOptions
-from equivalence.core import compare, harness
+from equivalence.core import harness
 from equivalence.core.config import ConfigError, RunConfig
 from equivalence.core.ports import Port
 from legacy_pmap import checkpoints as legacy_checkpoints
@@ -170,6 +170,6 @@ def compare_paths(port: Port, config: RunConfig, old, new, resumed_at: int, note
     old = dataclasses.replace(
         old, losses=old.losses[resumed_at:], params_per_call=old.params_per_call[resumed_at // config.steps_per_call :]
     )
-    ref, other = harness.with_losses(old.final, old.losses), harness.with_losses(new.final, new.losses)
-    report = compare.compare(ref, other, port.tolerance)
-    return harness.RunResult(config, old, new, report, resumed_at, list(notes or []))
+    cut = {p: a[resumed_at:] for p, a in old.metrics.items()}
+    report, lines = harness.compare_paths(port, dataclasses.replace(old, metrics=cut), new)
+    return harness.RunResult(config, old, new, report, resumed_at, [*lines, *(notes or [])])

@@ -67,6 +67,12 @@ class LoopPort:
     your train states from those. Each call gets keys from one host chain: per-device
     ``[D, 2]`` (pmap: row d on device d; NNX: the same array placed ``P('data')``) or one
     global key, as ``--rng`` says.
+
+    Real steps come as they are written (``equivalence.core.adapters``): ``step_form='state'``
+    for ``train_step(state, batch) -> (state, metrics)`` (no key, or the key inside the state),
+    ``'state_rng'`` for ``train_step(state, batch, rng)`` (a fresh key per step from the host
+    chain), extra arguments bound with ``functools.partial``; ``loss='loss'`` or a function of
+    the metrics reads the loss, and the other metrics are compared as a group of their own.
     """
 
     name: str
@@ -76,7 +82,7 @@ class LoopPort:
     legacy_state: Callable[[dict], Any]  # linen variables -> your train state (one replica; the suite replicates)
     legacy_step: Callable  # ((rng, state), batch) -> ((rng, state), loss); your pmean over axis_name inside
     nnx_state: Callable[[Any], Any]  # the NNX model, holding linen's weights -> what your fused call takes
-    nnx_call: Callable  # (train_state, keys, batch_KxG) -> (train_state, losses_K): K steps, one call
+    nnx_call: Callable | None = None  # (train_state, keys, batch_KxG) -> (train_state, out_K): K steps, one call
     init_args: Callable = _batch_only  # (batch of one example) -> positional args of the linen init
     axis_name: str = 'batch'  # the pmap axis your step's lax.pmean names
     names: Names = None  # linen -> NNX paths, as for ModelPort
@@ -86,6 +92,11 @@ class LoopPort:
     rng_modes: tuple[str, ...] = ('per-device', 'global')  # what your loops support; the first is the default
     summary: str = ''
     tolerance: Tolerance = FLOAT32_REDUCTION_ORDER
+    # Real code as it is (equivalence.core.adapters): the step's form, how it is run, where its loss is.
+    step_form: str = 'carry'  # 'carry' (above); 'state': (state, batch) -> (state, out); 'state_rng': + key
+    legacy_loop: str | None = None  # 'steps': pmap(step) K times per call; 'scan': pmap(scan(step)); None: carry->scan
+    loss: str | Callable | None = None  # a metrics key, or a function metrics -> loss; None: out is the loss
+    nnx_step: Callable | None = None  # instead of nnx_call: (train_state, batch_G[, key]) -> out or (train_state, out)
 
 
 Port = ModelPort | LoopPort

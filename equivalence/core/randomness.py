@@ -175,3 +175,13 @@ def bridged(rng_mode: str, axis_name: str | None = None, example_keys: Any = Non
     finally:
         nnx.Dropout.__call__, nnx.reseed = original, reseed
         _active.bridge = previous
+
+
+_unbridged: dict[str, None] = {}  # report lines: draws from streams the bridge does not cover, in order seen
+
+
+def take_unbridged() -> list[str]:
+    """The lines naming every layer that drew randomness the bridge does not cover since the last call."""
+    lines = list(_unbridged)
+    _unbridged.clear()
+    return lines
