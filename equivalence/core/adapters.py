@@ -175,6 +175,7 @@ class StepLegacySetup(harness.LegacySetup):
     port: LoopPort = None
     metrics: list = dataclasses.field(default_factory=list)  # per call: {metric path: [K, ...]}
     notes: list = dataclasses.field(default_factory=list)
+    uneven: set = dataclasses.field(default_factory=set)  # metric paths that differ between devices
 
     def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
         n, mode, k = self.config.devices, self.config.rng_mode, self.config.steps_per_call
@@ -193,9 +194,10 @@ class StepLegacySetup(harness.LegacySetup):
             self.pstate, out_nxK = self.p_train_step(*args)
         out_K, uneven = replica_outputs(out_nxK)
         losses_K, metrics = read_output(self.port, out_K)
-        self.metrics.append({p: a for p, a in metrics.items() if p not in uneven})
-        self.notes[:] = [f'not compared: metrics/{p}: differs between pmap devices (no pmean or psum in the '
-                         "step), so the pmap side's value is not the global one" for p in uneven]  # fmt: skip
+        self.metrics.append(metrics)
+        self.uneven.update(uneven)
+        why = "differs between pmap devices (no pmean or psum in the step): the pmap side's value is not global"
+        self.notes[:] = [f'not compared: metrics/{p}: {why}' for p in sorted(self.uneven)]
         return losses_K
 
 

@@ -34,6 +34,7 @@ class PathResult:
     mesh: dict = dataclasses.field(default_factory=dict)  # NNX: the mesh's axes
     metrics: dict = dataclasses.field(default_factory=dict)  # a loop port's step metrics: path -> [C * K, ...]
     notes: list = dataclasses.field(default_factory=list)  # what this path could not compare, and why
+    left_out: set = dataclasses.field(default_factory=set)  # metric paths not compared (named in notes)
 
 
 @dataclasses.dataclass
@@ -340,6 +341,7 @@ def run_legacy(port: Port, config: RunConfig, variables: dict, calls: list, rng,
     losses, per_call = _train(setup, calls, rng, mapping, progress, 'legacy', after_call)
     result = PathResult(convert.rename(setup.neutral(), mapping), losses, per_call, setup.pstate)
     result.metrics, result.notes = _metrics(setup), [*getattr(setup, 'notes', [])]
+    result.left_out = set(getattr(setup, 'uneven', ()))
     if isinstance(port, LoopPort):
         result.notes += states.legacy_not_compared(legacy.unreplicate(setup.pstate))
     if getattr(port, 'eval_data', None) is not None:
@@ -397,7 +399,9 @@ def with_losses(neutral: convert.Neutral, losses: np.ndarray, metrics: dict | No
 
 def compare_paths(port: Port, old: PathResult, new: PathResult) -> tuple[compare.Report, list[str]]:
     """The comparison of two paths' results, and the lines that say what was left out of it."""
-    ref, other = with_losses(old.final, old.losses, old.metrics), with_losses(new.final, new.losses, new.metrics)
+    kept = lambda metrics: {p: a for p, a in metrics.items() if p not in old.left_out}  # noqa: E731
+    ref = with_losses(old.final, old.losses, kept(old.metrics))
+    other = with_losses(new.final, new.losses, kept(new.metrics))
     ref, other, notes = states.align(ref, other)
     lines = [_adapters().describe(port)] if _adapters().adapted(port) else []
     lines += [*old.notes, *new.notes, *notes, *randomness.take_unbridged()]
