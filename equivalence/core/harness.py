@@ -83,9 +83,9 @@ def has_batch_stats(port: Port) -> bool:
 
 
 def uses_dropout(port: Port) -> bool:
-    """Whether the NNX model has Dropout layers (then the suite hands both sides dropout keys)."""
+    """Whether the NNX model has Dropout or attention layers (then the suite hands both sides dropout keys)."""
     abstract = abstract_model(port)
-    return any(isinstance(node, nnx.Dropout) for _, node in nnx.iter_graph(abstract))
+    return any(isinstance(node, nnx.Dropout | nnx.MultiHeadAttention) for _, node in nnx.iter_graph(abstract))
 
 
 def port_noise(port: ModelPort, dropout: bool) -> Callable:
@@ -94,7 +94,7 @@ def port_noise(port: ModelPort, dropout: bool) -> Callable:
     def noise(key, spec):
         out = {'port': port.noise(key, spec) if port.noise is not None else {}}
         if dropout:
-            out['dropout'] = randomness.example_keys(key, spec)
+            out['dropout'] = randomness.dropout_keys(key, spec)
         return out
 
     return noise
