@@ -3,6 +3,7 @@ guarantees (same bits whatever the layout; the layers' own bits from a given key
 drawing from a stream the suite does not bridge named, not left as a bare MISMATCH."""
 
 import contextlib
+import dataclasses
 
 import flax.linen as nn
 import jax
@@ -15,7 +16,9 @@ from flax import nnx
 
 from equivalence import ModelPort
 from equivalence.core import harness, randomness
+from equivalence.core.config import RunConfig
 from equivalence.core.naming import PortError
+from equivalence.pitfalls import masked_loss
 
 F, L = 4, 3
 QUICK = {'steps_per_call': 2, 'calls': 2}
@@ -124,3 +127,29 @@ def test_a_layer_drawing_from_a_stream_the_suite_does_not_bridge_is_named():
     with randomness.bridged('global'):  # Dropout and attention draw nothing the bridge does not cover
         NnxAttention(nnx.Rngs(0))(jnp.ones((2, L, F)))
     assert randomness.take_unbridged() == []
+
+
+# -- losses that are not per-example means ----------------------------------------------------------
+
+
+def legacy_token_sums(model, params, model_state, batch, noise):
+    losses_B, model_state = masked_loss.legacy_losses.mlp_loss(model, params, model_state, batch, noise)
+    return {'loss': losses_B * batch['mask'], 'weight': batch['mask']}, model_state
+
+
+def nnx_token_sums(model, batch, noise):
+    return {'loss': masked_loss.nnx_losses.mlp_loss(model, batch, noise) * batch['mask'], 'weight': batch['mask']}
+
+
+def test_a_token_weighted_loss_matches_at_level_1_and_the_masked_loss_pitfall_is_linked():
+    """Level 1 takes ``{'loss': sums_B, 'weight': weights_B}``: psum(sums) / psum(weights) on the pmap
+    side. The per-device weighted mean then pmean (the pitfall) mismatches, and the report links it."""
+    require_devices(4)
+    valid = masked_loss.indivisible(4)
+    config = RunConfig(workload='mlp', devices=4, steps_per_call=2, calls=2, batch_size=masked_loss.padded(valid, 4))
+    port = dataclasses.replace(masked_loss.workload(legacy_token_sums, 4), nnx_loss=nnx_token_sums)
+    assert harness.run(port, config).report.match
+    wrong = harness.run(masked_loss.workload(masked_loss.legacy_local_mean, 4), config)
+    assert not wrong.report.match
+    hint = [n for n in wrong.notes if n.startswith('hint: the step-1 loss differs')]
+    assert hint and 'pitfalls --only masked_loss' in hint[0], wrong.notes

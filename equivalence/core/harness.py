@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from equivalence.core import compare, convert, naming, randomness, states
+from equivalence.core import compare, convert, hints, naming, randomness, states
 from equivalence.core.config import ConfigError, RunConfig
 from equivalence.core.ports import LoopPort, ModelPort, Port
 from equivalence.distributed import gather, rows
@@ -436,6 +436,7 @@ def run(port: Port, config: RunConfig, progress: Progress | None = None) -> RunR
     old = run_legacy(port, config, variables, calls, rng, progress or _silent)
     new = run_nnx(port, config, variables, calls, rng, progress or _silent)
     report, notes = compare_paths(port, old, new)
+    notes += hints.masked_loss(config.devices, calls[0], report, old.losses, new.losses)
     return RunResult(config, old, new, report, notes=notes)
 
 

@@ -31,7 +31,10 @@ def _batch_only(batch) -> tuple:
 class ModelPort:
     """Level 1: your two models and losses, trained by the suite's two loops.
 
-    Losses return one value per example; the loops average them over the global batch.
+    Losses return one value per example; the loops average them over the global batch. A loss
+    that is not a per-example mean (tokens of padded sequences) returns ``{'loss': sums_B,
+    'weight': weights_B}``: the mean is ``psum(sum) / psum(weight)`` on the pmap side and
+    ``sum / sum`` on the sharded side.
     ``noise`` draws the random numbers a loss consumes outside the model (the suite calls it
     per device or once for the global batch, as ``--rng`` says, and gives both losses the
     same numbers); Dropout layers *inside* the models need nothing: the suite draws their
