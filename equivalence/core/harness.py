@@ -399,12 +399,16 @@ def with_losses(neutral: convert.Neutral, losses: np.ndarray, metrics: dict | No
 
 def compare_paths(port: Port, old: PathResult, new: PathResult) -> tuple[compare.Report, list[str]]:
     """The comparison of two paths' results, and the lines that say what was left out of it."""
-    kept = lambda metrics: {p: a for p, a in metrics.items() if p not in old.left_out}  # noqa: E731
+    one_side = sorted(set(old.metrics) ^ set(new.metrics))
+    left_out = old.left_out | set(one_side)
+    kept = lambda metrics: {p: a for p, a in metrics.items() if p not in left_out}  # noqa: E731
     ref = with_losses(old.final, old.losses, kept(old.metrics))
     other = with_losses(new.final, new.losses, kept(new.metrics))
     ref, other, notes = states.align(ref, other)
     lines = [_adapters().describe(port)] if _adapters().adapted(port) else []
     lines += [*old.notes, *new.notes, *notes, *randomness.take_unbridged()]
+    lines += [f'not compared: metrics/{p}: only the {"pmap" if p in old.metrics else "NNX"} step reports it'
+              for p in one_side]  # fmt: skip
     return compare.compare(ref, other, port.tolerance), list(dict.fromkeys(lines))
 
 
