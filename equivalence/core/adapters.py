@@ -130,6 +130,8 @@ def _one_step(port: LoopPort) -> Callable:
     """``(state, batch, key) -> (state, out)`` from the team's step."""
     if port.step_form == 'state':
         return lambda state, batch, key: port.legacy_step(state, batch)
+    if port.step_form == 'state_rng' and port.rng_arg:
+        return lambda state, batch, key: port.legacy_step(state, batch, **{port.rng_arg: key})
     if port.step_form == 'state_rng':
         return port.legacy_step
     return lambda state, batch, key: _carry_step(port.legacy_step, state, batch, key)

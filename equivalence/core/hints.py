@@ -1,11 +1,12 @@
 """Hints the report adds when a mismatch has the signature of a known pitfall.
 
-A padded batch (a ``mask`` or ``weight`` leaf, or integer tokens with padding zeros) whose very
-first loss already differs, on more than one device, is the signature of the masked-loss pitfall:
-the pmap step's per-device weighted mean, then ``pmean``, weighs every *device* equally, and the
-step-1 loss is computed before any update, so no optimizer or parameter slip can move it.
+A padded batch (a ``mask`` or ``weight`` leaf, or integer tokens with padding zeros) that
+mismatches on several devices and matches on one is the signature of the masked-loss pitfall:
+the pmap step's per-device weighted mean, then ``pmean``, weighs every *device* equally, which
+on one device is the global mean.
 """
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,16 +26,13 @@ def padded(batch_KxG: Any) -> bool:
     return False
 
 
-def masked_loss(devices: int, batch_KxG: Any, report: compare.Report, legacy_losses, nnx_losses) -> list[str]:
-    """The masked-loss pitfall's line, when a padded port's step-1 loss differs at D > 1."""
-    tol = report.tolerance
-    first = abs(float(legacy_losses[0]) - float(nnx_losses[0]))
-    if report.match or devices == 1 or first <= tol.atol + tol.rtol * abs(float(legacy_losses[0])):
-        return []
-    if not padded(batch_KxG):
+def masked_loss(devices: int, batch_KxG: Any, report: compare.Report, matches_on_one: Callable[[], bool]) -> list[str]:
+    """The masked-loss pitfall's line, when a padded port mismatches at D > 1 and matches on one
+    device (``matches_on_one`` runs both sides again on 1 device: only on this failure path)."""
+    if report.match or devices == 1 or not padded(batch_KxG) or not matches_on_one():
         return []
     return [
-        f'hint: the step-1 loss differs ({first:.1e}) on a padded batch at {devices} devices: the masked-loss '
+        f'hint: on a padded batch this port mismatches at {devices} devices and matches on 1: the masked-loss '
         'pitfall (a per-device weighted mean, then pmean, weighs devices, not tokens); see '
         f'python -m equivalence.pitfalls --only {PITFALL} (equivalence/pitfalls/{PITFALL}.py): psum the sums '
         "and the weights, or at level 1 return {'loss': sums_B, 'weight': weights_B}"

@@ -100,6 +100,7 @@ class LoopPort:
     legacy_loop: str | None = None  # 'steps': pmap(step) K times per call; 'scan': pmap(scan(step)); None: carry->scan
     loss: str | Callable | None = None  # a metrics key, or a function metrics -> loss; None: out is the loss
     nnx_step: Callable | None = None  # instead of nnx_call: (train_state, batch_G[, key]) -> out or (train_state, out)
+    rng_arg: str | None = None  # 'state_rng': the keyword the pmap step takes its key by (dropout_rng=); None: 3rd
 
 
 Port = ModelPort | LoopPort
