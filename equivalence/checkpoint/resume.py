@@ -22,7 +22,7 @@ from flax import nnx
 
 from equivalence.checkpoint import layout, migrate, store
 from equivalence.checkpoint.options import CheckpointOptions
-from equivalence.core import harness
+from equivalence.core import adapters, harness
 from equivalence.core.config import ConfigError, RunConfig
 from equivalence.core.ports import Port
 from legacy_pmap import checkpoints as legacy_checkpoints
@@ -72,9 +72,10 @@ def nnx_saver(directory: str, config: RunConfig, every: int, keep: int | None = 
     return saver(nnx_checkpoints, state_of, directory, config, every, keep=keep, preserve=preserve)
 
 
-def restorer(directory: str, config: RunConfig, step: int | None = None) -> Callable[[Any], jax.Array]:
+def restorer(directory: str, config: RunConfig, step: int | None = None, chain=None) -> Callable[[Any], jax.Array]:
     """A harness ``restore`` hook: the NNX checkpoint read straight onto the setup's mesh and
-    loaded into its train state; returns the key chain. The target carries the placement the
+    loaded into its train state; returns the key chain (``chain()`` when the checkpoint was
+    migrated from a team's own, which records none). The target carries the placement the
     setup chose for each array (whatever the strategy), so the compiled call's shardings fit."""
 
     def restore(setup) -> jax.Array:
@@ -82,6 +83,8 @@ def restorer(directory: str, config: RunConfig, step: int | None = None) -> Call
         target = jax.tree.map(placed_like, nnx_checkpoints.state_dict(train_state))
         state, rng, meta = store.read_nnx(directory, target, step)
         check_record(meta, config)
+        if meta.get('rng_recorded') is False and chain is not None:
+            rng = chain()
         nnx_checkpoints.load_into(train_state, state)
         if isinstance(setup, harness.NnxSetup):
             setup.state = nnx.to_pure_dict(nnx.state(train_state))
@@ -129,7 +132,8 @@ def resume_nnx(port: Port, config: RunConfig, legacy: LegacyRun, nnx_dir: str, s
     """NNX restored from ``nnx_dir``'s ``step`` onto ``config.devices`` devices, trained on the
     calls after it, and compared with the legacy run's end."""
     after = legacy.calls[step // config.steps_per_call :]
-    restore = restorer(nnx_dir, config, step)
+    chain = lambda: adapters.chain_at(port, config, legacy.rng, step // config.steps_per_call)  # noqa: E731
+    restore = restorer(nnx_dir, config, step, chain)
     new = harness.run_nnx(port, config, legacy.variables, after, None, progress or _silent, restore=restore)
     return compare_paths(port, config, legacy.result, new, step)
 

@@ -123,6 +123,17 @@ def step_keys(next_keys: Callable, rng: jax.Array, n: int, mode: str, k: int) ->
     return rng, keys
 
 
+def chain_at(port: Any, config: RunConfig, rng: jax.Array, calls: int) -> jax.Array:
+    """The host key chain after ``calls`` calls, drawn as the setups draw it: for a checkpoint that
+    holds none (a team's own), so that the resumed run continues the keys of the uninterrupted one."""
+    draws = 1
+    if adapted(port):
+        draws = {'carry': 1, 'state': 0, 'state_rng': config.steps_per_call}[port.step_form]
+    for _ in range(calls * draws):
+        rng, _ = legacy.next_call_keys(rng, config.devices, config.rng_mode)
+    return rng
+
+
 # -- the pmap side -----------------------------------------------------------------------------
 
 
