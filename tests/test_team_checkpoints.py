@@ -36,7 +36,8 @@ def team_saver(name: str, old, directory: str):
     return lambda setup, calls_done, rng: old.save_checkpoint(manager, setup.pstate)
 
 
-def resumed(name: str, tmp_path, chain_at=None):
+def resumed(name: str, tmp_path):
+    """``(migration, result, port, team dir, resume again)`` of the example's LOOP, saved after every call."""
     old, my_port = example(name)
     port = my_port.LOOP
     config = RunConfig(workload=port.name, devices=2, steps_per_call=2, calls=2, batch_size=8,
@@ -46,36 +47,40 @@ def resumed(name: str, tmp_path, chain_at=None):
     legacy = harness.run_legacy(port, config, variables, calls, rng, after_call=team_saver(name, old, team_dir))
     migration = migrate.migrate(team_dir, nnx_dir, port, step=2)
     run = resume.LegacyRun(legacy, team_dir, variables, calls, rng)
-    return migration, resume.resume_nnx(port, config, run, nnx_dir, 2), port, team_dir
+    again = lambda: resume.resume_nnx(port, config, run, nnx_dir, 2)  # noqa: E731
+    return migration, again(), port, team_dir, again
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+    """Each example trained, saved by its own code, migrated and resumed: once for the module."""
+    require_devices(2)
+    return {name: resumed(name, tmp_path_factory.mktemp(name)) for name in ('imagenet_port', 'wmt_port')}
 
 
 @pytest.mark.parametrize('name', ['imagenet_port', 'wmt_port'])
-def test_a_teams_own_checkpoint_migrates_and_resumes_to_match(name, tmp_path):
-    require_devices(2)
-    migration, result, port, team_dir = resumed(name, tmp_path)
+def test_a_teams_own_checkpoint_migrates_and_resumes_to_match(runs, name, tmp_path):
+    migration, result, port, team_dir, _ = runs[name]
     assert migration.written and migration.step == 2 and not migration.unmapped
     assert result.report.match, [leaf for leaf in result.report.leaves if not leaf.ok]
     assert result.resumed_at == 2 and len(result.nnx.losses) == 2
-    if name == 'imagenet_port':  # the TrainState's dynamic_scale is read, and left out by name
+    if name == 'imagenet_port':  # the TrainState's batch_stats are read; another port's state is refused
         assert any(p.legacy.startswith('model_state/batch_stats/') for p in migration.pairs)
         with pytest.raises(CheckpointError, match=r'does not fit the port.s train state: first mismatching leaf'):
-            migrate.migrate(team_dir, str(tmp_path / 'other'), example('wmt_port')[1].LOOP, step=2)
+            migrate.migrate(team_dir, str(tmp_path / 'other'), runs['wmt_port'][2], step=2)
         with pytest.raises(CheckpointError, match=r'no complete checkpoint of step 3 .*flax save_checkpoint'):
             migrate.migrate(team_dir, str(tmp_path / 'other'), port, step=3)
 
 
-def test_without_the_recomputed_key_chain_the_resumed_transformer_does_not_match(tmp_path, monkeypatch):
+def test_without_the_recomputed_key_chain_the_resumed_transformer_does_not_match(runs, monkeypatch):
     """Negative control: a team's checkpoint holds no host key chain; the suite recomputes it from
     the seed. With the placeholder key instead, the resumed dropout masks differ."""
-    require_devices(2)
     monkeypatch.setattr(adapters, 'chain_at', lambda port, config, rng, calls: jax.random.PRNGKey(0))
-    _, result, _, _ = resumed('wmt_port', tmp_path)
-    assert not result.report.match
+    assert not runs['wmt_port'][4]().report.match
 
 
-def test_migrate_from_the_command_line_reads_a_flax_directory_and_refuses_a_missing_step(tmp_path):
-    require_devices(2)
-    _, _, _, team_dir = resumed('imagenet_port', tmp_path)
+def test_migrate_from_the_command_line_reads_a_flax_directory_and_refuses_a_missing_step(runs, tmp_path):
+    team_dir = runs['imagenet_port'][3]
     env = {'PYTHONPATH': f'{os.path.join(ROOT, "examples", "imagenet_port")}:{ROOT}'}
     ok = run_module('equivalence.checkpoint', 'migrate', team_dir, str(tmp_path / 'cli'), '--workload',
                     'my_port:LOOP', env=env)  # fmt: skip
