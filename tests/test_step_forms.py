@@ -15,7 +15,7 @@ from flax import nnx
 from flax.training import train_state
 
 from equivalence import LoopPort
-from equivalence.core import harness
+from equivalence.core import adapters, harness
 from equivalence.core.config import ConfigError
 
 AXIS, FEATURES, HIDDEN = 'batch', 4, 8
@@ -205,3 +205,6 @@ def test_forms_that_do_not_fit_together_exit_2_before_any_work():
     ]:
         with pytest.raises(ConfigError, match=message):
             harness.check(dataclasses.replace(port, **bad), devices=2, **QUICK)
+    with pytest.raises(ConfigError, match='explain reads one compiled call per side'):
+        adapters.one_program_each(port, 'explain')  # its step runs once per step: no single program to read
+    adapters.one_program_each(FORMS['state_rng, scan, fused nnx'], 'explain')

@@ -24,10 +24,11 @@ def run(wl, config, repeats: int, compile_repeats: int, strategy_configs=()):
     from equivalence.bench import report as benchreport
     from equivalence.bench import timing as measure
     from equivalence.bench import variants
-    from equivalence.core import harness
+    from equivalence.core import adapters, harness
 
     for cfg in (config, *strategy_configs):
         harness.validate(wl, cfg)
+    adapters.one_program_each(wl, 'bench')
     progress = measure.Progress(f'{config.workload} D={config.devices} K={config.steps_per_call}')
     machine = measure.machine()
     progress('building variants')

@@ -72,6 +72,15 @@ def check(port: LoopPort) -> None:
         raise ConfigError(f'{where}: loss must be a metrics key or a function of the metrics, got {port.loss!r}')
 
 
+def one_program_each(port: Any, command: str) -> None:
+    """explain and bench read one compiled call per side: a step run once per step has none (exit 2)."""
+    if adapted(port) and (legacy_loop(port) == 'steps' or port.nnx_step is not None):
+        raise ConfigError(
+            f'{command} reads one compiled call per side; port {port.name!r} runs its step once per step: '
+            "give it legacy_loop='scan' and nnx_call= (K steps in one call) to use it here"
+        )
+
+
 def describe(port: LoopPort) -> str:
     """One line for the report: how the team's step ran on each side."""
     form = {'carry': '((rng, state), batch)', 'state': '(state, batch)', 'state_rng': '(state, batch, rng)'}

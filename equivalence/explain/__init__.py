@@ -323,9 +323,10 @@ def measure_nnx_loop(setup: Any, args: tuple) -> PathMeasurement:
 
 def measure_both(port: Any, config: Any) -> tuple[PathMeasurement, PathMeasurement]:
     """One call of each path of a port (built-in or user's), compiled and read."""
-    from equivalence.core import harness
+    from equivalence.core import adapters, harness
 
     harness.validate(port, config)
+    adapters.one_program_each(port, 'explain')
     variables, calls, rng = harness.make_inputs(port, config)
     harness.check_names(port, variables)
     legacy_setup = harness.legacy_setup(port, config, variables)
