@@ -26,7 +26,6 @@ import orbax.checkpoint as ocp
 
 from legacy_pmap import checkpoints as legacy_checkpoints
 
-SUITE_ITEMS = {'state', 'rng', 'meta'}
 FLAX_STEP = re.compile(r'^checkpoint_(\d+)$')
 
 
@@ -43,8 +42,9 @@ def _steps(directory: str) -> dict[int, str]:
         if flax and _is_pytree(path):
             found[int(flax.group(1))] = path
         elif name.isdigit() and os.path.isdir(path):
-            items = sorted(i for i in os.listdir(path) if _is_pytree(os.path.join(path, i)))
-            if len(items) == 1 and not SUITE_ITEMS >= {*os.listdir(path)} - {'_CHECKPOINT_METADATA'}:
+            names = set(os.listdir(path))
+            items = sorted(i for i in names if _is_pytree(os.path.join(path, i)))
+            if len(items) == 1 and not {'state', 'meta'} <= names:  # the suite's own: state, rng and meta
                 found[int(name)] = os.path.join(path, items[0])
     return found
 
