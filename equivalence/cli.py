@@ -75,7 +75,13 @@ def add_run_flags(
     strategy_help: str = 'NNX placement: dp, fsdp, tp, fsdp-tp, shard_map (default dp)',
 ) -> None:
     """The flags that make a ``RunConfig``; ``None`` means "not given", never a value to replace."""
-    parser.add_argument('--workload', default='mlp', help=f'{"|".join(workloads)} or a port: module:NAME (default mlp)')
+    parser.add_argument(
+        '--workload',
+        default='mlp',
+        metavar='NAME',
+        help=f'a built-in ({", ".join(workloads)}; default mlp) or your own port as package.module:NAME '
+        '(a ModelPort or LoopPort, or a function returning one; its folder on PYTHONPATH or the current directory)',
+    )
     parser.add_argument('--devices', type=int, default=None, help='D devices (default: all; 8 simulated on CPU)')
     parser.add_argument('--steps-per-call', type=int, default=5, help='K steps fused per call (default 5)')
     parser.add_argument('--calls', type=int, default=calls_default, help=calls_help or 'C compiled calls (default 4)')

@@ -57,12 +57,22 @@ def draw_noise(noise_fn: Callable, key: jax.Array, batch, rng_mode: str, axis_na
     return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, b), noise_G)
 
 
+def batch_mean(losses_B) -> jax.Array:
+    """This device's share of the loss, whose ``pmean`` is the global batch's: per-example losses'
+    mean, or for a weighted loss ``{'loss': sums_B, 'weight': weights_B}`` (token sums and token
+    counts) ``sum(loss) / psum(sum(weight)) * D``, so that pmean gives ``psum(sums) / psum(weights)``."""
+    if not isinstance(losses_B, dict):
+        return jnp.mean(losses_B)
+    weight = jax.lax.psum(jnp.sum(losses_B['weight']), axis_name=AXIS)
+    return jnp.sum(losses_B['loss']) / weight * jax.lax.axis_size(AXIS)
+
+
 def make_step_fn(model, per_example_loss: Callable, noise_fn: Callable, tx, ema_rate, rng_mode: str) -> Callable:
     """``step((rng, state), batch) -> ((rng, state), loss)``, the body of the scan."""
 
     def loss_fn(params, model_state, batch, noise):
         losses_B, new_model_state = per_example_loss(model, params, model_state, batch, noise)
-        return jnp.mean(losses_B), new_model_state
+        return batch_mean(losses_B), new_model_state
 
     def step(carry, batch):
         rng, state = carry

@@ -42,6 +42,9 @@ def make_step_fn(graphdef, per_example_loss: Callable, noise_fn: Callable, ema_r
 
     def loss_fn(params, model_graph, rest, batch, noise):
         losses_B = per_example_loss(nnx.merge(model_graph, params, rest), batch, noise)
+        if isinstance(losses_B, dict):  # weighted: this device's share, as legacy_pmap.train.batch_mean
+            weight = jax.lax.psum(jnp.sum(losses_B['weight']), axis_name=DATA)
+            return jnp.sum(losses_B['loss']) / weight * jax.lax.axis_size(DATA)
         return jnp.mean(losses_B)
 
     def step(carry, batch):

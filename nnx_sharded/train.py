@@ -73,6 +73,16 @@ def draw_noise(noise_fn: Callable, key: jax.Array, batch, rng_mode: str) -> dict
     return jax.tree.map(lambda a: a.reshape(g, *a.shape[2:]), noise_DxB)
 
 
+def batch_mean(losses_G) -> tuple[jax.Array, jax.Array]:
+    """The global batch's loss, and per-example values whose mean it is (averaged after the scan):
+    per-example losses as they are, or for a weighted loss ``{'loss': sums_G, 'weight': weights_G}``
+    ``sum(loss) / sum(weight)``, and ``loss * G / sum(weight)`` per example."""
+    if not isinstance(losses_G, dict):
+        return jnp.mean(losses_G), losses_G
+    weight, g = jnp.sum(losses_G['weight']), losses_G['loss'].shape[0]
+    return jnp.sum(losses_G['loss']) / weight, losses_G['loss'] * g / weight
+
+
 def make_update_fn(per_example_loss: Callable, noise_fn: Callable, ema_rate, rng_mode: str) -> Callable:
     """``update(ts, rng, batch) -> (rng, losses_G)``: one step on the TrainState object, in place.
 
@@ -81,8 +91,7 @@ def make_update_fn(per_example_loss: Callable, noise_fn: Callable, ema_rate, rng
     """
 
     def loss_fn(model, batch, noise):
-        losses_G = per_example_loss(model, batch, noise)
-        return jnp.mean(losses_G), losses_G  # global mean: no pmean
+        return batch_mean(per_example_loss(model, batch, noise))  # global mean: no pmean
 
     def update(ts: TrainState, rng, batch):
         rng, step_rng = split_keys(rng, rng_mode)

@@ -192,3 +192,9 @@ def test_help_documents_the_exit_codes(command, capsys):
     assert ('\n  1  ' in out) == (command in ('run', 'pitfalls'))
     if command == 'explain':
         assert 'explain compiles one call' in ' '.join(out.split())
+
+
+@pytest.mark.parametrize('command', ['equivalence.run', 'equivalence.explain', 'equivalence.bench'])
+def test_help_names_a_port_as_module_colon_name_for_every_command_that_takes_a_workload(command):
+    proc = run_module(command, '--help')
+    assert proc.returncode == 0 and 'package.module:NAME' in ' '.join(proc.stdout.split()), proc.stdout

@@ -24,8 +24,9 @@ def run(wl, config, repeats: int, compile_repeats: int, strategy_configs=()):
     from equivalence.bench import report as benchreport
     from equivalence.bench import timing as measure
     from equivalence.bench import variants
-    from equivalence.core import harness, preflight
+    from equivalence.core import adapters, harness, preflight
 
+    adapters.one_program_each(wl, 'bench')
     for cfg in (config, *strategy_configs):
         harness.validate(wl, cfg)
     preflight.check(wl, config, pool_steps(config))

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from equivalence.core import convert, harness
+from equivalence.core import convert, harness, states
 from equivalence.core.ports import LoopPort, Port
 from legacy_pmap import train as legacy
 from nnx_sharded import checkpoints as nnx_checkpoints
@@ -93,4 +93,4 @@ def group_places(port: LoopPort) -> dict[str, str] | None:
 
 def legacy_groups(port: Port) -> Callable[[Any], dict]:
     """One replica of the port's legacy train state -> ``{group: tree}``, as the comparison reads it."""
-    return getattr(port, 'legacy_groups', None) or convert.legacy_groups
+    return getattr(port, 'legacy_groups', None) or states.legacy_groups

@@ -118,6 +118,7 @@ def migrate(legacy_dir: str, nnx_dir: str, port: Port, step: int | None = None, 
     _together('equivalence-migrate-destination-checked')  # several processes: none writes before all checked
     manager = nnx_checkpoints.make_manager(nnx_dir)
     record = {**meta, 'migrated_from': os.path.abspath(legacy_dir)}
+    rng = jax.random.PRNGKey(0) if rng is None else rng  # a team's checkpoint: the chain is recomputed on resume
     with store.quiet():
         nnx_checkpoints.save(manager, migration.step, nnx_state, rng, record)
     manager.close()

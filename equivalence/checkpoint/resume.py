@@ -22,7 +22,7 @@ from flax import nnx
 
 from equivalence.checkpoint import layout, manifest, migrate, store
 from equivalence.checkpoint.options import CheckpointOptions
-from equivalence.core import compare, harness
+from equivalence.core import adapters, harness
 from equivalence.core.config import ConfigError, RunConfig
 from equivalence.core.ports import Port
 from legacy_pmap import checkpoints as legacy_checkpoints
@@ -72,9 +72,10 @@ def nnx_saver(directory: str, config: RunConfig, every: int, keep: int | None = 
     return saver(nnx_checkpoints, state_of, directory, config, every, keep=keep, preserve=preserve)
 
 
-def restorer(directory: str, config: RunConfig, step: int | None = None) -> Callable[[Any], jax.Array]:
+def restorer(directory: str, config: RunConfig, step: int | None = None, chain=None) -> Callable[[Any], jax.Array]:
     """A harness ``restore`` hook: the NNX checkpoint read straight onto the setup's mesh and
-    loaded into its train state; returns the key chain. The target carries the placement the
+    loaded into its train state; returns the key chain (``chain()`` when the checkpoint was
+    migrated from a team's own, which records none). The target carries the placement the
     setup chose for each array (whatever the strategy), so the compiled call's shardings fit."""
 
     def restore(setup) -> jax.Array:
@@ -84,6 +85,8 @@ def restorer(directory: str, config: RunConfig, step: int | None = None) -> Call
             manifest.verify(directory, step=step, required=False)  # a changed byte is exit 2, before it trains
         state, rng, meta = store.read_nnx(directory, target, step)
         check_record(meta, config)
+        if meta.get('rng_recorded') is False and chain is not None:
+            rng = chain()
         nnx_checkpoints.load_into(train_state, state)
         if isinstance(setup, harness.NnxSetup):
             setup.state = nnx.to_pure_dict(nnx.state(train_state))
@@ -131,7 +134,8 @@ def resume_nnx(port: Port, config: RunConfig, legacy: LegacyRun, nnx_dir: str, s
     """NNX restored from ``nnx_dir``'s ``step`` onto ``config.devices`` devices, trained on the
     calls after it, and compared with the legacy run's end."""
     after = legacy.calls[step // config.steps_per_call :]
-    restore = restorer(nnx_dir, config, step)
+    chain = lambda: adapters.chain_at(port, config, legacy.rng, step // config.steps_per_call)  # noqa: E731
+    restore = restorer(nnx_dir, config, step, chain)
     new = harness.run_nnx(port, config, legacy.variables, after, None, progress or _silent, restore=restore)
     return compare_paths(port, config, legacy.result, new, step)
 
@@ -175,6 +179,6 @@ def compare_paths(port: Port, config: RunConfig, old, new, resumed_at: int, note
     old = dataclasses.replace(
         old, losses=old.losses[resumed_at:], params_per_call=old.params_per_call[resumed_at // config.steps_per_call :]
     )
-    ref, other = harness.with_losses(old.final, old.losses), harness.with_losses(new.final, new.losses)
-    report = compare.compare(ref, other, port.tolerance)
-    return harness.RunResult(config, old, new, report, resumed_at, list(notes or []))
+    cut = {p: a[resumed_at:] for p, a in old.metrics.items()}
+    report, lines = harness.compare_paths(port, dataclasses.replace(old, metrics=cut), new)
+    return harness.RunResult(config, old, new, report, resumed_at, [*lines, *(notes or [])])

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from equivalence.checkpoint import foreign
 from equivalence.core.config import ConfigError
 from legacy_pmap import checkpoints as legacy_checkpoints
 from nnx_sharded import checkpoints as nnx_checkpoints
@@ -64,8 +65,11 @@ def describe(directory: str, error: Exception) -> str:
 
 
 def read_legacy(directory: str, target: Any, step: int | None = None) -> tuple[Any, Any, dict]:
-    """``(state, rng, meta)`` of a legacy checkpoint, typed as ``target``, on the host."""
+    """``(state, rng, meta)`` of a legacy checkpoint, typed as ``target``, on the host: the suite's
+    own layout, or a team's (``foreign``: flax's or Orbax's savers; ``rng`` is then None)."""
     with reading(directory):
+        if foreign.locate(directory, step) is not None:
+            return foreign.read(directory, target, step)
         return legacy_checkpoints.restore(directory, target, step)
 
 

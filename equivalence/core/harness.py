@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from equivalence.core import compare, convert, naming, randomness
+from equivalence.core import compare, convert, hints, naming, randomness, states
 from equivalence.core.config import ConfigError, RunConfig
 from equivalence.core.ports import LoopPort, ModelPort, Port
 from equivalence.distributed import gather, rows
@@ -32,6 +32,9 @@ class PathResult:
     eval_accuracy: float | None = None  # held-out accuracy, for classifiers
     placement: list = dataclasses.field(default_factory=list)  # NNX: sharding.Decision per parameter
     mesh: dict = dataclasses.field(default_factory=dict)  # NNX: the mesh's axes
+    metrics: dict = dataclasses.field(default_factory=dict)  # a loop port's step metrics: path -> [C * K, ...]
+    notes: list = dataclasses.field(default_factory=list)  # what this path could not compare, and why
+    left_out: set = dataclasses.field(default_factory=set)  # metric paths not compared (named in notes)
 
 
 @dataclasses.dataclass
@@ -89,9 +92,9 @@ def has_batch_stats(port: Port) -> bool:
 
 
 def uses_dropout(port: Port) -> bool:
-    """Whether the NNX model has Dropout layers (then the suite hands both sides dropout keys)."""
+    """Whether the NNX model has Dropout or attention layers (then the suite hands both sides dropout keys)."""
     abstract = abstract_model(port)
-    return any(isinstance(node, nnx.Dropout) for _, node in nnx.iter_graph(abstract))
+    return any(isinstance(node, nnx.Dropout | nnx.MultiHeadAttention) for _, node in nnx.iter_graph(abstract))
 
 
 def port_noise(port: ModelPort, dropout: bool) -> Callable:
@@ -100,7 +103,7 @@ def port_noise(port: ModelPort, dropout: bool) -> Callable:
     def noise(key, spec):
         out = {'port': port.noise(key, spec) if port.noise is not None else {}}
         if dropout:
-            out['dropout'] = randomness.example_keys(key, spec)
+            out['dropout'] = randomness.dropout_keys(key, spec)
         return out
 
     return noise
@@ -259,11 +262,13 @@ class NnxLoopSetup:
 def legacy_setup(port: Port, config: RunConfig, variables: dict) -> LegacySetup:
     """pmap spans the first D devices of every process; each process replicates onto its own."""
     devices, local = jax.devices()[: config.devices], rows.local_devices(config.devices)
+    if isinstance(port, LoopPort) and _adapters().adapted(port):
+        return _adapters().legacy_setup(port, config, variables)
     if isinstance(port, LoopPort):
         pstate = legacy.replicate(port.legacy_state(variables), local)
         call = legacy.make_fused_call(port.legacy_step, devices, port.axis_name)
         context = functools.partial(randomness.bridged, config.rng_mode, port.axis_name)
-        return LegacySetup(call, pstate, config, port.legacy_groups or convert.legacy_groups, context)
+        return LegacySetup(call, pstate, config, port.legacy_groups or states.legacy_groups, context)
     tx = port.make_tx(1.0)
     pstate = legacy.replicate(legacy.create_state(variables, tx, port.ema_rate), local)
     noise = port_noise(port, uses_dropout(port))
@@ -271,6 +276,13 @@ def legacy_setup(port: Port, config: RunConfig, variables: dict) -> LegacySetup:
         port.legacy_model(), legacy_loss(port, config), noise, tx, port.ema_rate, config.rng_mode
     )
     return LegacySetup(legacy.make_fused_call(step, devices), pstate, config)
+
+
+def _adapters():
+    """Real step forms (``adapters``), which build on this module's setups."""
+    from equivalence.core import adapters
+
+    return adapters
 
 
 def nnx_mesh(config: RunConfig):
@@ -285,6 +297,8 @@ def nnx_setup(port: Port, config: RunConfig, variables: dict) -> NnxSetup | NnxG
     mesh = nnx_mesh(config)
     model = port.nnx_model(nnx.Rngs(0))
     convert.load_linen_variables(model, variables, check_names(port, variables))
+    if isinstance(port, LoopPort) and _adapters().adapted(port):
+        return _adapters().nnx_setup(port, config, model, mesh)
     if isinstance(port, LoopPort):
         return NnxLoopSetup(port, sharding.place_objects(port.nnx_state(model), mesh), mesh, config)
     decisions = sharding.decide(model, config.strategy, mesh)
@@ -338,6 +352,10 @@ def run_legacy(port: Port, config: RunConfig, variables: dict, calls: list, rng,
     setup = legacy_setup(port, config, variables)
     losses, per_call = _train(setup, calls, rng, mapping, progress, 'legacy', after_call)
     result = PathResult(convert.rename(setup.neutral(), mapping), losses, per_call, setup.pstate)
+    result.metrics, result.notes = _metrics(setup), [*getattr(setup, 'notes', [])]
+    result.left_out = set(getattr(setup, 'uneven', ()))
+    if isinstance(port, LoopPort):
+        result.notes += states.legacy_not_compared(legacy.unreplicate(setup.pstate))
     if getattr(port, 'eval_data', None) is not None:
         state, data = legacy.unreplicate(setup.pstate), port.eval_data()
         logits = port.legacy_predict(port.legacy_model(), state.params, state.model_state, data['x'])
@@ -357,11 +375,21 @@ def run_nnx(
     raw = {NnxSetup: lambda: (setup.graphdef, setup.state), NnxGraphSetup: lambda: setup.ts}
     result = PathResult(setup.neutral(), losses, per_call, raw.get(type(setup), lambda: setup.train_state)())
     result.placement, result.mesh = getattr(setup, 'decisions', []), dict(setup.mesh.shape)
+    result.metrics = _metrics(setup)
+    if isinstance(port, LoopPort):
+        result.notes = states.nnx_not_compared(setup.train_state)
     if getattr(port, 'eval_data', None) is not None:
         data = port.eval_data()
         logits = port.nnx_predict(setup.model, data['x'])
         result.eval_accuracy = accuracy(logits, data['y'])
     return result
+
+
+def _metrics(setup) -> dict[str, np.ndarray]:
+    """A loop port's metrics over every call: path -> ``[C * K, ...]`` (paths every call reported)."""
+    per_call = getattr(setup, 'metrics', [])
+    paths = set.intersection(*(set(m) for m in per_call)) if per_call else set()
+    return {p: np.concatenate([m[p] for m in per_call]) for p in sorted(paths)}
 
 
 def accuracy(logits_BxC, labels_B: np.ndarray) -> float:
@@ -376,8 +404,32 @@ def replica_spread(replicated: Any) -> float:
     return float(max(spreads, default=0.0))
 
 
-def with_losses(neutral: convert.Neutral, losses: np.ndarray) -> convert.Neutral:
-    return {**neutral, 'losses': {'per_step': losses}}
+def with_losses(neutral: convert.Neutral, losses: np.ndarray, metrics: dict | None = None) -> convert.Neutral:
+    out = {**neutral, 'losses': {'per_step': losses}}
+    return {**out, 'metrics': metrics} if metrics else out
+
+
+def compared(port: Port, old: PathResult, new: PathResult) -> tuple[Callable[[PathResult], convert.Neutral], list[str]]:
+    """How each path's result is compared (losses, the metrics both sides report, the groups both
+    states hold), and the lines that say what was left out of it."""
+    one_side = sorted(set(old.metrics) ^ set(new.metrics))
+    left_out = old.left_out | set(one_side)
+    kept = lambda metrics: {p: a for p, a in metrics.items() if p not in left_out}  # noqa: E731
+    tree = lambda path: with_losses(path.final, path.losses, kept(path.metrics))  # noqa: E731
+    _, _, notes = states.align(tree(old), tree(new))
+    if notes:  # one side holds no step counter: left out of every tree compared
+        tree = lambda path: states.without(with_losses(path.final, path.losses, kept(path.metrics)), 'step')  # noqa: E731
+    lines = [_adapters().describe(port)] if _adapters().adapted(port) else []
+    lines += [*old.notes, *new.notes, *notes, *randomness.take_unbridged()]
+    lines += [f'not compared: metrics/{p}: only the {"pmap" if p in old.metrics else "NNX"} step reports it'
+              for p in one_side]  # fmt: skip
+    return tree, list(dict.fromkeys(lines))
+
+
+def compare_paths(port: Port, old: PathResult, new: PathResult) -> tuple[compare.Report, list[str]]:
+    """The comparison of two paths' results under the port's fixed tolerance, and what was left out."""
+    tree, lines = compared(port, old, new)
+    return compare.compare(tree(old), tree(new), port.tolerance), lines
 
 
 def validate(port: Port, config: RunConfig) -> None:
@@ -390,6 +442,8 @@ def validate(port: Port, config: RunConfig) -> None:
         raise ConfigError('--strategy shard_map: the model has BatchNorm, whose statistics would be per device here')
     if isinstance(port, LoopPort) and config.perturb:
         raise ConfigError("--perturb scales the suite's NNX optimizer: a loop port brings its own (perturb it there)")
+    if isinstance(port, LoopPort):
+        _adapters().check(port)
 
 
 def run(port: Port, config: RunConfig, progress: Progress | None = None) -> RunResult:
@@ -405,17 +459,34 @@ def run(port: Port, config: RunConfig, progress: Progress | None = None) -> RunR
     preflight.check(port, config)  # every port traced abstractly: a mistake in it is exit 2, before training
     variables, calls, rng = make_inputs(port, config)
     check_names(port, variables)
+    randomness.take_unbridged()  # what earlier runs traced is theirs
     old = run_legacy(port, config, variables, calls, rng, progress or _silent)
     new = run_nnx(port, config, variables, calls, rng, progress or _silent)
-    return judged(port, config, old, new, variables, calls, rng)
+    tree, notes = compared(port, old, new)
+    result = judged(port, config, old, new, variables, calls, rng, tree)
+    result.notes += notes + hints.masked_loss(
+        config.devices, calls[0], result.report, lambda: _matches_on_one(port, config)
+    )
+    return result
 
 
-def judged(port: Port, config: RunConfig, old: PathResult, new: PathResult, variables, calls, rng) -> RunResult:
+def judged(port: Port, config: RunConfig, old: PathResult, new: PathResult, variables, calls, rng, tree=None):
     """The two runs judged against their measured noise floor (``equivalence.core.judge``)."""
     from equivalence.core import judge  # judge runs the twin through this module
 
-    report, verdict = judge.judge(port, config, old, new, judge.Inputs(variables, calls, rng))
+    inputs = judge.Inputs(variables, calls, rng)
+    report, verdict = judge.judge(port, config, old, new, inputs, tree or compared(port, old, new)[0])
     return RunResult(config, old, new, report, verdict=verdict)
+
+
+def _matches_on_one(port: Port, config: RunConfig) -> bool:
+    """Whether the same run matches on one device (data parallel, one process): the masked-loss hint's test."""
+    if jax.process_count() != 1 or config.strategy != 'dp':
+        return False
+    try:
+        return run(port, dataclasses.replace(config, devices=1)).report.match
+    except ConfigError:
+        return False
 
 
 def check(port: Port, **flags) -> RunResult:

@@ -34,12 +34,10 @@ class Inputs:
     rng: jax.Array
 
 
-def trees(path: harness.PathResult, first: compare.Neutral | None = None) -> compare.Neutral:
-    return {**harness.with_losses(path.final, path.losses), **(first or {})}
-
-
-def judge(port: Port, config: RunConfig, old, new, inputs: Inputs) -> tuple[compare.Report, Verdict]:
-    """The report every leaf is judged by, and the verdict with its diagnosis."""
+def judge(port: Port, config: RunConfig, old, new, inputs: Inputs, tree) -> tuple[compare.Report, Verdict]:
+    """The report every leaf is judged by, and the verdict with its diagnosis; ``tree(path)`` is
+    what of a path's result is compared (``harness.compared``)."""
+    trees = lambda path, first=None: {**tree(path), **(first or {})}  # noqa: E731
     screen = compare.compare(trees(old), trees(new), port.tolerance)
     done = [f'fixed screen {"passed" if screen.match else "failed"}']
     n_twin = twin.twin_devices(config, len(jax.devices())) if jax.process_count() == 1 else None

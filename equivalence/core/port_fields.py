@@ -24,9 +24,8 @@ CALLS = {
     'legacy_predict?': (4, 'legacy_predict(model, params, model_state, x)'),
     'nnx_predict?': (2, 'nnx_predict(model, x)'),
     'legacy_state': (1, 'legacy_state(linen_variables)'),
-    'legacy_step': (2, 'legacy_step((rng, state), batch)'),
     'nnx_state': (1, 'nnx_state(nnx_model)'),
-    'nnx_call': (3, 'nnx_call(train_state, keys, batch_KxG)'),
+    'nnx_call?': (3, 'nnx_call(train_state, keys, batch_KxG)'),
     'legacy_groups?': (1, 'legacy_groups(train_state)'),
     'nnx_groups?': (1, 'nnx_groups(train_state)'),
 }
@@ -46,6 +45,8 @@ def check(port: Any) -> None:
         field = key.rstrip('?')
         if field in fields:
             check_callable(port, field, n, form, optional=key.endswith('?'))
+    if 'legacy_step' in fields:
+        check_callable(port, 'legacy_step', *_step_call(port), optional=False)
     if not isinstance(port.default_batch, int) or isinstance(port.default_batch, bool) or port.default_batch < 1:
         raise _error(port, 'default_batch', f'must be a positive int, got {port.default_batch!r}')
     axis = getattr(port, 'axis_name', 'batch')
@@ -55,6 +56,16 @@ def check(port: Any) -> None:
     if ema is not None and (isinstance(ema, bool) or not isinstance(ema, float | int) or not 0 <= ema < 1):
         raise _error(port, 'ema_rate', f'must be None or a number in [0, 1), got {ema!r}')
     check_skip(port)
+
+
+def _step_call(port: Any) -> tuple[int, str]:
+    """How a loop port's ``legacy_step`` is called, by its ``step_form`` (``equivalence.core.adapters``)."""
+    form = getattr(port, 'step_form', 'carry')
+    if form == 'state_rng' and not getattr(port, 'rng_arg', None):
+        return 3, 'legacy_step(state, batch, rng)'
+    if form in ('state', 'state_rng'):
+        return 2, 'legacy_step(state, batch' + (f', {port.rng_arg}=rng)' if form == 'state_rng' else ')')
+    return 2, 'legacy_step((rng, state), batch)'
 
 
 def _error(port: Any, field: str, text: str) -> ConfigError:

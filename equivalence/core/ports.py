@@ -32,7 +32,10 @@ def _batch_only(batch) -> tuple:
 class ModelPort:
     """Level 1: your two models and losses, trained by the suite's two loops.
 
-    Losses return one value per example; the loops average them over the global batch.
+    Losses return one value per example; the loops average them over the global batch. A loss
+    that is not a per-example mean (tokens of padded sequences) returns ``{'loss': sums_B,
+    'weight': weights_B}``: the mean is ``psum(sum) / psum(weight)`` on the pmap side and
+    ``sum / sum`` on the sharded side.
     ``noise`` draws the random numbers a loss consumes outside the model (the suite calls it
     per device or once for the global batch, as ``--rng`` says, and gives both losses the
     same numbers); Dropout layers *inside* the models need nothing: the suite draws their
@@ -71,6 +74,12 @@ class LoopPort:
     your train states from those. Each call gets keys from one host chain: per-device
     ``[D, 2]`` (pmap: row d on device d; NNX: the same array placed ``P('data')``) or one
     global key, as ``--rng`` says.
+
+    Real steps come as they are written (``equivalence.core.adapters``): ``step_form='state'``
+    for ``train_step(state, batch) -> (state, metrics)`` (no key, or the key inside the state),
+    ``'state_rng'`` for ``train_step(state, batch, rng)`` (a fresh key per step from the host
+    chain), extra arguments bound with ``functools.partial``; ``loss='loss'`` or a function of
+    the metrics reads the loss, and the other metrics are compared as a group of their own.
     """
 
     name: str
@@ -80,7 +89,7 @@ class LoopPort:
     legacy_state: Callable[[dict], Any]  # linen variables -> your train state (one replica; the suite replicates)
     legacy_step: Callable  # ((rng, state), batch) -> ((rng, state), loss); your pmean over axis_name inside
     nnx_state: Callable[[Any], Any]  # the NNX model, holding linen's weights -> what your fused call takes
-    nnx_call: Callable  # (train_state, keys, batch_KxG) -> (train_state, losses_K): K steps, one call
+    nnx_call: Callable | None = None  # (train_state, keys, batch_KxG) -> (train_state, out_K): K steps, one call
     init_args: Callable = _batch_only  # (batch of one example) -> positional args of the linen init
     axis_name: str = 'batch'  # the pmap axis your step's lax.pmean names
     names: Names = None  # linen -> NNX paths, as for ModelPort
@@ -91,6 +100,12 @@ class LoopPort:
     summary: str = ''
     tolerance: Tolerance = FLOAT32_REDUCTION_ORDER
     skip: tuple[str, ...] = ()  # legacy train-state fields deliberately not migrated (e.g. 'dynamic_scale')
+    # Real code as it is (equivalence.core.adapters): the step's form, how it is run, where its loss is.
+    step_form: str = 'carry'  # 'carry' (above); 'state': (state, batch) -> (state, out); 'state_rng': + key
+    legacy_loop: str | None = None  # 'steps': pmap(step) K times per call; 'scan': pmap(scan(step)); None: carry->scan
+    loss: str | Callable | None = None  # a metrics key, or a function metrics -> loss; None: out is the loss
+    nnx_step: Callable | None = None  # instead of nnx_call: (train_state, batch_G[, key]) -> out or (train_state, out)
+    rng_arg: str | None = None  # 'state_rng': the keyword the pmap step takes its key by (dropout_rng=); None: 3rd
 
     def __post_init__(self):
         port_fields.check(self)

@@ -23,6 +23,10 @@ mask here instead; the n-th Dropout call of a traced step folds ``n`` into its k
 Deterministic calls, rate 0 and rate 1 behave as the layers do, and so does the scaling:
 ``select(mask, x / (1 - rate), 0)``, the layers' own formula.
 
+Flax's attention dropout (linen ``MultiHeadDotProductAttention``, NNX ``MultiHeadAttention``)
+goes through the same masks (``mask``), counted with the Dropout calls; ``equivalence.core.streams``
+does that, and names any layer that draws from a stream the bridge does not cover.
+
 Linen is intercepted through its public ``nn.intercept_methods``; NNX has no interceptor,
 so ``nnx.Dropout.__call__`` (and ``nnx.reseed``, see above) are replaced for the duration
 of the ``with`` (tracing is single-threaded) and restored after it.
@@ -47,13 +51,18 @@ from nnx_sharded import train as sharded
 DROPOUT_STREAM = 0x0D0  # folded into the step key to make the per-example dropout keys
 
 
+SHARED_STREAM = 0x5A4  # folded into the step key to make the key of masks shared across the batch
+
+
 @dataclasses.dataclass
 class _Bridge:
     rng_mode: str  # 'per-device' or 'global'
     axis_name: str | None  # the pmap axis, on the legacy side
     example_keys: Any = None  # [examples, 2]: one key per example of this side's batch; None: the user's keys
+    shared_keys: Any = None  # [examples, 2]: the same key on every example a shared mask covers
     reseeded: dict = dataclasses.field(default_factory=dict)  # NNX stream name -> the key nnx.reseed was given
     counts: list = dataclasses.field(default_factory=list)  # [trace state, calls so far] per trace seen
+    attention_key: Any = None  # NNX: the key function of the MultiHeadAttention being called, while it runs
 
 
 _active = threading.local()
@@ -69,6 +78,14 @@ def example_keys(step_key: jax.Array, spec) -> jax.Array:
     return jax.random.split(jax.random.fold_in(step_key, DROPOUT_STREAM), n)
 
 
+def dropout_keys(step_key: jax.Array, spec) -> dict:
+    """What a model port's step hands the bridge: a key per example, and a key per example that is the
+    same on every example (for masks shared across the batch: one per device, or one in all)."""
+    n = jax.tree.leaves(spec)[0].shape[0]
+    shared = jnp.broadcast_to(jax.random.fold_in(step_key, SHARED_STREAM), (n, *step_key.shape))
+    return {'example': example_keys(step_key, spec), 'shared': shared}
+
+
 def _call_index(bridge: _Bridge) -> int:
     """n for the n-th Dropout call under the current trace (from 0 again when JAX traces a body again)."""
     trace = get_opaque_trace_state(convention='flax')
@@ -80,21 +97,31 @@ def _call_index(bridge: _Bridge) -> int:
     return 0
 
 
-def _per_example_mask(shape: list[int], keep: float, keys_B: jax.Array, n: int) -> jax.Array:
-    if shape[0] != keys_B.shape[0]:
+def _per_example_mask(shape: list[int], keep: float, bridge: _Bridge, n: int, batch: int, shared: bool) -> jax.Array:
+    """Example i's mask from its own key; a mask shared across the batch from the shared keys, so
+    every example it covers draws the same bits."""
+    keys_B = bridge.example_keys
+    if batch != keys_B.shape[0]:
         raise PortError(
-            f'a Dropout input of shape {shape} does not lead with the batch axis ({keys_B.shape[0]} examples here); '
+            f'a dropout input of shape {shape} does not lead with the batch axis ({keys_B.shape[0]} examples here); '
             'the suite draws dropout masks per example'
         )
-    if shape[0] == 1 and keys_B.shape[0] != 1:
-        raise PortError('a Dropout that shares its mask over the batch axis (broadcast_dims with 0) is not supported')
+    if shared:
+        if bridge.shared_keys is None:
+            raise PortError('a dropout that shares its mask over the batch axis needs the shared keys (dropout_keys)')
+        keys_B = bridge.shared_keys
     return jax.vmap(lambda k: jax.random.bernoulli(jax.random.fold_in(k, n), keep, tuple(shape[1:])))(keys_B)
 
 
-def _user_key_mask(shape: list[int], keep: float, key: jax.Array, n: int, bridge: _Bridge, legacy_side: bool):
+def _user_key_mask(shape: list, keep: float, key, n: int, bridge: _Bridge, legacy_side: bool, batch: int, shared: bool):
     """The mask from the key the user's code gave the layer, per device or for the global batch."""
-    spec = {'x': jax.ShapeDtypeStruct(tuple(shape), jnp.float32)}
     draw = lambda k, b: {'x': jax.random.bernoulli(jax.random.fold_in(k, n), keep, b['x'].shape)}  # noqa: E731
+    spec = {'x': jax.ShapeDtypeStruct(tuple(shape), jnp.float32)}
+    if shared:  # shared across the batch: this device's key (pmap), or one per device row (NNX)
+        if legacy_side or _mode_of(key) == 'global':
+            return draw(key, spec)['x']
+        per_row = jax.vmap(lambda k: draw(k, spec)['x'])(key).reshape(-1, *shape[1:])
+        return jnp.repeat(per_row, batch // per_row.shape[0], axis=0)
     if legacy_side:
         return legacy.draw_noise(draw, key, spec, bridge.rng_mode, bridge.axis_name)['x']
     return sharded.draw_noise(draw, key, spec, _mode_of(key))['x']
@@ -108,8 +135,8 @@ def _mode_of(key: jax.Array) -> str:
 
 @contextlib.contextmanager
 def dropout_off():
-    """Every bridged Dropout passes its input through while tracing in this block: the
-    deterministic re-run a MISMATCH's diagnosis compares (``equivalence.core.judge``)."""
+    """Every bridged dropout (layers and attention) passes its input through while tracing in this
+    block: the deterministic re-run a MISMATCH's diagnosis compares (``equivalence.core.judge``)."""
     previous = getattr(_active, 'off', False)
     _active.off = True
     try:
@@ -118,23 +145,37 @@ def dropout_off():
         _active.off = previous
 
 
-def _apply(x: jax.Array, rate: float, broadcast_dims, deterministic: bool, key_fn, bridge: _Bridge, legacy_side: bool):
+def mask(shape: list[int], keep: float, key_fn, legacy_side: bool, batch: int, shared: bool) -> jax.Array:
+    """The bridge's mask of ``shape`` (1 on broadcast axes) for the n-th dropout of this trace;
+    ``batch``: the input's leading size; ``shared``: the layer broadcasts its mask over the batch axis."""
+    if getattr(_active, 'off', False):
+        return jnp.ones(shape, bool)
+    bridge = _state()
+    n = _call_index(bridge)
+    if bridge.example_keys is not None:
+        return _per_example_mask(shape, keep, bridge, n, batch, shared)
+    return _user_key_mask(shape, keep, key_fn(), n, bridge, legacy_side, batch, shared)
+
+
+def _apply(x: jax.Array, rate: float, broadcast_dims, deterministic: bool, key_fn, legacy_side: bool):
     if rate == 0.0 or deterministic or getattr(_active, 'off', False):
         return x
     if rate == 1.0:
         return jnp.zeros_like(x)
     shape = [1 if d in broadcast_dims or d - x.ndim in broadcast_dims else s for d, s in enumerate(x.shape)]
-    n, keep = _call_index(bridge), 1.0 - rate
-    if bridge.example_keys is not None:
-        mask = _per_example_mask(shape, keep, bridge.example_keys, n)
-    else:
-        mask = _user_key_mask(shape, keep, key_fn(), n, bridge, legacy_side)
-    return jax.lax.select(jnp.broadcast_to(mask, x.shape), x / keep, jnp.zeros_like(x))
+    keep = 1.0 - rate
+    shared = 0 in broadcast_dims or -x.ndim in broadcast_dims
+    keep_mask = mask(shape, keep, key_fn, legacy_side, x.shape[0], shared)
+    return jax.lax.select(jnp.broadcast_to(keep_mask, x.shape), x / keep, jnp.zeros_like(x))
 
 
 def _linen_interceptor(next_fun, args, kwargs, context):
     bridge = _state()
     module = context.module
+    if bridge is not None and isinstance(module, nn.MultiHeadDotProductAttention) and context.method_name == '__call__':
+        from equivalence.core import streams  # attention dropout: streams builds on this module
+
+        return streams.linen_attention_call(next_fun, args, kwargs, module)
     if bridge is None or not isinstance(module, nn.Dropout) or context.method_name != '__call__':
         return next_fun(*args, **kwargs)
     x, *rest = args
@@ -148,7 +189,7 @@ def _linen_interceptor(next_fun, args, kwargs, context):
             raise PortError(f'the linen {module.name} draws from the {stream!r} stream, but no key was given')
         return module.scope.rngs[module.rng_collection].rng  # the root key given to apply(rngs=...)
 
-    return _apply(x, module.rate, module.broadcast_dims, deterministic, key, bridge, legacy_side=True)
+    return _apply(x, module.rate, module.broadcast_dims, deterministic, key, legacy_side=True)
 
 
 def _nnx_dropout_call(self, inputs, *, deterministic=None, rngs=None):
@@ -163,7 +204,7 @@ def _nnx_dropout_call(self, inputs, *, deterministic=None, rngs=None):
             given = given[self.rng_collection]
         return given.key[...] if isinstance(given, rnglib.RngStream) else given
 
-    return _apply(inputs, self.rate, self.broadcast_dims, bool(deterministic), key, bridge, legacy_side=False)
+    return _apply(inputs, self.rate, self.broadcast_dims, bool(deterministic), key, legacy_side=False)
 
 
 def _reseed(original):
@@ -177,13 +218,29 @@ def _reseed(original):
 
 @contextlib.contextmanager
 def bridged(rng_mode: str, axis_name: str | None = None, example_keys: Any = None):
-    """Dropout masks drawn by the suite while tracing inside this block (see the module docstring)."""
+    """Dropout masks drawn by the suite while tracing inside this block (see the module docstring);
+    ``example_keys``: ``dropout_keys``'s dict (or the per-example keys alone), or None for the user's keys."""
+    from equivalence.core import streams  # attention dropout and unbridged draws: streams builds on this module
+
     previous, original, reseed = _state(), nnx.Dropout.__call__, nnx.reseed
-    _active.bridge = _Bridge(rng_mode, axis_name, example_keys)
+    shared = None
+    if isinstance(example_keys, dict):
+        example_keys, shared = example_keys['example'], example_keys['shared']
+    _active.bridge = _Bridge(rng_mode, axis_name, example_keys, shared)
     nnx.Dropout.__call__, nnx.reseed = _nnx_dropout_call, _reseed(reseed)
     try:
-        with nn.intercept_methods(_linen_interceptor):
+        with nn.intercept_methods(_linen_interceptor), streams.patched():
             yield
     finally:
         nnx.Dropout.__call__, nnx.reseed = original, reseed
         _active.bridge = previous
+
+
+_unbridged: dict[str, None] = {}  # report lines: draws from streams the bridge does not cover, in order seen
+
+
+def take_unbridged() -> list[str]:
+    """The lines naming every layer that drew randomness the bridge does not cover since the last call."""
+    lines = list(_unbridged)
+    _unbridged.clear()
+    return lines

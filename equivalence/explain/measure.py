@@ -63,8 +63,9 @@ def measure_nnx_loop(setup: Any, args: tuple) -> PathMeasurement:
 
 def measure_both(port: Any, config: Any) -> tuple[PathMeasurement, PathMeasurement]:
     """One call of each path of a port (built-in or user's), compiled and read."""
-    from equivalence.core import harness, preflight
+    from equivalence.core import adapters, harness, preflight
 
+    adapters.one_program_each(port, 'explain')
     harness.validate(port, config)
     preflight.check(port, config)
     variables, calls, rng = harness.make_inputs(port, config)

@@ -1,0 +1,294 @@
+"""Real training steps as teams wrote them, adapted at the loop port's boundary.
+
+pmap-era code rarely pmaps a scan. It pmaps one step, ``jax.pmap(train_step, axis_name='batch')``
+with ``train_step(state, batch[, rng]) -> (state, metrics)``, binds extra arguments with
+``functools.partial`` and calls it once per step from a host loop. The loss is one entry of the
+metrics, or a function of them (``metrics['loss'] / metrics['denominator']``). A ``LoopPort``
+takes such a step as it is (``step_form``, ``loss``, ``legacy_loop``, ``nnx_step``); this
+module turns it into the setups the harness drives, so nothing of it leaks into the harness:
+
+- ``step_form='state'``: ``step(state, batch) -> (state, out)``: no key, or the key inside the state;
+- ``step_form='state_rng'``: ``step(state, batch, key) -> (state, out)``: every step gets a fresh
+  key from the host chain (per device ``[D, 2]`` or one global key, as ``--rng`` says), as a
+  host loop ``rng, step_rng = split(rng)`` hands one to each call;
+- ``legacy_loop='steps'`` (the default for these forms) runs ``pmap(step)`` K times per call,
+  as the team does; ``'scan'`` fuses them, ``pmap(scan(step))``. The arithmetic is the same;
+  the report says which ran.
+
+``out`` is the loss when ``loss`` is None, else a metrics pytree read by ``loss`` (a key or a
+function, applied to host arrays of K steps). Every metric is compared too, in its own group
+``metrics``. A metric that differs between pmap devices (reduced with no ``pmean``/``psum``) is
+not the global value on the pmap side: it is listed as not compared, with that reason.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from equivalence.core import convert, harness, randomness, states
+from equivalence.core.config import ConfigError, RunConfig
+from equivalence.core.ports import LoopPort
+from equivalence.distributed import rows
+from legacy_pmap import train as legacy
+from nnx_sharded import sharding
+from nnx_sharded import train as sharded
+
+STEP_FORMS = ('carry', 'state', 'state_rng')
+LOOPS = ('steps', 'scan')
+
+
+def adapted(port: Any) -> bool:
+    """Whether a port needs this module: a loop port with a step form, a loss reader or a one-step NNX side."""
+    if not isinstance(port, LoopPort):
+        return False
+    return port.step_form != 'carry' or port.loss is not None or port.nnx_step is not None
+
+
+def legacy_loop(port: LoopPort) -> str:
+    return port.legacy_loop or ('scan' if port.step_form == 'carry' else 'steps')
+
+
+def check(port: LoopPort) -> None:
+    """A loop port's step fields that do not fit together, as ``ConfigError`` (exit 2)."""
+    where = f'port {port.name!r}'
+    if port.step_form not in STEP_FORMS:
+        raise ConfigError(f'{where}: step_form {port.step_form!r} is not one of {", ".join(STEP_FORMS)}')
+    if legacy_loop(port) not in LOOPS:
+        raise ConfigError(f'{where}: legacy_loop {port.legacy_loop!r} is not one of {", ".join(LOOPS)}')
+    if port.step_form == 'carry' and legacy_loop(port) != 'scan':
+        raise ConfigError(f"{where}: a 'carry' step returns its key chain: it runs under scan (legacy_loop='scan')")
+    if (port.nnx_call is None) == (port.nnx_step is None):
+        raise ConfigError(f'{where}: give exactly one of nnx_call (K steps per call) and nnx_step (one step)')
+    if port.nnx_step is not None and port.step_form == 'carry':
+        raise ConfigError(f"{where}: nnx_step takes step_form 'state' or 'state_rng'; a 'carry' port gives nnx_call")
+    if port.loss is not None and not (isinstance(port.loss, str) or callable(port.loss)):
+        raise ConfigError(f'{where}: loss must be a metrics key or a function of the metrics, got {port.loss!r}')
+
+
+def one_program_each(port: Any, command: str) -> None:
+    """explain and bench read one compiled call per side: a step run once per step has none (exit 2)."""
+    if adapted(port) and (legacy_loop(port) == 'steps' or port.nnx_step is not None):
+        raise ConfigError(
+            f'{command} reads one compiled call per side; port {port.name!r} runs its step once per step: '
+            "give it legacy_loop='scan' and nnx_call= (K steps in one call) to use it here"
+        )
+
+
+def describe(port: LoopPort) -> str:
+    """One line for the report: how the team's step ran on each side."""
+    form = {'carry': '((rng, state), batch)', 'state': '(state, batch)', 'state_rng': '(state, batch, rng)'}
+    run = 'pmap(step) called K times per call' if legacy_loop(port) == 'steps' else 'pmap(scan(step))'
+    nnx_run = 'nnx_step called K times per call' if port.nnx_step is not None else 'nnx_call, K steps per call'
+    loss = 'the output' if port.loss is None else (repr(port.loss) if isinstance(port.loss, str) else 'loss=function')
+    return f'loop port: step{form[port.step_form]} as {run}; NNX {nnx_run}; loss read from {loss}'
+
+
+# -- reading what a step returns ---------------------------------------------------------------
+
+
+def read_output(port: LoopPort, out_K: Any) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """``(losses_K, {metric path: [K, ...]})`` from the host arrays of K steps' outputs."""
+    if port.loss is None:
+        return np.asarray(out_K, np.float32).reshape(-1), {}
+    metrics = convert.flatten(out_K)
+    try:
+        loss = out_K[port.loss] if isinstance(port.loss, str) else port.loss(out_K)
+    except Exception as e:  # noqa: BLE001 -- the user's reader failed on the user's metrics: one line, exit 2
+        raise ConfigError(f'port {port.name!r}: loss={port.loss!r} on metrics {sorted(metrics)}: {e!r}') from None
+    return np.asarray(loss, np.float32).reshape(-1), metrics
+
+
+def _host_rows(x: jax.Array) -> np.ndarray:
+    """A pmap output's rows on this process's devices, on the host."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(x)
+    shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
+    return np.concatenate([np.asarray(s.data) for s in shards])
+
+
+def replica_outputs(out_nxK: Any) -> tuple[Any, list[str]]:
+    """Device 0's outputs ``[K, ...]``, and the metric paths whose value differs between devices."""
+    rows_ = jax.tree.map(_host_rows, out_nxK)
+    spread = {p: float(np.abs(a - a[:1]).max(initial=0)) for p, a in convert.flatten(rows_).items() if a.size}
+    return jax.tree.map(lambda a: a[0], rows_), [p for p, s in spread.items() if s > 0]
+
+
+# -- keys --------------------------------------------------------------------------------------
+
+
+def step_keys(next_keys: Callable, rng: jax.Array, n: int, mode: str, k: int) -> tuple[jax.Array, list]:
+    """K keys from the host chain, one per step, each drawn as one call's keys are (``next_call_keys``)."""
+    keys = []
+    for _ in range(k):
+        rng, key = next_keys(rng, n, mode)
+        keys.append(key)
+    return rng, keys
+
+
+def chain_at(port: Any, config: RunConfig, rng: jax.Array, calls: int) -> jax.Array:
+    """The host key chain after ``calls`` calls, drawn as the setups draw it: for a checkpoint that
+    holds none (a team's own), so that the resumed run continues the keys of the uninterrupted one."""
+    draws = 1
+    if adapted(port):
+        draws = {'carry': 1, 'state': 0, 'state_rng': config.steps_per_call}[port.step_form]
+    for _ in range(calls * draws):
+        rng, _ = legacy.next_call_keys(rng, config.devices, config.rng_mode)
+    return rng
+
+
+# -- the pmap side -----------------------------------------------------------------------------
+
+
+def _one_step(port: LoopPort) -> Callable:
+    """``(state, batch, key) -> (state, out)`` from the team's step."""
+    if port.step_form == 'state':
+        return lambda state, batch, key: port.legacy_step(state, batch)
+    if port.step_form == 'state_rng' and port.rng_arg:
+        return lambda state, batch, key: port.legacy_step(state, batch, **{port.rng_arg: key})
+    if port.step_form == 'state_rng':
+        return port.legacy_step
+    return lambda state, batch, key: _carry_step(port.legacy_step, state, batch, key)
+
+
+def _carry_step(step: Callable, state, batch, key):
+    (_, state), out = step((key, state), batch)
+    return state, out
+
+
+def legacy_program(port: LoopPort, devices) -> Callable:
+    """``run(pstate, batch_nxK, keys) -> (pstate, out_nxK)``: pmap(step) K times, or pmap(scan(step))."""
+    one = _one_step(port)
+    if port.step_form == 'carry':  # the key chain is the scan's carry, as the step expects
+        fused = legacy.make_fused_call(port.legacy_step, devices, port.axis_name)
+        return lambda pstate, batch, keys: _unpack_carry(fused((keys, pstate), batch))
+    if legacy_loop(port) == 'scan':
+        scan = lambda state, batch_K, keys_K: jax.lax.scan(lambda s, xs: one(s, *xs), state, (batch_K, keys_K))  # noqa: E731
+        return jax.pmap(scan, axis_name=port.axis_name, devices=devices, donate_argnums=1)
+    p_step = jax.pmap(one, axis_name=port.axis_name, devices=devices)
+
+    def run(pstate, batch_nxK, keys_nxK):
+        outs = []
+        for k in range(jax.tree.leaves(batch_nxK)[0].shape[1]):
+            at_k = lambda v, k=k: v[:, k]  # noqa: E731
+            key = None if keys_nxK is None else at_k(keys_nxK)
+            pstate, out = p_step(pstate, jax.tree.map(at_k, batch_nxK), key)
+            outs.append(jax.tree.map(_host_rows, jax.block_until_ready(out)))  # one step in flight (FACTS)
+        return pstate, jax.tree.map(lambda *a: np.stack(a, axis=1), *outs)
+
+    return run
+
+
+def _unpack_carry(result):
+    (_, pstate), out = result
+    return pstate, out
+
+
+@dataclasses.dataclass
+class StepLegacySetup(harness.LegacySetup):
+    """The pmap side of a loop port with a real step (``p_train_step`` is ``legacy_program``)."""
+
+    port: LoopPort = None
+    metrics: list = dataclasses.field(default_factory=list)  # per call: {metric path: [K, ...]}
+    notes: list = dataclasses.field(default_factory=list)
+    uneven: set = dataclasses.field(default_factory=set)  # metric paths that differ between devices
+
+    def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
+        n, mode, k = self.config.devices, self.config.rng_mode, self.config.steps_per_call
+        n_local, keys = len(rows.positions(n)), None
+        if self.port.step_form == 'carry':
+            rng, keys_D = legacy.next_call_keys(rng, n, mode)
+            keys = rows.local_keys(keys_D, n)
+        elif self.port.step_form == 'state_rng':
+            rng, per_step = step_keys(legacy.next_call_keys, rng, n, mode, k)
+            keys = rows.local_keys(jnp.stack(per_step, axis=1), n)  # [D, K, 2]
+        batch_nxK = jax.tree.map(lambda v: legacy.shard_batch(v, n_local), batch_KxG)
+        return rng, (self.pstate, batch_nxK, keys)
+
+    def call(self, args: tuple) -> np.ndarray:
+        with self.context():
+            self.pstate, out_nxK = self.p_train_step(*args)
+        out_K, uneven = replica_outputs(out_nxK)
+        losses_K, metrics = read_output(self.port, out_K)
+        self.metrics.append(metrics)
+        self.uneven.update(uneven)
+        why = "differs between pmap devices (no pmean or psum in the step): the pmap side's value is not global"
+        self.notes[:] = [f'not compared: metrics/{p}: {why}' for p in sorted(self.uneven)]
+        return losses_K
+
+
+def legacy_setup(port: LoopPort, config: RunConfig, variables: dict) -> StepLegacySetup:
+    devices, local = jax.devices()[: config.devices], rows.local_devices(config.devices)
+    pstate = legacy.replicate(port.legacy_state(variables), local)
+    context = lambda: randomness.bridged(config.rng_mode, port.axis_name)  # noqa: E731
+    groups = port.legacy_groups or states.legacy_groups
+    return StepLegacySetup(legacy_program(port, devices), pstate, config, groups, context, port)
+
+
+# -- the NNX side ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class StepNnxSetup(harness.NnxLoopSetup):
+    """The NNX side of a loop port with a real step: the user's fused call, or their one step K times."""
+
+    metrics: list = dataclasses.field(default_factory=list)
+
+    def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
+        n, mode, k = self.config.devices, self.config.rng_mode, self.config.steps_per_call
+        if self.port.step_form == 'carry':
+            return harness.placed_inputs(self, rng, batch_KxG)
+        keys = None
+        if self.port.step_form == 'state_rng':
+            rng, keys = step_keys(sharded.next_call_keys, rng, n, mode, k)
+        if self.port.nnx_step is None:  # the user's fused call: one key per step, stacked
+            stacked = None if keys is None else sharding.put(jnp.stack(keys), sharding.replicated(self.mesh))
+            return rng, (stacked, sharding.place_batch(batch_KxG, self.mesh))
+        rows_ = NamedSharding(self.mesh, P(sharding.DATA))
+        batches = [jax.tree.map(lambda v, i=i: sharding.put(v[i], rows_), batch_KxG) for i in range(k)]
+        placed = [None] * k if keys is None else [sharding.place_keys(key, self.mesh, mode) for key in keys]
+        return rng, (placed, batches)
+
+    def call(self, args: tuple) -> np.ndarray:
+        with randomness.bridged(self.config.rng_mode):
+            out_K = self._fused(*args) if self.port.nnx_step is None else self._steps(*args)
+        losses_K, metrics = read_output(self.port, jax.tree.map(np.asarray, out_K))
+        self.metrics.append(metrics)
+        return losses_K
+
+    def _fused(self, keys, batch_KxG):
+        self.train_state, out_K = self.port.nnx_call(self.train_state, keys, batch_KxG)
+        return out_K
+
+    def _steps(self, keys: list, batches: list):
+        outs = []
+        for key, batch in zip(keys, batches, strict=True):
+            args = (batch,) if self.port.step_form == 'state' else (batch, key)
+            out = self.port.nnx_step(self.train_state, *args)
+            if _returns_state(out, self.train_state):
+                self.train_state, out = out
+            outs.append(jax.tree.map(np.asarray, jax.block_until_ready(out)))
+        return jax.tree.map(lambda *a: np.stack(a), *outs)
+
+
+def _returns_state(out: Any, train_state: Any) -> bool:
+    """``(train_state, out)`` rather than ``out`` alone (NNX objects updated in place)."""
+    if not (isinstance(out, tuple) and len(out) == 2):
+        return False
+    first = out[0]
+    objects = lambda t: [x for x in jax.tree.leaves(t, is_leaf=_is_object) if isinstance(x, nnx.Object)]  # noqa: E731
+    return first is train_state or bool(objects(first)) or type(first) is type(train_state)
+
+
+def _is_object(x) -> bool:
+    return isinstance(x, nnx.Object)
+
+
+def nnx_setup(port: LoopPort, config: RunConfig, model: nnx.Module, mesh) -> StepNnxSetup:
+    return StepNnxSetup(port, sharding.place_objects(port.nnx_state(model), mesh), mesh, config)

@@ -1,0 +1,39 @@
+"""Hints the report adds when a mismatch has the signature of a known pitfall.
+
+A padded batch (a ``mask`` or ``weight`` leaf, or integer tokens with padding zeros) that
+mismatches on several devices and matches on one is the signature of the masked-loss pitfall:
+the pmap step's per-device weighted mean, then ``pmean``, weighs every *device* equally, which
+on one device is the global mean.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from equivalence.core import compare, convert
+
+PITFALL = 'masked_loss'
+WEIGHT_WORDS = ('mask', 'weight', 'pad')
+
+
+def padded(batch_KxG: Any) -> bool:
+    """A leaf named for a mask or weights, or integer tokens holding padding zeros."""
+    for path, a in convert.flatten(batch_KxG).items():
+        if any(word in path.lower() for word in WEIGHT_WORDS) or (np.issubdtype(a.dtype, np.integer) and a.ndim > 2
+                                                                  and (a == 0).any()):  # fmt: skip
+            return True
+    return False
+
+
+def masked_loss(devices: int, batch_KxG: Any, report: compare.Report, matches_on_one: Callable[[], bool]) -> list[str]:
+    """The masked-loss pitfall's line, when a padded port mismatches at D > 1 and matches on one
+    device (``matches_on_one`` runs both sides again on 1 device: only on this failure path)."""
+    if report.match or devices == 1 or not padded(batch_KxG) or not matches_on_one():
+        return []
+    return [
+        f'hint: on a padded batch this port mismatches at {devices} devices and matches on 1: the masked-loss '
+        'pitfall (a per-device weighted mean, then pmean, weighs devices, not tokens); see '
+        f'python -m equivalence.pitfalls --only {PITFALL} (equivalence/pitfalls/{PITFALL}.py): psum the sums '
+        "and the weights, or at level 1 return {'loss': sums_B, 'weight': weights_B}"
+    ]

@@ -1,0 +1,98 @@
+"""Train states as teams wrote them, read into the comparison's groups, and what is left out, said.
+
+The pmap side is read by field name (``convert.legacy_groups``): a flax
+``training.train_state.TrainState`` and its subclasses (``batch_stats``, an EMA as
+``ema_params`` / ``params_ema`` / ``ema``) need no ``legacy_groups=``, and a plain tuple
+``(params, opt_state)`` is read as those two. Whatever else a state holds is listed in the
+report as ``not compared: <field>: <why>``, never dropped without a word: static fields
+(``apply_fn``, ``tx``), a ``dynamic_scale`` (mixed-precision bookkeeping with no NNX
+counterpart), keys, and any field the suite has no NNX counterpart for. The NNX side is
+listed the same way: variables that are neither parameters nor batch statistics.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from equivalence.core import convert
+
+READ = ('step', 'params', 'opt_state', 'model_state', 'batch_stats', 'params_ema', 'ema_params', 'ema')
+WHY = {
+    'apply_fn': 'a static field (the model function), not an array',
+    'tx': 'a static field (the optax transformation), not an array; its state is opt_state, compared',
+}
+
+
+def legacy_groups(state: Any) -> dict[str, Any]:
+    """One replica of a pmap-era train state by group; a tuple is ``(params, opt_state)``."""
+    if isinstance(state, tuple | list) and not hasattr(state, '_fields'):
+        if len(state) != 2:
+            raise TypeError(f'a tuple train state is (params, opt_state); got {len(state)} items: give legacy_groups=')
+        return {'params': state[0], 'opt_state': state[1], 'step': None}
+    return convert.legacy_groups(state)
+
+
+def legacy_not_compared(state: Any) -> list[str]:
+    """``not compared: <field>: <why>`` for every field of a pmap-era train state the groups do not read."""
+    if not dataclasses.is_dataclass(state):
+        return []
+    lines = []
+    for field in dataclasses.fields(state):
+        if field.name in READ:
+            continue
+        value = getattr(state, field.name)
+        lines.append(f'not compared: {field.name}: {_why(field, value)}')
+    return lines
+
+
+def _why(field: dataclasses.Field, value: Any) -> str:
+    if field.name in WHY:
+        return WHY[field.name]
+    if not field.metadata.get('pytree_node', True):
+        return f'a static field ({type(value).__name__}), not an array'
+    if value is None:
+        return 'None in this run'
+    if type(value).__name__ == 'DynamicScale':
+        scale = np.asarray(jax.device_get(value.scale)).reshape(-1)[:1]
+        return (f'flax DynamicScale (loss scale {float(scale[0]):g}): mixed-precision bookkeeping; '
+                'the NNX side keeps no loss scale to compare it with')  # fmt: skip
+    if 'rng' in field.name or 'key' in field.name:
+        return 'a random key, not trained state: the masks drawn from it are bridged, not its bits'
+    n = len(jax.tree.leaves(value))
+    return f'{type(value).__name__} ({n} arrays): no NNX counterpart the suite reads (give legacy_groups=, nnx_groups=)'
+
+
+def nnx_not_compared(train_state: Any) -> list[str]:
+    """NNX variables in the user's train state that are neither parameters, batch statistics, nor optimizer state."""
+    try:
+        model = convert.find_nnx_objects(train_state)[0]
+    except TypeError:
+        return []
+    counts: dict[str, int] = {}
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Variable) and not isinstance(node, nnx.Param | nnx.BatchStat):
+            name = type(node).__name__
+            counts[name] = counts.get(name, 0) + 1
+    rng = {k: counts.pop(k) for k in ('RngKey', 'RngCount') if k in counts}
+    lines = [f'not compared: NNX {name} variables ({n}): neither parameters nor batch statistics'
+             for name, n in counts.items()]  # fmt: skip
+    if rng:
+        lines.append(f'not compared: NNX rng streams ({sum(rng.values())} keys and counters): '
+                     'the suite bridges the masks they draw instead')  # fmt: skip
+    return lines
+
+
+def align(ref: convert.Neutral, other: convert.Neutral) -> tuple[convert.Neutral, convert.Neutral, list[str]]:
+    """A ``step`` counter that one side's state does not hold is left out on both, and said."""
+    if bool(ref.get('step')) == bool(other.get('step')):
+        return ref, other, []
+    side = 'pmap' if not ref.get('step') else 'NNX'
+    note = f'not compared: step: the {side} train state holds no step counter (a tuple (params, opt_state))'
+    return without(ref, 'step'), without(other, 'step'), [note]
+
+
+def without(neutral: convert.Neutral, group: str) -> convert.Neutral:
+    return {g: t for g, t in neutral.items() if g != group}

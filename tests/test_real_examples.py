@@ -1,0 +1,28 @@
+"""The two examples written as linen-era code was in the wild (``examples/imagenet_port``,
+``examples/wmt_port``), run from a fresh directory as a team runs them: their steps, passed as
+written, match on 8 devices, and each one's slip is caught. Their own ``test_port.py`` runs both
+levels at D in {1, 2, 4, 8} (18 runs, minutes on 2 cores); here the 8-device loop and the slip
+only, to keep the suite's time."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+FILES = ('legacy_code.py', 'nnx_code.py', 'my_port.py', 'conftest.py', 'test_port.py')
+
+
+@pytest.mark.parametrize('name', ['imagenet_port', 'wmt_port'])
+def test_example_from_a_fresh_directory_matches_on_8_devices_and_catches_its_slip(name, tmp_path):
+    for file in FILES:
+        shutil.copy(os.path.join(ROOT, 'examples', name, file), tmp_path)
+    drop = ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS', 'PYTHONPATH')
+    environ = {k: v for k, v in os.environ.items() if k not in drop}
+    environ['PYTHONPATH'] = ROOT  # the suite, as an installed package would be (not the example's folder)
+    cmd = [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', '-k', 'loop-8 or slip']
+    proc = subprocess.run(cmd, cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert '2 passed' in proc.stdout, proc.stdout[-2000:]

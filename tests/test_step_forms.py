@@ -1,0 +1,210 @@
+"""Real steps as teams wrote them, without wrappers: each accepted form matches, and each has a
+negative control (the same port with one slip) that the suite catches. The not-compared listing
+of a flax TrainState, and the refusals of forms that do not fit together."""
+
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from conftest import require_devices
+from flax import nnx
+from flax.training import train_state
+
+from equivalence import LoopPort
+from equivalence.core import adapters, harness
+from equivalence.core.config import ConfigError
+
+AXIS, FEATURES, HIDDEN = 'batch', 4, 8
+QUICK = {'steps_per_call': 2, 'calls': 2}
+
+
+class LinenMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        h = nn.Dropout(0.2, deterministic=not train)(nn.relu(nn.Dense(HIDDEN)(x)))
+        return nn.Dense(1)(h)
+
+
+class NnxMLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, rate: float = 0.2):
+        self.Dense_0, self.Dense_1 = nnx.Linear(FEATURES, HIDDEN, rngs=rngs), nnx.Linear(HIDDEN, 1, rngs=rngs)
+        self.drop = nnx.Dropout(rate, rngs=rngs)
+
+    def __call__(self, x):
+        return self.Dense_1(self.drop(nnx.relu(self.Dense_0(x))))
+
+
+class KeyedState(train_state.TrainState):
+    rng: jax.Array = None  # the key inside the state
+
+
+def make_data(rng, n_steps, batch):
+    x = rng.normal(size=(n_steps, batch, FEATURES)).astype('float32')
+    return {'x': x, 'y': x.sum(-1, keepdims=True).astype('float32')}
+
+
+def tx(lr=0.05):
+    return optax.sgd(lr, momentum=0.9)
+
+
+def legacy_state(variables, rng=None):
+    return KeyedState.create(apply_fn=LinenMLP().apply, params=variables['params'], tx=tx(), rng=rng)
+
+
+def train_step(state, batch, rng=None, scale=1.0):
+    """A flax-examples step: ``(state, batch[, rng]) -> (state, metrics)``; ``scale`` bound by partial."""
+    if rng is None and state.rng is not None:  # the key inside the state
+        new_rng, rng = jax.random.split(state.rng)
+        state = state.replace(rng=new_rng)
+    rngs = {'dropout': jax.random.fold_in(rng, state.step)} if rng is not None else None
+
+    def loss_fn(params):
+        pred = state.apply_fn({'params': params}, batch['x'], train=rng is not None, rngs=rngs)
+        return jnp.mean((pred - batch['y']) ** 2) * scale, jnp.mean(jnp.abs(pred - batch['y']))
+
+    (loss, mae), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    state = state.apply_gradients(grads=jax.lax.pmean(grads, AXIS))
+    return state, jax.lax.pmean({'loss': loss, 'mae': mae, 'denominator': jnp.float32(2.0)}, AXIS)
+
+
+def tuple_step(state, batch):
+    """The original question's state: a plain tuple ``(params, opt_state)``."""
+    params, opt_state = state
+    loss_fn = lambda p: jnp.mean((LinenMLP().apply({'params': p}, batch['x'], False) - batch['y']) ** 2)  # noqa: E731
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx().update(jax.lax.pmean(grads, AXIS), opt_state, params)
+    metrics = {'loss': jax.lax.pmean(loss, AXIS), 'mae': loss, 'denominator': jnp.float32(2.0)}  # mae: no pmean
+    return (optax.apply_updates(params, updates), opt_state), metrics
+
+
+def carry_step(carry, batch):
+    """score_sde's form, returning a metrics dict."""
+    rng, state = carry
+    rng, step_rng = jax.random.split(rng)
+    state, metrics = train_step(state, batch, step_rng)
+    return (rng, state), metrics
+
+
+# -- the NNX side ----------------------------------------------------------------------------------
+
+
+def nnx_state(model, lr=0.05):
+    return model, nnx.Optimizer(model, tx(lr), wrt=nnx.Param)
+
+
+def nnx_step_plain(ts, batch, key=None, scale=1.0):
+    model, optimizer = ts[:2]
+    if key is None and len(ts) == 3:  # the key inside the state
+        new, key = jax.random.split(ts[2][...])
+        ts[2][...] = new
+    if key is not None:
+        nnx.reseed(model, dropout=jax.random.fold_in(key, optimizer.step[...]))
+    model.train() if key is not None else model.eval()
+
+    def loss_fn(m):
+        pred = m(batch['x'])
+        return jnp.mean((pred - batch['y']) ** 2) * scale, jnp.mean(jnp.abs(pred - batch['y']))
+
+    (loss, mae), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+    optimizer.update(model, grads)
+    return {'loss': loss, 'mae': mae, 'denominator': jnp.float32(2.0)}
+
+
+nnx_train_step = nnx.jit(nnx_step_plain)
+
+
+@nnx.jit
+def nnx_fused(ts, keys, batch_KxG):
+    @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
+    def body(ts, key, batch):
+        return ts, nnx_step_plain(ts, batch, key)
+
+    _, metrics_K = body(ts, keys, batch_KxG)
+    return ts, metrics_K
+
+
+def nnx_carry_call(ts, key, batch_KxG):
+    keys = []
+    for _ in range(jax.tree.leaves(batch_KxG)[0].shape[0]):
+        key, step_key = jax.random.split(key)
+        keys.append(step_key)
+    return nnx_fused(ts, jnp.stack(keys), batch_KxG)
+
+
+BASE = dict(name='forms', legacy_model=LinenMLP, nnx_model=lambda rngs: NnxMLP(rngs), make_data=make_data,
+            legacy_state=legacy_state, nnx_state=nnx_state, init_args=lambda b: (b['x'], False), default_batch=8,
+            rng_modes=('global',))  # fmt: skip
+KEY0 = jax.random.PRNGKey(7)
+FORMS = {
+    'state, steps, no key': LoopPort(**BASE, legacy_step=train_step, step_form='state', loss='loss',
+                                     nnx_step=nnx_train_step),  # fmt: skip
+    'state_rng, steps, partial': LoopPort(**BASE, legacy_step=functools.partial(train_step, scale=2.0),
+                                          step_form='state_rng', loss=lambda m: m['loss'] / m['denominator'],
+                                          nnx_step=functools.partial(nnx_train_step, scale=2.0)),  # fmt: skip
+    'state_rng, scan, fused nnx': LoopPort(**BASE, legacy_step=train_step, step_form='state_rng',
+                                           legacy_loop='scan', loss='loss', nnx_call=nnx_fused),  # fmt: skip
+    'key in state': LoopPort(**{**BASE, 'legacy_state': functools.partial(legacy_state, rng=KEY0),
+                                'nnx_state': lambda m: (*nnx_state(m), nnx.Variable(KEY0))},
+                             legacy_step=train_step, step_form='state', loss='loss', nnx_step=nnx_train_step),
+    'tuple state': LoopPort(**{**BASE, 'legacy_state': lambda v: (v['params'], tx().init(v['params']))},
+                            legacy_step=tuple_step, step_form='state', loss='loss', nnx_step=nnx_train_step),
+    'carry with metrics': LoopPort(**BASE, legacy_step=carry_step, loss='loss', nnx_call=nnx_carry_call),
+}  # fmt: skip
+
+
+def _slip(port: LoopPort) -> LoopPort:
+    """The same port with the NNX learning rate 1% high: a slip every form must catch."""
+    slipped = lambda m: (*nnx_state(m, lr=0.0505), *port.nnx_state(m)[2:])  # noqa: E731
+    return dataclasses.replace(port, nnx_state=slipped)
+
+
+@pytest.fixture(scope='module')
+def results():
+    require_devices(2)
+    return {name: harness.check(port, devices=2, **QUICK) for name, port in FORMS.items()}
+
+
+@pytest.mark.parametrize('form', list(FORMS))
+def test_each_step_form_matches_its_slip_does_not(results, form):
+    result = results[form]
+    assert result.report.match, [leaf for leaf in result.report.leaves if not leaf.ok]
+    groups = {leaf.group for leaf in result.report.leaves}
+    assert {'metrics', 'losses', 'params', 'opt_state', 'step' if form != 'tuple state' else 'losses'} <= groups
+    assert {'metrics/loss'} <= {leaf.name for leaf in result.report.leaves}
+    assert ('metrics/mae' in {leaf.name for leaf in result.report.leaves}) == (form != 'tuple state')
+    assert result.notes[0].startswith('loop port: step('), result.notes
+    slipped = harness.check(_slip(FORMS[form]), devices=2, **QUICK)
+    assert not slipped.report.match
+
+
+def test_a_flax_train_state_lists_what_it_does_not_compare(results):
+    notes = results['key in state'].notes
+    assert 'not compared: apply_fn: a static field (the model function), not an array' in notes
+    assert any(n.startswith('not compared: tx: a static field') for n in notes), notes
+    assert any(n.startswith('not compared: rng: ') for n in notes), notes
+    assert any('pmap(step) called K times per call' in n for n in notes), notes
+    assert any('pmap(scan(step))' in n for n in results['state_rng, scan, fused nnx'].notes)
+    assert 'not compared: step: the pmap train state holds no step counter (a tuple (params, opt_state))' in (
+        results['tuple state'].notes
+    )
+    # A metric the step does not pmean differs between devices: named, not compared as if global.
+    assert any(n.startswith('not compared: metrics/mae: differs between pmap devices') for n in
+               results['tuple state'].notes)  # fmt: skip
+
+
+def test_forms_that_do_not_fit_together_exit_2_before_any_work():
+    port = FORMS['state, steps, no key']
+    for bad, message in [
+        (dict(step_form='scan'), "step_form 'scan' is not one of"),
+        (dict(nnx_call=nnx_fused), 'exactly one of nnx_call'),
+        (dict(step_form='carry', legacy_loop='steps'), "a 'carry' step returns its key chain"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            harness.check(dataclasses.replace(port, **bad), devices=2, **QUICK)
+    with pytest.raises(ConfigError, match='explain reads one compiled call per side'):
+        adapters.one_program_each(port, 'explain')  # its step runs once per step: no single program to read
+    adapters.one_program_each(FORMS['state_rng, scan, fused nnx'], 'explain')

@@ -1,0 +1,90 @@
+"""The teams' own checkpoints: the image classifier's flax ``save_checkpoint`` directory and the
+Transformer's Orbax ``CheckpointManager`` migrate through the port's names and resume to MATCH;
+the same refusals (exit 2, one line) as the suite's own layout."""
+
+import importlib
+import os
+import sys
+
+import jax
+import pytest
+from conftest import ROOT, assert_one_line_error, require_devices, run_module
+
+from equivalence.checkpoint import migrate, resume
+from equivalence.checkpoint.store import CheckpointError
+from equivalence.core import adapters, harness
+from equivalence.core.config import RunConfig
+
+
+def example(name: str):
+    """The example's ``legacy_code`` and ``my_port``, imported as the team's own modules."""
+    folder = os.path.join(ROOT, 'examples', name)
+    for module in ('legacy_code', 'nnx_code', 'my_port'):
+        sys.modules.pop(module, None)
+    sys.path.insert(0, folder)
+    try:
+        return importlib.import_module('legacy_code'), importlib.import_module('my_port')
+    finally:
+        sys.path.remove(folder)
+
+
+def team_saver(name: str, old, directory: str):
+    """A harness ``after_call`` hook that saves after every call with the team's own code."""
+    if name == 'imagenet_port':  # flax.training.checkpoints.save_checkpoint: <dir>/checkpoint_<step>/
+        return lambda setup, calls_done, rng: old.save_checkpoint(setup.pstate, directory)
+    manager = old.make_checkpoint_manager(directory)  # orbax CheckpointManager: <dir>/<step>/default/
+    return lambda setup, calls_done, rng: old.save_checkpoint(manager, setup.pstate)
+
+
+def resumed(name: str, tmp_path):
+    """``(migration, result, port, team dir, resume again)`` of the example's LOOP, saved after every call."""
+    old, my_port = example(name)
+    port = my_port.LOOP
+    config = RunConfig(workload=port.name, devices=2, steps_per_call=2, calls=2, batch_size=8,
+                       rng_mode=port.rng_modes[0])  # fmt: skip
+    variables, calls, rng = harness.make_inputs(port, config)
+    team_dir, nnx_dir = str(tmp_path / 'team'), str(tmp_path / 'nnx')
+    legacy = harness.run_legacy(port, config, variables, calls, rng, after_call=team_saver(name, old, team_dir))
+    migration = migrate.migrate(team_dir, nnx_dir, port, step=2)
+    run = resume.LegacyRun(legacy, team_dir, variables, calls, rng)
+    again = lambda: resume.resume_nnx(port, config, run, nnx_dir, 2)  # noqa: E731
+    return migration, again(), port, team_dir, again
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+    """Each example trained, saved by its own code, migrated and resumed: once for the module."""
+    require_devices(2)
+    return {name: resumed(name, tmp_path_factory.mktemp(name)) for name in ('imagenet_port', 'wmt_port')}
+
+
+@pytest.mark.parametrize('name', ['imagenet_port', 'wmt_port'])
+def test_a_teams_own_checkpoint_migrates_and_resumes_to_match(runs, name, tmp_path):
+    migration, result, port, team_dir, _ = runs[name]
+    assert migration.written and migration.step == 2 and not migration.unmapped
+    assert result.report.match, [leaf for leaf in result.report.leaves if not leaf.ok]
+    assert result.resumed_at == 2 and len(result.nnx.losses) == 2
+    if name == 'imagenet_port':  # the TrainState's batch_stats are read; another port's state is refused
+        assert any(p.legacy.startswith('model_state/batch_stats/') for p in migration.pairs)
+        with pytest.raises(CheckpointError, match=r'does not fit the port.s train state: first mismatching leaf'):
+            migrate.migrate(team_dir, str(tmp_path / 'other'), runs['wmt_port'][2], step=2)
+        with pytest.raises(CheckpointError, match=r'no complete checkpoint of step 3 .*flax save_checkpoint'):
+            migrate.migrate(team_dir, str(tmp_path / 'other'), port, step=3)
+
+
+def test_without_the_recomputed_key_chain_the_resumed_transformer_does_not_match(runs, monkeypatch):
+    """Negative control: a team's checkpoint holds no host key chain; the suite recomputes it from
+    the seed. With the placeholder key instead, the resumed dropout masks differ."""
+    monkeypatch.setattr(adapters, 'chain_at', lambda port, config, rng, calls: jax.random.PRNGKey(0))
+    assert not runs['wmt_port'][4]().report.match
+
+
+def test_migrate_from_the_command_line_reads_a_flax_directory_and_refuses_a_missing_step(runs, tmp_path):
+    team_dir = runs['imagenet_port'][3]
+    env = {'PYTHONPATH': f'{os.path.join(ROOT, "examples", "imagenet_port")}:{ROOT}'}
+    ok = run_module('equivalence.checkpoint', 'migrate', team_dir, str(tmp_path / 'cli'), '--workload',
+                    'my_port:LOOP', env=env)  # fmt: skip
+    assert ok.returncode == 0 and 'step 4' in ok.stdout and 'model_state/batch_stats' in ok.stdout, ok.stderr
+    missing = run_module('equivalence.checkpoint', 'migrate', team_dir, str(tmp_path / 'cli2'), '--workload',
+                         'my_port:LOOP', '--step', '7', env=env)  # fmt: skip
+    assert_one_line_error(missing, 'no complete checkpoint of step 7')
