@@ -43,7 +43,7 @@ def entry_rows(entries: list[Entry], cases: list[Case]) -> list[str]:
 def sensitivity_lines(s: Sensitivity) -> list[str]:
     smallest = 'none of the ladder' if s.smallest is None else f'{s.smallest:g}'
     lines = [
-        f'sensitivity (mlp, D={s.devices}, {s.seeds} seeds, {s.seconds:.0f} s): smallest --perturb detected on '
+        f'sensitivity (mlp, D={s.devices}, {s.seeds} seed(s), {s.seconds:.0f} s): smallest --perturb detected on '
         f'every seed: {smallest}; --perturb 0: {len(s.false_mismatches)} false MISMATCH of {len(s.baseline)}'
     ]
     levels = ', '.join(f'{level:g}: {s.detected(level)}/{len(cases)}' for level, cases in s.levels.items())
