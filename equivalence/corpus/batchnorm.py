@@ -79,7 +79,7 @@ ENTRIES = [
         PORT,
         'Dense bias before BatchNorm: true gradient 0, Adam amplifies rounding',
         quick=True,
-    ),  # fmt: skip
+    ),
     Entry(
         'bn-momentum',
         'slip',
@@ -87,5 +87,5 @@ ENTRIES = [
         "NNX BatchNorm momentum 0.1 (PyTorch's convention), linen 0.9",
         kind='state',
         quick=True,
-    ),  # fmt: skip
+    ),
 ]

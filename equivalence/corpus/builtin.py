@@ -37,7 +37,7 @@ ENTRIES = [
             flags={**GLOBAL, 'strategy': s},
             devices=(8,),
             min_seeds=CNN_SEEDS,
-        )  # fmt: skip
+        )
         for s in ('fsdp', 'tp', 'fsdp-tp')  # shard_map refuses BatchNorm (harness.validate)
     ],
     Entry(
@@ -46,7 +46,7 @@ ENTRIES = [
         CNN_EPS_1E8,
         'built-in cnn with Adam eps 1e-8, as before it was moved to 1e-5',
         flags=GLOBAL,
-    ),  # fmt: skip
+    ),
     Entry('wide-eps-1e-9', 'correct', WIDE_EPS_1E9, 'built-in wide with Adam eps 1e-9'),
     Entry(
         'mlp-perturb-1e-5',
@@ -57,5 +57,5 @@ ENTRIES = [
         flags={'perturb': 1e-5},
         devices=(8,),
         quick=True,
-    ),  # fmt: skip
+    ),
 ]
