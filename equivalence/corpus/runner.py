@@ -1,0 +1,100 @@
+"""The corpus run: every entry at every device count and seed, each run judged against its truth.
+
+The verdict is the harness's own (``equivalence.check``): ``report.match`` today, plus the
+diagnosis kind once the verdict names one (read with ``getattr``, so a verdict without a
+diagnosis is judged on MATCH / MISMATCH alone). A run that raises is an ERROR, and wrong.
+"""
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterable
+
+from equivalence.corpus.entry import Entry
+
+VERDICTS = ('MATCH', 'MISMATCH', 'ERROR')
+LADDER = (1e-3, 3e-4, 1e-4, 3e-5, 1e-5, 3e-6, 1e-6, 3e-7, 1e-7)  # --perturb levels, walked down to the first miss
+SENSITIVITY_DEVICES = 8  # issue 16: the smallest --perturb detected at D=8 on mlp
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One run of one entry: its truth, the verdict it got, and how long it took."""
+
+    entry: str
+    truth: str  # 'correct' or 'slip'
+    expected_kind: str | None  # slips: the diagnosis kind the verdict should name
+    devices: int
+    seed: int
+    verdict: str  # 'MATCH', 'MISMATCH' or 'ERROR'
+    kind: str | None  # the diagnosis kind the verdict named; None: it named none
+    seconds: float
+    detail: str = ''  # the worst leaf, or the error
+
+    @property
+    def wrong_kind(self) -> bool:
+        return self.verdict == 'MISMATCH' and self.kind is not None and self.kind != self.expected_kind
+
+    @property
+    def wrong(self) -> bool:
+        """A correct port that MISMATCHes, a slip that MATCHes or is misdiagnosed, or an error."""
+        if self.verdict == 'ERROR':
+            return True
+        if self.truth == 'correct':
+            return self.verdict == 'MISMATCH'
+        return self.verdict == 'MATCH' or self.wrong_kind
+
+
+def diagnosis_kind(result) -> str | None:
+    """The kind the verdict named (``result.diagnosis`` or ``result.report.diagnosis``, a string
+    or an object with ``.kind``); None while the verdict names none."""
+    for holder in (result, result.report):
+        diagnosis = getattr(holder, 'diagnosis', None)
+        if diagnosis is not None:
+            return diagnosis if isinstance(diagnosis, str) else getattr(diagnosis, 'kind', None)
+    return None
+
+
+def worst_leaf(report) -> str:
+    leaf = report.worst(1)[0] if report.leaves else None
+    return '' if leaf is None else f'{leaf.name}: {leaf.bad} of {leaf.size} off, max {leaf.max_abs:.2g}'
+
+
+def run_case(entry: Entry, devices: int, seed: int, **overrides) -> Case:
+    """``equivalence.check`` of the entry's port; ``overrides``: RunConfig fields (tests shrink K and C)."""
+    import equivalence
+
+    start = time.perf_counter()
+    try:
+        result = equivalence.check(entry.port, devices=devices, seed=seed, **{**entry.flags, **overrides})
+        verdict = 'MATCH' if result.report.match else 'MISMATCH'
+        kind, detail = diagnosis_kind(result), worst_leaf(result.report)
+    except Exception as e:  # noqa: BLE001 -- one broken run is a wrong verdict, not the end of the corpus
+        verdict, kind, detail = 'ERROR', None, f'{type(e).__name__}: {(str(e).splitlines() or [""])[0][:200]}'
+    seconds = time.perf_counter() - start
+    return Case(entry.name, entry.truth, entry.kind, devices, seed, verdict, kind, seconds, detail)
+
+
+def run(
+    entries: Iterable[Entry],
+    devices: tuple[int, ...],
+    seeds: int,
+    progress: Callable[[Case], None] | None = None,
+    **overrides,
+) -> list[Case]:
+    """Every entry at each of its device counts and seeds, in order."""
+    cases = []
+    for entry in entries:
+        for d in entry.device_counts(devices):
+            for seed in entry.seeds(seeds):
+                cases.append(run_case(entry, d, seed, **overrides))
+                if progress is not None:
+                    progress(cases[-1])
+    return cases
+
+
+def confusion(cases: list[Case]) -> dict[tuple[str, str], int]:
+    """``{(truth, verdict): runs}`` for every truth and verdict, zeros included."""
+    counts = {(t, v): 0 for t in ('correct', 'slip') for v in VERDICTS}
+    for case in cases:
+        counts[case.truth, case.verdict] += 1
+    return counts
