@@ -66,7 +66,10 @@ def finish(port, config, report, old, new, inputs, done, twin_text, n_twin) -> V
     if report.match:
         return Verdict(True, config.verdict, tuple(done), twin=twin_text, noise_dominated=noisy)
     rerun = None
-    if verdict.failed(report, 'first_step') and harness.uses_dropout(port) and jax.process_count() == 1:
+    # Only a first *loss* that differs can be re-checked with dropout off (the re-run compares
+    # losses): a slip seen only in the first gradients is math, whatever dropout does.
+    loss_failed = any(leaf.name == 'first_step/loss' for leaf in verdict.failed(report, 'first_step'))
+    if loss_failed and harness.uses_dropout(port) and jax.process_count() == 1:
         rerun = deterministic_rerun_matches(port, config, inputs, report)
         done.append(f'deterministic re-run (dropout off) {"matches" if rerun else "differs"}')
     nonfinite = verdict.nonfinite_line(

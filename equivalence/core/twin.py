@@ -67,6 +67,8 @@ def twin_setup(port: Port, config: RunConfig, variables: dict, n_twin: int, lr_s
     mesh = sharding.make_mesh(n_twin)
     model = port.nnx_model(nnx.Rngs(0))
     convert.load_linen_variables(model, variables, harness.check_names(port, variables))
+    if isinstance(port, LoopPort) and harness._adapters().adapted(port):  # a real step: its own setup
+        return harness._adapters().nnx_setup(port, config, model, mesh)
     if isinstance(port, LoopPort):
         return TwinLoopSetup(port, sharding.place_objects(port.nnx_state(model), mesh), mesh, config)
     scale = 1.0 + config.perturb if lr_scale is None else lr_scale
@@ -82,4 +84,6 @@ def run_twin(port: Port, config: RunConfig, variables: dict, calls: list, rng, n
     """The twin's ``PathResult``: its final state, per-step losses and parameters after each call."""
     setup = twin_setup(port, config, variables, n_twin, lr_scale)
     losses, per_call = harness._train(setup, calls, rng, None, harness._silent, 'twin')
-    return harness.PathResult(setup.neutral(), losses, per_call, None, mesh=dict(setup.mesh.shape))
+    result = harness.PathResult(setup.neutral(), losses, per_call, None, mesh=dict(setup.mesh.shape))
+    result.metrics = harness._metrics(setup)
+    return result

@@ -46,7 +46,7 @@ MEASURED_FLOOR = FloorRule(
 # is off by 40+ at step 2; LayerNorm eps 1e-5 for 1e-6 by 16 at step 1 (FACTS).
 TWIN_ULPS = 8.0
 
-KINDS = ('non-finite', 'bookkeeping', 'math', 'randomness', 'optimizer', 'update', 'unmeasured')
+KINDS = ('non-finite', 'bookkeeping', 'math', 'randomness', 'state', 'optimizer', 'update', 'unmeasured')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +128,11 @@ def diagnose(report: Report, nonfinite: str, rerun_matched: bool | None, grads_c
         return 'unmeasured', (
             f'outside the fixed tolerance, and no floor was measured to tell noise from a slip: {details(later)}; '
             'run it in one process (a twin, and the first step, are then measured)' + also
+        )
+    if all(leaf.group == 'model_state' for leaf in later):
+        return 'state', (
+            'the losses, parameters and optimizer state agree within their floor; only the model state does not: '
+            f'{details(later)}; a running statistic is updated differently (its momentum, epsilon or axis_name)' + also
         )
     if grads_checked:
         return 'optimizer', (
