@@ -37,6 +37,7 @@ COMMANDS = {
     'equivalence.bench': 'equivalence.bench.__main__',
     'equivalence.pitfalls': 'equivalence.pitfalls.__main__',
     'equivalence.checkpoint': 'equivalence.checkpoint.__main__',
+    'equivalence.corpus': 'equivalence.corpus.__main__',
 }
 EXAMPLE = os.path.join(ROOT, 'examples', 'mlp_port')  # where the guides' `my_port:NAME` lines run
 

@@ -45,7 +45,11 @@ def judge(port: Port, config: RunConfig, old, new, inputs: Inputs, tree) -> tupl
         why = 'several processes' if jax.process_count() > 1 else 'no second mesh fits'
         text = f'not run: {"--verdict screen, and the screen passed" if n_twin else why}'
         return screen, finish(port, config, screen, old, new, inputs, done + [f'twin {text}'], text, None)
-    tw = twin.run_twin(port, config, inputs.variables, inputs.calls, inputs.rng, n_twin)
+    try:
+        tw = twin.run_twin(port, config, inputs.variables, inputs.calls, inputs.rng, n_twin)
+    except Exception as e:  # noqa: BLE001 -- NNX code pinned to its own mesh cannot run on the twin's
+        text = f'not run: on {n_twin} device(s) it raised {type(e).__name__}: {str(e).splitlines()[0][:160]}'
+        return screen, finish(port, config, screen, old, new, inputs, done + [f'twin {text}'], text, None)
     refusal = verdict.twin_refusal(new.losses, tw.losses)
     if refusal:
         return screen, finish(port, config, screen, old, new, inputs, done + [f'twin {refusal}'], refusal, None)

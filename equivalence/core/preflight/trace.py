@@ -74,15 +74,26 @@ def checked_loss(port: Port, field: str, loss_fn: Any, b: int, with_state: bool)
             losses, new_state = out
             if jax.tree.structure(new_state) != jax.tree.structure(args[1]):
                 raise fail(port, field, 'returned a model_state of another structure than the one it was given')
-        shape = getattr(losses, 'shape', None)
-        if shape != (b,):
-            given = f'shape {list(shape)}' if shape is not None else f'a {type(losses).__name__}'
-            raise fail(
-                port, field, f'returned {given}; expected one loss per example, shape [{b}] (the suite averages them)'
-            )
+        if isinstance(losses, dict) and set(losses) == {'loss', 'weight'}:  # token sums and weights per example
+            for part in ('loss', 'weight'):
+                _check_per_example(port, field, losses[part], b, f"['{part}']")
+            return out
+        _check_per_example(port, field, losses, b, '')
         return out
 
     return loss
+
+
+def _check_per_example(port: Port, field: str, losses: Any, b: int, part: str) -> None:
+    shape = getattr(losses, 'shape', None)
+    if shape != (b,):
+        given = f'shape {list(shape)}' if shape is not None else f'a {type(losses).__name__}'
+        raise fail(
+            port,
+            field,
+            f'returned{part} {given}; expected one loss per example, shape [{b}] (the suite averages them), '
+            "or {'loss': sums_B, 'weight': weights_B}",
+        )
 
 
 def trace_nnx(port: Port, config: RunConfig, batch_KxG: Any) -> Any:
