@@ -15,6 +15,8 @@ A dimension that the mesh axis does not divide stays whole (replicated), and the
 decision is returned as a note for the report: never silently.
 """
 
+import contextlib
+import contextvars
 import dataclasses
 import warnings
 from collections.abc import Callable
@@ -206,6 +208,18 @@ def place_keys(keys: jax.Array, mesh: Mesh, rng_mode: str) -> jax.Array:
 # -- where data parallelism's gradient all-reduce goes ------------------------------------------
 
 DOT_LAYERS = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)  # their ``kernel`` meets the batch in a dot_general
+_PLACE_ALL_REDUCE = contextvars.ContextVar('place_all_reduce', default=True)
+
+
+@contextlib.contextmanager
+def partitioner_places_all_reduce():
+    """Steps traced inside get the plain gradient, the all-reduce where the partitioner puts it
+    (before the transposes): the form before the fix, which ``equivalence.bench`` times beside it."""
+    token = _PLACE_ALL_REDUCE.set(False)
+    try:
+        yield
+    finally:
+        _PLACE_ALL_REDUCE.reset(token)
 
 
 def value_and_grad(loss_fn: Callable) -> Callable:
@@ -220,17 +234,19 @@ def value_and_grad(loss_fn: Callable) -> Callable:
     (JAX's sharding-in-types: a reduced primal has an unreduced cotangent, reduced by the cast's
     transpose) moves the all-reduce behind the transpose: no transposes, same sums.
 
-    Applies when the step is traced under a mesh (``train.on_mesh``) whose data axis is Auto and
-    every parameter is replicated (data parallelism); otherwise, or when the model cannot be
-    traced in explicit mode, it is the plain gradient (with a warning in the second case).
+    Applies when the batch is placed on a mesh whose data axis is Auto and every parameter is
+    replicated (data parallelism); otherwise, or when the model cannot be traced in explicit
+    mode, it is the plain gradient (with a warning in the second case).
     """
     plain = nnx.value_and_grad(loss_fn, has_aux=True)
 
     def grad(model: nnx.Module, batch, noise):
-        if not _data_parallel(model):
+        mesh = _mesh_of(batch)
+        if not _data_parallel(model, mesh):
             return plain(model, batch, noise)
         try:
-            return _reduced_value_and_grad(loss_fn, model, batch, noise)
+            with jax.sharding.use_abstract_mesh(mesh):  # explicit_axes reads the context mesh
+                return _reduced_value_and_grad(loss_fn, model, batch, noise)
         except Exception as e:  # noqa: BLE001 -- a bug in the loss raises again just below, in plain
             out = plain(model, batch, noise)
             note = f'gradient all-reduced before the kernel transposes (explicit mode: {e!r:.200})'
@@ -240,11 +256,20 @@ def value_and_grad(loss_fn: Callable) -> Callable:
     return grad
 
 
-def _data_parallel(model: nnx.Module) -> bool:
-    """Traced under a mesh with an Auto data axis of size > 1, every parameter replicated, and
-    at least one kernel of a dot layer: the case where moving the all-reduce removes transposes."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.shape.get(DATA, 1) == 1:
+def _mesh_of(batch) -> jax.sharding.AbstractMesh:
+    """The context mesh, else the one the batch was placed on: under ``jit`` with Auto axes a
+    tracer's type keeps the mesh of its input (not an accurate spec); unplaced input: empty."""
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty:
+        return context
+    mesh = jax.typeof(jax.tree.leaves(batch)[0]).sharding.mesh
+    return getattr(mesh, 'abstract_mesh', mesh)
+
+
+def _data_parallel(model: nnx.Module, mesh: jax.sharding.AbstractMesh) -> bool:
+    """A mesh with an Auto data axis of size > 1, every parameter replicated, and at least one
+    kernel of a dot layer: the case where moving the all-reduce removes transposes."""
+    if not _PLACE_ALL_REDUCE.get() or mesh.empty or mesh.shape.get(DATA, 1) == 1:
         return False
     if dict(zip(mesh.axis_names, mesh.axis_types, strict=True))[DATA] != AxisType.Auto:  # shard_map: Manual
         return False

@@ -20,8 +20,7 @@ Mirrors ``legacy_pmap/train.py`` function by function. Differences, each on purp
   after each kernel gradient's transpose, where pmap's ``pmean`` is, and XLA folds the
   transpose into the dot. Otherwise the partitioner all-reduces the dot's output and the
   transpose stays behind it as copies: 6 per step on ``wide``, 16 on ``score`` (read from the
-  compiled HLO, ``python -m equivalence.bench``). The fused call is traced under the mesh
-  (``on_mesh``) so that the gradient can see the data axis.
+  compiled HLO, ``python -m equivalence.bench``).
 - The step returns its per-example losses, and the fused call averages them after the
   scan: one all-reduce of K numbers per call, where pmap's ``pmean(loss)`` adds one
   operand to the all-reduce of every step. On CPU each all-reduce operand is one
@@ -133,25 +132,13 @@ def scan_steps(step_fn: Callable) -> Callable:
     return fused
 
 
-def on_mesh(fn: Callable, mesh) -> Callable:
-    """``fn`` traced under ``mesh`` (as code under ``jax.set_mesh`` is), so that the step's
-    gradient can place its all-reduce on the mesh's data axis (``sharding.value_and_grad``)."""
-
-    def traced(*args):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            return fn(*args)
-
-    return traced
-
-
 def make_fused_call(step_fn: Callable, carry_shardings) -> Callable:
     """K steps in one compiled call: ``fused((rng, state), batch_KxG)``.
 
     The carry (keys and state) is donated, so XLA updates parameters in place; its
     output placement is pinned to the input's so that calls chain without resharding.
     """
-    mesh = jax.tree.leaves(carry_shardings)[0].mesh
-    return jax.jit(on_mesh(scan_steps(step_fn), mesh), donate_argnums=0, out_shardings=(carry_shardings, None))
+    return jax.jit(scan_steps(step_fn), donate_argnums=0, out_shardings=(carry_shardings, None))
 
 
 def make_graph_call(update: Callable) -> Callable:
