@@ -137,10 +137,32 @@ def bare_jit(setup: harness.NnxSetup, wl: Workload) -> Callable:
     return jax.jit(sharded.scan_steps(step), donate_argnums=0)
 
 
+def partitioner_all_reduce(fn: Callable) -> Callable:
+    """``fn`` traced with the plain gradient: the partitioner all-reduces each kernel gradient
+    before its transpose (``sharding.partitioner_places_all_reduce``), as before fix 4."""
+
+    def traced(*args):
+        with sharding.partitioner_places_all_reduce():
+            return fn(*args)
+
+    return traced
+
+
+def transposed_jit(setup: harness.NnxSetup, wl: Workload) -> Callable:
+    """The shipped call but for where the gradient's all-reduce runs: before the kernel transposes."""
+    step = harness.nnx_step(wl, setup.graphdef, setup.config)
+    carry = (
+        sharding.key_sharding(setup.mesh, setup.config.rng_mode),
+        sharding.state_shardings(setup.graphdef, setup.state, setup.mesh),
+    )
+    return jax.jit(partitioner_all_reduce(sharded.scan_steps(step)), donate_argnums=0, out_shardings=(carry, None))
+
+
 def first_shipped_jit(setup: harness.NnxSetup, wl: Workload) -> Callable:
-    """The shipped call as it was first written, to measure what the two fixes gained: the
+    """The shipped call as it was first written, to measure what fixes 2 to 4 gained: the
     scan carried the ``nnx.State`` that ``nnx.split`` returns (flattened in Python on every
-    call) and each step returned its mean loss (one more all-reduce operand per step)."""
+    call), each step returned its mean loss (one more all-reduce operand per step) and the
+    gradient was all-reduced before the kernel transposes."""
     cfg = setup.config
     step = harness.nnx_step(wl, setup.graphdef, cfg)
 
@@ -153,10 +175,12 @@ def first_shipped_jit(setup: harness.NnxSetup, wl: Workload) -> Callable:
     )
     setup.state = nnx.state(nnx.merge(setup.graphdef, setup.state))  # the same placed arrays, as an nnx.State
     shardings = (sharding.key_sharding(setup.mesh, cfg.rng_mode), state_shardings)
-    return jax.jit(functools.partial(jax.lax.scan, step_state), donate_argnums=0, out_shardings=(shardings, None))
+    scan = partitioner_all_reduce(functools.partial(jax.lax.scan, step_state))
+    return jax.jit(scan, donate_argnums=0, out_shardings=(shardings, None))
 
 
 JITS = {'shipped': lambda setup, wl: setup.fused, 'bare': bare_jit, 'first': first_shipped_jit}
+JITS |= {'transposed': transposed_jit}
 
 
 def nnx_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: str, label: str, jit: str = 'shipped'):
@@ -253,6 +277,7 @@ def build_all(wl: Workload, config: RunConfig, feed: Feed, k_scaling: int, strat
         nnx_variant(wl, config, feed, k, 'nnx', 'nnx shipped: jax.jit(scan), split state'),
         nnx_variant(wl, config, feed, k, 'jit_bare', 'bare jax.jit(scan), no out_shardings', jit='bare'),
         nnx_variant(wl, config, feed, k, 'nnx_first', 'nnx as first shipped (before the fixes)', jit='first'),
+        nnx_variant(wl, config, feed, k, 'nnx_transposed', 'nnx shipped, all-reduce before transposes', 'transposed'),
         graph_variant(wl, config, feed, k, 'nnx_graph', 'nnx.jit(nnx.scan), graph mode'),
         graph_variant(wl, config, feed, k, 'nnx_cached', 'nnx.cached_partial(nnx.jit)', cached=True),
         legacy_variant(wl, config, feed, 1, 'legacy_k1', 'legacy pmap, 1 step/call'),
