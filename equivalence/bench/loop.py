@@ -72,7 +72,8 @@ def form_variant(port: LoopPort, config: RunConfig, feed: Feed, k: int, name: st
     place = _nnx_place(setup, _nnx_chain(feed, setup, k))
 
     def call(args: tuple) -> jax.Array:
-        holder['state'], losses_K = fn(holder['state'], *args)
+        with randomness.bridged(config.rng_mode):  # entered on every call, as for the port's own call
+            holder['state'], losses_K = fn(holder['state'], *args)
         return losses_K
 
     def fresh_lowered(kk: int):

@@ -245,5 +245,6 @@ def variant_json(r: BenchResult, v: Variant) -> dict:
         'compile_s': {**stats(r.compiles[v.name].seconds), 'per_repeat': r.compiles[v.name].seconds},
         'hlo': r.compiles[v.name].hlo,
         'compiles_while_timed': sum(b.compiles for b in blocks),
+        'facts': v.facts,
         'first_call': {'max_abs_diff_vs_legacy': agree.max_abs, 'agrees': agree.ok, 'losses': r.first[v.name].tolist()},
     }

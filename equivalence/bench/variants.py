@@ -40,6 +40,7 @@ class Variant:
     call: Callable[[tuple], jax.Array]  # one call; keeps the new state, returns its losses (to block on)
     fresh_lowered: Callable[[int], Any]  # K -> a jax Lowered of a fresh build (compile timing)
     host_losses: Callable[[jax.Array], np.ndarray] = np.asarray  # what ``call`` returned -> [K] on the host
+    facts: dict = dataclasses.field(default_factory=dict)  # a loop port's call: what its first call showed
 
 
 class Feed:
@@ -240,10 +241,14 @@ def loop_variant(port: LoopPort, config: RunConfig, feed: Feed, k: int, name: st
     """A loop port's own NNX call over its own train state."""
     setup = harness.nnx_setup(port, _config(config, k), feed.variables)
     place = _nnx_place(setup, _nnx_chain(feed, setup, k))
+    facts = {'state_kind': state_kind(setup.train_state)}
 
     def call(args: tuple) -> jax.Array:
+        before = None if 'state_arrays' in facts else state_arrays(setup.train_state)
         with randomness.bridged(setup.config.rng_mode):
             setup.train_state, losses_K = port.nnx_call(setup.train_state, *args)
+        if before is not None:  # the first call: donated input buffers are deleted by it
+            facts.update(state_arrays=len(before), donated_arrays=sum(a.is_deleted() for a in before))
         return losses_K
 
     def fresh_lowered(kk: int):
@@ -251,7 +256,20 @@ def loop_variant(port: LoopPort, config: RunConfig, feed: Feed, k: int, name: st
         fn, state = fresh.as_pure_call()
         return fn.lower(state, *_nnx_place(fresh, _nnx_chain(feed, fresh, kk))(1)[0])
 
-    return Variant(name, label, k, place, call, fresh_lowered)
+    return Variant(name, label, k, place, call, fresh_lowered, facts=facts)
+
+
+def state_kind(train_state: Any) -> str:
+    """'objects' (NNX graph nodes: a call walks them), 'nnx.State' (a Python pytree) or 'pytree'."""
+    leaves = jax.tree.leaves(train_state, is_leaf=lambda x: isinstance(x, nnx.Pytree | nnx.State))
+    if any(isinstance(x, nnx.Pytree) and not isinstance(x, nnx.State) for x in leaves):
+        return 'objects'
+    return 'nnx.State' if any(isinstance(x, nnx.State) for x in leaves) else 'pytree'
+
+
+def state_arrays(train_state: Any) -> list[jax.Array]:
+    tree = nnx.state(train_state) if state_kind(train_state) == 'objects' else train_state
+    return [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
 
 
 def build_loop(port: LoopPort, config: RunConfig, feed: Feed, k_scaling: int) -> list[Variant]:
