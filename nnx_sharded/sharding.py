@@ -15,7 +15,11 @@ A dimension that the mesh axis does not divide stays whole (replicated), and the
 decision is returned as a note for the report: never silently.
 """
 
+import contextlib
+import contextvars
 import dataclasses
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -199,3 +203,100 @@ def place_batch(batch_KxG: Any, mesh: Mesh) -> Any:
 def place_keys(keys: jax.Array, mesh: Mesh, rng_mode: str) -> jax.Array:
     """Every process holds the same keys (one host key chain); each device takes its row."""
     return put(keys, key_sharding(mesh, rng_mode))
+
+
+# -- where data parallelism's gradient all-reduce goes ------------------------------------------
+
+DOT_LAYERS = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)  # their ``kernel`` meets the batch in a dot_general
+_PLACE_ALL_REDUCE = contextvars.ContextVar('place_all_reduce', default=True)
+
+
+@contextlib.contextmanager
+def partitioner_places_all_reduce():
+    """Steps traced inside get the plain gradient, the all-reduce where the partitioner puts it
+    (before the transposes): the form before the fix, which ``equivalence.bench`` times beside it."""
+    token = _PLACE_ALL_REDUCE.set(False)
+    try:
+        yield
+    finally:
+        _PLACE_ALL_REDUCE.reset(token)
+
+
+def value_and_grad(loss_fn: Callable) -> Callable:
+    """``nnx.value_and_grad(loss_fn, has_aux=True)``, with data parallelism's gradient all-reduce
+    placed *after* each kernel gradient's transpose, where ``pmean`` puts it in pmap code.
+
+    Why: JAX differentiates ``x @ W`` into ``transpose(dot(g, x))``. In pmap code the ``pmean``
+    follows the transpose and XLA folds the transpose into the dot. In one partitioned program the
+    partitioner all-reduces the dot's partial sum at once, so the transpose is left behind the
+    all-reduce, unfolded: one transposing copy per kernel per Adam moment, every step (6 on
+    ``wide``). Placing the kernels *reduced* over the data axis while the gradient is formed
+    (JAX's sharding-in-types: a reduced primal has an unreduced cotangent, reduced by the cast's
+    transpose) moves the all-reduce behind the transpose: no transposes, same sums.
+
+    Applies when the batch is placed on a mesh whose data axis is Auto and every parameter is
+    replicated (data parallelism); otherwise, or when the model cannot be traced in explicit
+    mode, it is the plain gradient (with a warning in the second case).
+    """
+    plain = nnx.value_and_grad(loss_fn, has_aux=True)
+
+    def grad(model: nnx.Module, batch, noise):
+        mesh = _mesh_of(batch)
+        if not _data_parallel(model, mesh):
+            return plain(model, batch, noise)
+        try:
+            with jax.sharding.use_abstract_mesh(mesh):  # explicit_axes reads the context mesh
+                return _reduced_value_and_grad(loss_fn, model, batch, noise)
+        except Exception as e:  # noqa: BLE001 -- a bug in the loss raises again just below, in plain
+            out = plain(model, batch, noise)
+            note = f'gradient all-reduced before the kernel transposes (explicit mode: {e!r:.200})'
+            warnings.warn(note, stacklevel=2)
+            return out
+
+    return grad
+
+
+def _mesh_of(batch) -> jax.sharding.AbstractMesh:
+    """The context mesh, else the one the batch was placed on: under ``jit`` with Auto axes a
+    tracer's type keeps the mesh of its input (not an accurate spec); unplaced input: empty."""
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty:
+        return context
+    mesh = jax.typeof(jax.tree.leaves(batch)[0]).sharding.mesh
+    return getattr(mesh, 'abstract_mesh', mesh)
+
+
+def _data_parallel(model: nnx.Module, mesh: jax.sharding.AbstractMesh) -> bool:
+    """A mesh with an Auto data axis of size > 1, every parameter replicated, and at least one
+    kernel of a dot layer: the case where moving the all-reduce removes transposes."""
+    if not _PLACE_ALL_REDUCE.get() or mesh.empty or mesh.shape.get(DATA, 1) == 1:
+        return False
+    if dict(zip(mesh.axis_names, mesh.axis_types, strict=True))[DATA] != AxisType.Auto:  # shard_map: Manual
+        return False
+    specs = [var.get_metadata().get('out_sharding') or () for _, var in _variables(model)]
+    has_kernel = any(isinstance(node, DOT_LAYERS) for _, node in nnx.iter_graph(model))
+    return has_kernel and all(axis is None for spec in specs for axis in spec)
+
+
+def _reduced_value_and_grad(loss_fn: Callable, model: nnx.Module, batch, noise):
+    """The gradient in explicit mode over the data axis, the dot layers' kernels cast to reduced."""
+    graphdef, state = nnx.split(model)
+
+    def cast_then_loss(m: nnx.Module, batch, noise):
+        for _, node in nnx.iter_graph(m):
+            if isinstance(node, DOT_LAYERS):
+                kernel = node.kernel[...]
+                node.kernel[...] = jax.reshard(kernel, P(*[None] * kernel.ndim, reduced={DATA}))
+        return loss_fn(m, batch, noise)
+
+    def explicit(state, batch, noise):
+        m = nnx.merge(graphdef, state)
+        out, grads = nnx.value_and_grad(cast_then_loss, has_aux=True)(m, batch, noise)
+        return out, grads, nnx.state(m, nnx.Not(nnx.Param))  # batch statistics updated in place
+
+    g = jax.tree.leaves(batch)[0].shape[0]
+    rows = lambda tree: jax.tree.map(lambda a: P(DATA) if a.ndim and a.shape[0] == g else P(), tree)  # noqa: E731
+    specs = (jax.tree.map(lambda _: P(), state), rows(batch), rows(noise))
+    out, grads, rest = jax.sharding.explicit_axes(explicit, axes=DATA, in_sharding=specs)(state, batch, noise)
+    nnx.update(model, rest)
+    return out, grads

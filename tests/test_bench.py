@@ -16,7 +16,7 @@ from equivalence.bench.variants import Variant
 from equivalence.core.config import RunConfig
 
 TINY = ['--devices', '2', '--repeats', '2', '--steps-per-call', '2', '--calls', '2', '--compile-repeats', '1']
-VARIANTS = {'legacy', 'nnx', 'jit_bare', 'nnx_first', 'nnx_graph', 'nnx_cached'}
+VARIANTS = {'legacy', 'nnx', 'jit_bare', 'nnx_first', 'nnx_transposed', 'nnx_graph', 'nnx_cached'}
 VARIANTS |= {'legacy_k1', 'nnx_k1', 'legacy_k20', 'nnx_k20'}
 VARIANT_FIELDS = {
     'label',
@@ -59,6 +59,10 @@ def test_tiny_run_writes_every_field(tmp_path):
         assert HLO_FIELDS <= set(v['hlo']) and v['hlo']['all_reduce'] >= 1
         # Not a timing: every variant computes the same first-call losses as legacy pmap.
         assert v['first_call']['agrees'], (name, v['first_call'])
+    # Fix 4, read from the programs: the gradient all-reduced after the kernel transposes (as pmap's
+    # pmean is) leaves none; the same call with the partitioner's placement has them (the control).
+    transposes = {name: v['hlo']['transpose'] for name, v in report['variants'].items()}
+    assert transposes['nnx'] == transposes['legacy'] == 0 < transposes['nnx_transposed']
     assert set(report['compile_scaling']) == {'k5', 'k100'}
     targets = report['targets']
     assert len(targets) == 4

@@ -21,10 +21,11 @@ def run(wl, config, repeats: int, compile_repeats: int, strategy_configs=()):
 
     ``strategy_configs``: the shipped NNX call is also timed under each config's strategy and
     form, beside the data-parallel variants and legacy pmap."""
+    from equivalence.bench import loop, variants
     from equivalence.bench import report as benchreport
     from equivalence.bench import timing as measure
-    from equivalence.bench import variants
     from equivalence.core import adapters, harness, preflight
+    from equivalence.core.ports import LoopPort
 
     adapters.one_program_each(wl, 'bench')
     for cfg in (config, *strategy_configs):
@@ -35,6 +36,8 @@ def run(wl, config, repeats: int, compile_repeats: int, strategy_configs=()):
     progress('building variants')
     feed = variants.Feed(wl, config, pool_steps(config))
     built = variants.build_all(wl, config, feed, K_SCALING, strategy_configs)
+    derived = loop.derive(wl, config, feed) if isinstance(wl, LoopPort) else loop.Derived([], [])
+    built[2:2] = derived.variants  # beside the port's call at K
     compiles = {}
     for v in built:
         progress(f'compile x{compile_repeats}: {v.label}')
@@ -48,7 +51,7 @@ def run(wl, config, repeats: int, compile_repeats: int, strategy_configs=()):
     blocks = measure.interleaved(built, repeats, config.calls, progress)
     progress.done()
     machine['load_avg_1m_end'] = measure.machine()['load_avg_1m']
-    return benchreport.BenchResult(config, repeats, machine, built, blocks, compiles, scaling, first)
+    return benchreport.BenchResult(config, repeats, machine, built, blocks, compiles, scaling, first, derived.notes)
 
 
 def compile_scaling(v, repeats: int, progress) -> dict[int, 'object']:

@@ -29,6 +29,7 @@ class BenchResult:
     compiles: dict[str, CompileTiming]
     scaling: dict[int, CompileTiming]  # the shipped call compiled at K=5 and K=100
     first: dict[str, np.ndarray]  # each variant's first-call losses, same inputs for all
+    notes: list[str] = dataclasses.field(default_factory=list)  # a loop port: what could not be derived
 
     def steps(self, name: str) -> list[float]:
         return [b.steps_per_s for b in self.blocks[name]]
@@ -127,7 +128,8 @@ def header(r: BenchResult) -> list[str]:
 def variant_rows(r: BenchResult) -> list[str]:
     rows = [
         f'{"variant":<40} {"K":>3}  {"steps/s median [min, max]":>27}  {"vs legacy (same K)":>18}  '
-        f'{"dispatch ms":>11}  {"call ms":>8}  {"cpu ms":>7}  {"compile s":>9}  first call vs legacy'
+        f'{"dispatch ms":>11}  {"call ms":>8}  {"cpu ms":>7}  {"compile s":>9}  {"args B/dev":>10}  '
+        f'{"temp B/dev":>10}  {"vs dp args/temp":>15}  first call vs legacy'
     ]
     for v in r.variants:
         s, base, agree = stats(r.steps(v.name)), r.baseline(v), r.agreement(v)
@@ -137,10 +139,22 @@ def variant_rows(r: BenchResult) -> list[str]:
         rows.append(
             f'{v.label:<40} {v.steps_per_call:>3}  {s["median"]:>9.0f} [{s["min"]:>7.0f}, {s["max"]:>7.0f}]  '
             f'{r.median(v.name) / r.median(base):>6.2f}x {base:<10}  {ms[0]:>11.3f}  {ms[1]:>8.3f}  {ms[2]:>7.2f}  '
-            f'{statistics.median(r.compiles[v.name].seconds):>9.2f}  {check}'
+            f'{statistics.median(r.compiles[v.name].seconds):>9.2f}  {memory_cells(r, v)}  {check}'
             + (f'  ({recompiled} recompiles while timed!)' if recompiled else '')
         )
     return rows
+
+
+def memory_cells(r: BenchResult, v: Variant) -> str:
+    """Arguments and temporaries per device (``memory_analysis`` of the compiled call), and their
+    ratio to the data-parallel shipped call's at the same K (FSDP's and TP's saving, pmap's cost)."""
+    hlo = r.compiles[v.name].hlo
+    dp = next((u for u in r.variants if u.name == 'nnx'), None)
+    ratio = ''
+    if dp is not None and dp.steps_per_call == v.steps_per_call:
+        base = r.compiles['nnx'].hlo
+        ratio = '/'.join(f'{hlo[f] / base[f]:.2f}' if base[f] else '-' for f in ('argument_bytes', 'temp_bytes'))
+    return f'{hlo["argument_bytes"]:>10}  {hlo["temp_bytes"]:>10}  {ratio:>15}'
 
 
 HLO_COLUMNS = {  # summary field -> column header
@@ -153,9 +167,8 @@ HLO_COLUMNS = {  # summary field -> column header
     'while': 'while',
     'fusion': 'fusion',
     'aliased_bytes': 'donated B',
-    'argument_bytes': 'args B/dev',
-    'temp_bytes': 'temp B/dev',
-}
+    'all_reduce_scalars_per_step': 'loss/step',
+}  # memory per device (argument_bytes, temp_bytes) is in the timing table, beside speed
 
 
 def hlo_rows(r: BenchResult) -> list[str]:
@@ -184,11 +197,17 @@ def target_rows(r: BenchResult) -> list[str]:
 
 
 def text(r: BenchResult) -> str:
+    from equivalence.bench import advice
+
     note = 'absolute numbers on shared CPUs are noisy; the ratios are what count'
-    return '\n'.join([*header(r), '', *variant_rows(r), '', *hlo_rows(r), '', *target_rows(r), '', note])
+    tips = advice.rows(r)
+    body = [*header(r), '', *variant_rows(r), '', *hlo_rows(r), '', *target_rows(r), '', *tips, *([''] * bool(tips))]
+    return '\n'.join([*body, note])
 
 
 def to_json(r: BenchResult) -> dict:
+    from equivalence.bench import advice
+
     c = r.config
     return {
         'workload': c.workload,
@@ -207,6 +226,8 @@ def to_json(r: BenchResult) -> dict:
             for k, t in r.scaling.items()
         },
         'targets': targets(r),
+        'advice': [f.to_json() for f in advice.findings(r)],
+        'not_derived': r.notes,
     }
 
 
@@ -224,5 +245,6 @@ def variant_json(r: BenchResult, v: Variant) -> dict:
         'compile_s': {**stats(r.compiles[v.name].seconds), 'per_repeat': r.compiles[v.name].seconds},
         'hlo': r.compiles[v.name].hlo,
         'compiles_while_timed': sum(b.compiles for b in blocks),
+        'facts': v.facts,
         'first_call': {'max_abs_diff_vs_legacy': agree.max_abs, 'agrees': agree.ok, 'losses': r.first[v.name].tolist()},
     }

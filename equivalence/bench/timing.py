@@ -102,8 +102,14 @@ def summarize(hlo_text: str) -> dict[str, int]:
         'all_reduce_operands_per_step': sum(len(c.operands) for c in reduces if c.loop_trips),
         'all_reduce_operands_per_call': sum(len(c.operands) for c in reduces if not c.loop_trips),
         'all_reduce_bytes': sum(c.bytes for c in reduces),
+        'all_reduce_scalars_per_step': sum(_is_loss(o) for c in reduces if c.loop_trips for o in c.operands),
         **{op: ops[op] for op in COUNTED_OPS},
     }
+
+
+def _is_loss(o: hlo.Operand) -> bool:
+    """A forward-pass scalar all-reduced: a loss (or metric) averaged over the devices."""
+    return o.role == 'forward' and hlo.dims(o.shape) == ()
 
 
 def compiled_summary(compiled) -> dict[str, int]:

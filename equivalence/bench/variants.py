@@ -40,6 +40,7 @@ class Variant:
     call: Callable[[tuple], jax.Array]  # one call; keeps the new state, returns its losses (to block on)
     fresh_lowered: Callable[[int], Any]  # K -> a jax Lowered of a fresh build (compile timing)
     host_losses: Callable[[jax.Array], np.ndarray] = np.asarray  # what ``call`` returned -> [K] on the host
+    facts: dict = dataclasses.field(default_factory=dict)  # a loop port's call: what its first call showed
 
 
 class Feed:
@@ -142,10 +143,32 @@ def bare_jit(setup: harness.NnxSetup, wl: Workload) -> Callable:
     return jax.jit(sharded.scan_steps(step), donate_argnums=0)
 
 
+def partitioner_all_reduce(fn: Callable) -> Callable:
+    """``fn`` traced with the plain gradient: the partitioner all-reduces each kernel gradient
+    before its transpose (``sharding.partitioner_places_all_reduce``), as before fix 4."""
+
+    def traced(*args):
+        with sharding.partitioner_places_all_reduce():
+            return fn(*args)
+
+    return traced
+
+
+def transposed_jit(setup: harness.NnxSetup, wl: Workload) -> Callable:
+    """The shipped call but for where the gradient's all-reduce runs: before the kernel transposes."""
+    step = harness.nnx_step(wl, setup.graphdef, setup.config)
+    carry = (
+        sharding.key_sharding(setup.mesh, setup.config.rng_mode),
+        sharding.state_shardings(setup.graphdef, setup.state, setup.mesh),
+    )
+    return jax.jit(partitioner_all_reduce(sharded.scan_steps(step)), donate_argnums=0, out_shardings=(carry, None))
+
+
 def first_shipped_jit(setup: harness.NnxSetup, wl: Workload) -> Callable:
-    """The shipped call as it was first written, to measure what the two fixes gained: the
+    """The shipped call as it was first written, to measure what fixes 2 to 4 gained: the
     scan carried the ``nnx.State`` that ``nnx.split`` returns (flattened in Python on every
-    call) and each step returned its mean loss (one more all-reduce operand per step)."""
+    call), each step returned its mean loss (one more all-reduce operand per step) and the
+    gradient was all-reduced before the kernel transposes."""
     cfg = setup.config
     step = harness.nnx_step(wl, setup.graphdef, cfg)
 
@@ -158,10 +181,12 @@ def first_shipped_jit(setup: harness.NnxSetup, wl: Workload) -> Callable:
     )
     setup.state = nnx.state(nnx.merge(setup.graphdef, setup.state))  # the same placed arrays, as an nnx.State
     shardings = (sharding.key_sharding(setup.mesh, cfg.rng_mode), state_shardings)
-    return jax.jit(functools.partial(jax.lax.scan, step_state), donate_argnums=0, out_shardings=(shardings, None))
+    scan = partitioner_all_reduce(functools.partial(jax.lax.scan, step_state))
+    return jax.jit(scan, donate_argnums=0, out_shardings=(shardings, None))
 
 
 JITS = {'shipped': lambda setup, wl: setup.fused, 'bare': bare_jit, 'first': first_shipped_jit}
+JITS |= {'transposed': transposed_jit}
 
 
 def nnx_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: str, label: str, jit: str = 'shipped'):
@@ -221,10 +246,14 @@ def loop_variant(port: LoopPort, config: RunConfig, feed: Feed, k: int, name: st
     """A loop port's own NNX call over its own train state."""
     setup = harness.nnx_setup(port, _config(config, k), feed.variables)
     place = _nnx_place(setup, _nnx_chain(feed, setup, k))
+    facts = {'state_kind': state_kind(setup.train_state)}
 
     def call(args: tuple) -> jax.Array:
+        before = None if 'state_arrays' in facts else state_arrays(setup.train_state)
         with randomness.bridged(setup.config.rng_mode):
             setup.train_state, losses_K = port.nnx_call(setup.train_state, *args)
+        if before is not None:  # the first call: donated input buffers are deleted by it
+            facts.update(state_arrays=len(before), donated_arrays=sum(a.is_deleted() for a in before))
         return losses_K
 
     def fresh_lowered(kk: int):
@@ -232,7 +261,20 @@ def loop_variant(port: LoopPort, config: RunConfig, feed: Feed, k: int, name: st
         fn, state = fresh.as_pure_call()
         return fn.lower(state, *_nnx_place(fresh, _nnx_chain(feed, fresh, kk))(1)[0])
 
-    return Variant(name, label, k, place, call, fresh_lowered)
+    return Variant(name, label, k, place, call, fresh_lowered, facts=facts)
+
+
+def state_kind(train_state: Any) -> str:
+    """'objects' (NNX graph nodes: a call walks them), 'nnx.State' (a Python pytree) or 'pytree'."""
+    leaves = jax.tree.leaves(train_state, is_leaf=lambda x: isinstance(x, nnx.Pytree | nnx.State))
+    if any(isinstance(x, nnx.Pytree) and not isinstance(x, nnx.State) for x in leaves):
+        return 'objects'
+    return 'nnx.State' if any(isinstance(x, nnx.State) for x in leaves) else 'pytree'
+
+
+def state_arrays(train_state: Any) -> list[jax.Array]:
+    tree = nnx.state(train_state) if state_kind(train_state) == 'objects' else train_state
+    return [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
 
 
 def build_loop(port: LoopPort, config: RunConfig, feed: Feed, k_scaling: int) -> list[Variant]:
@@ -258,6 +300,7 @@ def build_all(wl: Workload, config: RunConfig, feed: Feed, k_scaling: int, strat
         nnx_variant(wl, config, feed, k, 'nnx', 'nnx shipped: jax.jit(scan), split state'),
         nnx_variant(wl, config, feed, k, 'jit_bare', 'bare jax.jit(scan), no out_shardings', jit='bare'),
         nnx_variant(wl, config, feed, k, 'nnx_first', 'nnx as first shipped (before the fixes)', jit='first'),
+        nnx_variant(wl, config, feed, k, 'nnx_transposed', 'nnx shipped, all-reduce before transposes', 'transposed'),
         graph_variant(wl, config, feed, k, 'nnx_graph', 'nnx.jit(nnx.scan), graph mode'),
         graph_variant(wl, config, feed, k, 'nnx_cached', 'nnx.cached_partial(nnx.jit)', cached=True),
         legacy_variant(wl, config, feed, 1, 'legacy_k1', 'legacy pmap, 1 step/call'),

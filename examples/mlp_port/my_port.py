@@ -2,6 +2,7 @@
 
 python -m equivalence.run --workload my_port:MODEL
 python -m equivalence.run --workload my_port:LOOP
+python -m equivalence.run --workload my_port:LOOP_FAST   # the same loop in the form bench advises
 python -m equivalence.run --workload my_port:MODEL_GELU_SLIP   # a porting slip: exit 1, naming the leaves
 """
 
@@ -57,6 +58,17 @@ LOOP = LoopPort(
     axis_name=old.AXIS,
     names={'Dense_0': 'fc1', 'LayerNorm_0': 'norm', 'Dense_1': 'fc2'},
     rng_modes=('global',),  # the NNX loop takes one key per call, not one per device
+)
+
+
+# Level 2 again, the NNX loop rewritten as `python -m equivalence.bench --workload my_port:LOOP`
+# advises: jax.jit over the split state (a plain dict), donated, the loss averaged after the scan.
+# python -m equivalence.bench --workload my_port:LOOP_FAST times it against the same pmap loop.
+LOOP_FAST = dataclasses.replace(
+    LOOP,
+    name='mlp-port-loop-fast',
+    nnx_state=lambda model: new.split_state(model, nnx.Optimizer(model, new.make_tx(), wrt=nnx.Param)),
+    nnx_call=lambda ts, key, batch_KxG: new.train_calls_fast(ts, key, batch_KxG),
 )
 
 # Two porting slips, each a one-argument change on the NNX side.
