@@ -13,6 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import require_devices
 from flax import nnx
@@ -193,8 +194,13 @@ def test_negative_control_hand_written_per_device_code_without_its_collective(st
     mesh_flag = tuple(mesh_axes.items()) if strategy == 'fsdp-tp' else None
     config = RunConfig('wide', 8, strategy=strategy, mesh=mesh_flag, **QUICK)
     results = {}
+    # Hand-written code pinned to this 8-device mesh cannot run on the verdict's twin mesh, so no
+    # floor is measured and the fixed screen decides; with wide's Adam eps 1e-8 that screen sees
+    # Adam amplify reduction-order rounding (docs/verdict.md). This control is of the collectives,
+    # so its optimizer is Adam eps 1e-5, where the correct code is inside the screen (measured).
+    tx = lambda lr_scale=1.0: optax.adam(1e-3 * lr_scale, eps=1e-5)  # noqa: E731
     for reduce in (True, False):
-        port = dataclasses.replace(WIDE, nnx_loss=_wide_loss(mesh, specs, forward(reduce)))
+        port = dataclasses.replace(WIDE, nnx_loss=_wide_loss(mesh, specs, forward(reduce)), make_tx=tx)
         results[reduce] = harness.run(port, config)
     assert results[True].report.match, _bad(results[True])  # the hand-written code is right with it
     assert not results[False].report.match and 'losses/per_step' in _bad(results[False])

@@ -123,7 +123,9 @@ def migrate(legacy_dir: str, nnx_dir: str, port: Port, step: int | None = None, 
         nnx_checkpoints.save(manager, migration.step, nnx_state, rng, record)
     manager.close()
     pairs = {p.nnx: p.legacy for p in migration.pairs}
-    migration.manifest = manifest.write(nnx_dir, migration.step, legacy_dir, nnx_state, state, pairs)
+    if jax.process_index() == 0:  # several processes: one writer, the others wait for it below
+        migration.manifest = manifest.write(nnx_dir, migration.step, legacy_dir, nnx_state, state, pairs)
+    _together('equivalence-migrate-manifest-written')
     migration.written = True
     return migration
 

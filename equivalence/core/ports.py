@@ -13,8 +13,10 @@ A batch is any pytree of arrays whose leaves lead with the batch axis; no key is
 Both levels go through ``equivalence.core.harness`` and the same comparison and report.
 """
 
+import contextlib
 import dataclasses
 import importlib
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -114,13 +116,28 @@ class LoopPort:
 Port = ModelPort | LoopPort
 
 
+@contextlib.contextmanager
+def _absl_warnings_off():
+    """A port's module may import libraries that warn on import through absl (flax's
+    ``checkpoints`` module: 'Tensorflow library not found'): not the user's problem, and not a
+    line of the command's output."""
+    logger = logging.getLogger('absl')
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def load(spec: str) -> Port:
     """``'package.module:NAME'`` -> the port it names (a port, or a function of no arguments returning one)."""
     module_name, _, attr = spec.partition(':')
     if not module_name or not attr:
         raise ConfigError(f'--workload {spec!r}: a port is named package.module:NAME')
     try:
-        module = importlib.import_module(module_name)
+        with _absl_warnings_off():
+            module = importlib.import_module(module_name)
     except ConfigError as e:  # a port built with a wrong field: its own line says which
         raise ConfigError(f'--workload {spec!r}: {e}') from None
     except ModuleNotFoundError as e:
