@@ -4,23 +4,38 @@ One seed fixes everything: the data (numpy), the linen initialisation (copied in
 since the two initialisers differ) and the host key chain both paths draw call keys from.
 """
 
-import contextlib
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 
-from equivalence.core import compare, convert, hints, naming, randomness, states
+from equivalence.core import compare, convert, hints, randomness, states
 from equivalence.core.config import ConfigError, RunConfig
-from equivalence.core.ports import LoopPort, ModelPort, Port
-from equivalence.distributed import gather, rows
+from equivalence.core.ports import LoopPort, Port
+from equivalence.core.setups import (  # noqa: F401 -- the setups, part of this module's API
+    LegacySetup,
+    NnxGraphSetup,
+    NnxLoopSetup,
+    NnxSetup,
+    _adapters,
+    abstract_model,
+    check_names,
+    has_batch_stats,
+    input_rows,
+    legacy_loss,
+    legacy_setup,
+    make_inputs,
+    nnx_loss,
+    nnx_mesh,
+    nnx_setup,
+    nnx_step,
+    placed_inputs,
+    port_noise,
+    uses_dropout,
+)
 from legacy_pmap import train as legacy
-from nnx_sharded import shard_map, sharding
-from nnx_sharded import train as sharded
 
 
 @dataclasses.dataclass
@@ -51,274 +66,6 @@ class RunResult:
         """Max |nnx - legacy| over all parameters, after each call."""
         pairs = zip(self.legacy.params_per_call, self.nnx.params_per_call, strict=True)
         return [max(float(np.abs(a[k] - b[k]).max()) for k in a) for a, b in pairs]
-
-
-def make_inputs(port: Port, config: RunConfig) -> tuple[dict, list, jax.Array]:
-    """Linen variables, the data of each call (pytrees of ``[K, G, ...]``; with several processes,
-    only this process's rows ``[K, G*n/D, ...]``), and the training key."""
-    data = port.make_data(np.random.default_rng(config.seed), config.steps, config.batch_size)
-    k = config.steps_per_call
-    calls = [jax.tree.map(lambda v, c=c: v[c * k : (c + 1) * k], data) for c in range(config.calls)]
-    calls = [rows.local_batch(batch_KxG, config.devices, input_rows(config)) for batch_KxG in calls]
-    rng, init_rng = jax.random.split(jax.random.PRNGKey(config.seed))
-    example = jax.tree.map(lambda v: v[0, :1], data)
-    variables = port.legacy_model().init({'params': init_rng, 'dropout': init_rng}, *port.init_args(example))
-    return dict(variables), calls, rng
-
-
-@functools.cache
-def input_rows(config: RunConfig) -> rows.Rows:
-    """The rows of the global batch this process reads: those its pmap devices take, and those its
-    devices hold of the NNX batch (all of them where the batch is copied over a ``model`` axis)."""
-    g, held = config.batch_size, rows.held_rows(sharding.batch_sharding(nnx_mesh(config)), config.batch_size)
-    return rows.hull(rows.pmap_rows(config.devices, g), held)
-
-
-def abstract_model(port: Port) -> nnx.Module:
-    """The port's NNX model with shapes and dtypes only: what checks read, nothing allocated."""
-    return nnx.eval_shape(lambda: port.nnx_model(nnx.Rngs(0)))
-
-
-def check_names(port: Port, variables: dict) -> dict[str, str]:
-    """``{linen path: NNX path}`` for every variable, from an abstract NNX model (nothing is
-    allocated); ``naming.PortError`` (exit 2) when the two sides do not pair."""
-    abstract = abstract_model(port)
-    return naming.resolve(naming.linen_spec(variables), naming.nnx_spec(abstract), port.names)
-
-
-def has_batch_stats(port: Port) -> bool:
-    abstract = abstract_model(port)
-    return any(isinstance(node, nnx.BatchStat) for _, node in nnx.iter_graph(abstract))
-
-
-def uses_dropout(port: Port) -> bool:
-    """Whether the NNX model has Dropout or attention layers (then the suite hands both sides dropout keys)."""
-    abstract = abstract_model(port)
-    return any(isinstance(node, nnx.Dropout | nnx.MultiHeadAttention) for _, node in nnx.iter_graph(abstract))
-
-
-def port_noise(port: ModelPort, dropout: bool) -> Callable:
-    """The step's noise function: the port's own numbers, and per-example dropout keys if needed."""
-
-    def noise(key, spec):
-        out = {'port': port.noise(key, spec) if port.noise is not None else {}}
-        if dropout:
-            out['dropout'] = randomness.dropout_keys(key, spec)
-        return out
-
-    return noise
-
-
-def legacy_loss(port: ModelPort, config: RunConfig) -> Callable:
-    """The port's linen loss, with its Dropout layers bridged and its return normalised."""
-
-    def loss(model, params, model_state, batch, noise):
-        with randomness.bridged(config.rng_mode, legacy.AXIS, noise.get('dropout')):
-            out = port.legacy_loss(model, params, model_state, batch, noise['port'])
-        return out if isinstance(out, tuple) else (out, model_state)
-
-    return loss
-
-
-def nnx_loss(port: ModelPort, config: RunConfig) -> Callable:
-    def loss(model, batch, noise):
-        with randomness.bridged(config.rng_mode, None, noise.get('dropout')):
-            return port.nnx_loss(model, batch, noise['port'])
-
-    return loss
-
-
-def nnx_step(port: ModelPort, graphdef, config: RunConfig) -> Callable:
-    """The NNX scan body for a model port (also what bench and explain rebuild under other ``jit``s)."""
-    noise = port_noise(port, uses_dropout(port))
-    return sharded.make_step_fn(graphdef, nnx_loss(port, config), noise, port.ema_rate, config.rng_mode)
-
-
-@dataclasses.dataclass
-class LegacySetup:
-    """Everything the pmap path needs before its first call."""
-
-    p_train_step: Callable  # jax.pmap(partial(lax.scan, step)), called ((keys_D, pstate), batch_DxK)
-    pstate: Any  # replicated train state, leading axis D
-    config: RunConfig
-    groups: Callable = convert.legacy_groups  # one replica of the state -> {group: tree}
-    context: Callable = contextlib.nullcontext  # entered around each call (a loop port's Dropout bridge)
-
-    def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
-        """``(next rng, args of one call)`` in score_sde's layout; this process's devices' rows only."""
-        n = self.config.devices
-        rng, keys_D = legacy.next_call_keys(rng, n, self.config.rng_mode)
-        keys_n, n_local = rows.local_keys(keys_D, n), len(rows.positions(n))
-        batch_KxR = rows.take(batch_KxG, rows.pmap_rows(n, self.config.batch_size), input_rows(self.config))
-        batch_nxK = jax.tree.map(lambda v: legacy.shard_batch(v, n_local), batch_KxR)
-        return rng, ((keys_n, self.pstate), batch_nxK)
-
-    def call(self, args: tuple) -> np.ndarray:
-        """One compiled call; keeps the new state, returns the K losses (blocks: one call in flight)."""
-        with self.context():
-            (_, self.pstate), loss_DxK = self.p_train_step(*args)
-        return np.asarray(legacy.unreplicate(loss_DxK))
-
-    def neutral(self) -> convert.Neutral:
-        return convert.groups_to_neutral(self.groups(legacy.unreplicate(self.pstate)))
-
-
-def placed_inputs(setup, rng, batch_KxG) -> tuple[jax.Array, tuple]:
-    """``(next rng, (keys, batch_KxG))`` of one NNX call, placed on ``setup.mesh``."""
-    mode = setup.config.rng_mode
-    rng, keys = sharded.next_call_keys(rng, setup.config.devices, mode)
-    held = rows.held_rows(sharding.batch_sharding(setup.mesh), setup.config.batch_size)
-    batch_KxR = rows.take(batch_KxG, held, input_rows(setup.config))
-    return rng, (sharding.place_keys(keys, setup.mesh, mode), sharding.place_batch(batch_KxR, setup.mesh))
-
-
-@dataclasses.dataclass
-class NnxSetup:
-    """Everything the sharded path needs before its first call (a model port: the suite's loop)."""
-
-    fused: Callable  # jax.jit(train.scan_steps(step)), called ((keys, state), batch_KxG) -> (carry, loss_K)
-    graphdef: Any
-    state: Any  # the TrainState's arrays, a plain dict (nnx.to_pure_dict), placed on the mesh
-    mesh: Any
-    config: RunConfig
-    decisions: list = dataclasses.field(default_factory=list)  # sharding.Decision per parameter
-
-    @property
-    def model(self):
-        return nnx.merge(self.graphdef, self.state).model
-
-    def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
-        rng, (keys, batch) = placed_inputs(self, rng, batch_KxG)
-        return rng, ((keys, self.state), batch)
-
-    def call(self, args: tuple) -> np.ndarray:
-        (_, self.state), loss_K = self.fused(*args)
-        return np.asarray(loss_K)
-
-    def neutral(self) -> convert.Neutral:
-        return convert.nnx_to_neutral(self.graphdef, gather.to_host(self.state))
-
-
-@dataclasses.dataclass
-class NnxGraphSetup:
-    """``--nnx-form graph``: the Flax docs' ``nnx.jit(nnx.scan)`` over the TrainState object."""
-
-    fused: Callable  # train.make_graph_call: (ts, keys, batch_KxG) -> (keys, loss_K), ts updated in place
-    ts: Any  # nnx_sharded.train.TrainState, its arrays placed on the mesh
-    mesh: Any
-    config: RunConfig
-    decisions: list = dataclasses.field(default_factory=list)
-
-    def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
-        return placed_inputs(self, rng, batch_KxG)
-
-    def call(self, args: tuple) -> np.ndarray:
-        _, loss_K = self.fused(self.ts, *args)
-        return np.asarray(loss_K)
-
-    def neutral(self) -> convert.Neutral:
-        groups = convert.nnx_groups(self.ts.model, self.ts.optimizer, self.ts.ema)
-        return convert.groups_to_neutral(gather.to_host(groups))
-
-    @property
-    def model(self):
-        return self.ts.model
-
-
-@dataclasses.dataclass
-class NnxLoopSetup:
-    """A loop port's NNX side: the user's fused call over the user's train state."""
-
-    port: LoopPort
-    train_state: Any  # whatever port.nnx_state returned, placed on the mesh
-    mesh: Any
-    config: RunConfig
-
-    def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
-        return placed_inputs(self, rng, batch_KxG)
-
-    def call(self, args: tuple) -> np.ndarray:
-        with randomness.bridged(self.config.rng_mode):
-            self.train_state, losses_K = self.port.nnx_call(self.train_state, *args)
-        return np.asarray(losses_K)
-
-    def neutral(self) -> convert.Neutral:
-        groups = self.port.nnx_groups or convert.find_nnx_groups
-        return convert.groups_to_neutral(gather.to_host(groups(self.train_state)))
-
-    def as_pure_call(self) -> tuple[Callable, Any]:
-        """``(jax.jit(call over split state), typed state)``: the user's call as one program whose
-        inputs are arrays, so that explain can lower it and name every input."""
-        graphdef, state = nnx.split(self.train_state)
-
-        def pure(state, keys, batch_KxG):
-            with randomness.bridged(self.config.rng_mode):
-                ts, losses_K = self.port.nnx_call(nnx.merge(graphdef, state), keys, batch_KxG)
-            return nnx.state(ts), losses_K
-
-        return jax.jit(pure, keep_unused=True), state  # a key the call ignores is an input too (FACTS.md)
-
-
-def legacy_setup(port: Port, config: RunConfig, variables: dict) -> LegacySetup:
-    """pmap spans the first D devices of every process; each process replicates onto its own."""
-    devices, local = jax.devices()[: config.devices], rows.local_devices(config.devices)
-    if isinstance(port, LoopPort) and _adapters().adapted(port):
-        return _adapters().legacy_setup(port, config, variables)
-    if isinstance(port, LoopPort):
-        pstate = legacy.replicate(port.legacy_state(variables), local)
-        call = legacy.make_fused_call(port.legacy_step, devices, port.axis_name)
-        context = functools.partial(randomness.bridged, config.rng_mode, port.axis_name)
-        return LegacySetup(call, pstate, config, port.legacy_groups or states.legacy_groups, context)
-    tx = port.make_tx(1.0)
-    pstate = legacy.replicate(legacy.create_state(variables, tx, port.ema_rate), local)
-    noise = port_noise(port, uses_dropout(port))
-    step = legacy.make_step_fn(
-        port.legacy_model(), legacy_loss(port, config), noise, tx, port.ema_rate, config.rng_mode
-    )
-    return LegacySetup(legacy.make_fused_call(step, devices), pstate, config)
-
-
-def _adapters():
-    """Real step forms (``adapters``), which build on this module's setups."""
-    from equivalence.core import adapters
-
-    return adapters
-
-
-def nnx_mesh(config: RunConfig):
-    return sharding.make_mesh(config.devices, sharding.mesh_shape(config.strategy, config.devices, config.mesh_axes))
-
-
-def nnx_setup(port: Port, config: RunConfig, variables: dict) -> NnxSetup | NnxGraphSetup | NnxLoopSetup:
-    """The NNX side placed by ``config.strategy`` (``nnx_sharded/sharding.py``), in ``config.nnx_form``.
-
-    The step is the same for every strategy: only the annotations on the parameters change.
-    """
-    mesh = nnx_mesh(config)
-    model = port.nnx_model(nnx.Rngs(0))
-    convert.load_linen_variables(model, variables, check_names(port, variables))
-    if isinstance(port, LoopPort) and _adapters().adapted(port):
-        return _adapters().nnx_setup(port, config, model, mesh)
-    if isinstance(port, LoopPort):
-        return NnxLoopSetup(port, sharding.place_objects(port.nnx_state(model), mesh), mesh, config)
-    decisions = sharding.decide(model, config.strategy, mesh)
-    sharding.annotate(model, decisions)
-    graphdef, state = sharded.create_state(model, port.make_tx(1.0 + config.perturb), port.ema_rate)
-    shardings = sharding.state_shardings(graphdef, state, mesh)
-    state = sharding.place_state(state, shardings)
-    if config.nnx_form == 'graph':
-        update = sharded.make_update_fn(nnx_loss(port, config), port_noise(port, uses_dropout(port)), port.ema_rate,
-                                        config.rng_mode)  # fmt: skip
-        ts = nnx.merge(graphdef, state)
-        return NnxGraphSetup(sharded.make_graph_call(update), ts, mesh, config, decisions)
-    if config.strategy == 'shard_map':
-        step = shard_map.make_step_fn(graphdef, nnx_loss(port, config), port_noise(port, uses_dropout(port)),
-                                      port.ema_rate, config.rng_mode)  # fmt: skip
-        fused = shard_map.make_fused_call(step, mesh, config.rng_mode)
-        return NnxSetup(fused, graphdef, state, mesh, config, decisions)
-    carry_shardings = (sharding.key_sharding(mesh, config.rng_mode), shardings)
-    fused = sharded.make_fused_call(nnx_step(port, graphdef, config), carry_shardings)
-    return NnxSetup(fused, graphdef, state, mesh, config, decisions)
 
 
 Progress = Callable[[str], None]  # called with 'legacy' or 'nnx' after each compiled call
