@@ -51,6 +51,21 @@ def run_module(module: str, *args: str, env: dict | None = None) -> subprocess.C
     )
 
 
+def run_pytest_in(folder, *args: str, env: dict[str, str] | None = None, timeout: int = 600):
+    """``python -m pytest -q`` in ``folder``, as a team runs its own tests there: no device count
+    inherited from this test process; ``env`` adds to the environment (``PYTHONPATH``, say)."""
+    drop = ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS', 'PYTHONPATH')
+    environ = {k: v for k, v in os.environ.items() if k not in drop}
+    return subprocess.run(
+        [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', *args],
+        cwd=folder,
+        env={**environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def assert_one_line_error(proc: subprocess.CompletedProcess, expected: str) -> None:
     """Bad input: exit 2, one ``error: ...`` line on stderr naming the problem, no traceback."""
     assert proc.returncode == 2, proc.stdout + proc.stderr

@@ -21,7 +21,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, run_pytest_in
 
 from equivalence import cli
 from equivalence.distributed import launch, worker
@@ -221,16 +221,8 @@ def test_complete_example_runs_from_a_fresh_directory(folder, tmp_path):
             shutil.copy(os.path.join(ROOT, folder, name), tmp_path)
     for name, code in EXAMPLES[folder].items():
         (tmp_path / name).write_text(code)
-    environ = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_NUM_CPU_DEVICES')}
-    environ.update(PYTHONPATH=ROOT, JAX_NUM_CPU_DEVICES='1')  # this checkout's suite, as `pip install -e` gives
-    proc = subprocess.run(
-        [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider'],
-        cwd=tmp_path,
-        env=environ,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    # this checkout's suite, as `pip install -e` gives
+    proc = run_pytest_in(tmp_path, env={'PYTHONPATH': ROOT, 'JAX_NUM_CPU_DEVICES': '1'}, timeout=300)
     assert proc.returncode == 0 and ' passed' in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 

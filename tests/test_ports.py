@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT, assert_one_line_error, require_devices
+from conftest import ROOT, assert_one_line_error, require_devices, run_pytest_in
 from flax import nnx
 
 from equivalence.core import harness, naming, workloads
@@ -85,15 +85,7 @@ def test_example_in_a_fresh_directory_through_the_pytest_helpers_at_1_2_4_8_devi
     workers), as a team runs it: a folder that only imports the suite."""
     for name in ('legacy_code.py', 'nnx_code.py', 'my_port.py', 'conftest.py', 'test_port.py'):
         shutil.copy(os.path.join(EXAMPLE, name), tmp_path)
-    environ = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS', 'PYTHONPATH')}
-    proc = subprocess.run(
-        [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider'],
-        cwd=tmp_path,
-        env=environ,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_pytest_in(tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert '9 passed' in proc.stdout, proc.stdout[-2000:]
     assert 'Some donated buffers' not in proc.stdout  # the plugin's warning filter is in force

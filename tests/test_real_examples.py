@@ -6,11 +6,9 @@ only, to keep the suite's time."""
 
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, run_pytest_in
 
 FILES = ('legacy_code.py', 'nnx_code.py', 'my_port.py', 'conftest.py', 'test_port.py')
 
@@ -19,10 +17,7 @@ FILES = ('legacy_code.py', 'nnx_code.py', 'my_port.py', 'conftest.py', 'test_por
 def test_example_from_a_fresh_directory_matches_on_8_devices_and_catches_its_slip(name, tmp_path):
     for file in FILES:
         shutil.copy(os.path.join(ROOT, 'examples', name, file), tmp_path)
-    drop = ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS', 'PYTHONPATH')
-    environ = {k: v for k, v in os.environ.items() if k not in drop}
-    environ['PYTHONPATH'] = ROOT  # the suite, as an installed package would be (not the example's folder)
-    cmd = [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', '-k', 'loop-8 or slip']
-    proc = subprocess.run(cmd, cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=900)
+    # the suite on PYTHONPATH, as an installed package would be (not the example's folder)
+    proc = run_pytest_in(tmp_path, '-k', 'loop-8 or slip', env={'PYTHONPATH': ROOT}, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert '2 passed' in proc.stdout, proc.stdout[-2000:]
