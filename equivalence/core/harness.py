@@ -162,12 +162,14 @@ def compared(port: Port, old: PathResult, new: PathResult) -> tuple[Callable[[Pa
     one_side = sorted(set(old.metrics) ^ set(new.metrics))
     left_out = old.left_out | set(one_side)
     kept = lambda metrics: {p: a for p, a in metrics.items() if p not in left_out}  # noqa: E731
-    tree = lambda path: with_losses(path.final, path.losses, kept(path.metrics))  # noqa: E731
+    full = lambda path: with_losses(path.final, path.losses, kept(path.metrics))  # noqa: E731
     # A state read by the suite that holds no step counter (a tuple (params, opt_state)) leaves
     # the counter out, said; groups the port maps itself must map it (else: bookkeeping).
-    notes = [] if getattr(port, 'legacy_groups', None) else states.align(tree(old), tree(new))[2]
-    if notes:
-        tree = lambda path: states.without(with_losses(path.final, path.losses, kept(path.metrics)), 'step')  # noqa: E731
+    notes = [] if getattr(port, 'legacy_groups', None) else states.align(full(old), full(new))[2]
+
+    def tree(path: PathResult) -> convert.Neutral:
+        return states.without(full(path), 'step') if notes else full(path)
+
     lines = [_adapters().describe(port)] if _adapters().adapted(port) else []
     lines += [*old.notes, *new.notes, *notes, *randomness.take_unbridged()]
     lines += [f'not compared: metrics/{p}: only the {"pmap" if p in old.metrics else "NNX"} step reports it'
