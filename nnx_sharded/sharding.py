@@ -182,16 +182,11 @@ def place_state(state: Any, shardings: Any) -> Any:
 
 
 def place_objects(train_state: Any, mesh: Mesh) -> Any:
-    """NNX objects (a model, an ``nnx.Optimizer``, a tuple of them), replicated in place; or plain arrays."""
-    place = lambda tree: jax.tree.map(lambda x: put(x, replicated(mesh)), tree)
-    if not any(isinstance(x, nnx.Object) for x in jax.tree.leaves(train_state, is_leaf=_is_object)):
-        return place(train_state)
-    nnx.update(train_state, place(nnx.state(train_state)))
-    return train_state
+    """NNX objects (a model, an ``nnx.Optimizer``, a tuple of them) or plain arrays, replicated.
 
-
-def _is_object(x) -> bool:
-    return isinstance(x, nnx.Object)
+    Every NNX object is a pytree in flax 0.12 (``nnx.Module`` and ``nnx.Optimizer`` derive from
+    ``nnx.Pytree``), so one ``jax.tree.map`` returns the same structure holding placed arrays."""
+    return jax.tree.map(lambda x: put(x, replicated(mesh)), train_state)
 
 
 def place_batch(batch_KxG: Any, mesh: Mesh) -> Any:

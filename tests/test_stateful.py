@@ -55,8 +55,11 @@ def test_swapping_rng_modes_between_the_sides_is_a_mismatch():
 
 
 def _final(name: str, devices: int, rng_mode: str) -> tuple[dict, dict]:
-    result = harness.run(workloads.get(name), config(name, devices=devices, rng_mode=rng_mode, calls=1))
-    return (harness.with_losses(p.final, p.losses) for p in (result.legacy, result.nnx))
+    """Both paths' final states and losses; no verdict (this test compares runs across D itself)."""
+    wl, cfg = workloads.get(name), config(name, devices=devices, rng_mode=rng_mode, calls=1)
+    variables, calls, rng = harness.make_inputs(wl, cfg)
+    paths = (run(wl, cfg, variables, calls, rng) for run in (harness.run_legacy, harness.run_nnx))
+    return (harness.with_losses(p.final, p.losses) for p in paths)
 
 
 @pytest.mark.parametrize('name', RANDOM)

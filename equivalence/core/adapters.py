@@ -81,6 +81,12 @@ def one_program_each(port: Any, command: str) -> None:
         )
 
 
+def programs(port: LoopPort) -> tuple[str, str]:
+    """How each side's K steps ran, for the report's header: ``('pmap(step) x K', 'sharded scan')``."""
+    legacy_run = 'pmap(step) x K' if legacy_loop(port) == 'steps' else 'pmap(scan)'
+    return legacy_run, 'nnx_step x K' if port.nnx_step is not None else 'sharded scan'
+
+
 def describe(port: LoopPort) -> str:
     """One line for the report: how the team's step ran on each side."""
     form = {'carry': '((rng, state), batch)', 'state': '(state, batch)', 'state_rng': '(state, batch, rng)'}

@@ -61,6 +61,7 @@ class RunResult:
     resumed_at: int = 0  # NNX resumed from a checkpoint of this step: losses and divergence cover the steps after it
     notes: list[str] = dataclasses.field(default_factory=list)  # lines the report prints under its header
     verdict: Any = None  # verdict.Verdict: what was measured and, on MISMATCH, the diagnosis (judge)
+    programs: tuple[str, str] = ('pmap(scan)', 'sharded scan')  # how each side ran its K steps (header)
 
     def param_divergence(self) -> list[float]:
         """Max |nnx - legacy| over all parameters, after each call."""
@@ -215,6 +216,8 @@ def run(port: Port, config: RunConfig, progress: Progress | None = None) -> RunR
     new = run_nnx(port, config, variables, calls, rng, progress or _silent)
     tree, notes = compared(port, old, new)
     result = judged(port, config, old, new, variables, calls, rng, tree)
+    if _adapters().adapted(port):
+        result.programs = _adapters().programs(port)
     result.notes += notes + hints.masked_loss(
         config.devices, calls[0], result.report, lambda: _matches_on_one(port, config)
     )
