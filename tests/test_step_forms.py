@@ -212,3 +212,46 @@ def test_forms_that_do_not_fit_together_exit_2_before_any_work():
     with pytest.raises(ConfigError, match='explain reads one compiled call per side'):
         adapters.one_program_each(port, 'explain')  # its step runs once per step: no single program to read
     adapters.one_program_each(FORMS['state_rng, scan, fused nnx'], 'explain')
+
+
+def _state_only(state, batch):
+    return train_step(state, batch)[0]  # forgot the metrics
+
+
+def _other_axis(state, batch):
+    grads = jax.grad(lambda p: jnp.mean(state.apply_fn({'params': p}, batch['x'], False) ** 2))(state.params)
+    return state.apply_gradients(grads=jax.lax.pmean(grads, 'devices')), {'loss': jnp.float32(0.0)}
+
+
+def _nnx_no_opt(ts, batch):
+    return ts[0], nnx_step_plain(ts, batch)  # returns the model alone as the new train state
+
+
+@pytest.mark.parametrize(
+    'fields, line',
+    [
+        (dict(legacy_step=_state_only), 'legacy_step returned a KeyedState; expected legacy_step(state, batch)'),
+        (dict(legacy_step=_other_axis), 'legacy_step raised NameError'),
+        (dict(loss='los'), "loss 'los' is not in what legacy_step returns (metrics ['denominator', 'loss', 'mae'])"),
+        (dict(loss=lambda m: m['loss'][:, None] * jnp.ones(3)), 'legacy_step gives an array of shape [2, 3]'),
+        (dict(nnx_step=nnx.jit(_nnx_no_opt)), 'nnx_step returned a train state of another structure'),
+    ],
+    ids=['no metrics', 'axis name', 'loss key', 'loss shape', 'nnx state'],
+)
+def test_a_mistake_in_a_real_step_is_one_line_before_any_training(fields, line, monkeypatch):
+    """The pre-flight traces one step of each side as the adapters call them: exit 2 before training."""
+    from equivalence.core import preflight
+
+    def trained(*args, **kwargs):
+        raise AssertionError('a training step ran before the mistake was reported')
+
+    monkeypatch.setattr(adapters.StepLegacySetup, 'call', trained)
+    monkeypatch.setattr(adapters.StepNnxSetup, 'call', trained)
+    port = dataclasses.replace(FORMS['state, steps, no key'], **fields)
+    with pytest.raises(preflight.PreflightError) as e:
+        harness.check(port, devices=2, **QUICK)
+    text = str(e.value)
+    assert line in text and '\n' not in text, text
+    if 'NameError' in line:  # JAX's own words, then the user's frame, then the fix that fits the port
+        assert 'unbound axis name: devices' in text and 'at test_step_forms.py:' in text, text
+        assert "fix: the port declares axis_name='batch'" in text, text

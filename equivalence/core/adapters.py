@@ -152,7 +152,7 @@ def chain_at(port: Any, config: RunConfig, rng: jax.Array, calls: int) -> jax.Ar
 # -- the pmap side -----------------------------------------------------------------------------
 
 
-def _one_step(port: LoopPort) -> Callable:
+def one_step(port: LoopPort) -> Callable:
     """``(state, batch, key) -> (state, out)`` from the team's step."""
     if port.step_form == 'state':
         return lambda state, batch, key: port.legacy_step(state, batch)
@@ -170,7 +170,7 @@ def _carry_step(step: Callable, state, batch, key):
 
 def legacy_program(port: LoopPort, devices) -> Callable:
     """``run(pstate, batch_nxK, keys) -> (pstate, out_nxK)``: pmap(step) K times, or pmap(scan(step))."""
-    one = _one_step(port)
+    one = one_step(port)
     if port.step_form == 'carry':  # the key chain is the scan's carry, as the step expects
         fused = legacy.make_fused_call(port.legacy_step, devices, port.axis_name)
         return lambda pstate, batch, keys: _unpack_carry(fused((keys, pstate), batch))
@@ -277,23 +277,24 @@ class StepNnxSetup(harness.NnxLoopSetup):
         for key, batch in zip(keys, batches, strict=True):
             args = (batch,) if self.port.step_form == 'state' else (batch, key)
             out = self.port.nnx_step(self.train_state, *args)
-            if _returns_state(out, self.train_state):
+            if returns_state(out, self.train_state):
                 self.train_state, out = out
             outs.append(jax.tree.map(np.asarray, jax.block_until_ready(out)))
         return jax.tree.map(lambda *a: np.stack(a), *outs)
 
 
-def _returns_state(out: Any, train_state: Any) -> bool:
-    """``(train_state, out)`` rather than ``out`` alone (NNX objects updated in place)."""
+def returns_state(out: Any, train_state: Any) -> bool:
+    """``(train_state, out)`` rather than ``out`` alone (NNX objects updated in place): the first of two
+    is the train state itself, holds NNX objects (``nnx.Pytree``: modules, optimizers), or is of its type."""
     if not (isinstance(out, tuple) and len(out) == 2):
         return False
     first = out[0]
-    objects = lambda t: [x for x in jax.tree.leaves(t, is_leaf=_is_object) if isinstance(x, nnx.Object)]  # noqa: E731
-    return first is train_state or bool(objects(first)) or type(first) is type(train_state)
+    objects = [x for x in jax.tree.leaves(first, is_leaf=_is_object) if isinstance(x, nnx.Pytree)]
+    return first is train_state or bool(objects) or type(first) is type(train_state)
 
 
 def _is_object(x) -> bool:
-    return isinstance(x, nnx.Object)
+    return isinstance(x, nnx.Pytree)
 
 
 def nnx_setup(port: LoopPort, config: RunConfig, model: nnx.Module, mesh) -> StepNnxSetup:

@@ -10,6 +10,8 @@ against given and the fix where one is known:
 - ``make_data``: a generator, non-array or object leaves, leading axes other than
   ``[n_steps, global_batch]`` (``[batch, steps]`` named as such), ragged leaves;
 - ``init_args``, ``legacy_model``, ``nnx_model``: what building and initialising them raises;
+- a loop port's step in a real form (``step_form``, ``nnx_step``, ``loss``): one step of each side
+  as ``adapters`` calls it (``preflight/steps.py``): ``(state, out)``, the ``loss`` reader;
 - ``legacy_step`` / ``nnx_call`` (a loop port) or ``legacy_loss`` / ``nnx_loss`` / ``noise`` /
   ``make_tx`` (a model port): signatures, return structures, carries that change structure,
   unbound axis names, loss shapes;
@@ -25,6 +27,7 @@ from equivalence.core.ports import LoopPort, Port
 from equivalence.core.preflight.data import abstract_variables, check_names, make_data
 from equivalence.core.preflight.errors import PreflightError, blamed, line
 from equivalence.core.preflight.groups import check_groups
+from equivalence.core.preflight.steps import trace_steps
 from equivalence.core.preflight.trace import legacy_state, nnx_train_state, trace_legacy, trace_nnx
 
 __all__ = ['PreflightError', 'blamed', 'check', 'check_states', 'line']
@@ -39,9 +42,10 @@ def check(port: Port, config: RunConfig, n_steps: int | None = None) -> None:
     data = make_data(port, config.seed, n_steps, config.batch_size, f'--calls x --steps-per-call = {n_steps}')
     variables = abstract_variables(port, data)
     check_names(port, variables)
-    if _adapted(port):  # a step as teams write it: traced by its adapter when the run builds it
-        return
     batch_KxG = jax.tree.map(lambda v: jax.ShapeDtypeStruct((config.steps_per_call, *v.shape[1:]), v.dtype), data)
+    if _adapted(port):  # a step as teams write it: one step of each side, as its adapter will call it
+        trace_steps(port, config, variables, batch_KxG)
+        return
     legacy_state = trace_legacy(port, config, variables, batch_KxG)
     nnx_state = trace_nnx(port, config, batch_KxG)
     if isinstance(port, LoopPort):

@@ -1,0 +1,132 @@
+"""A loop port whose step is written as teams write it (``equivalence.core.adapters``): one step
+of each side traced with ``jax.eval_shape`` before anything trains.
+
+The pmap side's step is traced under ``jax.vmap`` with the port's ``axis_name`` bound, one row per
+device of this process, exactly the arguments the adapter will hand it (state, one step's batch
+rows, the step's key). The NNX side is traced as the adapter calls it: ``nnx_step`` once on one
+step's global batch, or ``nnx_call`` on K steps. What each returns is then read as the run will
+read it: ``(state, out)``, the state unchanged in structure, and ``loss`` (None, a key or a
+function) giving one loss per step. A step that runs host code (``np.asarray`` of a result) cannot
+be traced: it is left to the run, whose errors are blamed on the port's frame (exit 2).
+"""
+
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from equivalence.core import randomness
+from equivalence.core.config import RunConfig
+from equivalence.core.ports import LoopPort
+from equivalence.core.preflight.errors import HOST_ONLY, blamed, fail, kind
+from equivalence.core.preflight.trace import legacy_state, nnx_train_state
+from equivalence.distributed import rows
+
+SDS = jax.ShapeDtypeStruct
+EXPECTED = {
+    'state': '(state, batch) -> (state, out)',
+    'state_rng': '(state, batch, rng) -> (state, out)',
+    'carry': '((rng, state), batch) -> ((rng, state), out)',
+}
+
+
+def trace_steps(port: LoopPort, config: RunConfig, variables: dict, batch_KxG: Any) -> None:
+    """Both sides' steps, traced on abstract inputs of the run's shapes; ``PreflightError`` (exit 2)
+    naming the field on the first mistake."""
+    from equivalence.core import adapters  # adapters builds on the harness, which imports this package
+
+    trace_legacy_step(port, config, variables, batch_KxG, adapters)
+    trace_nnx_side(port, config, batch_KxG, adapters)
+
+
+def trace_legacy_step(port: LoopPort, config: RunConfig, variables: dict, batch_KxG: Any, adapters) -> None:
+    d, n = config.devices, len(rows.positions(config.devices))
+    state = legacy_state(port, variables)
+    stacked = jax.tree.map(lambda s: SDS((n, *s.shape), s.dtype), state)
+    batch = jax.tree.map(lambda v: SDS((n, v.shape[1] // d, *v.shape[2:]), v.dtype), batch_KxG)
+    keys = SDS((n, 2), np.uint32)
+    expected = f'legacy_step{EXPECTED[port.step_form]}'
+    one = adapters.one_step(port)
+
+    def step(state, batch, key):
+        out = one(state, batch, key)
+        new_state, out = _pair(port, 'legacy_step', out, expected)
+        if jax.tree.structure(new_state) != jax.tree.structure(state):
+            raise fail(port, 'legacy_step', 'returned a state of another structure than the one it was given')
+        return out
+
+    with blamed(port, 'legacy_step', expected), randomness.bridged(config.rng_mode, port.axis_name):
+        try:
+            out_n = jax.eval_shape(jax.vmap(step, axis_name=port.axis_name), stacked, batch, keys)
+        except HOST_ONLY:
+            return
+    k = config.steps_per_call
+    check_loss(port, 'legacy_step', jax.tree.map(lambda s: SDS((k, *s.shape[1:]), s.dtype), out_n), k)
+
+
+def trace_nnx_side(port: LoopPort, config: RunConfig, batch_KxG: Any, adapters) -> None:
+    ts = nnx_train_state(port)
+    graphdef, state = nnx.split(ts)
+    d, k, mode = config.devices, config.steps_per_call, config.rng_mode
+    key = SDS((d, 2) if mode == 'per-device' else (2,), np.uint32)
+    field = 'nnx_step' if port.nnx_step is not None else 'nnx_call'
+
+    def pure(state, keys, batch):
+        ts = nnx.merge(graphdef, state)
+        if port.nnx_step is not None:
+            out = port.nnx_step(ts, batch) if port.step_form == 'state' else port.nnx_step(ts, batch, keys)
+            new_ts, out = out if adapters.returns_state(out, ts) else (ts, out)
+        else:
+            new_ts, out = _pair(port, field, port.nnx_call(ts, keys, batch), '(train_state, out_K)')
+        try:
+            new_state = nnx.state(new_ts)
+        except Exception:  # noqa: BLE001 -- not NNX objects at all
+            given = type(new_ts).__name__
+            raise fail(port, field, f'returned a train state of type {given}; expected the one it was given') from None
+        if jax.tree.structure(new_state) != jax.tree.structure(state):
+            raise fail(port, field, 'returned a train state of another structure than the one it was given')
+        return out
+
+    if port.nnx_step is not None:  # one step, its global batch
+        batch, keys = jax.tree.map(lambda v: SDS(v.shape[1:], v.dtype), batch_KxG), key
+    elif port.step_form == 'state_rng':  # the fused call: one key per step, stacked
+        batch, keys = batch_KxG, SDS((k, *key.shape), key.dtype)
+    else:
+        batch, keys = batch_KxG, (key if port.step_form == 'carry' else None)
+    with blamed(port, field), randomness.bridged(mode):
+        try:
+            out = jax.eval_shape(pure, state, keys, batch)
+        except HOST_ONLY:
+            return
+    if port.nnx_step is not None:
+        out = jax.tree.map(lambda s: SDS((k, *s.shape), s.dtype), out)
+    check_loss(port, field, out, k)
+
+
+def _pair(port: LoopPort, field: str, out: Any, expected: str) -> tuple[Any, Any]:
+    if not isinstance(out, tuple) or len(out) != 2:
+        given = f'a tuple of {len(out)}' if isinstance(out, tuple) else kind(out)
+        raise fail(port, field, f'returned {given}; expected {expected}')
+    return out
+
+
+def check_loss(port: LoopPort, field: str, out_K: Any, k: int) -> None:
+    """The step's output ``[K, ...]`` read by ``port.loss`` as the run reads it: one loss per step."""
+    if port.loss is None:
+        losses = out_K
+    elif isinstance(port.loss, str):
+        if not isinstance(out_K, dict) or port.loss not in out_K:
+            given = f'metrics {sorted(out_K)}' if isinstance(out_K, dict) else kind(out_K)
+            raise fail(port, 'loss', f'{port.loss!r} is not in what {field} returns ({given}): name one of them')
+        losses = out_K[port.loss]
+    else:
+        with blamed(port, 'loss', 'loss(metrics_K) -> losses_K'):
+            try:
+                losses = jax.eval_shape(port.loss, out_K)
+            except HOST_ONLY:
+                return
+    size = int(np.prod(getattr(losses, 'shape', (-1,))))
+    if size != k:
+        what = 'the loss it returns' if port.loss is None else f'loss={port.loss!r}'
+        raise fail(port, field, f'gives {kind(losses)} for {k} steps through {what}; expected one loss per step')
