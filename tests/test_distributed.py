@@ -273,6 +273,8 @@ def test_a_worker_that_cannot_reach_the_coordinator_fails_within_its_timeout():
         (['--processes', '0'], '--processes must be at least 1'),
         (['--processes', '2', '--process-id', '0'], '--processes starts its own workers'),
         (['--process-id', '2', '--num-processes', '2'], '--process-id must be in 0..1, got 2'),
+        # Each process would save into a temporary folder of its own; the joint save never completed.
+        (['--processes', '2', '--resume-at', '5'], '--resume-at with several processes needs --checkpoint-dir DIR'),
     ],
 )
 def test_bad_process_flags_exit_2_with_one_line(args, expected):
