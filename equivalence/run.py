@@ -40,7 +40,7 @@ def inputs(argv: list[str] | None, n_available: int | None = None):
     args = parse(argv)
     wl, config = cli.run_config(args, n_available, perturb=args.perturb, nnx_form=args.nnx_form, verdict=args.verdict)
     checkpoints = checkpoint_options.from_args(args)
-    checkpoints.check(config)
+    checkpoints.check(config, several=args.processes > 1 or distributed.worker.is_worker(args))
     return args, wl, config, checkpoints
 
 

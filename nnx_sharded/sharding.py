@@ -43,8 +43,9 @@ def mesh_shape(strategy: str, n_devices: int, shape: dict[str, int] | None = Non
     return {DATA: n_devices}
 
 
-def make_mesh(n_devices: int, shape: dict[str, int] | None = None) -> Mesh:
-    """A mesh over the first ``n_devices`` devices; 1-D over ``data`` unless ``shape`` says otherwise.
+def make_mesh(n_devices: int, shape: dict[str, int] | None = None, devices: list | None = None) -> Mesh:
+    """A mesh over the first ``n_devices`` of ``devices`` (default ``jax.devices()``, every process's);
+    1-D over ``data`` unless ``shape`` says otherwise.
 
     ``AxisType.Auto``: shardings flow from the placed inputs through ``jit`` and the
     partitioner fills in the rest. ``jax.make_mesh``'s default, ``Explicit``, makes every
@@ -52,7 +53,7 @@ def make_mesh(n_devices: int, shape: dict[str, int] | None = None) -> Mesh:
     ``out_sharding`` on every row-parallel matmul); Auto keeps the step free of placement.
     """
     shape = shape or {DATA: n_devices}
-    devices = jax.devices()[:n_devices]
+    devices = (jax.devices() if devices is None else devices)[:n_devices]
     auto = (AxisType.Auto,) * len(shape)
     return jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=auto, devices=devices)
 

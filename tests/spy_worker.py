@@ -1,8 +1,9 @@
 """``python -m equivalence.run``, run by the same launcher and worker mode, with two test hooks.
 
 - Records what each process hands JAX on the batch path (the rows it read, pmap's per-process
-  batch and keys, the local data given to ``jax.make_array_from_process_local_data`` and the rows
-  its devices hold of the global NNX batch) into ``$SPY_DIR/process-I.json``.
+  batch and keys, the local data given to ``jax.make_array_from_process_local_data`` for arrays
+  that span processes and, apart, for arrays on this process's devices alone (the verdict's twin),
+  and the rows its devices hold of the global NNX batch) into ``$SPY_DIR/process-I.json``.
 - With ``SPY_FAIL_PROCESS=I``, process I raises after its second compiled call, while the others
   go on into the next call's collectives: an exception in one process mid-run.
 - With ``SPY_KILL_IN_SAVE=I:N``, process I SIGKILLs itself during its N-th legacy checkpoint
@@ -57,7 +58,9 @@ def install(record: dict) -> None:
         record.setdefault('nnx_held_rows', held_rows(x, 1))
 
     def local_data(sharding, data, *rest, **kw):
-        record.setdefault('local_data', []).append(list(getattr(data, 'shape', ())))
+        # Across processes: the checked runs. On this process's devices alone: the verdict's twin.
+        key = 'local_data' if not sharding.is_fully_addressable else 'own_devices_data'
+        record.setdefault(key, []).append(list(getattr(data, 'shape', ())))
 
     original_inputs = harness.make_inputs
 

@@ -142,6 +142,7 @@ def test_migrated_checkpoint_restores_sharded_onto_2_4_8_devices_and_resumes_to_
     result = resume.resume_nnx(MLP, dataclasses.replace(config, devices=devices), legacy, nnx_dir, 4)
     assert result.report.match, [(leaf.name, leaf.max_abs) for leaf in result.report.leaves if not leaf.ok]
     assert len(result.nnx.losses) == 4
+    assert result.verdict.twin == 'on 1 device(s)'  # the twin restored the same checkpoint: the floor is measured
 
 
 def test_restore_train_state_in_your_own_code_on_both_sides(mlp_global):
@@ -165,6 +166,17 @@ def test_resuming_on_other_data_than_where_the_checkpoint_stopped_mismatches(mlp
     early = dataclasses.replace(legacy, calls=[legacy.calls[0], *legacy.calls[:-1]])  # calls 2, 3 become 1, 2
     result = resume.resume_nnx(MLP, config, early, nnx_dir, 4)
     assert not result.report.match
+
+
+def test_a_resumed_run_is_held_to_the_floor_of_a_resumed_twin_which_fails_what_the_screen_passes(mlp_global):
+    """Negative control for the twin on ``--resume-at``: NNX resumed with a learning rate 1.00001 times
+    (``--perturb 1e-5``) passes the fixed screen; the floor of a twin restored from the same checkpoint
+    fails it. The probes that start from the initial state do not run, and say so."""
+    config, legacy, nnx_dir = mlp_global
+    result = resume.resume_nnx(MLP, dataclasses.replace(config, perturb=1e-5), legacy, nnx_dir, 4)
+    done = result.verdict.done
+    assert not result.report.match and done[0] == 'fixed screen passed' and result.verdict.twin == 'on 1 device(s)'
+    assert done[-1] == 'first-step gradients not probed: resumed from a checkpoint' and result.verdict.kind == 'update'
 
 
 @pytest.fixture(scope='module')

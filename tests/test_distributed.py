@@ -56,13 +56,20 @@ def finish(proc: subprocess.Popen, out) -> tuple[str, dict]:
     return stdout, json.loads(out.read_text())
 
 
+def twin_ran(report: dict, processes: int = 2) -> bool:
+    """The run measured its floor with a twin in every process, and held the losses to it."""
+    floors = {leaf['name']: leaf['floor'] for leaf in report['leaves']}
+    measured = None not in (floors.get('first_step/loss'), floors.get('losses/per_step'))
+    return report['verdict']['twin'] == f'on 1 device(s) in each of {processes} processes' and measured
+
+
 def assert_same_run(multi: dict, single: dict) -> None:
-    """Same verdict, same leaves, and each path's losses equal to the suite's tolerance."""
+    """Same verdict, same leaves (the first step's loss too: both measured a twin), every leaf held
+    to its measured floor, and each path's losses equal to the suite's tolerance."""
     assert multi['match'] is single['match'] is True
     assert multi['devices'] == single['devices'] and multi['steps'] == single['steps']
-    # One process measures a twin and adds the first step's loss; several processes run no twin.
-    names = lambda r: [leaf['name'] for leaf in r['leaves'] if not leaf['name'].startswith('first_step/')]  # noqa: E731
-    assert names(multi) == names(single)
+    assert [leaf['name'] for leaf in multi['leaves']] == [leaf['name'] for leaf in single['leaves']]
+    assert 'first_step/loss' in [leaf['name'] for leaf in multi['leaves']] and twin_ran(multi)
     assert all(leaf['ok'] for leaf in multi['leaves'])
     for path in ('legacy', 'nnx'):
         a, b = np.array(single['losses'][path]), np.array(multi['losses'][path])
@@ -82,6 +89,21 @@ def test_two_processes_of_4_devices_match_one_process_of_8(tmp_path, workload):
     assert_same_run(multi, single)
 
 
+def test_across_processes_the_measured_floor_fails_a_slip_that_the_fixed_screen_passes(tmp_path):
+    """Negative control for the twin across processes: NNX's learning rate 1.00001 times
+    (``--perturb 1e-5``), which the fixed tolerance passes, is a MISMATCH against the floor of a
+    twin run in each process; both processes reach it (the launcher's exit is theirs, agreed)."""
+    out = tmp_path / 'report.json'
+    slip = ['--perturb', '1e-5', *TINY, '--json', str(out)]
+    proc = start('equivalence.run', '--processes', '2', '--devices', '4', *slip)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1 and stdout.count('MISMATCH') == 1, stdout + stderr
+    report = json.loads(out.read_text())
+    assert report['verdict']['done'][0] == 'fixed screen passed' and twin_ran(report)
+    assert 'first-step gradients not probed: several processes' in report['verdict']['done']
+    assert [leaf['name'] for leaf in report['leaves'] if not leaf['ok']], report['leaves']
+
+
 def spy(tmp_path, *args: str, **env: str) -> subprocess.Popen:
     """``tests/spy_worker.py`` (the run command with recording hooks) under the same launcher."""
     path = os.pathsep.join(filter(None, [ROOT, os.environ.get('PYTHONPATH')]))  # this checkout's suite
@@ -90,7 +112,8 @@ def spy(tmp_path, *args: str, **env: str) -> subprocess.Popen:
 
 
 def test_two_processes_of_2_devices_match_and_each_feeds_only_its_rows(tmp_path):
-    """The CI size; and a recorded shape: no process hands JAX, or holds, the global batch."""
+    """The CI size; and a recorded shape: no process hands the checked runs, or holds, the global
+    batch. The verdict's twin, on each process's first device alone, is given all of it."""
     out = tmp_path / 'report.json'
     proc = spy(tmp_path, '--processes', '2', '--devices', '4', *TINY, '--json', str(out))
     single = one_process('mlp', 4)
@@ -101,6 +124,7 @@ def test_two_processes_of_2_devices_match_and_each_feeds_only_its_rows(tmp_path)
         assert seen['legacy_batch'] == [2, 2, 16, 20] and seen['legacy_keys'] == [2, 2]  # its 2 devices
         assert seen['nnx_global_batch'] == [2, 64, 20] and seen['nnx_held_rows'] == 32
         assert [2, 32, 20] in seen['local_data'] and [2, 64, 20] not in seen['local_data']
+        assert [2, 64, 20] in seen['own_devices_data']  # the twin's whole batch, on this process's own device
 
 
 def test_tp_in_graph_form_across_processes_feeds_the_batch_whole_to_both(tmp_path):
@@ -127,6 +151,7 @@ def test_resume_from_a_checkpoint_saved_across_processes_onto_an_fsdp_mesh_acros
     args = ['--resume-at', '2', '--strategy', 'fsdp', '--checkpoint-dir', str(root), '--json', str(out)]
     stdout, report = finish(start('equivalence.run', '--processes', '2', '--devices', '4', *TINY, *args), out)
     assert report['match'] is True and 'NNX restored it onto 4 device(s)' in stdout, stdout
+    assert twin_ran(report)  # every process's twin restored the same checkpoint onto its own device
     assert sorted(os.listdir(root / 'legacy')) == ['2', '4'] and os.listdir(root / 'nnx') == ['2']
     assert {'ocdbt.process_0', 'ocdbt.process_1'} <= set(os.listdir(root / 'legacy' / '2' / 'state'))
 
@@ -248,6 +273,8 @@ def test_a_worker_that_cannot_reach_the_coordinator_fails_within_its_timeout():
         (['--processes', '0'], '--processes must be at least 1'),
         (['--processes', '2', '--process-id', '0'], '--processes starts its own workers'),
         (['--process-id', '2', '--num-processes', '2'], '--process-id must be in 0..1, got 2'),
+        # Each process would save into a temporary folder of its own; the joint save never completed.
+        (['--processes', '2', '--resume-at', '5'], '--resume-at with several processes needs --checkpoint-dir DIR'),
     ],
 )
 def test_bad_process_flags_exit_2_with_one_line(args, expected):

@@ -32,8 +32,14 @@ class CheckpointOptions:
         """Compiled calls of both paths together: NNX starts at the checkpoint."""
         return 2 * config.calls - (self.resume_at or 0) // config.steps_per_call
 
-    def check(self, config: RunConfig) -> None:
-        """Bad flags -> ``ConfigError`` (one line, exit 2), before any work."""
+    def check(self, config: RunConfig, several: bool = False) -> None:
+        """Bad flags -> ``ConfigError`` (one line, exit 2), before any work. ``several``: the run
+        has several processes, which must save into one folder that every one of them sees."""
+        if several and self.resume_at is not None and self.directory is None:
+            raise ConfigError(
+                '--resume-at with several processes needs --checkpoint-dir DIR, a folder every process sees '
+                '(each would make a temporary folder of its own, and their joint save would never complete)'
+            )
         if self.every is not None and self.every < 1:
             raise ConfigError(f'--checkpoint-every must be at least 1, got {self.every}')
         if self.keep < 1:

@@ -137,7 +137,8 @@ def resume_nnx(port: Port, config: RunConfig, legacy: LegacyRun, nnx_dir: str, s
     chain = lambda: adapters.chain_at(port, config, legacy.rng, step // config.steps_per_call)  # noqa: E731
     restore = restorer(nnx_dir, config, step, chain)
     new = harness.run_nnx(port, config, legacy.variables, after, None, progress or _silent, restore=restore)
-    return compare_paths(port, config, legacy.result, new, step)
+    inputs = (legacy.variables, after, None)  # the twin restores the same checkpoint, trains the same calls
+    return compare_paths(port, config, legacy.result, new, step, inputs, restore=restore)
 
 
 def run(port: Port, config: RunConfig, options: CheckpointOptions, progress=None, nnx_devices: int | None = None):
@@ -156,7 +157,8 @@ def run(port: Port, config: RunConfig, options: CheckpointOptions, progress=None
         )
         if n is None:
             new = harness.run_nnx(port, config, legacy.variables, legacy.calls, legacy.rng, progress or _silent)
-            return compare_paths(port, config, legacy.result, new, 0, [note])
+            inputs = (legacy.variables, legacy.calls, legacy.rng)
+            return compare_paths(port, config, legacy.result, new, 0, inputs, notes=[note])
         nnx_dir = os.path.join(root, 'nnx')
         migration = migrate.migrate(legacy.directory, nnx_dir, port, step=n)
         nnx_config = dataclasses.replace(config, devices=nnx_devices or config.devices)
@@ -174,11 +176,18 @@ def _silent(path: str) -> None:
     pass
 
 
-def compare_paths(port: Port, config: RunConfig, old, new, resumed_at: int, notes=None) -> harness.RunResult:
-    """The usual comparison; legacy's losses and per-call parameters cut to the steps NNX ran."""
-    old = dataclasses.replace(
-        old, losses=old.losses[resumed_at:], params_per_call=old.params_per_call[resumed_at // config.steps_per_call :]
-    )
+def compare_paths(
+    port: Port, config: RunConfig, old, new, resumed_at: int, inputs: tuple, notes=None, restore=None
+) -> harness.RunResult:
+    """The usual judgement (``harness.judged``: the twin's measured floor); legacy's losses, metrics
+    and per-call parameters cut to the steps NNX ran. ``inputs``: NNX's (variables, calls, rng);
+    ``restore``: the hook NNX resumed through, which the twin resumes through too."""
+    first_call = resumed_at // config.steps_per_call
     cut = {p: a[resumed_at:] for p, a in old.metrics.items()}
-    report, lines = harness.compare_paths(port, dataclasses.replace(old, metrics=cut), new)
-    return harness.RunResult(config, old, new, report, resumed_at, [*lines, *(notes or [])])
+    old = dataclasses.replace(
+        old, losses=old.losses[resumed_at:], params_per_call=old.params_per_call[first_call:], metrics=cut
+    )
+    tree, lines = harness.compared(port, old, new)
+    result = harness.judged(port, config, old, new, *inputs, tree, restore=restore, first_call=first_call)
+    result.resumed_at, result.notes = resumed_at, [*lines, *(notes or [])]
+    return result

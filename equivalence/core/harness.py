@@ -22,6 +22,7 @@ from equivalence.core.setups import (  # noqa: F401 -- the setups, part of this 
     _adapters,
     abstract_model,
     check_names,
+    global_calls,
     has_batch_stats,
     input_rows,
     legacy_loss,
@@ -178,12 +179,6 @@ def compared(port: Port, old: PathResult, new: PathResult) -> tuple[Callable[[Pa
     return tree, list(dict.fromkeys(lines))
 
 
-def compare_paths(port: Port, old: PathResult, new: PathResult) -> tuple[compare.Report, list[str]]:
-    """The comparison of two paths' results under the port's fixed tolerance, and what was left out."""
-    tree, lines = compared(port, old, new)
-    return compare.compare(tree(old), tree(new), port.tolerance), lines
-
-
 def validate(port: Port, config: RunConfig) -> None:
     """What a port cannot do with these flags, as ``ConfigError`` (exit 2), before any work."""
     if config.rng_mode not in port.rng_modes:
@@ -224,11 +219,14 @@ def run(port: Port, config: RunConfig, progress: Progress | None = None) -> RunR
     return result
 
 
-def judged(port: Port, config: RunConfig, old: PathResult, new: PathResult, variables, calls, rng, tree=None):
-    """The two runs judged against their measured noise floor (``equivalence.core.judge``)."""
+def judged(
+    port: Port, config: RunConfig, old: PathResult, new: PathResult, variables, calls, rng, tree=None, **resumed
+) -> RunResult:
+    """The two runs judged against their measured noise floor (``equivalence.core.judge``);
+    ``resumed``: ``restore`` and ``first_call`` of a run NNX resumed from a checkpoint."""
     from equivalence.core import judge  # judge runs the twin through this module
 
-    inputs = judge.Inputs(variables, calls, rng)
+    inputs = judge.Inputs(variables, calls, rng, **resumed)
     report, verdict = judge.judge(port, config, old, new, inputs, tree or compared(port, old, new)[0])
     return RunResult(config, old, new, report, verdict=verdict)
 

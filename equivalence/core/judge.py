@@ -10,11 +10,16 @@ What runs, by ``RunConfig.verdict``:
 - ``screen``: the fixed tolerance of ``compare.FLOAT32_REDUCTION_ORDER``; the twin runs only
   when the screen fails, to adjudicate (a correct but ill-conditioned port still MATCHes).
 
-No twin with several processes (its one-device mesh would need every process's rows) or
-where no other mesh fits: the fixed screen decides, and the report says so.
+With several processes every process runs the twin on its own first device on the whole batch
+(``twin``), and so reaches the same verdict; the gradient probe and the deterministic re-run stay
+single-process (they run the pmap side again, over every process's devices), as does the masked-
+loss hint. After ``--resume-at`` the twin restores the same checkpoint; the probe and the re-run,
+which start from the initial state, are not run. Where no other mesh fits, the fixed screen
+decides, and the report says so.
 """
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -30,8 +35,22 @@ class Inputs:
     """What both runs were given: the verdict's re-runs take the same."""
 
     variables: dict
-    calls: list
-    rng: jax.Array
+    calls: list  # this process's rows of each call (all of them with one process)
+    rng: jax.Array | None
+    restore: Callable | None = None  # --resume-at: loads the checkpoint into a setup, returns the key chain
+    first_call: int = 0  # --resume-at: the calls are those from this one on
+
+    def whole_calls(self, port: Port, config: RunConfig) -> list:
+        """The calls with every row of the global batch: the twin runs on this process's devices alone."""
+        if jax.process_count() == 1:
+            return self.calls
+        return harness.global_calls(port, config)[self.first_call :]
+
+    def single_process_probes(self) -> str:
+        """Why the probes that re-run both sides cannot run here; '' when they can."""
+        if self.restore is not None:
+            return 'resumed from a checkpoint'
+        return 'several processes' if jax.process_count() > 1 else ''
 
 
 def judge(port: Port, config: RunConfig, old, new, inputs: Inputs, tree) -> tuple[compare.Report, Verdict]:
@@ -40,13 +59,13 @@ def judge(port: Port, config: RunConfig, old, new, inputs: Inputs, tree) -> tupl
     trees = lambda path, first=None: {**tree(path), **(first or {})}  # noqa: E731
     screen = compare.compare(trees(old), trees(new), port.tolerance)
     done = [f'fixed screen {"passed" if screen.match else "failed"}']
-    n_twin = twin.twin_devices(config, len(jax.devices())) if jax.process_count() == 1 else None
+    n_twin = twin.twin_devices(config, len(jax.local_devices()))
     if n_twin is None or (config.verdict == 'screen' and screen.match):
-        why = 'several processes' if jax.process_count() > 1 else 'no second mesh fits'
-        text = f'not run: {"--verdict screen, and the screen passed" if n_twin else why}'
+        text = f'not run: {"--verdict screen, and the screen passed" if n_twin else "no second mesh fits"}'
         return screen, finish(port, config, screen, old, new, inputs, done + [f'twin {text}'], text, None)
     try:
-        tw = twin.run_twin(port, config, inputs.variables, inputs.calls, inputs.rng, n_twin)
+        calls = inputs.whole_calls(port, config)
+        tw = twin.run_twin(port, config, inputs.variables, calls, inputs.rng, n_twin, restore=inputs.restore)
     except Exception as e:  # noqa: BLE001 -- NNX code pinned to its own mesh cannot run on the twin's
         text = f'not run: on {n_twin} device(s) it raised {type(e).__name__}: {str(e).splitlines()[0][:160]}'
         return screen, finish(port, config, screen, old, new, inputs, done + [f'twin {text}'], text, None)
@@ -55,17 +74,21 @@ def judge(port: Port, config: RunConfig, old, new, inputs: Inputs, tree) -> tupl
         return screen, finish(port, config, screen, old, new, inputs, done + [f'twin {refusal}'], refusal, None)
     first = [verdict.first_step_tree(float(p.losses[0])) for p in (old, new, tw)]
     report = compare.compare_to_floor(trees(old, first[0]), trees(new, first[1]), trees(tw, first[2]), MEASURED_FLOOR)
-    done.append(f'every leaf and the first loss held to the floor of a twin on {n_twin} device(s)')
-    return report, finish(port, config, report, old, new, inputs, done, f'on {n_twin} device(s)', n_twin)
+    where = f'{n_twin} device(s)' + (f' in each of {jax.process_count()} processes' if jax.process_count() > 1 else '')
+    done.append(f'every leaf and the first loss held to the floor of a twin on {where}')
+    return report, finish(port, config, report, old, new, inputs, done, f'on {where}', n_twin)
 
 
 def finish(port, config, report, old, new, inputs, done, twin_text, n_twin) -> Verdict:
     """Gradients (strict, or to diagnose), the diagnosis on MISMATCH, and the verdict."""
-    grads = None
-    if isinstance(port, ModelPort) and jax.process_count() == 1 and (config.verdict == 'strict' or not report.match):
-        grads = first_step_grads(port, config, inputs, n_twin)
-        report.leaves.extend(grads.leaves)
-        done.append(f'first-step gradients {"agree" if grads.match else "differ"}')
+    grads, cannot = None, inputs.single_process_probes()
+    if isinstance(port, ModelPort) and (config.verdict == 'strict' or not report.match):
+        if cannot:
+            done.append(f'first-step gradients not probed: {cannot}')
+        else:
+            grads = first_step_grads(port, config, inputs, n_twin)
+            report.leaves.extend(grads.leaves)
+            done.append(f'first-step gradients {"agree" if grads.match else "differ"}')
     noisy = tuple(leaf for leaf in report.leaves if leaf.noise_dominated)
     if report.match:
         return Verdict(True, config.verdict, tuple(done), twin=twin_text, noise_dominated=noisy)
@@ -73,11 +96,15 @@ def finish(port, config, report, old, new, inputs, done, twin_text, n_twin) -> V
     # Only a first *loss* that differs can be re-checked with dropout off (the re-run compares
     # losses): a slip seen only in the first gradients is math, whatever dropout does.
     loss_failed = any(leaf.name == 'first_step/loss' for leaf in verdict.failed(report, 'first_step'))
-    if loss_failed and harness.uses_dropout(port) and jax.process_count() == 1:
+    if loss_failed and harness.uses_dropout(port) and cannot:
+        done.append(f'deterministic re-run (dropout off) not run: {cannot}')
+    elif loss_failed and harness.uses_dropout(port):
         rerun = deterministic_rerun_matches(port, config, inputs, report)
         done.append(f'deterministic re-run (dropout off) {"matches" if rerun else "differs"}')
     nonfinite = verdict.nonfinite_line(
-        {'legacy': old.losses, 'nnx': new.losses}, {'legacy': old.final, 'nnx': new.final}, data_nonfinite(inputs)
+        {'legacy': old.losses, 'nnx': new.losses},
+        {'legacy': old.final, 'nnx': new.final},
+        data_nonfinite(inputs.whole_calls(port, config)),
     )
     kind, line = verdict.diagnose(report, nonfinite, rerun, grads is not None)
     return Verdict(False, config.verdict, tuple(done), kind, line, twin_text, noisy)
@@ -111,10 +138,10 @@ def deterministic_rerun_matches(port: Port, config: RunConfig, inputs: Inputs, r
     return bool(abs(float(old.losses[0]) - float(new.losses[0])) <= allowed)
 
 
-def data_nonfinite(inputs: Inputs) -> int | None:
-    """The first step (1-based) whose batch holds NaN or Inf, or None."""
+def data_nonfinite(calls: list) -> int | None:
+    """The first step (1-based) whose batch holds NaN or Inf, or None (every process sees every row)."""
     step = 0
-    for batch_KxG in inputs.calls:
+    for batch_KxG in calls:
         leaves = [np.asarray(v) for v in jax.tree.leaves(batch_KxG)]
         for k in range(leaves[0].shape[0]):
             step += 1

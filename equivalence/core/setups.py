@@ -28,13 +28,32 @@ def make_inputs(port: Port, config: RunConfig) -> tuple[dict, list, jax.Array]:
     """Linen variables, the data of each call (pytrees of ``[K, G, ...]``; with several processes,
     only this process's rows ``[K, G*n/D, ...]``), and the training key."""
     data = port.make_data(np.random.default_rng(config.seed), config.steps, config.batch_size)
-    k = config.steps_per_call
-    calls = [jax.tree.map(lambda v, c=c: v[c * k : (c + 1) * k], data) for c in range(config.calls)]
-    calls = [rows.local_batch(batch_KxG, config.devices, input_rows(config)) for batch_KxG in calls]
+    calls = [rows.local_batch(batch_KxG, config.devices, input_rows(config)) for batch_KxG in split_calls(data, config)]
     rng, init_rng = jax.random.split(jax.random.PRNGKey(config.seed))
     example = jax.tree.map(lambda v: v[0, :1], data)
     variables = port.legacy_model().init({'params': init_rng, 'dropout': init_rng}, *port.init_args(example))
     return dict(variables), calls, rng
+
+
+def split_calls(data: Any, config: RunConfig) -> list:
+    """``[C*K, G, ...]`` -> the batch of each call, ``[K, G, ...]``."""
+    k = config.steps_per_call
+    return [jax.tree.map(lambda v, c=c: v[c * k : (c + 1) * k], data) for c in range(config.calls)]
+
+
+def global_calls(port: Port, config: RunConfig) -> list:
+    """Every call's whole batch, ``[K, G, ...]``, in every process: what a run on this process's
+    devices alone (the twin across processes) is fed. ``make_data`` is seeded, so each process
+    draws the same rows that ``make_inputs`` split between them."""
+    data = port.make_data(np.random.default_rng(config.seed), config.steps, config.batch_size)
+    return split_calls(data, config)
+
+
+def batch_rows(batch_KxR: Any, config: RunConfig) -> rows.Rows:
+    """The rows of the global batch that ``batch_KxR`` holds: all of them when it holds G (a
+    global batch, as the twin is given), else those this process reads (``input_rows``)."""
+    r, g = jax.tree.leaves(batch_KxR)[0].shape[1], config.batch_size
+    return slice(0, g) if r == g else input_rows(config)
 
 
 @functools.cache
@@ -139,7 +158,7 @@ def placed_inputs(setup, rng, batch_KxG) -> tuple[jax.Array, tuple]:
     mode = setup.config.rng_mode
     rng, keys = sharded.next_call_keys(rng, setup.config.devices, mode)
     held = rows.held_rows(sharding.batch_sharding(setup.mesh), setup.config.batch_size)
-    batch_KxR = rows.take(batch_KxG, held, input_rows(setup.config))
+    batch_KxR = rows.take(batch_KxG, held, batch_rows(batch_KxG, setup.config))
     return rng, (sharding.place_keys(keys, setup.mesh, mode), sharding.place_batch(batch_KxR, setup.mesh))
 
 

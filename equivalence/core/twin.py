@@ -13,6 +13,11 @@ that single-device program is the reference order. D' = 1 when D > 1: NNX on 8 d
 against NNX on 1 reproduces the 4.95e-6 that the cnn workload's ``conv1/kernel`` differs by
 (``--rng global --seed 3``); NNX on 2 against 1 differs by 1.2e-7 and would miss it. When
 D = 1 the twin takes 2 devices if the batch splits over them.
+
+With several processes every process runs the same twin on its own first device(s)
+(``jax.local_devices()``), on the whole batch (``setups.global_calls``): no collective, so
+no process waits on another, and every process measures the same floor and so reaches the
+same verdict (the worker's exit codes must agree).
 """
 
 import dataclasses
@@ -23,6 +28,7 @@ from flax import nnx
 from equivalence.core import convert, harness
 from equivalence.core.config import RunConfig
 from equivalence.core.ports import LoopPort, Port
+from equivalence.distributed import gather
 from nnx_sharded import sharding
 from nnx_sharded import train as sharded
 
@@ -64,7 +70,7 @@ def twin_setup(port: Port, config: RunConfig, variables: dict, n_twin: int, lr_s
     """The NNX side on a 1-D data mesh of ``n_twin`` devices, with the checked run's config (and so
     its keys and ``--perturb``). ``lr_scale`` replaces ``1 + perturb``: tests only, a twin whose
     math differs, which the verdict must refuse."""
-    mesh = sharding.make_mesh(n_twin)
+    mesh = sharding.make_mesh(n_twin, devices=jax.local_devices())  # this process's own: no collective
     model = port.nnx_model(nnx.Rngs(0))
     convert.load_linen_variables(model, variables, harness.check_names(port, variables))
     if isinstance(port, LoopPort) and harness._adapters().adapted(port):  # a real step: its own setup
@@ -80,10 +86,18 @@ def twin_setup(port: Port, config: RunConfig, variables: dict, n_twin: int, lr_s
     return TwinSetup(fused, graphdef, state, mesh, config)
 
 
-def run_twin(port: Port, config: RunConfig, variables: dict, calls: list, rng, n_twin: int, lr_scale=None):
-    """The twin's ``PathResult``: its final state, per-step losses and parameters after each call."""
+def run_twin(
+    port: Port, config: RunConfig, variables: dict, calls: list, rng, n_twin: int, lr_scale=None, restore=None
+):
+    """The twin's ``PathResult``: its final state, per-step losses and parameters after each call.
+    ``calls`` hold the whole batch; ``restore(setup) -> rng``, if given, loads the checkpoint the
+    checked run resumed from (``--resume-at``) onto the twin's mesh, and ``calls`` follow it.
+    With several processes, every process's result is process 0's (``gather.from_process_0``)."""
     setup = twin_setup(port, config, variables, n_twin, lr_scale)
+    if restore is not None:
+        rng = restore(setup)
     losses, per_call = harness._train(setup, calls, rng, None, harness._silent, 'twin')
-    result = harness.PathResult(setup.neutral(), losses, per_call, None, mesh=dict(setup.mesh.shape))
-    result.metrics = harness._metrics(setup)
+    final, losses, metrics = gather.from_process_0((setup.neutral(), losses, harness._metrics(setup)))
+    result = harness.PathResult(final, losses, per_call, None, mesh=dict(setup.mesh.shape))
+    result.metrics = metrics
     return result

@@ -127,7 +127,7 @@ def diagnose(report: Report, nonfinite: str, rerun_matched: bool | None, grads_c
     if report.floor is None:
         return 'unmeasured', (
             f'outside the fixed tolerance, and no floor was measured to tell noise from a slip: {details(later)}; '
-            'run it in one process (a twin, and the first step, are then measured)' + also
+            'the verdict line says why no twin measured one (on 1 device, a twin needs 2 and an even batch)' + also
         )
     if all(leaf.group == 'model_state' for leaf in later):
         return 'state', (

@@ -29,3 +29,24 @@ def _host(x: Any) -> Any:
     if x.is_fully_addressable or x.is_fully_replicated:
         return np.asarray(x)
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def from_process_0(tree: Any) -> Any:
+    """Process 0's value of every floating leaf, in every process (other leaves as they are).
+
+    For what each process computes alone, on its own devices (the verdict's twin): the same
+    program gives the same numbers on like hosts, but hosts of different CPUs may round apart,
+    and every process must reach the same verdict. A collective: every process calls it at the
+    same point. One process: the tree unchanged."""
+    if jax.process_count() == 1:
+        return tree
+    leaves, treedef = jax.tree.flatten(tree)
+    floats = [i for i, x in enumerate(leaves) if _floating(x)]
+    shared = multihost_utils.broadcast_one_to_all([np.asarray(leaves[i]) for i in floats])
+    for i, x in zip(floats, shared, strict=True):
+        leaves[i] = np.asarray(x)
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _floating(x: Any) -> bool:
+    return isinstance(x, np.ndarray | jax.Array) and jax.dtypes.issubdtype(x.dtype, np.floating)
