@@ -51,6 +51,8 @@ def judge(port: Port, config: RunConfig, old, new, inputs: Inputs, tree) -> tupl
         text = f'not run: on {n_twin} device(s) it raised {type(e).__name__}: {str(e).splitlines()[0][:160]}'
         return screen, finish(port, config, screen, old, new, inputs, done + [f'twin {text}'], text, None)
     refusal = verdict.twin_refusal(new.losses, tw.losses)
+    if not refusal and n_twin == config.devices:
+        refusal = verdict.twin_reordered_nothing(new.final, tw.final)
     if refusal:
         return screen, finish(port, config, screen, old, new, inputs, done + [f'twin {refusal}'], refusal, None)
     first = [verdict.first_step_tree(float(p.losses[0])) for p in (old, new, tw)]
