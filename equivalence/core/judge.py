@@ -40,25 +40,42 @@ def judge(port: Port, config: RunConfig, old, new, inputs: Inputs, tree) -> tupl
     trees = lambda path, first=None: {**tree(path), **(first or {})}  # noqa: E731
     screen = compare.compare(trees(old), trees(new), port.tolerance)
     done = [f'fixed screen {"passed" if screen.match else "failed"}']
-    n_twin = twin.twin_devices(config, len(jax.devices())) if jax.process_count() == 1 else None
-    if n_twin is None or (config.verdict == 'screen' and screen.match):
+    counts = twin.twin_counts(config, len(jax.devices())) if jax.process_count() == 1 else ()
+    if not counts or (config.verdict == 'screen' and screen.match):
         why = 'several processes' if jax.process_count() > 1 else 'no second mesh fits'
-        text = f'not run: {"--verdict screen, and the screen passed" if n_twin else why}'
+        text = f'not run: {"--verdict screen, and the screen passed" if counts else why}'
         return screen, finish(port, config, screen, old, new, inputs, done + [f'twin {text}'], text, None)
-    try:
-        tw = twin.run_twin(port, config, inputs.variables, inputs.calls, inputs.rng, n_twin)
-    except Exception as e:  # noqa: BLE001 -- NNX code pinned to its own mesh cannot run on the twin's
-        text = f'not run: on {n_twin} device(s) it raised {type(e).__name__}: {str(e).splitlines()[0][:160]}'
-        return screen, finish(port, config, screen, old, new, inputs, done + [f'twin {text}'], text, None)
-    refusal = verdict.twin_refusal(new.losses, tw.losses)
-    if not refusal and n_twin == config.devices:
-        refusal = verdict.twin_reordered_nothing(new.final, tw.final)
-    if refusal:
-        return screen, finish(port, config, screen, old, new, inputs, done + [f'twin {refusal}'], refusal, None)
-    first = [verdict.first_step_tree(float(p.losses[0])) for p in (old, new, tw)]
-    report = compare.compare_to_floor(trees(old, first[0]), trees(new, first[1]), trees(tw, first[2]), MEASURED_FLOOR)
-    done.append(f'every leaf and the first loss held to the floor of a twin on {n_twin} device(s)')
-    return report, finish(port, config, report, old, new, inputs, done, f'on {n_twin} device(s)', n_twin)
+    twins, why = measured_twins(port, config, new, inputs, counts)
+    if not twins:
+        return screen, finish(port, config, screen, old, new, inputs, done + [f'twin {why}'], why, None)
+    first = [verdict.first_step_tree(float(p.losses[0])) for p in (old, new)]
+    floor = twin.farthest(
+        trees(new, first[1]), [trees(tw, verdict.first_step_tree(float(tw.losses[0]))) for tw in twins.values()]
+    )
+    report = compare.compare_to_floor(trees(old, first[0]), trees(new, first[1]), floor, MEASURED_FLOOR)
+    on = f'on {" and ".join(map(str, twins))} device(s)'
+    done.append(f'every leaf and the first loss held to the floor of {"twins" if len(twins) > 1 else "a twin"} {on}')
+    return report, finish(port, config, report, old, new, inputs, done, on, next(iter(twins)))
+
+
+def measured_twins(port: Port, config: RunConfig, new, inputs: Inputs, counts: tuple[int, ...]) -> tuple[dict, str]:
+    """``{D': the twin's PathResult}`` for each count it ran and computed what NNX computes, and, when
+    none did, why (the first reason)."""
+    twins, why = {}, []
+    for n in counts:
+        try:
+            tw = twin.run_twin(port, config, inputs.variables, inputs.calls, inputs.rng, n)
+        except Exception as e:  # noqa: BLE001 -- NNX code pinned to its own mesh cannot run on the twin's
+            why.append(f'not run: on {n} device(s) it raised {type(e).__name__}: {str(e).splitlines()[0][:160]}')
+            continue
+        refusal = verdict.twin_refusal(new.losses, tw.losses)
+        if not refusal and n == config.devices:
+            refusal = verdict.twin_reordered_nothing(new.final, tw.final)
+        if refusal:
+            why.append(refusal)
+        else:
+            twins[n] = tw
+    return twins, (why[0] if why else '')
 
 
 def finish(port, config, report, old, new, inputs, done, twin_text, n_twin) -> Verdict:
