@@ -194,8 +194,9 @@ def test_negative_control_hand_written_per_device_code_without_its_collective(st
     mesh_flag = tuple(mesh_axes.items()) if strategy == 'fsdp-tp' else None
     config = RunConfig('wide', 8, strategy=strategy, mesh=mesh_flag, **QUICK)
     results = {}
-    # Hand-written code pinned to this 8-device mesh cannot run on the verdict's twin mesh, so no
-    # floor is measured and the fixed screen decides; with wide's Adam eps 1e-8 that screen sees
+    # Hand-written code pinned to this 8-device mesh cannot run on the verdict's twin mesh (tp's twin,
+    # on 8 devices too, runs it unchanged: it reorders no sum and is refused), so no floor is
+    # measured and the fixed screen decides; with wide's Adam eps 1e-8 that screen sees
     # Adam amplify reduction-order rounding (docs/verdict.md). This control is of the collectives,
     # so its optimizer is Adam eps 1e-5, where the correct code is inside the screen (measured).
     tx = lambda lr_scale=1.0: optax.adam(1e-3 * lr_scale, eps=1e-5)  # noqa: E731

@@ -102,6 +102,22 @@ def test_a_twin_that_changes_the_math_is_refused():
     assert verdict.twin_refusal(new.losses, secret.losses).startswith('refused: its loss at step 2')
 
 
+def test_the_twin_splits_the_batch_otherwise_than_the_checked_run():
+    """tp's mesh is all model axis: it sums the batch as one device does, so a twin on 1 device rounds
+    like it and measures too small a floor (cnn, Adam eps 1e-8, tp on 8, seed 6: a correct port failed
+    at 16x its floor). A sharded strategy gets a second twin, data parallel on D as the pmap run splits
+    the batch, and each leaf the larger of the two floors."""
+    want = {('dp', 8): (1,), ('shard_map', 4): (1,), ('fsdp', 4): (1, 4), ('tp', 8): (1, 8), ('fsdp-tp', 8): (1, 8)}
+    want[('dp', 1)] = (2,)
+    config = lambda s, d: RunConfig(workload='wide', devices=d, strategy=s, batch_size=64)  # noqa: E731
+    assert {(s, d): twin.twin_counts(config(s, d), 8) for s, d in want} == want
+    nnx_ = {'params': {'w': np.zeros(2, np.float32), 'b': np.zeros(1, np.float32)}, 'step': {'n': np.zeros((), int)}}
+    near = {'params': {'w': np.array([1e-6, 0], np.float32), 'b': np.array([3e-6], np.float32)}}
+    far = {'params': {'w': np.array([0, 2e-6], np.float32), 'b': np.array([1e-6], np.float32)}}
+    floor = twin.farthest(nnx_, [near, far])
+    assert floor == {'params': {'w': far['params']['w'], 'b': near['params']['b']}}
+
+
 def test_floor_rule_holds_a_leaf_to_its_own_noise():
     """The rule itself on numbers: within the floor, beyond it, noise-dominated, and the ulp minimum."""
     ref = {'params': {'w': np.array([1.0, 2.0], np.float32), 'b': np.array([1e-2], np.float32)}}

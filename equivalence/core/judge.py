@@ -10,8 +10,8 @@ What runs, by ``RunConfig.verdict``:
 - ``screen``: the fixed tolerance of ``compare.FLOAT32_REDUCTION_ORDER``; the twin runs only
   when the screen fails, to adjudicate (a correct but ill-conditioned port still MATCHes).
 
-With several processes every process runs the twin on its own first device on the whole batch
-(``twin``), and so reaches the same verdict; the gradient probe and the deterministic re-run stay
+With several processes every process runs the twins that fit on its own devices, on the whole
+batch (``twin``), and judges by process 0's, so all reach the same verdict; the gradient probe and the deterministic re-run stay
 single-process (they run the pmap side again, over every process's devices), as does the masked-
 loss hint. After ``--resume-at`` the twin restores the same checkpoint; the probe and the re-run,
 which start from the initial state, are not run. Where no other mesh fits, the fixed screen
@@ -59,24 +59,44 @@ def judge(port: Port, config: RunConfig, old, new, inputs: Inputs, tree) -> tupl
     trees = lambda path, first=None: {**tree(path), **(first or {})}  # noqa: E731
     screen = compare.compare(trees(old), trees(new), port.tolerance)
     done = [f'fixed screen {"passed" if screen.match else "failed"}']
-    n_twin = twin.twin_devices(config, len(jax.local_devices()))
-    if n_twin is None or (config.verdict == 'screen' and screen.match):
-        text = f'not run: {"--verdict screen, and the screen passed" if n_twin else "no second mesh fits"}'
+    local = len(jax.local_devices())
+    counts = tuple(n for n in twin.twin_counts(config, local) if n <= local)  # a twin stays in its process
+    if not counts or (config.verdict == 'screen' and screen.match):
+        text = f'not run: {"--verdict screen, and the screen passed" if counts else "no second mesh fits"}'
         return screen, finish(port, config, screen, old, new, inputs, done + [f'twin {text}'], text, None)
-    try:
-        calls = inputs.whole_calls(port, config)
-        tw = twin.run_twin(port, config, inputs.variables, calls, inputs.rng, n_twin, restore=inputs.restore)
-    except Exception as e:  # noqa: BLE001 -- NNX code pinned to its own mesh cannot run on the twin's
-        text = f'not run: on {n_twin} device(s) it raised {type(e).__name__}: {str(e).splitlines()[0][:160]}'
-        return screen, finish(port, config, screen, old, new, inputs, done + [f'twin {text}'], text, None)
-    refusal = verdict.twin_refusal(new.losses, tw.losses)
-    if refusal:
-        return screen, finish(port, config, screen, old, new, inputs, done + [f'twin {refusal}'], refusal, None)
-    first = [verdict.first_step_tree(float(p.losses[0])) for p in (old, new, tw)]
-    report = compare.compare_to_floor(trees(old, first[0]), trees(new, first[1]), trees(tw, first[2]), MEASURED_FLOOR)
-    where = f'{n_twin} device(s)' + (f' in each of {jax.process_count()} processes' if jax.process_count() > 1 else '')
-    done.append(f'every leaf and the first loss held to the floor of a twin on {where}')
-    return report, finish(port, config, report, old, new, inputs, done, f'on {where}', n_twin)
+    twins, why = measured_twins(port, config, new, inputs, counts)
+    if not twins:
+        return screen, finish(port, config, screen, old, new, inputs, done + [f'twin {why}'], why, None)
+    first = [verdict.first_step_tree(float(p.losses[0])) for p in (old, new)]
+    floor = twin.farthest(
+        trees(new, first[1]), [trees(tw, verdict.first_step_tree(float(tw.losses[0]))) for tw in twins.values()]
+    )
+    report = compare.compare_to_floor(trees(old, first[0]), trees(new, first[1]), floor, MEASURED_FLOOR)
+    on = f'on {" and ".join(map(str, twins))} device(s)'
+    on += f' in each of {jax.process_count()} processes' if jax.process_count() > 1 else ''
+    done.append(f'every leaf and the first loss held to the floor of {"twins" if len(twins) > 1 else "a twin"} {on}')
+    return report, finish(port, config, report, old, new, inputs, done, on, next(iter(twins)))
+
+
+def measured_twins(port: Port, config: RunConfig, new, inputs: Inputs, counts: tuple[int, ...]) -> tuple[dict, str]:
+    """``{D': the twin's PathResult}`` for each count it ran and computed what NNX computes, and, when
+    none did, why (the first reason)."""
+    twins, why = {}, []
+    calls = inputs.whole_calls(port, config)
+    for n in counts:
+        try:
+            tw = twin.run_twin(port, config, inputs.variables, calls, inputs.rng, n, restore=inputs.restore)
+        except Exception as e:  # noqa: BLE001 -- NNX code pinned to its own mesh cannot run on the twin's
+            why.append(f'not run: on {n} device(s) it raised {type(e).__name__}: {str(e).splitlines()[0][:160]}')
+            continue
+        refusal = verdict.twin_refusal(new.losses, tw.losses)
+        if not refusal and n == config.devices:
+            refusal = verdict.twin_reordered_nothing(new.final, tw.final)
+        if refusal:
+            why.append(refusal)
+        else:
+            twins[n] = tw
+    return twins, (why[0] if why else '')
 
 
 def finish(port, config, report, old, new, inputs, done, twin_text, n_twin) -> Verdict:

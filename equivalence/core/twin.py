@@ -7,25 +7,39 @@ size: a twin on D' devices given the same ``[D, 2]`` keys draws bitwise the same
 In global mode the keys do not depend on D at all. So ``|nnx - twin|`` is, leaf by leaf,
 what reordering the sums alone does to this port: its noise floor.
 
-The twin is unsharded data parallelism (``dp``, split form) on D' devices whatever the
-checked run's strategy or form: on one device every strategy computes the same math, and
-that single-device program is the reference order. D' = 1 when D > 1: NNX on 8 devices
-against NNX on 1 reproduces the 4.95e-6 that the cnn workload's ``conv1/kernel`` differs by
-(``--rng global --seed 3``); NNX on 2 against 1 differs by 1.2e-7 and would miss it. When
-D = 1 the twin takes 2 devices if the batch splits over them.
+The twin is unsharded data parallelism (``dp``, split form) whatever the checked run's
+strategy or form. It must sum in another order than the checked run, as the pmap run does,
+and no one layout does that for every strategy, so a sharded strategy gets two twins and each
+leaf the larger of their floors (``farthest``):
 
-With several processes every process runs the same twin on its own first device(s)
-(``jax.local_devices()``), on the whole batch (``setups.global_calls``): no collective, so
-no process waits on another, and every process measures the same floor and so reaches the
-same verdict (the worker's exit codes must agree).
+- On 1 device (every D > 1): NNX on 8 devices against NNX on 1 reproduces the 4.95e-6 that the
+  cnn workload's ``conv1/kernel`` differs by under dp (``--rng global --seed 3``); NNX on 2
+  against 1 differs by 1.2e-7 and would miss it. The only twin of dp and shard_map, whose
+  per-device sums are the pmap run's.
+- Data parallel on D devices, the pmap run's split (fsdp, tp, fsdp-tp on D > 1): tp's mesh is
+  all model axis and sums the batch as one device does, so the 1-device twin rounds like it.
+  Measured (cnn, Adam eps 1e-8, global keys, seed 6): ``params/hidden/kernel`` of NNX tp on 8
+  is 4.5e-8 from NNX on 1 but 7.3e-7 from legacy on 8 and from NNX dp on 8: with the 1-device
+  twin alone, a false MISMATCH (16x its floor). Seed 9 the same for tp (12x) and fsdp-tp on 8
+  (15x; its ``conv2/kernel`` is 3.5e-6 from NNX on 1, 4.0e-5 from legacy and NNX dp on 8).
+  Neither twin alone serves fsdp everywhere: on seed 6 NNX fsdp on 8 is within 3e-8 of NNX dp
+  on 8, where only the 1-device twin measures the 7.3e-7 it is from NNX on 1.
+- D = 1: 2 devices, if the batch splits over them.
+
+With several processes every process runs the same twins on its own devices
+(``jax.local_devices()``; a twin needs no more of them than one process has), on the whole batch
+(``setups.global_calls``): no collective, so no process waits on another, and every process
+judges by process 0's twin (``gather.from_process_0``), so all reach the same verdict (the
+workers' exit codes must agree).
 """
 
 import dataclasses
 
 import jax
+import numpy as np
 from flax import nnx
 
-from equivalence.core import convert, harness
+from equivalence.core import compare, convert, harness
 from equivalence.core.config import RunConfig
 from equivalence.core.ports import LoopPort, Port
 from equivalence.distributed import gather
@@ -33,13 +47,25 @@ from nnx_sharded import sharding
 from nnx_sharded import train as sharded
 
 
-def twin_devices(config: RunConfig, available: int) -> int | None:
-    """D' for a run on D devices: 1 when D > 1, else 2 if there are 2 and the batch splits; None: no twin."""
+def twin_counts(config: RunConfig, available: int) -> tuple[int, ...]:
+    """The twins' device counts for a run on D devices: 1, and D as well for a sharded strategy;
+    on D = 1, 2 if there are 2 and the batch splits; () when none fits."""
     if config.devices > 1:
-        return 1
-    if available >= 2 and config.batch_size % 2 == 0:
-        return 2
-    return None
+        return (1,) if config.strategy in ('dp', 'shard_map') else (1, config.devices)
+    return (2,) if available >= 2 and config.batch_size % 2 == 0 else ()
+
+
+def farthest(nnx: compare.Neutral, twins: list[compare.Neutral]) -> compare.Neutral:
+    """One twin tree whose every leaf is the twin's farthest from the NNX run's: the floor
+    ``max |nnx - twin|`` of each leaf is then the larger of the twins' floors."""
+    out: compare.Neutral = {}
+    for g, tree in nnx.items():
+        for p, a in tree.items():
+            have = [t[g][p] for t in twins if p in t.get(g, {}) and t[g][p].shape == a.shape]
+            if have and np.issubdtype(a.dtype, np.floating):
+                diff = lambda b, a=a: float(np.abs(a.astype(np.float64) - b).max(initial=0.0))  # noqa: E731
+                out.setdefault(g, {})[p] = max(have, key=diff)
+    return out
 
 
 def twin_placed_inputs(setup, rng, batch_KxG) -> tuple[jax.Array, tuple]:

@@ -91,6 +91,22 @@ def twin_refusal(nnx_losses: np.ndarray, twin_losses: np.ndarray) -> str:
     return ''
 
 
+def twin_reordered_nothing(nnx_final: compare.Neutral, twin_final: compare.Neutral) -> str:
+    """'' unless the twin ended in bitwise the NNX run's state: then its gradients were summed in the same
+    order (code pinned to its own mesh runs unchanged on a twin of as many devices: a hand-written tp
+    ``shard_map``), and its floor of 0 would hold legacy to the ulp minimum. Asked only of a twin on
+    as many devices as the checked run (tp's): on another count such code raises instead."""
+    pairs = [
+        (a, twin_final[g][p])
+        for g, tree in nnx_final.items()
+        for p, a in tree.items()
+        if p in twin_final.get(g, {}) and np.issubdtype(np.asarray(a).dtype, np.floating)
+    ]
+    if pairs and all(np.array_equal(a, b) for a, b in pairs):
+        return "refused: it ended in bitwise the NNX run's state: it summed the gradients in the same order, no floor"
+    return ''
+
+
 def first_step_tree(loss: float | None = None, grads: dict[str, np.ndarray] | None = None) -> compare.Neutral:
     """The first step's loss and gradients as leaves of their own group, ``first_step/...``."""
     tree = {'loss': np.asarray(loss, np.float32)} if loss is not None else {}

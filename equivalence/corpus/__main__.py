@@ -71,7 +71,10 @@ def inputs(argv: list[str] | None, n_available: int | None = None):
 
 
 def progress(case) -> None:
-    print(f'{case.entry} D={case.devices} seed {case.seed}: {case.verdict} ({case.seconds:.1f} s)', file=sys.stderr)
+    kind = f' {case.kind}' if case.kind else ''
+    margin = f', worst leaf at {case.x_limit:.2g} of its limit' if case.x_limit is not None else ''
+    line = f'{case.entry} D={case.devices} seed {case.seed}: {case.verdict}{kind}{margin} ({case.seconds:.1f} s)'
+    print(line + (f'  WRONG: {case.detail}' if case.wrong else ''), file=sys.stderr)
 
 
 def work(validated) -> int:

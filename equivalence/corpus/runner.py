@@ -40,6 +40,13 @@ class Case:
     kind: str | None  # the diagnosis kind the verdict named; None: it named none
     seconds: float
     detail: str = ''  # the worst leaf, or the error
+    # The margins (``margins``): how close the run came to the other verdict, in the verdict's own terms.
+    ratio: float | None = None  # max |nnx - legacy| / floor over the leaves whose floor sets the limit
+    ratio_leaf: str = ''
+    x_limit: float | None = None  # max |nnx - legacy| / limit over every judged leaf (> 1: MISMATCH)
+    x_limit_leaf: str = ''
+    noisy: int = 0  # noise-dominated leaves (not judged)
+    twin: str = ''  # where the twin ran, or why it did not (the verdict's own words)
 
     @property
     def wrong_kind(self) -> bool:
@@ -73,6 +80,27 @@ def worst_leaf(report) -> str:
     return '' if leaf is None else f'{leaf.name}: {leaf.bad} of {leaf.size} off, max {leaf.max_abs:.2g}'
 
 
+def margins(report) -> dict:
+    """The worst ratio to the floor and to the limit, each with its leaf, over the leaves judged
+    against a measured floor (noise-dominated, one-sided and non-finite leaves are not)."""
+    rule = getattr(report, 'floor', None)
+    judged = [
+        leaf
+        for leaf in report.leaves
+        if leaf.floor is not None and leaf.limit and not leaf.noise_dominated and not leaf.note
+    ]
+    out = {'noisy': sum(leaf.noise_dominated for leaf in report.leaves)}
+    if rule is None or not judged:
+        return out
+    by_floor = [leaf for leaf in judged if leaf.floor > 0 and leaf.limit <= rule.safety * leaf.floor]
+    worst = max(judged, key=lambda leaf: leaf.max_abs / leaf.limit)
+    out.update(x_limit=worst.max_abs / worst.limit, x_limit_leaf=worst.name)
+    if by_floor:
+        top = max(by_floor, key=lambda leaf: leaf.max_abs / leaf.floor)
+        out.update(ratio=top.max_abs / top.floor, ratio_leaf=top.name)
+    return out
+
+
 def run_case(entry: Entry, devices: int, seed: int, **overrides) -> Case:
     """``equivalence.check`` of the entry's port; ``overrides``: RunConfig fields (tests shrink K and C)."""
     import equivalence
@@ -82,10 +110,12 @@ def run_case(entry: Entry, devices: int, seed: int, **overrides) -> Case:
         result = equivalence.check(entry.port, devices=devices, seed=seed, **{**entry.flags, **overrides})
         verdict = 'MATCH' if result.report.match else 'MISMATCH'
         kind, detail = diagnosis_kind(result), worst_leaf(result.report)
+        extra = {**margins(result.report), 'twin': getattr(getattr(result, 'verdict', None), 'twin', '') or ''}
     except Exception as e:  # noqa: BLE001 -- one broken run is a wrong verdict, not the end of the corpus
         verdict, kind, detail = 'ERROR', None, f'{type(e).__name__}: {(str(e).splitlines() or [""])[0][:200]}'
+        extra = {}
     seconds = time.perf_counter() - start
-    return Case(entry.name, entry.truth, entry.kind, devices, seed, verdict, kind, seconds, detail)
+    return Case(entry.name, entry.truth, entry.kind, devices, seed, verdict, kind, seconds, detail, **extra)
 
 
 def run(

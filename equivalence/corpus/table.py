@@ -93,5 +93,8 @@ def to_json(cases: list[Case], s: Sensitivity | None) -> dict:
             'false_mismatches': len(s.false_mismatches),
             'detected': {f'{level:g}': s.detected(level) for level in s.levels},
             'seconds': round(s.seconds, 1),
+            'cases': [
+                {**c.__dict__, 'wrong': c.wrong} for c in [*s.baseline, *(c for v in s.levels.values() for c in v)]
+            ],
         }
     return out
