@@ -10,12 +10,12 @@ What runs, by ``RunConfig.verdict``:
 - ``screen``: the fixed tolerance of ``compare.FLOAT32_REDUCTION_ORDER``; the twin runs only
   when the screen fails, to adjudicate (a correct but ill-conditioned port still MATCHes).
 
-With several processes every process runs the twins that fit on its own devices, on the whole
-batch (``twin``), and judges by process 0's, so all reach the same verdict; the gradient probe and the deterministic re-run stay
-single-process (they run the pmap side again, over every process's devices), as does the masked-
-loss hint. After ``--resume-at`` the twin restores the same checkpoint; the probe and the re-run,
-which start from the initial state, are not run. Where no other mesh fits, the fixed screen
-decides, and the report says so.
+With several processes every process runs the twins that fit on its own devices, on the
+whole batch (``twin``), and judges by process 0's, so all reach the same verdict; the gradient
+probe and the deterministic re-run stay single-process (they run the pmap side again, over
+every process's devices), as does the masked-loss hint. After ``--resume-at`` the twin restores
+the same checkpoint; the probe and the re-run, which start from the initial state, are not run.
+Where no other mesh fits, the fixed screen decides, and the report says so.
 """
 
 import dataclasses
