@@ -66,9 +66,13 @@ def test_attention_dropout_at_level_1_matches_and_is_the_same_whatever_the_layou
     """Was exit 3 (InvalidRngError: needs PRNG for "dropout"). A mask shared across the batch (the
     layers' default) and one per example; global keys: the same losses on 1 device as on 2."""
     require_devices(4)
-    own_mask = harness.check(port(broadcast=False), devices=4, rng_mode='global', **QUICK)
+    # The fixed screen decides the MATCHes here (a run that fails it is still judged by its floor):
+    # what is checked is the bridge; the unbridged control below goes through the whole verdict.
+    own_mask = harness.check(port(broadcast=False), devices=4, rng_mode='global', verdict='screen', **QUICK)
     assert own_mask.report.match, [leaf for leaf in own_mask.report.leaves if not leaf.ok]
-    one, two = (harness.check(port(broadcast=True), devices=d, rng_mode='global', **QUICK) for d in (1, 2))
+    one, two = (
+        harness.check(port(broadcast=True), devices=d, rng_mode='global', verdict='screen', **QUICK) for d in (1, 2)
+    )
     assert one.report.match and two.report.match, [leaf for leaf in two.report.leaves if not leaf.ok]
     np.testing.assert_allclose(one.legacy.losses, two.legacy.losses, rtol=1e-6)  # the same masks: per example
     original = harness.randomness.bridged  # negative control: NNX attention draws its own masks

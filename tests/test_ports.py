@@ -80,16 +80,16 @@ def test_unpaired_names_stop_the_run_before_any_training(monkeypatch):
 # -- the example, both levels ---------------------------------------------------------------------
 
 
-def test_example_in_a_fresh_directory_through_the_pytest_helpers_at_1_2_4_8_devices_and_2_processes(tmp_path):
-    """The example's own tests as a team runs them, in a folder that only imports the suite: each D in
-    {1, 2, 4, 8} once, both levels twice, and the loop across 2 processes of 2 devices (the helper starts
-    the workers). The other four of its nine tests are the same calls at other D."""
+def test_example_in_a_fresh_directory_through_the_pytest_helpers_on_1_and_8_devices_and_2_processes(tmp_path):
+    """The example's own tests as a team runs them, in a folder that only imports the suite: level 2 on
+    1 device, level 1 on 8, and the loop across 2 processes of 2 devices (the helper starts the workers).
+    The other six of its nine tests are the same calls at other D."""
     for name in ('legacy_code.py', 'nnx_code.py', 'my_port.py', 'conftest.py', 'test_port.py'):
         shutil.copy(os.path.join(EXAMPLE, name), tmp_path)
-    chosen = 'model-1 or model-8 or loop-2 or loop-4 or across'
+    chosen = 'loop-1 or model-8 or across'
     proc = run_pytest_in(tmp_path, '-k', chosen)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert '5 passed, 4 deselected' in proc.stdout, proc.stdout[-2000:]
+    assert '3 passed, 6 deselected' in proc.stdout, proc.stdout[-2000:]
     assert 'Some donated buffers' not in proc.stdout  # the plugin's warning filter is in force
 
 

@@ -26,7 +26,9 @@ def config(name: str, **overrides) -> RunConfig:
 @pytest.mark.parametrize('rng_mode', ['per-device', 'global'])
 @pytest.mark.parametrize('devices', [2, 8])
 def test_cnn_matches_with_running_statistics_and_accuracy(devices, rng_mode):
-    result = harness.run(workloads.get('cnn'), config('cnn', devices=devices, rng_mode=rng_mode))
+    # The fixed screen first (a leaf that fails it is still judged by its floor): the subject here is
+    # BatchNorm's statistics and accuracy; the controls below and test_verdict.py test the verdict.
+    result = harness.run(workloads.get('cnn'), config('cnn', devices=devices, rng_mode=rng_mode, verdict='screen'))
     assert result.report.match, [(x.name, x.max_abs) for x in result.report.leaves if not x.ok]
     stats = [x for x in result.report.leaves if x.group == 'model_state']
     assert {x.path for x in stats} == {f'batch_stats/bn{i}/{s}' for i in (1, 2) for s in ('mean', 'var')}
@@ -66,7 +68,7 @@ def _final(name: str, devices: int, rng_mode: str) -> tuple[dict, dict]:
 def test_global_mode_is_invariant_to_the_device_count(name):
     tol = workloads.get(name).tolerance
     legacy_1, nnx_1 = _final(name, 1, 'global')
-    for devices in (2, 4, 8):
+    for devices in (2, 8):
         legacy_d, nnx_d = _final(name, devices, 'global')
         assert compare.compare(legacy_1, legacy_d, tol).match, f'legacy, D=1 vs D={devices}'
         assert compare.compare(nnx_1, nnx_d, tol).match, f'nnx, D=1 vs D={devices}'
