@@ -1,10 +1,8 @@
 """The verdict corpus (issue 16, point 5): a cheap subset of its entries, each verdict asserted.
 
-Correct ports must MATCH and slips MISMATCH (naming the slip's kind, once the verdict names
-kinds). Under today's fixed tolerance some correct ports MISMATCH and some slips MATCH: those
-assertions are strict xfails, so they turn red the day the verdict gets them right, and the
-mark comes off. The whole corpus, at 1, 2, 4 and 8 devices and over seeds, is
-``python -m equivalence.corpus``.
+Correct ports must MATCH and slips MISMATCH, naming the slip's kind. The whole corpus, at 1, 2,
+4 and 8 devices and over seeds, is ``python -m equivalence.corpus`` (docs/verdict.md has its
+last measured confusion matrix).
 """
 
 import subprocess
