@@ -39,12 +39,15 @@ class Inputs:
     rng: jax.Array | None
     restore: Callable | None = None  # --resume-at: loads the checkpoint into a setup, returns the key chain
     first_call: int = 0  # --resume-at: the calls are those from this one on
+    whole: list | None = dataclasses.field(default=None, repr=False)  # whole_calls, drawn once
 
     def whole_calls(self, port: Port, config: RunConfig) -> list:
         """The calls with every row of the global batch: the twin runs on this process's devices alone."""
         if jax.process_count() == 1:
             return self.calls
-        return harness.global_calls(port, config)[self.first_call :]
+        if self.whole is None:
+            self.whole = harness.global_calls(port, config)[self.first_call :]
+        return self.whole
 
     def single_process_probes(self) -> str:
         """Why the probes that re-run both sides cannot run here; '' when they can."""

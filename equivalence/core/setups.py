@@ -27,26 +27,21 @@ from nnx_sharded import train as sharded
 def make_inputs(port: Port, config: RunConfig) -> tuple[dict, list, jax.Array]:
     """Linen variables, the data of each call (pytrees of ``[K, G, ...]``; with several processes,
     only this process's rows ``[K, G*n/D, ...]``), and the training key."""
-    data = port.make_data(np.random.default_rng(config.seed), config.steps, config.batch_size)
-    calls = [rows.local_batch(batch_KxG, config.devices, input_rows(config)) for batch_KxG in split_calls(data, config)]
+    whole = global_calls(port, config)
+    calls = [rows.local_batch(batch_KxG, config.devices, input_rows(config)) for batch_KxG in whole]
     rng, init_rng = jax.random.split(jax.random.PRNGKey(config.seed))
-    example = jax.tree.map(lambda v: v[0, :1], data)
+    example = jax.tree.map(lambda v: v[0, :1], whole[0])
     variables = port.legacy_model().init({'params': init_rng, 'dropout': init_rng}, *port.init_args(example))
     return dict(variables), calls, rng
 
 
-def split_calls(data: Any, config: RunConfig) -> list:
-    """``[C*K, G, ...]`` -> the batch of each call, ``[K, G, ...]``."""
+def global_calls(port: Port, config: RunConfig) -> list:
+    """Every call's whole batch, ``[K, G, ...]``, in every process: what ``make_inputs`` splits
+    between processes, and what a run on this process's devices alone (the twin across processes)
+    is fed. ``make_data`` is seeded, so each process draws the same rows."""
+    data = port.make_data(np.random.default_rng(config.seed), config.steps, config.batch_size)
     k = config.steps_per_call
     return [jax.tree.map(lambda v, c=c: v[c * k : (c + 1) * k], data) for c in range(config.calls)]
-
-
-def global_calls(port: Port, config: RunConfig) -> list:
-    """Every call's whole batch, ``[K, G, ...]``, in every process: what a run on this process's
-    devices alone (the twin across processes) is fed. ``make_data`` is seeded, so each process
-    draws the same rows that ``make_inputs`` split between them."""
-    data = port.make_data(np.random.default_rng(config.seed), config.steps, config.batch_size)
-    return split_calls(data, config)
 
 
 def batch_rows(batch_KxR: Any, config: RunConfig) -> rows.Rows:

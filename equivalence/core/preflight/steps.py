@@ -20,7 +20,7 @@ from equivalence.core import randomness
 from equivalence.core.config import RunConfig
 from equivalence.core.ports import LoopPort
 from equivalence.core.preflight.errors import HOST_ONLY, blamed, fail, kind
-from equivalence.core.preflight.trace import legacy_state, nnx_train_state
+from equivalence.core.preflight.trace import legacy_state, nnx_train_state, pair, same_nnx_state
 from equivalence.distributed import rows
 
 SDS = jax.ShapeDtypeStruct
@@ -51,7 +51,7 @@ def trace_legacy_step(port: LoopPort, config: RunConfig, variables: dict, batch_
 
     def step(state, batch, key):
         out = one(state, batch, key)
-        new_state, out = _pair(port, 'legacy_step', out, expected)
+        new_state, out = pair(port, 'legacy_step', out, expected)
         if jax.tree.structure(new_state) != jax.tree.structure(state):
             raise fail(port, 'legacy_step', 'returned a state of another structure than the one it was given')
         return out
@@ -78,14 +78,8 @@ def trace_nnx_side(port: LoopPort, config: RunConfig, batch_KxG: Any, adapters) 
             out = port.nnx_step(ts, batch) if port.step_form == 'state' else port.nnx_step(ts, batch, keys)
             new_ts, out = out if adapters.returns_state(out, ts) else (ts, out)
         else:
-            new_ts, out = _pair(port, field, port.nnx_call(ts, keys, batch), '(train_state, out_K)')
-        try:
-            new_state = nnx.state(new_ts)
-        except Exception:  # noqa: BLE001 -- not NNX objects at all
-            given = type(new_ts).__name__
-            raise fail(port, field, f'returned a train state of type {given}; expected the one it was given') from None
-        if jax.tree.structure(new_state) != jax.tree.structure(state):
-            raise fail(port, field, 'returned a train state of another structure than the one it was given')
+            new_ts, out = pair(port, field, port.nnx_call(ts, keys, batch), '(train_state, out_K)')
+        same_nnx_state(port, field, new_ts, state)
         return out
 
     if port.nnx_step is not None:  # one step, its global batch
@@ -102,13 +96,6 @@ def trace_nnx_side(port: LoopPort, config: RunConfig, batch_KxG: Any, adapters) 
     if port.nnx_step is not None:
         out = jax.tree.map(lambda s: SDS((k, *s.shape), s.dtype), out)
     check_loss(port, field, out, k)
-
-
-def _pair(port: LoopPort, field: str, out: Any, expected: str) -> tuple[Any, Any]:
-    if not isinstance(out, tuple) or len(out) != 2:
-        given = f'a tuple of {len(out)}' if isinstance(out, tuple) else kind(out)
-        raise fail(port, field, f'returned {given}; expected {expected}')
-    return out
 
 
 def check_loss(port: LoopPort, field: str, out_K: Any, k: int) -> None:

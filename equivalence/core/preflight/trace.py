@@ -130,23 +130,10 @@ def trace_nnx_loop(port: LoopPort, config: RunConfig, keys: Any, batch_KxG: Any)
     graphdef, state = nnx.split(ts)
 
     def pure(state, keys, batch):
-        out = port.nnx_call(nnx.merge(graphdef, state), keys, batch)
-        if not isinstance(out, tuple) or len(out) != 2:
-            given = f'a tuple of {len(out)}' if isinstance(out, tuple) else kind(out)
-            raise fail(port, 'nnx_call', f'returned {given}; expected (train_state, losses_K)')
-        new_ts, losses_K = out
-        try:
-            new_state = nnx.state(new_ts)
-        except Exception:  # noqa: BLE001 -- not NNX objects at all
-            raise fail(
-                port,
-                'nnx_call',
-                f'returned a train state of type {type(new_ts).__name__}; expected the '
-                'train state it was given (its NNX objects)',
-            ) from None
-        if jax.tree.structure(new_state) != jax.tree.structure(state):
-            raise fail(port, 'nnx_call', 'returned a train state of another structure than the one it was given')
-        return new_state, losses_K
+        new_ts, losses_K = pair(
+            port, 'nnx_call', port.nnx_call(nnx.merge(graphdef, state), keys, batch), '(train_state, losses_K)'
+        )
+        return same_nnx_state(port, 'nnx_call', new_ts, state), losses_K
 
     with blamed(port, 'nnx_call'), randomness.bridged(config.rng_mode):
         try:
@@ -155,6 +142,30 @@ def trace_nnx_loop(port: LoopPort, config: RunConfig, keys: Any, batch_KxG: Any)
             return ts
     check_losses(port, 'nnx_call', losses_K, (config.steps_per_call,), 'one mean loss per step, shape [K]')
     return ts
+
+
+def pair(port: Port, field: str, out: Any, expected: str) -> tuple[Any, Any]:
+    """``out`` as the two things a step returns, or ``PreflightError`` naming what it returned."""
+    if not isinstance(out, tuple) or len(out) != 2:
+        given = f'a tuple of {len(out)}' if isinstance(out, tuple) else kind(out)
+        raise fail(port, field, f'returned {given}; expected {expected}')
+    return out
+
+
+def same_nnx_state(port: Port, field: str, new_ts: Any, state: Any) -> Any:
+    """The NNX state of the train state ``field`` returned, which must have the structure of ``state``."""
+    try:
+        new_state = nnx.state(new_ts)
+    except Exception:  # noqa: BLE001 -- not NNX objects at all
+        raise fail(
+            port,
+            field,
+            f'returned a train state of type {type(new_ts).__name__}; expected the '
+            'train state it was given (its NNX objects)',
+        ) from None
+    if jax.tree.structure(new_state) != jax.tree.structure(state):
+        raise fail(port, field, 'returned a train state of another structure than the one it was given')
+    return new_state
 
 
 def check_losses(port: Port, field: str, losses: Any, expected: tuple[int, ...], what: str) -> None:
