@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from conftest import ROOT, require_devices
 
-from equivalence.core import compare, harness, twin, verdict, workloads
+from equivalence.core import compare, harness, judge, twin, verdict, workloads
 from equivalence.core.config import RunConfig
 
 sys.path.insert(0, os.path.join(ROOT, 'examples', 'mlp_port'))
@@ -43,6 +43,8 @@ def test_perturb_1e_5_is_caught_at_8_devices():
     """The fixed tolerance passes a 1e-5 learning-rate change on mlp; its measured floor does not."""
     result = run(workloads.get('mlp'), perturb=1e-5, steps_per_call=5, calls=4)
     assert kind(result) == 'optimizer'
+    # the legacy side's own floor was measured too, and it does not hide the slip
+    assert "a legacy twin on 1 device(s) measured the pmap side's own floor" in result.verdict.done
     assert {leaf.group for leaf in verdict.failed(result.report)} >= {'params'}
 
 
@@ -102,6 +104,18 @@ def test_a_twin_that_changes_the_math_is_refused():
     assert verdict.twin_refusal(new.losses, secret.losses).startswith('refused: its loss at step 2')
 
 
+def test_a_legacy_twin_that_draws_other_noise_is_refused():
+    """With per-device keys, score's legacy step on 1 device draws other noise than on 2: the legacy
+    twin computes something else from step 1 and measures no floor (else it would pass a slip)."""
+    require_devices(2)
+    port = workloads.get('score')
+    config = RunConfig(workload='score', devices=2, rng_mode='per-device', steps_per_call=2, calls=1)
+    variables, calls, rng = harness.make_inputs(port, config)
+    old = harness.run_legacy(port, config, variables, calls, rng)
+    other, said = judge.legacy_twin(port, config, old, judge.Inputs(variables, calls, rng))
+    assert other is None and said.startswith('legacy twin on 1 device(s) refused: its loss at step 1'), said
+
+
 def test_the_twin_splits_the_batch_otherwise_than_the_checked_run():
     """tp's mesh is all model axis: it sums the batch as one device does, so a twin on 1 device rounds
     like it and measures too small a floor (cnn, Adam eps 1e-8, tp on 8, seed 6: a correct port failed
@@ -131,6 +145,17 @@ def test_floor_rule_holds_a_leaf_to_its_own_noise():
     assert not slipped.match  # 1e-4 off, floor 1e-6: 100x
     within_ulps = compare.compare_to_floor(ref, shift(ref, 2.4e-7, 0), shift(ref, 2.4e-7, 0), verdict.MEASURED_FLOOR)
     assert within_ulps.match  # floor 0, one spacing of 2.0: the ulp minimum
+    # the legacy side's own spread (a legacy twin) counts too, where it is larger: pmap-side chaos
+    legacy_twin = shift(ref, -1e-4, 0)
+    rescued = compare.compare_to_floor(
+        ref, shift(ref, 1e-4, 0), shift(ref, 1e-4 + 1e-6, 0), verdict.MEASURED_FLOOR, legacy_twin
+    )
+    assert rescued.match and rescued.legacy_twin
+    nan_twin = {'params': {'w': np.full(2, np.nan, np.float32), 'b': ref['params']['b']}}
+    nan_slipped = compare.compare_to_floor(
+        ref, shift(ref, 1e-4, 0), shift(ref, 1e-4 + 1e-6, 0), verdict.MEASURED_FLOOR, nan_twin
+    )
+    assert not nan_slipped.match  # a non-finite legacy twin measures nothing
 
 
 def test_the_judge_runs_no_twin_when_asked_for_the_screen_only_and_it_passes():

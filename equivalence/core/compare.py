@@ -70,6 +70,7 @@ class Report:
     leaves: list[LeafDiff]
     tolerance: Tolerance
     floor: 'FloorRule | None' = None  # set when a twin measured each leaf's noise floor
+    legacy_twin: bool = False  # a legacy twin's |legacy - legacy twin| entered the floors too
 
     @property
     def match(self) -> bool:
@@ -110,8 +111,17 @@ def spacing32(x: float) -> float:
     return float(np.spacing(np.float32(abs(x))))
 
 
-def floor_leaf(group: str, path: str, ref: np.ndarray, other: np.ndarray, twin: np.ndarray, rule: FloorRule):
-    """One float leaf held to its own measured floor; counters and shapes as ``compare_leaf``."""
+def floor_leaf(
+    group: str,
+    path: str,
+    ref: np.ndarray,
+    other: np.ndarray,
+    twin: np.ndarray,
+    rule: FloorRule,
+    ref_twin: np.ndarray | None = None,
+):
+    """One float leaf held to its own measured floor, the larger of ``|other - twin|`` and, given a
+    finite ``ref_twin`` of its shape, ``|ref - ref_twin|``; counters and shapes as ``compare_leaf``."""
     screened = compare_leaf(group, path, ref, other, Tolerance(0.0, 0.0, ''))
     if screened.note or not np.issubdtype(ref.dtype, np.floating) or twin.shape != other.shape:
         return screened
@@ -119,6 +129,8 @@ def floor_leaf(group: str, path: str, ref: np.ndarray, other: np.ndarray, twin: 
         return dataclasses.replace(screened, ok=False, note=nonfinite_note(ref, other))
     ref64, other64 = ref.astype(np.float64), other.astype(np.float64)
     floor = float(np.abs(other64 - twin.astype(np.float64)).max(initial=0.0))
+    if ref_twin is not None and ref_twin.shape == ref.shape and np.isfinite(ref_twin).all():
+        floor = max(floor, float(np.abs(ref64 - ref_twin.astype(np.float64)).max(initial=0.0)))
     scale = float(np.abs(ref64).max(initial=0.0))
     limit = max(rule.safety * floor, rule.min_ulps * spacing32(scale))
     noisy = floor > rule.noise_rel * scale
@@ -135,15 +147,19 @@ def nonfinite_note(ref: np.ndarray, other: np.ndarray) -> str:
     return f'non-finite on the {" and ".join(sides)} side' if sides else 'non-finite in the twin'
 
 
-def compare_to_floor(ref: Neutral, other: Neutral, twin: Neutral, rule: FloorRule) -> Report:
+def compare_to_floor(
+    ref: Neutral, other: Neutral, twin: Neutral, rule: FloorRule, ref_twin: Neutral | None = None
+) -> Report:
     """Every leaf of ``ref`` (legacy) against ``other`` (NNX), each within its own floor, what
-    ``other`` differs from ``twin`` by (the same NNX run, only the reductions reordered)."""
+    ``other`` differs from ``twin`` by (the same NNX run, only the reductions reordered), or, where
+    ``ref_twin`` (the legacy run again on another device count) is given and farther, what ``ref``
+    differs from it by."""
     leaves = []
     for group in sorted(set(ref) | set(other)):
-        a, b, t = ref.get(group, {}), other.get(group, {}), twin.get(group, {})
+        a, b, t, r = ref.get(group, {}), other.get(group, {}), twin.get(group, {}), (ref_twin or {}).get(group, {})
         for path in sorted(set(a) | set(b)):
             if path not in a or path not in b:
                 leaves.append(one_sided(group, path, 'legacy' if path in a else 'nnx'))
             else:
-                leaves.append(floor_leaf(group, path, a[path], b[path], t.get(path, b[path]), rule))
-    return Report(leaves, FLOAT32_REDUCTION_ORDER, rule)
+                leaves.append(floor_leaf(group, path, a[path], b[path], t.get(path, b[path]), rule, r.get(path)))
+    return Report(leaves, FLOAT32_REDUCTION_ORDER, rule, ref_twin is not None)

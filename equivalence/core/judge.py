@@ -78,6 +78,14 @@ def judge(port: Port, config: RunConfig, old, new, inputs: Inputs, tree) -> tupl
     on = f'on {" and ".join(map(str, twins))} device(s)'
     on += f' in each of {jax.process_count()} processes' if jax.process_count() > 1 else ''
     done.append(f'every leaf and the first loss held to the floor of {"twins" if len(twins) > 1 else "a twin"} {on}')
+    if wants_legacy_twin(report, old, new, inputs):
+        other, said = legacy_twin(port, config, old, inputs)
+        done.append(said)
+        if other is not None:
+            ref_twin = trees(other, verdict.first_step_tree(float(other.losses[0])))
+            report = compare.compare_to_floor(
+                trees(old, first[0]), trees(new, first[1]), floor, MEASURED_FLOOR, ref_twin
+            )
     return report, finish(port, config, report, old, new, inputs, done, on, next(iter(twins)))
 
 
@@ -100,6 +108,37 @@ def measured_twins(port: Port, config: RunConfig, new, inputs: Inputs, counts: t
         else:
             twins[n] = tw
     return twins, (why[0] if why else '')
+
+
+def wants_legacy_twin(report: compare.Report, old, new, inputs: Inputs) -> bool:
+    """Whether the legacy side's own floor could change this verdict: the NNX twins' floor failed
+    leaves that both sides hold, with finite losses and the first step within its floor (a slip
+    there is math, which no reordering explains), in one process from the initial state."""
+    bad = [leaf for leaf in verdict.failed(report) if not leaf.one_sided]
+    finite = np.isfinite(old.losses).all() and np.isfinite(new.losses).all()
+    early = verdict.failed(report, 'first_step')
+    return bool(bad) and bool(finite) and not early and not inputs.single_process_probes()
+
+
+def legacy_twin(port: Port, config: RunConfig, old, inputs: Inputs) -> tuple[harness.PathResult | None, str]:
+    """The pmap side again on another device count, with the same data and keys: what reordering its
+    own sums does to it. The NNX twins cannot see chaos that lives on the legacy side (cnn, global
+    keys, seed 4: legacy on 8 devices ends 1.7e-4 from legacy on 1, 2 and 4 and from every NNX run,
+    all within 1.5e-6 of each other). With per-device keys a random port draws other numbers on
+    another count: its step-1 loss differs and the twin is refused, as an NNX twin would be."""
+    n = twin.legacy_twin_count(config, len(jax.devices()))
+    if n is None:
+        return None, 'legacy twin not run: no second device count fits'
+    try:
+        on_n = dataclasses.replace(config, devices=n)
+        other = harness.run_legacy(port, on_n, inputs.variables, inputs.calls, inputs.rng)
+    except Exception as e:  # noqa: BLE001 -- pmap code written for one device count
+        why = f'{type(e).__name__}: {str(e).splitlines()[0][:160]}'
+        return None, f'legacy twin on {n} device(s) not run: it raised {why}'
+    refusal = verdict.twin_refusal(old.losses, other.losses, 'legacy')
+    if refusal:
+        return None, f'legacy twin on {n} device(s) {refusal}'
+    return other, f"a legacy twin on {n} device(s) measured the pmap side's own floor"
 
 
 def finish(port, config, report, old, new, inputs, done, twin_text, n_twin) -> Verdict:

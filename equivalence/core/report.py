@@ -56,9 +56,10 @@ def leaf_table(result: RunResult, n: int = 8) -> list[str]:
 def floor_table(result: RunResult, n: int) -> list[str]:
     """Each leaf beside its measured floor and the difference it was allowed."""
     rule = result.report.floor
+    floor = 'the larger of max |nnx - twin| and max |legacy - legacy twin|' if result.report.legacy_twin else None
     rows = [
         f'worst leaves of {len(result.report.leaves)} (ok when max |nnx - legacy| <= max({rule.safety:g} x floor, '
-        f'{rule.min_ulps:g} float32 spacings of max |legacy|); floor = max |nnx - twin|)',
+        f'{rule.min_ulps:g} float32 spacings of max |legacy|); floor = {floor or "max |nnx - twin|"})',
         f'{"leaf":<40}  {"max abs":>9}  {"floor":>9}  {"allowed":>9}  ok',
     ]
     # failing parameters first, then the rest of the final state, then the first step's leaves (the

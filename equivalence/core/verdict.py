@@ -9,6 +9,11 @@ level 1, the first step's gradients are leaves of their own, ``first_step/...``)
     floor = max |nnx - twin|     (the twin: the NNX run again, only the reductions reordered)
     ok    when max |nnx - legacy| <= max(SAFETY * floor, MIN_ULPS float32 spacings of max |legacy|)
 
+Where that fails with the first step within its floor (a difference that grew over the updates),
+the legacy run is done again on another device count (``judge.legacy_twin``) and each leaf's
+floor is the larger of ``max |nnx - twin|`` and ``max |legacy - legacy twin|``: chaos on the
+pmap side is noise too, and no NNX twin can see it.
+
 and a leaf whose floor exceeds NOISE_REL of its own largest value is NOISE-DOMINATED:
 reported with its figure, not failed, because its final value cannot verify anything.
 """
@@ -76,15 +81,16 @@ def ulps(a: float, b: float) -> float:
     return abs(a - b) / spacing32(max(abs(a), abs(b)) or 1.0)
 
 
-def twin_refusal(nnx_losses: np.ndarray, twin_losses: np.ndarray) -> str:
-    """'' when the twin computes what the NNX run computes; else why it is refused as a floor."""
+def twin_refusal(nnx_losses: np.ndarray, twin_losses: np.ndarray, side: str = 'NNX') -> str:
+    """'' when the twin computes what the ``side`` run (NNX, or legacy for a legacy twin) computes;
+    else why it is refused as a floor."""
     for k in range(min(2, len(nnx_losses))):
         n, t = float(nnx_losses[k]), float(twin_losses[k])
         if not (np.isfinite(n) and np.isfinite(t)):
-            return f'refused: a non-finite loss at step {k + 1} (nnx {n}, twin {t})'
+            return f'refused: a non-finite loss at step {k + 1} ({side.lower()} {n}, twin {t})'
         if ulps(n, t) > TWIN_ULPS:
             return (
-                f'refused: its loss at step {k + 1} is {ulps(n, t):.0f} float32 spacings from the NNX run '
+                f'refused: its loss at step {k + 1} is {ulps(n, t):.0f} float32 spacings from the {side} run '
                 f'({t:.9g} vs {n:.9g}, more than {TWIN_ULPS:g}): it does not compute the same thing, '
                 'so it measures no floor'
             )
