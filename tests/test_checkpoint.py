@@ -177,6 +177,7 @@ def test_a_resumed_run_is_held_to_the_floor_of_a_resumed_twin_which_fails_what_t
     done = result.verdict.done
     assert not result.report.match and done[0] == 'fixed screen passed' and result.verdict.twin == 'on 1 device(s)'
     assert done[-1] == 'first-step gradients not probed: resumed from a checkpoint' and result.verdict.kind == 'update'
+    assert 'legacy twin not run: resumed from a checkpoint' in done
 
 
 @pytest.fixture(scope='module')

@@ -78,7 +78,9 @@ def judge(port: Port, config: RunConfig, old, new, inputs: Inputs, tree) -> tupl
     on = f'on {" and ".join(map(str, twins))} device(s)'
     on += f' in each of {jax.process_count()} processes' if jax.process_count() > 1 else ''
     done.append(f'every leaf and the first loss held to the floor of {"twins" if len(twins) > 1 else "a twin"} {on}')
-    if wants_legacy_twin(report, old, new, inputs):
+    if wants_legacy_twin(report, old, new) and inputs.single_process_probes():
+        done.append(f'legacy twin not run: {inputs.single_process_probes()}')
+    elif wants_legacy_twin(report, old, new):
         other, said = legacy_twin(port, config, old, inputs)
         done.append(said)
         if other is not None:
@@ -110,14 +112,13 @@ def measured_twins(port: Port, config: RunConfig, new, inputs: Inputs, counts: t
     return twins, (why[0] if why else '')
 
 
-def wants_legacy_twin(report: compare.Report, old, new, inputs: Inputs) -> bool:
+def wants_legacy_twin(report: compare.Report, old, new) -> bool:
     """Whether the legacy side's own floor could change this verdict: the NNX twins' floor failed
     leaves that both sides hold, with finite losses and the first step within its floor (a slip
-    there is math, which no reordering explains), in one process from the initial state."""
+    there is math, which no reordering explains). It runs in one process, from the initial state."""
     bad = [leaf for leaf in verdict.failed(report) if not leaf.one_sided]
     finite = np.isfinite(old.losses).all() and np.isfinite(new.losses).all()
-    early = verdict.failed(report, 'first_step')
-    return bool(bad) and bool(finite) and not early and not inputs.single_process_probes()
+    return bool(bad) and bool(finite) and not verdict.failed(report, 'first_step')
 
 
 def legacy_twin(port: Port, config: RunConfig, old, inputs: Inputs) -> tuple[harness.PathResult | None, str]:

@@ -114,7 +114,8 @@ def verdict_json(result: RunResult) -> dict | None:
         return None
     noisy = [{'name': leaf.name, 'floor': leaf.floor, 'max_abs': leaf.max_abs} for leaf in v.noise_dominated]
     rule = result.report.floor
-    floor = None if rule is None else {'safety': rule.safety, 'min_ulps': rule.min_ulps, 'noise_rel': rule.noise_rel}
+    floor = None if rule is None else {'safety': rule.safety, 'min_ulps': rule.min_ulps, 'noise_rel': rule.noise_rel,
+                                       'legacy_twin': result.report.legacy_twin}  # fmt: skip
     return {'mode': v.mode, 'done': list(v.done), 'twin': v.twin, 'kind': v.kind, 'diagnosis': v.diagnosis,
             'floor_rule': floor, 'noise_dominated': noisy}  # fmt: skip
 
