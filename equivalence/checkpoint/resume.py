@@ -126,7 +126,7 @@ def train_legacy(port: Port, config: RunConfig, options: CheckpointOptions, dire
     harness.check_names(port, variables)
     preserve = [options.resume_at] if options.resume_at else []
     hook = legacy_saver(directory, config, options.save_every(config), options.keep, preserve)
-    result = harness.run_legacy(port, config, variables, calls, rng, progress or _silent, after_call=hook)
+    result = harness.run_legacy(port, config, variables, calls, rng, progress or harness.silent, after_call=hook)
     return LegacyRun(result, directory, variables, calls, rng)
 
 
@@ -136,7 +136,7 @@ def resume_nnx(port: Port, config: RunConfig, legacy: LegacyRun, nnx_dir: str, s
     after = legacy.calls[step // config.steps_per_call :]
     chain = lambda: adapters.chain_at(port, config, legacy.rng, step // config.steps_per_call)  # noqa: E731
     restore = restorer(nnx_dir, config, step, chain)
-    new = harness.run_nnx(port, config, legacy.variables, after, None, progress or _silent, restore=restore)
+    new = harness.run_nnx(port, config, legacy.variables, after, None, progress or harness.silent, restore=restore)
     inputs = (legacy.variables, after, None)  # the twin restores the same checkpoint, trains the same calls
     return compare_paths(port, config, legacy.result, new, step, inputs, restore=restore)
 
@@ -156,7 +156,7 @@ def run(port: Port, config: RunConfig, options: CheckpointOptions, progress=None
             f'legacy checkpoints every {options.save_every(config)} call(s) in {legacy.directory}',
         )
         if n is None:
-            new = harness.run_nnx(port, config, legacy.variables, legacy.calls, legacy.rng, progress or _silent)
+            new = harness.run_nnx(port, config, legacy.variables, legacy.calls, legacy.rng, progress or harness.silent)
             inputs = (legacy.variables, legacy.calls, legacy.rng)
             return compare_paths(port, config, legacy.result, new, 0, inputs, notes=[note])
         nnx_dir = os.path.join(root, 'nnx')
@@ -170,10 +170,6 @@ def run(port: Port, config: RunConfig, options: CheckpointOptions, progress=None
             f'onto {nnx_config.devices} device(s) and trained steps {n + 1}-{config.steps}'
         )
         return result
-
-
-def _silent(path: str) -> None:
-    pass
 
 
 def compare_paths(

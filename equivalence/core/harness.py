@@ -19,7 +19,6 @@ from equivalence.core.setups import (  # noqa: F401 -- the setups, part of this 
     NnxGraphSetup,
     NnxLoopSetup,
     NnxSetup,
-    _adapters,
     abstract_model,
     check_names,
     global_calls,
@@ -34,6 +33,7 @@ from equivalence.core.setups import (  # noqa: F401 -- the setups, part of this 
     nnx_step,
     placed_inputs,
     port_noise,
+    step_adapters,
     uses_dropout,
 )
 from legacy_pmap import train as legacy
@@ -74,11 +74,11 @@ Progress = Callable[[str], None]  # called with 'legacy' or 'nnx' after each com
 AfterCall = Callable[[Any, int, jax.Array], None]  # (setup, calls done, host key chain for the next call)
 
 
-def _silent(path: str) -> None:
+def silent(path: str) -> None:
     pass
 
 
-def _train(setup, calls: list, rng, mapping, progress: Progress, path: str, after_call: AfterCall | None = None):
+def train_calls(setup, calls: list, rng, mapping, progress: Progress, path: str, after_call: AfterCall | None = None):
     """Every call in order, one in flight; the losses and the parameters after each call."""
     losses, per_call = [], []
     for i, batch_KxG in enumerate(calls):
@@ -95,13 +95,13 @@ def _params(neutral: convert.Neutral, mapping: dict[str, str] | None) -> dict[st
     return convert.rename(neutral, mapping)['params'] if mapping else neutral['params']
 
 
-def run_legacy(port: Port, config: RunConfig, variables: dict, calls: list, rng, progress=_silent, after_call=None):
+def run_legacy(port: Port, config: RunConfig, variables: dict, calls: list, rng, progress=silent, after_call=None):
     """The pmap path; its leaves are named as the NNX side names them (``check_names``)."""
     mapping = check_names(port, variables)
     setup = legacy_setup(port, config, variables)
-    losses, per_call = _train(setup, calls, rng, mapping, progress, 'legacy', after_call)
+    losses, per_call = train_calls(setup, calls, rng, mapping, progress, 'legacy', after_call)
     result = PathResult(convert.rename(setup.neutral(), mapping), losses, per_call, setup.pstate)
-    result.metrics, result.notes = _metrics(setup), [*getattr(setup, 'notes', [])]
+    result.metrics, result.notes = loop_metrics(setup), [*getattr(setup, 'notes', [])]
     result.left_out = set(getattr(setup, 'uneven', ()))
     if isinstance(port, LoopPort):
         result.notes += states.legacy_not_compared(legacy.unreplicate(setup.pstate))
@@ -113,18 +113,18 @@ def run_legacy(port: Port, config: RunConfig, variables: dict, calls: list, rng,
 
 
 def run_nnx(
-    port: Port, config: RunConfig, variables: dict, calls: list, rng, progress=_silent, after_call=None, restore=None
+    port: Port, config: RunConfig, variables: dict, calls: list, rng, progress=silent, after_call=None, restore=None
 ):
     """The sharded path. ``restore(setup) -> rng``, if given, loads a checkpoint into the setup
     and returns its key chain: ``calls`` are then the ones after the checkpoint."""
     setup = nnx_setup(port, config, variables)
     if restore is not None:
         rng = restore(setup)
-    losses, per_call = _train(setup, calls, rng, None, progress, 'nnx', after_call)
+    losses, per_call = train_calls(setup, calls, rng, None, progress, 'nnx', after_call)
     raw = {NnxSetup: lambda: (setup.graphdef, setup.state), NnxGraphSetup: lambda: setup.ts}
     result = PathResult(setup.neutral(), losses, per_call, raw.get(type(setup), lambda: setup.train_state)())
     result.placement, result.mesh = getattr(setup, 'decisions', []), dict(setup.mesh.shape)
-    result.metrics = _metrics(setup)
+    result.metrics = loop_metrics(setup)
     if isinstance(port, LoopPort):
         result.notes = states.nnx_not_compared(setup.train_state)
     if getattr(port, 'eval_data', None) is not None:
@@ -134,7 +134,7 @@ def run_nnx(
     return result
 
 
-def _metrics(setup) -> dict[str, np.ndarray]:
+def loop_metrics(setup) -> dict[str, np.ndarray]:
     """A loop port's metrics over every call: path -> ``[C * K, ...]`` (paths every call reported)."""
     per_call = getattr(setup, 'metrics', [])
     paths = set.intersection(*(set(m) for m in per_call)) if per_call else set()
@@ -172,7 +172,7 @@ def compared(port: Port, old: PathResult, new: PathResult) -> tuple[Callable[[Pa
     def tree(path: PathResult) -> convert.Neutral:
         return states.without(full(path), 'step') if notes else full(path)
 
-    lines = [_adapters().describe(port)] if _adapters().adapted(port) else []
+    lines = [step_adapters().describe(port)] if step_adapters().adapted(port) else []
     lines += [*old.notes, *new.notes, *notes, *randomness.take_unbridged()]
     lines += [f'not compared: metrics/{p}: only the {"pmap" if p in old.metrics else "NNX"} step reports it'
               for p in one_side]  # fmt: skip
@@ -190,7 +190,7 @@ def validate(port: Port, config: RunConfig) -> None:
     if isinstance(port, LoopPort) and config.perturb:
         raise ConfigError("--perturb scales the suite's NNX optimizer: a loop port brings its own (perturb it there)")
     if isinstance(port, LoopPort):
-        _adapters().check(port)
+        step_adapters().check(port)
 
 
 def run(port: Port, config: RunConfig, progress: Progress | None = None) -> RunResult:
@@ -207,12 +207,12 @@ def run(port: Port, config: RunConfig, progress: Progress | None = None) -> RunR
     variables, calls, rng = make_inputs(port, config)
     check_names(port, variables)
     randomness.take_unbridged()  # what earlier runs traced is theirs
-    old = run_legacy(port, config, variables, calls, rng, progress or _silent)
-    new = run_nnx(port, config, variables, calls, rng, progress or _silent)
+    old = run_legacy(port, config, variables, calls, rng, progress or silent)
+    new = run_nnx(port, config, variables, calls, rng, progress or silent)
     tree, notes = compared(port, old, new)
     result = judged(port, config, old, new, variables, calls, rng, tree)
-    if _adapters().adapted(port):
-        result.programs = _adapters().programs(port)
+    if step_adapters().adapted(port):
+        result.programs = step_adapters().programs(port)
     result.notes += notes + hints.masked_loss(
         config.devices, calls[0], result.report, lambda: _matches_on_one(port, config)
     )

@@ -1,7 +1,7 @@
 """How each path is set up before its first call: the inputs of a run, the port's losses wrapped
 for the suite's loops, and the setups that hold each path's compiled call and state.
 
-``harness`` runs them (``_train``), compares what they end with and judges it; ``twin``,
+``harness`` runs them (``train_calls``), compares what they end with and judges it; ``twin``,
 ``adapters``, ``explain`` and ``bench`` build on the same setups.
 """
 
@@ -247,8 +247,8 @@ class NnxLoopSetup:
 def legacy_setup(port: Port, config: RunConfig, variables: dict) -> LegacySetup:
     """pmap spans the first D devices of every process; each process replicates onto its own."""
     devices, local = jax.devices()[: config.devices], rows.local_devices(config.devices)
-    if isinstance(port, LoopPort) and _adapters().adapted(port):
-        return _adapters().legacy_setup(port, config, variables)
+    if isinstance(port, LoopPort) and step_adapters().adapted(port):
+        return step_adapters().legacy_setup(port, config, variables)
     if isinstance(port, LoopPort):
         pstate = legacy.replicate(port.legacy_state(variables), local)
         call = legacy.make_fused_call(port.legacy_step, devices, port.axis_name)
@@ -263,7 +263,7 @@ def legacy_setup(port: Port, config: RunConfig, variables: dict) -> LegacySetup:
     return LegacySetup(legacy.make_fused_call(step, devices), pstate, config)
 
 
-def _adapters():
+def step_adapters():
     """Real step forms (``adapters``), which build on this module's setups."""
     from equivalence.core import adapters
 
@@ -282,8 +282,8 @@ def nnx_setup(port: Port, config: RunConfig, variables: dict) -> NnxSetup | NnxG
     mesh = nnx_mesh(config)
     model = port.nnx_model(nnx.Rngs(0))
     convert.load_linen_variables(model, variables, check_names(port, variables))
-    if isinstance(port, LoopPort) and _adapters().adapted(port):
-        return _adapters().nnx_setup(port, config, model, mesh)
+    if isinstance(port, LoopPort) and step_adapters().adapted(port):
+        return step_adapters().nnx_setup(port, config, model, mesh)
     if isinstance(port, LoopPort):
         return NnxLoopSetup(port, sharding.place_objects(port.nnx_state(model), mesh), mesh, config)
     decisions = sharding.decide(model, config.strategy, mesh)

@@ -107,8 +107,8 @@ def twin_setup(port: Port, config: RunConfig, variables: dict, n_twin: int, lr_s
     mesh = sharding.make_mesh(n_twin, devices=jax.local_devices())  # this process's own: no collective
     model = port.nnx_model(nnx.Rngs(0))
     convert.load_linen_variables(model, variables, harness.check_names(port, variables))
-    if isinstance(port, LoopPort) and harness._adapters().adapted(port):  # a real step: its own setup
-        return harness._adapters().nnx_setup(port, config, model, mesh)
+    if isinstance(port, LoopPort) and harness.step_adapters().adapted(port):  # a real step: its own setup
+        return harness.step_adapters().nnx_setup(port, config, model, mesh)
     if isinstance(port, LoopPort):
         return TwinLoopSetup(port, sharding.place_objects(port.nnx_state(model), mesh), mesh, config)
     scale = 1.0 + config.perturb if lr_scale is None else lr_scale
@@ -130,8 +130,8 @@ def run_twin(
     setup = twin_setup(port, config, variables, n_twin, lr_scale)
     if restore is not None:
         rng = restore(setup)
-    losses, per_call = harness._train(setup, calls, rng, None, harness._silent, 'twin')
-    final, losses, metrics = gather.from_process_0((setup.neutral(), losses, harness._metrics(setup)))
+    losses, per_call = harness.train_calls(setup, calls, rng, None, harness.silent, 'twin')
+    final, losses, metrics = gather.from_process_0((setup.neutral(), losses, harness.loop_metrics(setup)))
     result = harness.PathResult(final, losses, per_call, None, mesh=dict(setup.mesh.shape))
     result.metrics = metrics
     return result
