@@ -104,16 +104,26 @@ def test_a_twin_that_changes_the_math_is_refused():
     assert verdict.twin_refusal(new.losses, secret.losses).startswith('refused: its loss at step 2')
 
 
-def test_a_legacy_twin_that_draws_other_noise_is_refused():
-    """With per-device keys, score's legacy step on 1 device draws other noise than on 2: the legacy
-    twin computes something else from step 1 and measures no floor (else it would pass a slip)."""
-    require_devices(2)
-    port = workloads.get('score')
-    config = RunConfig(workload='score', devices=2, rng_mode='per-device', steps_per_call=2, calls=1)
-    variables, calls, rng = harness.make_inputs(port, config)
-    old = harness.run_legacy(port, config, variables, calls, rng)
-    other, said = judge.legacy_twin(port, config, old, judge.Inputs(variables, calls, rng))
-    assert other is None and said.startswith('legacy twin on 1 device(s) refused: its loss at step 1'), said
+def test_a_legacy_twin_that_could_compute_something_else_is_refused():
+    """The legacy twin must differ from the pmap run only in the order of its sums. With per-device keys
+    score draws other noise on another device count: not run. With one call nothing tells early
+    chaos from a real difference: not run. A spread already there after the first call, beyond what
+    the NNX twin allows there, is the pmap program computing something else on another count (a
+    gradient psum for pmean under Adam acts as eps / D): refused, never a floor."""
+    score = workloads.get('score')
+    config = RunConfig(workload='score', devices=2, rng_mode='per-device', steps_per_call=2, calls=2)
+    _, said = judge.legacy_twin(score, config, None, None, {}, None)
+    assert said == 'legacy twin not run: with per-device keys the port draws other random numbers on another count'
+    _, said = judge.legacy_twin(score, dataclasses.replace(config, calls=1, rng_mode='global'), None, None, {}, None)
+    assert said.startswith('legacy twin not run: with one call')
+    legacy1 = {'w': np.array([1.0, -2.0], np.float32)}
+    nnx1, twin1 = {'w': legacy1['w'] + 1e-7}, {'w': legacy1['w'] + 2e-7}  # the NNX twin: 1e-7, allows 1e-6
+    chaos_to_come = {'w': legacy1['w'] + 5e-7}
+    different = {'w': legacy1['w'] + 1e-5}
+    assert verdict.grew_before_chaos(legacy1, chaos_to_come, nnx1, twin1, verdict.MEASURED_FLOOR) == ''
+    assert verdict.grew_before_chaos(legacy1, different, nnx1, twin1, verdict.MEASURED_FLOOR).startswith(
+        'refused: after the first call params/w is already 1.00e-05'
+    )
 
 
 def test_the_twin_splits_the_batch_otherwise_than_the_checked_run():

@@ -34,7 +34,8 @@ class LeafDiff:
     note: str = ''  # why a leaf could not be compared element-wise
     bad: int = 0  # elements outside tolerance
     size: int = 0  # elements compared
-    floor: float | None = None  # measured noise floor, max |nnx - twin| (compare_to_floor only)
+    floor: float | None = None  # measured noise floor, max |nnx - twin| (compare_to_floor only) ...
+    floor_from: str = ''  # ... or 'legacy' where max |legacy - legacy twin| was larger and set it
     limit: float | None = None  # the max |nnx - legacy| allowed: max(safety * floor, min_ulps spacings)
     noise_dominated: bool = False  # the floor itself is large: the final value cannot verify this leaf
     one_sided: str = ''  # 'legacy' or 'nnx' when the leaf exists on that side only
@@ -70,7 +71,11 @@ class Report:
     leaves: list[LeafDiff]
     tolerance: Tolerance
     floor: 'FloorRule | None' = None  # set when a twin measured each leaf's noise floor
-    legacy_twin: bool = False  # a legacy twin's |legacy - legacy twin| entered the floors too
+
+    @property
+    def legacy_twin(self) -> bool:
+        """Whether a legacy twin's spread set some leaf's floor."""
+        return any(leaf.floor_from == 'legacy' for leaf in self.leaves)
 
     @property
     def match(self) -> bool:
@@ -128,14 +133,17 @@ def floor_leaf(
     if not (np.isfinite(ref).all() and np.isfinite(other).all() and np.isfinite(twin).all()):
         return dataclasses.replace(screened, ok=False, note=nonfinite_note(ref, other))
     ref64, other64 = ref.astype(np.float64), other.astype(np.float64)
-    floor = float(np.abs(other64 - twin.astype(np.float64)).max(initial=0.0))
+    floor, floor_from = float(np.abs(other64 - twin.astype(np.float64)).max(initial=0.0)), ''
     if ref_twin is not None and ref_twin.shape == ref.shape and np.isfinite(ref_twin).all():
-        floor = max(floor, float(np.abs(ref64 - ref_twin.astype(np.float64)).max(initial=0.0)))
+        spread = float(np.abs(ref64 - ref_twin.astype(np.float64)).max(initial=0.0))
+        floor, floor_from = (spread, 'legacy') if spread > floor else (floor, '')
     scale = float(np.abs(ref64).max(initial=0.0))
     limit = max(rule.safety * floor, rule.min_ulps * spacing32(scale))
     noisy = floor > rule.noise_rel * scale
     bad = int((np.abs(other64 - ref64) > limit).sum())
-    return dataclasses.replace(screened, ok=noisy or not bad, bad=bad, floor=floor, limit=limit, noise_dominated=noisy)
+    return dataclasses.replace(
+        screened, ok=noisy or not bad, bad=bad, floor=floor, limit=limit, noise_dominated=noisy, floor_from=floor_from
+    )
 
 
 def nonfinite_note(ref: np.ndarray, other: np.ndarray) -> str:
@@ -162,4 +170,4 @@ def compare_to_floor(
                 leaves.append(one_sided(group, path, 'legacy' if path in a else 'nnx'))
             else:
                 leaves.append(floor_leaf(group, path, a[path], b[path], t.get(path, b[path]), rule, r.get(path)))
-    return Report(leaves, FLOAT32_REDUCTION_ORDER, rule, ref_twin is not None)
+    return Report(leaves, FLOAT32_REDUCTION_ORDER, rule)

@@ -78,7 +78,7 @@ def silent(path: str) -> None:
     pass
 
 
-def train_calls(setup, calls: list, rng, mapping, progress: Progress, path: str, after_call: AfterCall | None = None):
+def run_calls(setup, calls: list, rng, mapping, progress: Progress, path: str, after_call: AfterCall | None = None):
     """Every call in order, one in flight; the losses and the parameters after each call."""
     losses, per_call = [], []
     for i, batch_KxG in enumerate(calls):
@@ -99,7 +99,7 @@ def run_legacy(port: Port, config: RunConfig, variables: dict, calls: list, rng,
     """The pmap path; its leaves are named as the NNX side names them (``check_names``)."""
     mapping = check_names(port, variables)
     setup = legacy_setup(port, config, variables)
-    losses, per_call = train_calls(setup, calls, rng, mapping, progress, 'legacy', after_call)
+    losses, per_call = run_calls(setup, calls, rng, mapping, progress, 'legacy', after_call)
     result = PathResult(convert.rename(setup.neutral(), mapping), losses, per_call, setup.pstate)
     result.metrics, result.notes = loop_metrics(setup), [*getattr(setup, 'notes', [])]
     result.left_out = set(getattr(setup, 'uneven', ()))
@@ -120,7 +120,7 @@ def run_nnx(
     setup = nnx_setup(port, config, variables)
     if restore is not None:
         rng = restore(setup)
-    losses, per_call = train_calls(setup, calls, rng, None, progress, 'nnx', after_call)
+    losses, per_call = run_calls(setup, calls, rng, None, progress, 'nnx', after_call)
     raw = {NnxSetup: lambda: (setup.graphdef, setup.state), NnxGraphSetup: lambda: setup.ts}
     result = PathResult(setup.neutral(), losses, per_call, raw.get(type(setup), lambda: setup.train_state)())
     result.placement, result.mesh = getattr(setup, 'decisions', []), dict(setup.mesh.shape)

@@ -28,6 +28,7 @@ from equivalence.core import compare, harness, probe, randomness, twin, verdict
 from equivalence.core.config import RunConfig
 from equivalence.core.ports import ModelPort, Port
 from equivalence.core.verdict import MEASURED_FLOOR, Verdict
+from legacy_pmap import losses as legacy_losses
 
 
 @dataclasses.dataclass
@@ -78,17 +79,17 @@ def judge(port: Port, config: RunConfig, old, new, inputs: Inputs, tree) -> tupl
     on = f'on {" and ".join(map(str, twins))} device(s)'
     on += f' in each of {jax.process_count()} processes' if jax.process_count() > 1 else ''
     done.append(f'every leaf and the first loss held to the floor of {"twins" if len(twins) > 1 else "a twin"} {on}')
-    if wants_legacy_twin(report, old, new) and inputs.single_process_probes():
-        done.append(f'legacy twin not run: {inputs.single_process_probes()}')
-    elif wants_legacy_twin(report, old, new):
-        other, said = legacy_twin(port, config, old, inputs)
-        done.append(said)
+    grads = None
+    if wants_legacy_twin(report, old, new):
+        grads, other = legacy_floor(port, config, old, new, inputs, twins, done)
         if other is not None:
             ref_twin = trees(other, verdict.first_step_tree(float(other.losses[0])))
             report = compare.compare_to_floor(
                 trees(old, first[0]), trees(new, first[1]), floor, MEASURED_FLOOR, ref_twin
             )
-    return report, finish(port, config, report, old, new, inputs, done, on, next(iter(twins)))
+        if grads is not None:
+            report.leaves.extend(grads.leaves)
+    return report, finish(port, config, report, old, new, inputs, done, on, next(iter(twins)), grads)
 
 
 def measured_twins(port: Port, config: RunConfig, new, inputs: Inputs, counts: tuple[int, ...]) -> tuple[dict, str]:
@@ -114,19 +115,45 @@ def measured_twins(port: Port, config: RunConfig, new, inputs: Inputs, counts: t
 
 def wants_legacy_twin(report: compare.Report, old, new) -> bool:
     """Whether the legacy side's own floor could change this verdict: the NNX twins' floor failed
-    leaves that both sides hold, with finite losses and the first step within its floor (a slip
-    there is math, which no reordering explains). It runs in one process, from the initial state."""
-    bad = [leaf for leaf in verdict.failed(report) if not leaf.one_sided]
+    float leaves that both sides hold (not a counter, a shape or a NaN), with finite losses and the
+    first step within its floor (a slip there is math, which no reordering explains)."""
+    bad = [leaf for leaf in verdict.failed(report) if not leaf.one_sided and leaf.floor is not None]
     finite = np.isfinite(old.losses).all() and np.isfinite(new.losses).all()
     return bool(bad) and bool(finite) and not verdict.failed(report, 'first_step')
 
 
-def legacy_twin(port: Port, config: RunConfig, old, inputs: Inputs) -> tuple[harness.PathResult | None, str]:
-    """The pmap side again on another device count, with the same data and keys: what reordering its
-    own sums does to it. The NNX twins cannot see chaos that lives on the legacy side (cnn, global
-    keys, seed 4: legacy on 8 devices ends 1.7e-4 from legacy on 1, 2 and 4 and from every NNX run,
-    all within 1.5e-6 of each other). With per-device keys a random port draws other numbers on
-    another count: its step-1 loss differs and the twin is refused, as an NNX twin would be.
+def legacy_floor(port: Port, config: RunConfig, old, new, inputs: Inputs, twins: dict, done: list):
+    """``(first-step gradients or None, the legacy twin's PathResult or None)``, saying in ``done``
+    what ran. A model port's first-step gradients are probed first: when they differ the difference
+    is math, which no chaos excuses, and no legacy twin runs (nor may it hide a backward-pass slip)."""
+    cannot = inputs.single_process_probes()
+    if cannot:
+        done.append(f'legacy twin not run: {cannot}')
+        return None, None
+    grads = None
+    if isinstance(port, ModelPort):
+        grads = first_step_grads(port, config, inputs, next(iter(twins)))
+        done.append(f'first-step gradients {"agree" if grads.match else "differ"}')
+        if not grads.match:
+            return grads, None
+    other, said = legacy_twin(port, config, old, new, twins, inputs)
+    done.append(said)
+    return grads, other
+
+
+def legacy_twin(port: Port, config: RunConfig, old, new, twins: dict, inputs: Inputs):
+    """``(the legacy twin's PathResult or None, what was done)``: the pmap side again on another device
+    count, with the same data and keys: what reordering its own sums does to it. The NNX twins cannot
+    see chaos that lives on the legacy side (cnn, global keys, seed 4: legacy on 8 devices ends 1.7e-4
+    from legacy on 1, 2 and 4 and from every NNX run, all within 1.5e-6 of each other).
+
+    Refused, like an NNX twin, when it does not compute what the pmap run computes: its losses at
+    steps 1 and 2 more than TWIN_ULPS apart (with per-device keys a random port draws other numbers
+    on another count: not run at all when the port is known to), or, after the first call, a spread
+    already beyond what the NNX twin allows there (``verdict.grew_before_chaos``): chaos starts at
+    rounding level and grows (seed 4: 5.7e-7 after call 1, NNX's twin 5.5e-7; 1.8e-4 after call 4),
+    a pmap program whose math depends on its device count (a gradient psum for pmean under Adam acts
+    as eps / D) differs from the first updates on. So it needs two calls or more.
 
     Another count, not the same step vmapped over the D device rows on one device (which would
     keep per-device keys): that keeps each device's grouping of the batch sums, where this chaos
@@ -134,22 +161,43 @@ def legacy_twin(port: Port, config: RunConfig, old, inputs: Inputs) -> tuple[har
     n = twin.legacy_twin_count(config, len(jax.devices()))
     if n is None:
         return None, 'legacy twin not run: no second device count fits'
+    if config.calls < 2:
+        return None, 'legacy twin not run: with one call there is no early state to tell chaos from a real difference'
+    if config.rng_mode == 'per-device' and draws_random_numbers(port):
+        return None, 'legacy twin not run: with per-device keys the port draws other random numbers on another count'
     try:
-        on_n = dataclasses.replace(config, devices=n)
+        on_n = dataclasses.replace(config, devices=n, strategy='dp', mesh=None, nnx_form='split')
         other = harness.run_legacy(port, on_n, inputs.variables, inputs.calls, inputs.rng)
     except Exception as e:  # noqa: BLE001 -- pmap code written for one device count
         why = f'{type(e).__name__}: {str(e).splitlines()[0][:160]}'
         return None, f'legacy twin on {n} device(s) not run: it raised {why}'
     refusal = verdict.twin_refusal(old.losses, other.losses, 'legacy')
+    if not refusal and not np.isfinite(other.losses).all():
+        refusal = 'refused: a non-finite loss'
+    if not refusal:
+        first = [{'params': tw.params_per_call[0]} for tw in twins.values()]
+        twin_first = twin.farthest({'params': new.params_per_call[0]}, first).get('params', {})
+        refusal = verdict.grew_before_chaos(
+            old.params_per_call[0], other.params_per_call[0], new.params_per_call[0], twin_first, MEASURED_FLOOR
+        )
     if refusal:
         return None, f'legacy twin on {n} device(s) {refusal}'
     return other, f"a legacy twin on {n} device(s) measured the pmap side's own floor"
 
 
-def finish(port, config, report, old, new, inputs, done, twin_text, n_twin) -> Verdict:
-    """Gradients (strict, or to diagnose), the diagnosis on MISMATCH, and the verdict."""
-    grads, cannot = None, inputs.single_process_probes()
-    if isinstance(port, ModelPort) and (config.verdict == 'strict' or not report.match):
+def draws_random_numbers(port: Port) -> bool | None:
+    """Whether the port's step consumes random numbers (Dropout, attention, its own noise); None for
+    a loop port, whose step the suite cannot see (its legacy twin is then judged by its losses)."""
+    if not isinstance(port, ModelPort):
+        return None
+    return harness.uses_dropout(port) or port.noise not in (None, legacy_losses.no_noise)
+
+
+def finish(port, config, report, old, new, inputs, done, twin_text, n_twin, grads=None) -> Verdict:
+    """Gradients (strict, or to diagnose; ``grads`` if already probed), the diagnosis on MISMATCH, and
+    the verdict."""
+    cannot = inputs.single_process_probes()
+    if grads is None and isinstance(port, ModelPort) and (config.verdict == 'strict' or not report.match):
         if cannot:
             done.append(f'first-step gradients not probed: {cannot}')
         else:

@@ -173,6 +173,7 @@ def to_json(result: RunResult, versions: dict[str, str]) -> dict:
                 'elements_outside': leaf.bad,
                 'elements': leaf.size,
                 'floor': leaf.floor,
+                'floor_from': leaf.floor_from or None,
                 'allowed': leaf.limit,
                 'noise_dominated': leaf.noise_dominated,
                 'only_on': leaf.one_sided or None,

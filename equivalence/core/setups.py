@@ -1,7 +1,7 @@
 """How each path is set up before its first call: the inputs of a run, the port's losses wrapped
 for the suite's loops, and the setups that hold each path's compiled call and state.
 
-``harness`` runs them (``train_calls``), compares what they end with and judges it; ``twin``,
+``harness`` runs them (``run_calls``), compares what they end with and judges it; ``twin``,
 ``adapters``, ``explain`` and ``bench`` build on the same setups.
 """
 

@@ -130,7 +130,7 @@ def run_twin(
     setup = twin_setup(port, config, variables, n_twin, lr_scale)
     if restore is not None:
         rng = restore(setup)
-    losses, per_call = harness.train_calls(setup, calls, rng, None, harness.silent, 'twin')
+    losses, per_call = harness.run_calls(setup, calls, rng, None, harness.silent, 'twin')
     final, losses, metrics = gather.from_process_0((setup.neutral(), losses, harness.loop_metrics(setup)))
     result = harness.PathResult(final, losses, per_call, None, mesh=dict(setup.mesh.shape))
     result.metrics = metrics

@@ -9,13 +9,13 @@ level 1, the first step's gradients are leaves of their own, ``first_step/...``)
     floor = max |nnx - twin|     (the twin: the NNX run again, only the reductions reordered)
     ok    when max |nnx - legacy| <= max(SAFETY * floor, MIN_ULPS float32 spacings of max |legacy|)
 
-Where that fails with the first step within its floor (a difference that grew over the updates),
-the legacy run is done again on another device count (``judge.legacy_twin``) and each leaf's
-floor is the larger of ``max |nnx - twin|`` and ``max |legacy - legacy twin|``: chaos on the
-pmap side is noise too, and no NNX twin can see it.
-
 and a leaf whose floor exceeds NOISE_REL of its own largest value is NOISE-DOMINATED:
 reported with its figure, not failed, because its final value cannot verify anything.
+
+Where that fails with the first step (loss and, for a model port, gradients) within its floor,
+a difference that grew over the updates, the legacy run is done again on another device count
+(``judge.legacy_twin``) and each leaf's floor is the larger of ``max |nnx - twin|`` and
+``max |legacy - legacy twin|``: chaos on the pmap side is noise too, and no NNX twin sees it.
 """
 
 import dataclasses
@@ -70,10 +70,14 @@ class Verdict:
         out = [f'verdict: {self.mode}; ' + '; '.join(self.done)]
         for leaf in self.noise_dominated:
             out.append(
-                f'NOISE-DOMINATED {leaf.name}: reordering the sums alone moves it by {leaf.floor:.2e} '
+                f'NOISE-DOMINATED {leaf.name}: reordering {whose(leaf)}sums alone moves it by {leaf.floor:.2e} '
                 f'(legacy differs by {leaf.max_abs:.2e}); its final value cannot verify it'
             )
         return out + ([f'diagnosis ({self.kind}): {self.diagnosis}'] if self.diagnosis else [])
+
+
+def whose(leaf: LeafDiff) -> str:
+    return "the pmap side's " if leaf.floor_from == 'legacy' else 'the '
 
 
 def ulps(a: float, b: float) -> float:
@@ -110,6 +114,29 @@ def twin_reordered_nothing(nnx_final: compare.Neutral, twin_final: compare.Neutr
     ]
     if pairs and all(np.array_equal(a, b) for a, b in pairs):
         return "refused: it ended in bitwise the NNX run's state: it summed the gradients in the same order, no floor"
+    return ''
+
+
+def grew_before_chaos(legacy: dict, other: dict, nnx: dict, twin: dict, rule: FloorRule) -> str:
+    """'' unless a legacy twin's parameters after the first call (``other``) are already farther from
+    the legacy run's (``legacy``) than the NNX twin allows the NNX run there (``rule``, per leaf).
+    Chaos starts at rounding level; a spread present from the first updates is a difference in what
+    the pmap program computes on another device count, and must not be taken for a floor."""
+    for path, a in legacy.items():
+        b, n, t = other.get(path), nnx.get(path), twin.get(path, nnx.get(path))
+        if b is None or n is None or b.shape != a.shape or not np.issubdtype(a.dtype, np.floating):
+            continue
+        if not np.isfinite(b).all():
+            return f'refused: non-finite params/{path} after the first call'
+        floor = float(np.abs(np.asarray(n, np.float64) - t).max(initial=0.0))
+        limit = max(rule.safety * floor, rule.min_ulps * spacing32(float(np.abs(a).max(initial=0.0))))
+        spread = float(np.abs(np.asarray(a, np.float64) - b).max(initial=0.0))
+        if spread > limit:
+            return (
+                f'refused: after the first call params/{path} is already {spread:.2e} from the legacy run '
+                f'(the NNX twin allows {limit:.2e} there): on another device count the pmap program computes '
+                'something else, not only in another order'
+            )
     return ''
 
 
