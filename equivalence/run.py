@@ -25,8 +25,9 @@ def parse(argv: list[str] | None):
     parser.add_argument(
         '--verdict',
         default='measured',
-        help='measured: every leaf against the noise floor of a twin run (default); strict: and the first '
-        "step's gradients always; screen: a fixed tolerance, the twin only when it fails",
+        help='measured: every leaf against the noise floor of twin runs (default; the pmap side gets its own '
+        "twin only when the NNX one fails after a first step that agrees); strict: and the first step's "
+        'gradients always; screen: a fixed tolerance, the twins only when it fails',
     )
     cli.add_output_flags(parser, 'write a machine-readable report', plot=True)
     distributed.add_flags(parser)

@@ -4,7 +4,9 @@ What runs, by ``RunConfig.verdict``:
 
 - ``measured`` (default): the twin (``twin.run_twin``), then every leaf and the first step's
   loss against its floor. On MISMATCH only: the first step's gradients (``probe``, model
-  ports), and, when the first step differs and the port has Dropout, a deterministic re-run.
+  ports); when the first step agrees, the legacy twin (``legacy_twin``: the pmap side on another
+  device count), whose spread can widen each leaf's floor; when the first step differs and the
+  port has Dropout, a deterministic re-run.
 - ``strict``: as measured, and the first step's gradients always (a model port), so that a
   backward-pass slip fails even when the loss and the final state hide it.
 - ``screen``: the fixed tolerance of ``compare.FLOAT32_REDUCTION_ORDER``; the twin runs only
@@ -12,9 +14,10 @@ What runs, by ``RunConfig.verdict``:
 
 With several processes every process runs the twins that fit on its own devices, on the
 whole batch (``twin``), and judges by process 0's, so all reach the same verdict; the gradient
-probe and the deterministic re-run stay single-process (they run the pmap side again, over
-every process's devices), as does the masked-loss hint. After ``--resume-at`` the twin restores
-the same checkpoint; the probe and the re-run, which start from the initial state, are not run.
+probe, the legacy twin and the deterministic re-run stay single-process (they run the pmap side
+again, over every process's devices), as does the masked-loss hint. After ``--resume-at`` the
+twin restores the same checkpoint; the probe, the legacy twin and the re-run, which start from
+the initial state, are not run.
 Where no other mesh fits, the fixed screen decides, and the report says so.
 """
 
