@@ -104,6 +104,18 @@ def test_a_twin_that_changes_the_math_is_refused():
     assert verdict.twin_refusal(new.losses, secret.losses).startswith('refused: its loss at step 2')
 
 
+def test_chaos_on_the_pmap_side_is_measured_by_the_legacy_twin():
+    """cnn, global keys, seed 4, D=8: legacy on 8 devices alone ends 1.7e-4 from every other run (NNX on
+    any layout, legacy on 1, 2, 4), after a first call within rounding. The NNX twin cannot see it (its
+    floor fails: that is why the legacy twin ran); legacy on 1 device measures it, and the leaves it
+    moves are judged by that spread. Its negative control: ``--perturb 1e-5`` above stays a MISMATCH."""
+    result = run(workloads.get('cnn'), rng_mode='global', seed=4, steps_per_call=5, calls=4)
+    assert "a legacy twin on 1 device(s) measured the pmap side's own floor" in result.verdict.done
+    assert result.report.match and result.report.legacy_twin, verdict.details(verdict.failed(result.report))
+    kernel = next(leaf for leaf in result.report.leaves if leaf.name == 'params/conv1/kernel')
+    assert kernel.floor_from == 'legacy' and kernel.max_abs > 1e-5  # far beyond any NNX twin's floor
+
+
 def test_a_legacy_twin_that_could_compute_something_else_is_refused():
     """The legacy twin must differ from the pmap run only in the order of its sums. With per-device keys
     score draws other noise on another device count: not run. With one call nothing tells early
