@@ -119,10 +119,13 @@ def measured_twins(port: Port, config: RunConfig, new, inputs: Inputs, counts: t
 def wants_legacy_twin(report: compare.Report, old, new) -> bool:
     """Whether the legacy side's own floor could change this verdict: the NNX twins' floor failed
     float leaves that both sides hold (not a counter, a shape or a NaN), with finite losses and the
-    first step within its floor (a slip there is math, which no reordering explains)."""
+    first step within its floor (a slip there is math, which no reordering explains), and not only
+    running statistics: chaos moves the parameters, and statistics that differ while the parameters
+    and losses agree are computed differently (a BatchNorm momentum), not reordered."""
     bad = [leaf for leaf in verdict.failed(report) if not leaf.one_sided and leaf.floor is not None]
     finite = np.isfinite(old.losses).all() and np.isfinite(new.losses).all()
-    return bool(bad) and bool(finite) and not verdict.failed(report, 'first_step')
+    trained = any(leaf.group != 'model_state' for leaf in bad)
+    return trained and bool(finite) and not verdict.failed(report, 'first_step')
 
 
 def legacy_floor(port: Port, config: RunConfig, old, new, inputs: Inputs, twins: dict, done: list):
@@ -153,7 +156,7 @@ def legacy_twin(port: Port, config: RunConfig, old, new, twins: dict, inputs: In
     Refused, like an NNX twin, when it does not compute what the pmap run computes: its losses at
     steps 1 and 2 more than TWIN_ULPS apart (with per-device keys a random port draws other numbers
     on another count: not run at all when the port is known to), or, after the first call, a spread
-    already beyond what the NNX twin allows there (``verdict.grew_before_chaos``): chaos starts at
+    already beyond what the NNX twin allows there (``verdict.early_excess``): chaos starts at
     rounding level and grows (seed 4: 5.7e-7 after call 1, NNX's twin 5.5e-7; 1.8e-4 after call 4),
     a pmap program whose math depends on its device count (a gradient psum for pmean under Adam acts
     as eps / D) differs from the first updates on. So it needs two calls or more.
@@ -168,6 +171,13 @@ def legacy_twin(port: Port, config: RunConfig, old, new, twins: dict, inputs: In
         return None, 'legacy twin not run: with one call there is no early state to tell chaos from a real difference'
     if config.rng_mode == 'per-device' and draws_random_numbers(port):
         return None, 'legacy twin not run: with per-device keys the port draws other random numbers on another count'
+    first = [{'params': tw.params_per_call[0]} for tw in twins.values()]
+    twin_first = twin.farthest({'params': new.params_per_call[0]}, first).get('params', {})
+    first_call = (new.params_per_call[0], twin_first, MEASURED_FLOOR)
+    excess = verdict.early_excess(old.params_per_call[0], new.params_per_call[0], *first_call)
+    if excess:
+        why = f'NNX is off after the first call, {excess}: not chaos, which grows from rounding'
+        return None, f'legacy twin not run: {why}'
     try:
         on_n = dataclasses.replace(config, devices=n, strategy='dp', mesh=None, nnx_form='split')
         other = harness.run_legacy(port, on_n, inputs.variables, inputs.calls, inputs.rng)
@@ -178,11 +188,8 @@ def legacy_twin(port: Port, config: RunConfig, old, new, twins: dict, inputs: In
     if not refusal and not np.isfinite(other.losses).all():
         refusal = 'refused: a non-finite loss'
     if not refusal:
-        first = [{'params': tw.params_per_call[0]} for tw in twins.values()]
-        twin_first = twin.farthest({'params': new.params_per_call[0]}, first).get('params', {})
-        refusal = verdict.grew_before_chaos(
-            old.params_per_call[0], other.params_per_call[0], new.params_per_call[0], twin_first, MEASURED_FLOOR
-        )
+        excess = verdict.early_excess(old.params_per_call[0], other.params_per_call[0], *first_call)
+        refusal = excess and f'refused: after the first call, {excess}: on another count it computes something else'
     if refusal:
         return None, f'legacy twin on {n} device(s) {refusal}'
     return other, f"a legacy twin on {n} device(s) measured the pmap side's own floor"

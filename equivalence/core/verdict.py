@@ -117,26 +117,22 @@ def twin_reordered_nothing(nnx_final: compare.Neutral, twin_final: compare.Neutr
     return ''
 
 
-def grew_before_chaos(legacy: dict, other: dict, nnx: dict, twin: dict, rule: FloorRule) -> str:
-    """'' unless a legacy twin's parameters after the first call (``other``) are already farther from
-    the legacy run's (``legacy``) than the NNX twin allows the NNX run there (``rule``, per leaf).
-    Chaos starts at rounding level; a spread present from the first updates is a difference in what
-    the pmap program computes on another device count, and must not be taken for a floor."""
+def early_excess(legacy: dict, other: dict, nnx: dict, twin: dict, rule: FloorRule) -> str:
+    """'' unless some parameter of ``other`` after the first call is already farther from the legacy
+    run's (``legacy``) than the NNX twin allows the NNX run there (``rule``, per leaf); else which,
+    by how much, against what. Chaos starts at rounding level and grows: a difference present from
+    the first updates is not chaos. Asked of a legacy twin (it must not compute something else on
+    another device count) and of the NNX run itself (a slip that shows early is never excused)."""
     for path, a in legacy.items():
         b, n, t = other.get(path), nnx.get(path), twin.get(path, nnx.get(path))
         if b is None or n is None or b.shape != a.shape or not np.issubdtype(a.dtype, np.floating):
             continue
-        if not np.isfinite(b).all():
-            return f'refused: non-finite params/{path} after the first call'
         floor = float(np.abs(np.asarray(n, np.float64) - t).max(initial=0.0))
         limit = max(rule.safety * floor, rule.min_ulps * spacing32(float(np.abs(a).max(initial=0.0))))
-        spread = float(np.abs(np.asarray(a, np.float64) - b).max(initial=0.0))
+        finite = bool(np.isfinite(b).all())
+        spread = float(np.abs(np.asarray(a, np.float64) - b).max(initial=0.0)) if finite else np.inf
         if spread > limit:
-            return (
-                f'refused: after the first call params/{path} is already {spread:.2e} from the legacy run '
-                f'(the NNX twin allows {limit:.2e} there): on another device count the pmap program computes '
-                'something else, not only in another order'
-            )
+            return f'params/{path} {spread:.2e} from the legacy run (allowed {limit:.2e})'
     return ''
 
 
