@@ -110,6 +110,10 @@ class FloorRule:
     noise_rel: float  # noise-dominated when max |nnx - twin| > noise_rel * max |legacy|
     reason: str
 
+    def limit(self, floor: float, scale: float) -> float:
+        """The largest difference allowed a leaf with this floor whose largest |value| is ``scale``."""
+        return max(self.safety * floor, self.min_ulps * spacing32(scale))
+
 
 def spacing32(x: float) -> float:
     """The float32 spacing (one ulp) at ``|x|``; the smallest subnormal at 0."""
@@ -138,7 +142,7 @@ def floor_leaf(
         spread = float(np.abs(ref64 - ref_twin.astype(np.float64)).max(initial=0.0))
         floor, floor_from = (spread, 'legacy') if spread > floor else (floor, '')
     scale = float(np.abs(ref64).max(initial=0.0))
-    limit = max(rule.safety * floor, rule.min_ulps * spacing32(scale))
+    limit = rule.limit(floor, scale)
     noisy = floor > rule.noise_rel * scale
     bad = int((np.abs(other64 - ref64) > limit).sum())
     return dataclasses.replace(

@@ -164,9 +164,10 @@ def legacy_twin(port: Port, config: RunConfig, old, new, twins: dict, inputs: In
     Another count, not the same step vmapped over the D device rows on one device (which would
     keep per-device keys): that keeps each device's grouping of the batch sums, where this chaos
     is born, and ends 3.3e-7 from legacy on 8 in the seed-4 case above, missing it."""
-    n = twin.legacy_twin_count(config, len(jax.devices()))
-    if n is None:
+    counts = twin.twin_counts(config, len(jax.devices()))  # the first NNX twin's count: 1, or 2 on D = 1
+    if not counts:
         return None, 'legacy twin not run: no second device count fits'
+    n = counts[0]
     if config.calls < 2:
         return None, 'legacy twin not run: with one call there is no early state to tell chaos from a real difference'
     if config.rng_mode == 'per-device' and draws_random_numbers(port):

@@ -55,14 +55,6 @@ def twin_counts(config: RunConfig, available: int) -> tuple[int, ...]:
     return (2,) if available >= 2 and config.batch_size % 2 == 0 else ()
 
 
-def legacy_twin_count(config: RunConfig, available: int) -> int | None:
-    """The legacy twin's device count (``judge.legacy_twin``): 1 for a run on D > 1, 2 on D = 1 if
-    there are 2 and the batch splits; None when none fits."""
-    if config.devices > 1:
-        return 1
-    return 2 if available >= 2 and config.batch_size % 2 == 0 else None
-
-
 def farthest(nnx: compare.Neutral, twins: list[compare.Neutral]) -> compare.Neutral:
     """One twin tree whose every leaf is the twin's farthest from the NNX run's: the floor
     ``max |nnx - twin|`` of each leaf is then the larger of the twins' floors."""

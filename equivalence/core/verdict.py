@@ -128,7 +128,7 @@ def early_excess(legacy: dict, other: dict, nnx: dict, twin: dict, rule: FloorRu
         if b is None or n is None or b.shape != a.shape or not np.issubdtype(a.dtype, np.floating):
             continue
         floor = float(np.abs(np.asarray(n, np.float64) - t).max(initial=0.0))
-        limit = max(rule.safety * floor, rule.min_ulps * spacing32(float(np.abs(a).max(initial=0.0))))
+        limit = rule.limit(floor, float(np.abs(a).max(initial=0.0)))
         finite = bool(np.isfinite(b).all())
         spread = float(np.abs(np.asarray(a, np.float64) - b).max(initial=0.0)) if finite else np.inf
         if spread > limit:

@@ -131,8 +131,8 @@ def run_case(entry: Entry, devices: int, seed: int, **overrides) -> Case:
         result = equivalence.check(entry.port, devices=devices, seed=seed, **{**entry.flags, **overrides})
         verdict = 'MATCH' if result.report.match else 'MISMATCH'
         kind, detail = diagnosis_kind(result), worst_leaf(result.report)
-        said = getattr(result, 'verdict', None)
-        said = {'twin': getattr(said, 'twin', '') or '', 'done': '; '.join(getattr(said, 'done', ()))}
+        judged = getattr(result, 'verdict', None)
+        said = {'twin': getattr(judged, 'twin', '') or '', 'done': '; '.join(getattr(judged, 'done', ()))}
         extra = {**margins(result.report), **said}
     except Exception as e:  # noqa: BLE001 -- one broken run is a wrong verdict, not the end of the corpus
         verdict, kind, detail = 'ERROR', None, f'{type(e).__name__}: {(str(e).splitlines() or [""])[0][:200]}'
