@@ -19,10 +19,10 @@ package still imports no JAX.
 """
 
 _PUBLIC = {
-    'ModelPort': ('equivalence.core.ports', 'ModelPort'),
-    'LoopPort': ('equivalence.core.ports', 'LoopPort'),
-    'PortError': ('equivalence.core.naming', 'PortError'),
-    'ConfigError': ('equivalence.core.config', 'ConfigError'),
+    'ModelPort': ('equivalence.core.port.ports', 'ModelPort'),
+    'LoopPort': ('equivalence.core.port.ports', 'LoopPort'),
+    'PortError': ('equivalence.core.port.naming', 'PortError'),
+    'ConfigError': ('equivalence.core.port.config', 'ConfigError'),
     'check': ('equivalence.core.harness', 'check'),
 }
 __all__ = list(_PUBLIC)

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from typing import NoReturn, TypeVar
 
 from equivalence import devices
-from equivalence.core import blame
-from equivalence.core.config import ConfigError
+from equivalence.core.port import blame
+from equivalence.core.port.config import ConfigError
 
 EXIT_MATCH, EXIT_MISMATCH, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 EXIT_WORKER_DIED = 4  # several processes: a worker died or could not join (equivalence.distributed)
@@ -102,13 +102,13 @@ def add_output_flags(parser: argparse.ArgumentParser, json_help: str, plot: bool
 
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """Flags -> namespace, with the output targets checked; raises ``ConfigError`` on a bad target."""
-    from equivalence.core import output
+    from equivalence.core.report import output
 
     args = parser.parse_args(argv)
     if getattr(args, 'json', None) is not None:
         output.check_file(args.json, args.overwrite)
     if getattr(args, 'plot', None) is not None:
-        from equivalence.core import plots
+        from equivalence.core.report import plots
 
         output.check_dir(args.plot, plots.FILES, args.overwrite)
     return args
@@ -126,8 +126,9 @@ def available_devices(n_available: int | None = None) -> int:
 def run_config(args: argparse.Namespace, n_available: int | None = None, **extra):
     """The flags of ``add_run_flags`` -> ``(workload, RunConfig)``, the port's own limits checked
     too (``harness.validate``); raises ``ConfigError`` on bad input."""
-    from equivalence.core import harness, workloads
-    from equivalence.core.config import RunConfig, parse_mesh
+    from equivalence.core import harness
+    from equivalence.core.port import workloads
+    from equivalence.core.port.config import RunConfig, parse_mesh
 
     wl = workloads.get(args.workload)
     available = available_devices(n_available)

@@ -10,7 +10,7 @@ EXIT_CODES = cli.exit_codes('every leaf and loss matches', 'a leaf or loss is ou
 
 
 def parse(argv: list[str] | None):
-    from equivalence.core.workloads import WORKLOADS
+    from equivalence.core.port.workloads import WORKLOADS
 
     parser = cli.OneLineParser(prog='python -m equivalence.run', description=__doc__, epilog=EXIT_CODES)
     cli.add_run_flags(parser, list(WORKLOADS))
@@ -59,7 +59,8 @@ def progress_bar(total: int):
 def work(validated) -> int:
     import jax
 
-    from equivalence.core import harness, output, report
+    from equivalence.core import harness
+    from equivalence.core.report import output, render
 
     args, wl, config, checkpoints = validated
     warnings.filterwarnings('ignore', message='Some donated buffers were not usable')  # the batch, as score_sde
@@ -72,13 +73,13 @@ def work(validated) -> int:
         result = harness.run(wl, config, progress=tick)
     if bar is not None:
         bar.close()
-    print(report.text(result, jax.default_backend()))
+    print(render.text(result, jax.default_backend()))
     if not distributed.reports():  # several processes: process 0 writes the files
         return cli.EXIT_MATCH if result.report.match else cli.EXIT_MISMATCH
     if args.json is not None:
-        output.write_json(args.json, report.to_json(result, report.versions()))
+        output.write_json(args.json, render.to_json(result, render.versions()))
     if args.plot is not None:
-        from equivalence.core import plots
+        from equivalence.core.report import plots
 
         print('wrote ' + ', '.join(plots.write(result, args.plot)))
     return cli.EXIT_MATCH if result.report.match else cli.EXIT_MISMATCH

@@ -52,8 +52,10 @@ def require_devices(n: int) -> None:
 def assert_port_matches(port, devices: int, steps_per_call: int = 2, calls: int = 2, **flags):
     """Run both sides of ``port`` on ``devices`` devices and fail with the worst leaves unless
     every leaf matches; returns the ``RunResult``. ``flags``: other ``RunConfig`` fields."""
-    from equivalence.core import blame, harness, report
-    from equivalence.core.config import ConfigError
+    from equivalence.core import harness
+    from equivalence.core.port import blame
+    from equivalence.core.port.config import ConfigError
+    from equivalence.core.report import render
 
     require_devices(devices)
     try:
@@ -66,7 +68,7 @@ def assert_port_matches(port, devices: int, steps_per_call: int = 2, calls: int 
             raise
         pytest.fail(f'error: {line}', pytrace=False)
     if not result.report.match:
-        pytest.fail('\n'.join([report.header(result, 'cpu'), *report.leaf_table(result), report.verdict(result)]))
+        pytest.fail('\n'.join([render.header(result, 'cpu'), *render.leaf_table(result), render.verdict(result)]))
     return result
 
 
@@ -80,7 +82,7 @@ def assert_port_matches_across_processes(
     process cannot. Fails with the report unless every leaf matches; returns the JSON report.
     ``port`` is ``module:NAME``; the workers find the module in its folder, and this suite where
     the test found it. ``flags``: more ``run`` flags (``['--strategy', 'fsdp']``)."""
-    from equivalence.core import ports
+    from equivalence.core.port import ports
 
     ports.load(port)  # a name that does not resolve fails here (ConfigError), before any worker starts
     module = sys.modules[port.partition(':')[0]]

@@ -546,7 +546,7 @@ class Trainer(nnx.Module):
 
 def grouped_loop():
     """The loop port with a train state that is not (model, optimizer): nnx_groups= says where things are."""
-    from equivalence.core import convert
+    from equivalence.core.port import convert
 
     return loop(
         nnx_state=Trainer,

@@ -15,9 +15,10 @@ from conftest import require_devices
 from flax import nnx
 
 from equivalence import ModelPort
-from equivalence.core import harness, randomness
-from equivalence.core.config import RunConfig
-from equivalence.core.naming import PortError
+from equivalence.core import harness
+from equivalence.core.port.config import RunConfig
+from equivalence.core.port.naming import PortError
+from equivalence.core.run import randomness
 from equivalence.pitfalls import masked_loss
 
 F, L = 4, 3
@@ -75,12 +76,12 @@ def test_attention_dropout_at_level_1_matches_and_is_the_same_whatever_the_layou
     )
     assert one.report.match and two.report.match, [leaf for leaf in two.report.leaves if not leaf.ok]
     np.testing.assert_allclose(one.legacy.losses, two.legacy.losses, rtol=1e-6)  # the same masks: per example
-    original = harness.randomness.bridged  # negative control: NNX attention draws its own masks
+    original = randomness.bridged  # negative control: NNX attention draws its own masks
 
     def nnx_unbridged(rng_mode, axis_name=None, example_keys=None):
         return contextlib.nullcontext() if axis_name is None else original(rng_mode, axis_name, example_keys)
 
-    monkeypatch.setattr(harness.randomness, 'bridged', nnx_unbridged)
+    monkeypatch.setattr(randomness, 'bridged', nnx_unbridged)
     unbridged = harness.check(port(broadcast=True), devices=2, rng_mode='global', **QUICK)
     assert not unbridged.report.match and 'losses/per_step' in [x.name for x in unbridged.report.leaves if not x.ok]
 

@@ -13,7 +13,7 @@ from conftest import assert_one_line_error, run_module
 from equivalence.bench import report as benchreport
 from equivalence.bench import timing as measure
 from equivalence.bench.variants import Variant
-from equivalence.core.config import RunConfig
+from equivalence.core.port.config import RunConfig
 
 TINY = ['--devices', '2', '--repeats', '2', '--steps-per-call', '2', '--calls', '2', '--compile-repeats', '1']
 VARIANTS = {'legacy', 'nnx', 'jit_bare', 'nnx_first', 'nnx_transposed', 'nnx_graph', 'nnx_cached'}

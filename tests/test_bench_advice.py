@@ -13,7 +13,7 @@ from equivalence.bench import advice
 from equivalence.bench import report as benchreport
 from equivalence.bench.timing import Block, CompileTiming
 from equivalence.bench.variants import Variant
-from equivalence.core.config import RunConfig
+from equivalence.core.port.config import RunConfig
 
 # K=20 is also the bench's long-call K: no separate K=20 variants to build (the cheapest run)
 TINY = ['--devices', '2', '--repeats', '2', '--steps-per-call', '20', '--calls', '2', '--compile-repeats', '1']

@@ -19,8 +19,9 @@ from equivalence import run as run_command
 from equivalence.checkpoint import __main__ as checkpoint_command
 from equivalence.checkpoint import layout, migrate, resume, store
 from equivalence.checkpoint.options import CheckpointOptions
-from equivalence.core import harness, workloads
-from equivalence.core.config import RunConfig
+from equivalence.core.port import workloads
+from equivalence.core.port.config import RunConfig
+from equivalence.core.run import setups, sides
 from legacy_pmap import checkpoints as legacy_checkpoints
 from legacy_pmap import models as legacy_models
 from nnx_sharded import checkpoints as nnx_checkpoints
@@ -184,17 +185,17 @@ def test_a_resumed_run_is_held_to_the_floor_of_a_resumed_twin_which_fails_what_t
 def score_nnx(tmp_path_factory):
     """NNX score (keys drive its noise) trained 8 steps without stopping, saving every 2 calls."""
     config = RunConfig(workload='score', devices=8, steps_per_call=2, calls=4, batch_size=32)
-    variables, calls, rng = harness.make_inputs(SCORE, config)
+    variables, calls, rng = setups.make_inputs(SCORE, config)
     directory = str(tmp_path_factory.mktemp('score_nnx') / 'nnx')
     hook = resume.nnx_saver(directory, config, every=2)
-    whole = harness.run_nnx(SCORE, config, variables, calls, rng, after_call=hook)
+    whole = sides.run_nnx(SCORE, config, variables, calls, rng, after_call=hook)
     return config, variables, calls, whole, directory
 
 
 def test_nnx_save_and_resume_is_bitwise_equal_to_an_uninterrupted_nnx_run(score_nnx):
     config, variables, calls, whole, directory = score_nnx
     restore = resume.restorer(directory, config, 4)
-    resumed = harness.run_nnx(SCORE, config, variables, calls[2:], None, restore=restore)
+    resumed = sides.run_nnx(SCORE, config, variables, calls[2:], None, restore=restore)
     np.testing.assert_array_equal(resumed.losses, whole.losses[4:])
     for group, leaves in whole.final.items():
         for path, value in leaves.items():
@@ -210,7 +211,7 @@ def test_resuming_without_the_recorded_key_chain_is_not_the_same_run(score_nnx):
     """Negative control: the checkpoint's host key chain is what makes the keys continue."""
     config, variables, calls, whole, directory = score_nnx
     fresh = lambda setup: (resume.restorer(directory, config, 4)(setup), jax.random.PRNGKey(0))[1]  # noqa: E731
-    resumed = harness.run_nnx(SCORE, config, variables, calls[2:], None, restore=fresh)
+    resumed = sides.run_nnx(SCORE, config, variables, calls[2:], None, restore=fresh)
     assert not np.array_equal(resumed.losses, whole.losses[4:])
 
 
@@ -310,7 +311,7 @@ import sys, time
 import jax
 from orbax.checkpoint._src.path import atomicity
 from equivalence.checkpoint import layout
-from equivalence.core import workloads
+from equivalence.core.port import workloads
 from legacy_pmap import checkpoints, train
 
 pstate = train.replicate(layout.legacy_init(workloads.WORKLOADS['mlp'])(), jax.devices()[:1])

@@ -12,7 +12,7 @@ import pytest
 from conftest import assert_one_line_error, run_module
 
 from equivalence import cli
-from equivalence.core.config import ConfigError
+from equivalence.core.port.config import ConfigError
 
 QUICK = ['--steps-per-call', '2', '--calls', '2']
 

@@ -26,8 +26,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from equivalence import cli, pitfalls
-from equivalence.core.config import MAX_EXAMPLES, RNG_MODES
-from equivalence.core.workloads import WORKLOADS
+from equivalence.core.port.config import MAX_EXAMPLES, RNG_MODES
+from equivalence.core.port.workloads import WORKLOADS
 
 COMMANDS = {
     'run': 'equivalence.run',
@@ -302,7 +302,7 @@ def test_a_port_with_one_wrong_field_is_exit_2_in_one_line_naming_a_port_field(c
     import hostile_ports
 
     from equivalence import run as run_command
-    from equivalence.core import ports
+    from equivalence.core.port import ports
 
     level, field, value = case
     hostile_ports.DRAWN = lambda: dataclasses.replace(getattr(hostile_ports, level), **{field: value})
@@ -327,12 +327,12 @@ def test_a_port_with_one_wrong_field_is_exit_2_in_one_line_naming_a_port_field(c
 @pytest.fixture(scope='module')
 def monkeypatch_module():
     """No training step may run: the pre-flight (or the port's own checks) must stop every drawn port."""
-    from equivalence.core import harness
+    from equivalence.core.run import setups
 
     def trained(*args, **kwargs):
         raise AssertionError('a training step ran')
 
     with pytest.MonkeyPatch.context() as patch:
-        for setup in (harness.LegacySetup, harness.NnxSetup, harness.NnxLoopSetup):
+        for setup in (setups.LegacySetup, setups.NnxSetup, setups.NnxLoopSetup):
             patch.setattr(setup, 'call', trained)
         yield

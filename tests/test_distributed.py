@@ -18,7 +18,10 @@ import pytest
 from conftest import ROOT, assert_one_line_error, require_devices, run_module
 
 from equivalence.checkpoint import migrate
-from equivalence.core import compare, harness, report, workloads
+from equivalence.core import harness
+from equivalence.core.port import workloads
+from equivalence.core.report import render
+from equivalence.core.verdict import compare
 from equivalence.distributed import launch
 from legacy_pmap import checkpoints as legacy_checkpoints
 
@@ -32,7 +35,7 @@ def one_process(workload: str, devices: int, **flags) -> dict:
     require_devices(devices)
     wl = workloads.get(workload)
     result = harness.check(wl, devices=devices, steps_per_call=2, calls=2, **flags)
-    return report.to_json(result, report.versions())
+    return render.to_json(result, render.versions())
 
 
 def clean_env(**extra: str) -> dict[str, str]:

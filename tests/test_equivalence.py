@@ -7,25 +7,28 @@ import numpy as np
 import pytest
 from conftest import require_devices
 
-from equivalence.core import compare, harness, workloads
-from equivalence.core.config import RunConfig
+from equivalence.core import harness
+from equivalence.core.port import workloads
+from equivalence.core.port.config import RunConfig
+from equivalence.core.run import sides
+from equivalence.core.verdict import compare, judge
 
 WORKLOADS = list(workloads.WORKLOADS)
 FAST = [name for name in WORKLOADS if name != 'cnn']  # cnn has its own tests: test_stateful.py
 
 
-def run(name: str, **overrides) -> harness.RunResult:
+def run(name: str, **overrides) -> judge.RunResult:
     """A run shared by every test of this module that asks for it (results are read, never changed)."""
     require_devices(overrides.get('devices', 8))
     return _shared(name, tuple(sorted(overrides.items())))
 
 
 @functools.cache
-def _shared(name: str, overrides: tuple) -> harness.RunResult:
+def _shared(name: str, overrides: tuple) -> judge.RunResult:
     return fresh(name, **dict(overrides))
 
 
-def fresh(name: str, **overrides) -> harness.RunResult:
+def fresh(name: str, **overrides) -> judge.RunResult:
     wl = workloads.get(name)
     fields = {'workload': name, 'batch_size': wl.default_batch, 'calls': 2, **overrides}
     require_devices(fields.get('devices', 8))
@@ -86,12 +89,12 @@ def test_a_missing_leaf_is_a_mismatch():
 @pytest.mark.parametrize('name', WORKLOADS)
 def test_pmap_replicas_stay_identical(name):
     pstate = run(name, devices=8, steps_per_call=5, verdict='screen').legacy.raw
-    assert harness.replica_spread(pstate) == 0.0
+    assert sides.replica_spread(pstate) == 0.0
     # Negative control: one replica nudged by one ulp-sized step is seen.
     leaves = jax.tree.leaves(pstate)
     nudged = np.array(leaves[0])
     nudged[-1] = np.nextafter(nudged[-1], np.inf) if nudged.dtype.kind == 'f' else nudged[-1] + 1
-    assert harness.replica_spread([nudged, *leaves[1:]]) > 0.0
+    assert sides.replica_spread([nudged, *leaves[1:]]) > 0.0
 
 
 @pytest.mark.parametrize('name', WORKLOADS)

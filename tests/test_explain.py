@@ -18,8 +18,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from equivalence import explain, run
-from equivalence.core import harness, workloads
-from equivalence.core.config import RunConfig
+from equivalence.core.port import workloads
+from equivalence.core.port.config import RunConfig
+from equivalence.core.run import setups, sides
 from nnx_sharded import sharding
 from nnx_sharded import train as sharded
 
@@ -94,9 +95,9 @@ def test_answers_follow_the_measurement_not_the_path(mlp8):
     assert not answer['yes'] and '64 of 64 examples' in answer['why']
 
 
-def sharded_kernel_setup(wl, config, variables) -> harness.NnxSetup:
+def sharded_kernel_setup(wl, config, variables) -> setups.NnxSetup:
     """The NNX setup, but ``hidden/kernel`` and its Adam moments split on axis 0 over the mesh."""
-    setup = harness.nnx_setup(wl, config, variables)
+    setup = sides.nnx_setup(wl, config, variables)
 
     def spec(path, _):
         keys = [explain.key_name(k) for k in path]
@@ -104,7 +105,7 @@ def sharded_kernel_setup(wl, config, variables) -> harness.NnxSetup:
 
     shardings = jax.tree_util.tree_map_with_path(spec, setup.state)
     setup.state = jax.device_put(setup.state, shardings)
-    step = harness.nnx_step(wl, setup.graphdef, config)
+    step = setups.nnx_step(wl, setup.graphdef, config)
     setup.fused = sharded.make_fused_call(step, (sharding.key_sharding(setup.mesh, config.rng_mode), shardings))
     return setup
 
@@ -113,7 +114,7 @@ def test_a_sharded_kernel_makes_replicated_false():
     require_devices(4)  # [20, 30] splits evenly over 4 devices, not 8
     wl = workloads.get('mlp')
     config = RunConfig('mlp', devices=4, steps_per_call=3, calls=1, batch_size=64)
-    variables, calls, rng = harness.make_inputs(wl, config)
+    variables, calls, rng = setups.make_inputs(wl, config)
     setup = sharded_kernel_setup(wl, config, variables)
     _, args = setup.call_args(rng, calls[0])
     m = explain.measure_nnx(setup, args)

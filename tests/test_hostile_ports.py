@@ -12,7 +12,7 @@ import hostile_ports
 import pytest
 from conftest import run_module
 
-from equivalence.core import harness
+from equivalence.core.run import setups
 
 QUICK = ['--devices', '2', '--steps-per-call', '2', '--calls', '2', '--batch-size', '8']
 COMMANDS = {
@@ -52,7 +52,7 @@ def no_training(monkeypatch, request):
     def trained(*args, **kwargs):
         raise AssertionError('a training step ran before the mistake was reported')
 
-    for setup in (harness.LegacySetup, harness.NnxSetup, harness.NnxLoopSetup, harness.NnxGraphSetup):
+    for setup in (setups.LegacySetup, setups.NnxSetup, setups.NnxLoopSetup, setups.NnxGraphSetup):
         monkeypatch.setattr(setup, 'call', trained)
 
 
@@ -68,8 +68,8 @@ def command_line(name: str, command: str, tmp_path) -> tuple:
 
 def pytest_helper(name: str) -> tuple[int, str, str]:
     """``assert_port_matches`` as a team's test calls it: a failed test with one line, or a pass."""
-    from equivalence.core import ports
-    from equivalence.core.config import ConfigError
+    from equivalence.core.port import ports
+    from equivalence.core.port.config import ConfigError
     from equivalence.testing import assert_port_matches
 
     try:

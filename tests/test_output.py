@@ -6,8 +6,8 @@ import stat
 
 import pytest
 
-from equivalence.core import output
-from equivalence.core.config import ConfigError
+from equivalence.core.port.config import ConfigError
+from equivalence.core.report import output
 
 
 @pytest.fixture

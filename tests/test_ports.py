@@ -15,8 +15,10 @@ import pytest
 from conftest import ROOT, assert_one_line_error, require_devices, run_pytest_in
 from flax import nnx
 
-from equivalence.core import harness, naming, workloads
-from equivalence.core.naming import PortError
+from equivalence.core import harness
+from equivalence.core.port import naming, workloads
+from equivalence.core.port.naming import PortError
+from equivalence.core.run import randomness
 
 EXAMPLE = os.path.join(ROOT, 'examples', 'mlp_port')
 sys.path.insert(0, EXAMPLE)
@@ -128,7 +130,7 @@ def test_loop_port_catches_a_layernorm_epsilon_slip():
 
 def _without_bridge_on_the_nnx_side(monkeypatch):
     """Negative control: NNX Dropout draws from its own stream, as it would outside the suite."""
-    original = harness.randomness.bridged
+    original = randomness.bridged
 
     def nnx_unbridged(rng_mode, axis_name=None, example_keys=None):
         if axis_name is None:  # the NNX side (the legacy side names its pmap axis)
@@ -137,7 +139,7 @@ def _without_bridge_on_the_nnx_side(monkeypatch):
             return contextlib.nullcontext()
         return original(rng_mode, axis_name, example_keys)
 
-    monkeypatch.setattr(harness.randomness, 'bridged', nnx_unbridged)
+    monkeypatch.setattr(randomness, 'bridged', nnx_unbridged)
 
 
 @pytest.mark.parametrize('port', [my_port.MODEL, my_port.LOOP], ids=['model', 'loop'])
@@ -152,7 +154,7 @@ def test_dropout_inside_the_model_matters_without_the_bridge_the_paths_differ(po
 def test_the_bridge_draws_what_both_dropout_layers_draw_from_a_key():
     """In a loop port the mask comes from the key the user's code gave the layer: the bits are
     the ones ``nn.Dropout`` and ``nnx.Dropout`` draw themselves from that key folded with the call index."""
-    from equivalence.core import randomness
+    from equivalence.core.run import randomness
 
     key, x = jax.random.PRNGKey(3), jax.random.normal(jax.random.PRNGKey(4), (16, 32))
     own = nn.Dropout(0.25, deterministic=False).apply({}, x, rng=jax.random.fold_in(key, 0))
@@ -189,7 +191,7 @@ def test_explain_and_bench_read_a_loop_port():
     require_devices(2)
     from equivalence import explain
     from equivalence.bench import variants
-    from equivalence.core.config import RunConfig
+    from equivalence.core.port.config import RunConfig
 
     config = RunConfig('mlp-port-loop', devices=2, steps_per_call=2, calls=1, batch_size=64, rng_mode='global')
     for m in explain.measure_both(my_port.LOOP, config):
@@ -207,7 +209,7 @@ def test_explain_and_bench_read_a_loop_port():
 
 
 def test_built_in_workloads_are_model_ports():
-    from equivalence.core.ports import ModelPort
+    from equivalence.core.port.ports import ModelPort
 
     assert all(isinstance(wl, ModelPort) for wl in workloads.WORKLOADS.values())
     assert workloads.get('my_port:MODEL') is my_port.MODEL

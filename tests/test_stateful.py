@@ -9,8 +9,11 @@ import pytest
 from conftest import require_devices
 from flax import nnx
 
-from equivalence.core import compare, harness, workloads
-from equivalence.core.config import RunConfig
+from equivalence.core import harness
+from equivalence.core.port import workloads
+from equivalence.core.port.config import RunConfig
+from equivalence.core.run import setups, sides
+from equivalence.core.verdict import compare
 from legacy_pmap import models as legacy_models
 from nnx_sharded import models as nnx_models
 
@@ -48,10 +51,10 @@ def test_legacy_batchnorm_without_axis_name_is_a_mismatch():
 def test_swapping_rng_modes_between_the_sides_is_a_mismatch():
     wl = workloads.get('cnn')
     cfg = config('cnn', devices=8)
-    variables, calls, rng = harness.make_inputs(wl, cfg)
-    old = harness.run_legacy(wl, cfg, variables, calls, rng)
-    new = harness.run_nnx(wl, dataclasses.replace(cfg, rng_mode='global'), variables, calls, rng)
-    report = compare.compare(harness.with_losses(old.final, old.losses), harness.with_losses(new.final, new.losses))
+    variables, calls, rng = setups.make_inputs(wl, cfg)
+    old = sides.run_legacy(wl, cfg, variables, calls, rng)
+    new = sides.run_nnx(wl, dataclasses.replace(cfg, rng_mode='global'), variables, calls, rng)
+    report = compare.compare(sides.with_losses(old.final, old.losses), sides.with_losses(new.final, new.losses))
     assert not report.match
     assert not next(x for x in report.leaves if x.group == 'losses').ok
 
@@ -59,9 +62,9 @@ def test_swapping_rng_modes_between_the_sides_is_a_mismatch():
 def _final(name: str, devices: int, rng_mode: str) -> tuple[dict, dict]:
     """Both paths' final states and losses; no verdict (this test compares runs across D itself)."""
     wl, cfg = workloads.get(name), config(name, devices=devices, rng_mode=rng_mode, calls=1)
-    variables, calls, rng = harness.make_inputs(wl, cfg)
-    paths = (run(wl, cfg, variables, calls, rng) for run in (harness.run_legacy, harness.run_nnx))
-    return (harness.with_losses(p.final, p.losses) for p in paths)
+    variables, calls, rng = setups.make_inputs(wl, cfg)
+    paths = (run(wl, cfg, variables, calls, rng) for run in (sides.run_legacy, sides.run_nnx))
+    return (sides.with_losses(p.final, p.losses) for p in paths)
 
 
 @pytest.mark.parametrize('name', RANDOM)

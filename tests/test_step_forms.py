@@ -15,8 +15,10 @@ from flax import nnx
 from flax.training import train_state
 
 from equivalence import LoopPort
-from equivalence.core import adapters, harness, report
-from equivalence.core.config import ConfigError
+from equivalence.core import harness
+from equivalence.core.port.config import ConfigError
+from equivalence.core.report import render
+from equivalence.core.run import adapters
 
 AXIS, FEATURES, HIDDEN = 'batch', 4, 8
 QUICK = {'steps_per_call': 2, 'calls': 2}
@@ -189,9 +191,9 @@ def test_a_flax_train_state_lists_what_it_does_not_compare(results):
     assert any('pmap(step) called K times per call' in n for n in notes), notes
     assert any('pmap(scan(step))' in n for n in results['state_rng, scan, fused nnx'].notes)
     # The report's header says how each side ran, not the suite's own pmap(scan) loop.
-    assert ': legacy pmap(step) x K vs NNX ' in report.header(results['key in state'], 'cpu')
+    assert ': legacy pmap(step) x K vs NNX ' in render.header(results['key in state'], 'cpu')
     fused = results['state_rng, scan, fused nnx']
-    assert ': legacy pmap(scan) vs NNX sharded scan on 2 ' in report.header(fused, 'cpu')
+    assert ': legacy pmap(scan) vs NNX sharded scan on 2 ' in render.header(fused, 'cpu')
     assert 'not compared: step: the pmap train state holds no step counter (a tuple (params, opt_state))' in (
         results['tuple state'].notes
     )

@@ -19,21 +19,23 @@ from conftest import require_devices
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from equivalence.core import harness, workloads
-from equivalence.core.config import ConfigError, RunConfig
+from equivalence.core import harness
+from equivalence.core.port import workloads
+from equivalence.core.port.config import ConfigError, RunConfig
+from equivalence.core.verdict import judge
 from nnx_sharded import shard_map, sharding
 
 QUICK = {'steps_per_call': 2, 'calls': 2}
 WIDE = workloads.get('wide')
 
 
-def check(name: str, devices: int = 8, **flags) -> harness.RunResult:
+def check(name: str, devices: int = 8, **flags) -> judge.RunResult:
     require_devices(devices)
     return _run(name, devices, tuple(sorted(flags.items())))
 
 
 @functools.cache
-def _run(name: str, devices: int, flags: tuple) -> harness.RunResult:
+def _run(name: str, devices: int, flags: tuple) -> judge.RunResult:
     """One run per configuration in the whole module: the graph-form test reuses the split runs.
     The fixed screen first (``verdict='screen'``): what these tests check is the strategy's
     placement and collectives; a run that fails the screen is still judged by its measured floor

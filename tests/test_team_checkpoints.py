@@ -12,8 +12,8 @@ from conftest import ROOT, assert_one_line_error, require_devices, run_module
 
 from equivalence.checkpoint import migrate, resume
 from equivalence.checkpoint.store import CheckpointError
-from equivalence.core import adapters, harness
-from equivalence.core.config import RunConfig
+from equivalence.core.port.config import RunConfig
+from equivalence.core.run import adapters, setups, sides
 
 
 def example(name: str):
@@ -42,9 +42,9 @@ def resumed(name: str, tmp_path):
     port = my_port.LOOP
     config = RunConfig(workload=port.name, devices=2, steps_per_call=2, calls=2, batch_size=8,
                        rng_mode=port.rng_modes[0])  # fmt: skip
-    variables, calls, rng = harness.make_inputs(port, config)
+    variables, calls, rng = setups.make_inputs(port, config)
     team_dir, nnx_dir = str(tmp_path / 'team'), str(tmp_path / 'nnx')
-    legacy = harness.run_legacy(port, config, variables, calls, rng, after_call=team_saver(name, old, team_dir))
+    legacy = sides.run_legacy(port, config, variables, calls, rng, after_call=team_saver(name, old, team_dir))
     migration = migrate.migrate(team_dir, nnx_dir, port, step=2)
     run = resume.LegacyRun(legacy, team_dir, variables, calls, rng)
     again = lambda: resume.resume_nnx(port, config, run, nnx_dir, 2)  # noqa: E731

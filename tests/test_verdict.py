@@ -12,21 +12,24 @@ import jax
 import numpy as np
 from conftest import ROOT, require_devices
 
-from equivalence.core import compare, harness, judge, twin, verdict, workloads
-from equivalence.core.config import RunConfig
+from equivalence.core import harness
+from equivalence.core.port import workloads
+from equivalence.core.port.config import RunConfig
+from equivalence.core.run import setups, sides
+from equivalence.core.verdict import compare, judge, rule, twin
 
 sys.path.insert(0, os.path.join(ROOT, 'examples', 'mlp_port'))
 import my_port  # noqa: E402  (the example, imported as a user's module)
 
 
-def run(port, devices=8, **fields) -> harness.RunResult:
+def run(port, devices=8, **fields) -> judge.RunResult:
     require_devices(devices)
     fields = {'steps_per_call': 2, 'calls': 2, 'batch_size': port.default_batch, **fields}
     rng = fields.pop('rng_mode', port.rng_modes[0])
     return harness.run(port, RunConfig(workload=port.name, devices=devices, rng_mode=rng, **fields))
 
 
-def kind(result: harness.RunResult) -> str:
+def kind(result: judge.RunResult) -> str:
     assert not result.report.match, 'expected a MISMATCH'
     return result.verdict.kind
 
@@ -36,7 +39,7 @@ def test_reduction_order_noise_that_fails_the_fixed_tolerance_matches_its_floor(
     and the twin shows reordering alone moves it by 5.5e-6: noise, not a slip."""
     result = run(workloads.get('wide'), strategy='tp', steps_per_call=5, calls=4)
     assert result.verdict.done[0] == 'fixed screen failed'
-    assert result.report.match, verdict.details(verdict.failed(result.report))
+    assert result.report.match, rule.details(rule.failed(result.report))
 
 
 def test_perturb_1e_5_is_caught_at_8_devices():
@@ -45,7 +48,7 @@ def test_perturb_1e_5_is_caught_at_8_devices():
     assert kind(result) == 'optimizer'
     # no pmap-side chaos can excuse it: NNX is already off after the first call, where chaos has not set in
     assert result.verdict.done[-1].startswith('legacy twin not run: NNX is off after the first call, params/')
-    assert {leaf.group for leaf in verdict.failed(result.report)} >= {'params'}
+    assert {leaf.group for leaf in rule.failed(result.report)} >= {'params'}
 
 
 def test_layernorm_epsilon_slip_is_math_from_the_first_step():
@@ -58,7 +61,7 @@ def test_layernorm_epsilon_slip_is_math_from_the_first_step():
 def test_gelu_slip_names_the_first_step_gradients():
     result = run(my_port.MODEL_GELU_SLIP, devices=2)
     assert kind(result) == 'math'
-    assert any(leaf.name.startswith('first_step/grads/') for leaf in verdict.failed(result.report))
+    assert any(leaf.name.startswith('first_step/grads/') for leaf in rule.failed(result.report))
 
 
 def test_dropout_keyed_differently_is_randomness():
@@ -97,11 +100,11 @@ def test_a_twin_that_changes_the_math_is_refused():
     require_devices(2)
     port = workloads.get('mlp')
     config = RunConfig(workload='mlp', devices=2, steps_per_call=2, calls=1)
-    variables, calls, rng = harness.make_inputs(port, config)
-    new = harness.run_nnx(port, config, variables, calls, rng)
+    variables, calls, rng = setups.make_inputs(port, config)
+    new = sides.run_nnx(port, config, variables, calls, rng)
     honest, secret = (twin.run_twin(port, config, variables, calls, rng, 1, lr_scale=s) for s in (1.0, 1.0 + 1e-3))
-    assert verdict.twin_refusal(new.losses, honest.losses) == ''
-    assert verdict.twin_refusal(new.losses, secret.losses).startswith('refused: its loss at step 2')
+    assert rule.twin_refusal(new.losses, honest.losses) == ''
+    assert rule.twin_refusal(new.losses, secret.losses).startswith('refused: its loss at step 2')
 
 
 def test_chaos_on_the_pmap_side_is_measured_by_the_legacy_twin():
@@ -111,7 +114,7 @@ def test_chaos_on_the_pmap_side_is_measured_by_the_legacy_twin():
     moves are judged by that spread. Its negative control: ``--perturb 1e-5`` above stays a MISMATCH."""
     result = run(workloads.get('cnn'), rng_mode='global', seed=4, steps_per_call=5, calls=4)
     assert "a legacy twin on 1 device(s) measured the pmap side's own floor" in result.verdict.done
-    assert result.report.match and result.report.legacy_twin, verdict.details(verdict.failed(result.report))
+    assert result.report.match and result.report.legacy_twin, rule.details(rule.failed(result.report))
     kernel = next(leaf for leaf in result.report.leaves if leaf.name == 'params/conv1/kernel')
     assert kernel.floor_from == 'legacy' and kernel.max_abs > 1e-5  # far beyond any NNX twin's floor
 
@@ -132,8 +135,8 @@ def test_a_legacy_twin_that_could_compute_something_else_is_refused():
     nnx1, twin1 = {'w': legacy1['w'] + 1e-7}, {'w': legacy1['w'] + 2e-7}  # the NNX twin: 1e-7, allows 1e-6
     chaos_to_come = {'w': legacy1['w'] + 5e-7}
     different = {'w': legacy1['w'] + 1e-5}
-    assert verdict.early_excess(legacy1, chaos_to_come, nnx1, twin1, verdict.MEASURED_FLOOR) == ''
-    excess = verdict.early_excess(legacy1, different, nnx1, twin1, verdict.MEASURED_FLOOR)
+    assert rule.early_excess(legacy1, chaos_to_come, nnx1, twin1, rule.MEASURED_FLOOR) == ''
+    excess = rule.early_excess(legacy1, different, nnx1, twin1, rule.MEASURED_FLOOR)
     assert excess == 'params/w 1.00e-05 from the legacy run (allowed 1.91e-06)', excess  # 8 spacings of 2.0
 
 
@@ -158,23 +161,23 @@ def test_floor_rule_holds_a_leaf_to_its_own_noise():
     ref = {'params': {'w': np.array([1.0, 2.0], np.float32), 'b': np.array([1e-2], np.float32)}}
     shift = lambda tree, dw, db: {'params': {'w': tree['params']['w'] + dw, 'b': tree['params']['b'] + db}}  # noqa: E731
     nnx_, twin_ = shift(ref, 1e-5, 1e-4), shift(ref, 2e-5, -1e-4)
-    report = compare.compare_to_floor(ref, nnx_, twin_, verdict.MEASURED_FLOOR)
+    report = compare.compare_to_floor(ref, nnx_, twin_, rule.MEASURED_FLOOR)
     by_name = {leaf.name: leaf for leaf in report.leaves}
     assert by_name['params/w'].ok and not by_name['params/w'].noise_dominated
     assert by_name['params/b'].noise_dominated and by_name['params/b'].ok  # floor 2e-4 on a value of 1e-2
-    slipped = compare.compare_to_floor(ref, shift(ref, 1e-4, 0), shift(ref, 1e-4 + 1e-6, 0), verdict.MEASURED_FLOOR)
+    slipped = compare.compare_to_floor(ref, shift(ref, 1e-4, 0), shift(ref, 1e-4 + 1e-6, 0), rule.MEASURED_FLOOR)
     assert not slipped.match  # 1e-4 off, floor 1e-6: 100x
-    within_ulps = compare.compare_to_floor(ref, shift(ref, 2.4e-7, 0), shift(ref, 2.4e-7, 0), verdict.MEASURED_FLOOR)
+    within_ulps = compare.compare_to_floor(ref, shift(ref, 2.4e-7, 0), shift(ref, 2.4e-7, 0), rule.MEASURED_FLOOR)
     assert within_ulps.match  # floor 0, one spacing of 2.0: the ulp minimum
     # the legacy side's own spread (a legacy twin) counts too, where it is larger: pmap-side chaos
     legacy_twin = shift(ref, -1e-4, 0)
     rescued = compare.compare_to_floor(
-        ref, shift(ref, 1e-4, 0), shift(ref, 1e-4 + 1e-6, 0), verdict.MEASURED_FLOOR, legacy_twin
+        ref, shift(ref, 1e-4, 0), shift(ref, 1e-4 + 1e-6, 0), rule.MEASURED_FLOOR, legacy_twin
     )
     assert rescued.match and rescued.legacy_twin
     nan_twin = {'params': {'w': np.full(2, np.nan, np.float32), 'b': ref['params']['b']}}
     nan_slipped = compare.compare_to_floor(
-        ref, shift(ref, 1e-4, 0), shift(ref, 1e-4 + 1e-6, 0), verdict.MEASURED_FLOOR, nan_twin
+        ref, shift(ref, 1e-4, 0), shift(ref, 1e-4 + 1e-6, 0), rule.MEASURED_FLOOR, nan_twin
     )
     assert not nan_slipped.match  # a non-finite legacy twin measures nothing
 

@@ -24,8 +24,9 @@ def run(wl, config, repeats: int, compile_repeats: int, strategy_configs=()):
     from equivalence.bench import loop, variants
     from equivalence.bench import report as benchreport
     from equivalence.bench import timing as measure
-    from equivalence.core import adapters, harness, preflight
-    from equivalence.core.ports import LoopPort
+    from equivalence.core import harness, preflight
+    from equivalence.core.port.ports import LoopPort
+    from equivalence.core.run import adapters
 
     adapters.one_program_each(wl, 'bench')
     for cfg in (config, *strategy_configs):

@@ -15,7 +15,7 @@ MAX_REPEATS = 1_000  # more is a soak test, not a benchmark
 
 
 def parse(argv: list[str] | None):
-    from equivalence.core.workloads import WORKLOADS
+    from equivalence.core.port.workloads import WORKLOADS
 
     parser = cli.OneLineParser(prog='python -m equivalence.bench', description=__doc__, epilog=EXIT_CODES)
     strategies = 'also time the NNX call under these: S[,S...] or all (default: dp only)'
@@ -37,7 +37,7 @@ def inputs(argv: list[str] | None, n_available: int | None = None):
 
     from equivalence import bench
     from equivalence.core import harness
-    from equivalence.core.config import STRATEGIES, ConfigError, check_count, parse_mesh
+    from equivalence.core.port.config import STRATEGIES, ConfigError, check_count, parse_mesh
 
     args = parse(argv)
     check_count('--repeats', args.repeats, MAX_REPEATS)
@@ -61,7 +61,7 @@ def inputs(argv: list[str] | None, n_available: int | None = None):
 def work(validated) -> int:
     from equivalence import bench
     from equivalence.bench import report as benchreport
-    from equivalence.core import output
+    from equivalence.core.report import output
 
     args, wl, config, strategy_configs = validated
     warnings.filterwarnings('ignore', message='Some donated buffers were not usable')  # the batch, as score_sde

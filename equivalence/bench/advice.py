@@ -7,7 +7,7 @@ checked against itself: a line of advice says nothing that this run did not meas
 
 import dataclasses
 
-from equivalence.bench.report import BenchResult
+from equivalence.bench.result import BenchResult
 
 GUIDE = 'docs/performance.md'
 

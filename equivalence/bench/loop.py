@@ -20,9 +20,9 @@ import jax
 from flax import nnx
 
 from equivalence.bench.variants import Feed, Variant, _config, _nnx_chain, _nnx_place
-from equivalence.core import harness, randomness
-from equivalence.core.config import RunConfig
-from equivalence.core.ports import LoopPort
+from equivalence.core.port.config import RunConfig
+from equivalence.core.port.ports import LoopPort
+from equivalence.core.run import randomness, setups, sides
 
 FORMS = {  # name -> (label, state as a plain dict and donated)
     'nnx_jit_state': ("the port's call under jax.jit, split state", False),
@@ -40,7 +40,7 @@ class Derived:
     notes: list[str]  # what could not be rebuilt, and why
 
 
-def _pure_call(setup: harness.NnxLoopSetup, plain_dict: bool) -> tuple[Callable, object]:
+def _pure_call(setup: setups.NnxLoopSetup, plain_dict: bool) -> tuple[Callable, object]:
     """``(jax.jit(call over the split state), placed state)``: the port's call, traced once."""
     graphdef, state = nnx.split(setup.train_state)
     port, rng_mode = setup.port, setup.config.rng_mode
@@ -64,7 +64,7 @@ def form_variant(port: LoopPort, config: RunConfig, feed: Feed, k: int, name: st
     holder = {}
 
     def build(kk: int):
-        setup = harness.nnx_setup(port, _config(config, kk), feed.variables)
+        setup = sides.nnx_setup(port, _config(config, kk), feed.variables)
         fn, state = _pure_call(setup, plain_dict)
         return setup, fn, state
 

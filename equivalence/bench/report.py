@@ -1,14 +1,11 @@
 """The benchmark's table, targets and JSON: ratios against legacy pmap(scan) are what count."""
 
-import dataclasses
 import statistics
 
-import numpy as np
-
-from equivalence.bench.timing import Block, CompileTiming, stats
+from equivalence.bench import advice
+from equivalence.bench.result import BenchResult  # noqa: F401 -- part of this module's API
+from equivalence.bench.timing import stats
 from equivalence.bench.variants import Variant
-from equivalence.core import compare
-from equivalence.core.config import RunConfig
 
 METHOD = {
     'inputs': 'keys and batches are placed on the devices before each timed block (not timed, for every variant)',
@@ -17,41 +14,6 @@ METHOD = {
     'order': 'warm-up, then every variant once per repeat (A B C ... A B C ...)',
     'compile': 'trace + lower + XLA compile of a fresh build (new step closures), timed per repeat',
 }
-
-
-@dataclasses.dataclass
-class BenchResult:
-    config: RunConfig
-    repeats: int
-    machine: dict
-    variants: list[Variant]
-    blocks: dict[str, list[Block]]
-    compiles: dict[str, CompileTiming]
-    scaling: dict[int, CompileTiming]  # the shipped call compiled at K=5 and K=100
-    first: dict[str, np.ndarray]  # each variant's first-call losses, same inputs for all
-    notes: list[str] = dataclasses.field(default_factory=list)  # a loop port: what could not be derived
-
-    def steps(self, name: str) -> list[float]:
-        return [b.steps_per_s for b in self.blocks[name]]
-
-    def median(self, name: str, field: str = 'steps_per_s') -> float:
-        return statistics.median(getattr(b, field) for b in self.blocks[name])
-
-    def baseline(self, v: Variant) -> str:
-        """The legacy row with the same K, else the fused legacy row."""
-        same_k = [u.name for u in self.variants if u.name.startswith('legacy') and u.steps_per_call == v.steps_per_call]
-        return same_k[0] if same_k else 'legacy'
-
-    def paired(self, name: str, base: str, field: str = 'steps_per_s') -> list[float]:
-        """Per-repeat ratios: the blocks of one repeat ran close together, under the same load."""
-        pairs = zip(self.blocks[name], self.blocks[base], strict=True)
-        return [getattr(a, field) / getattr(b, field) for a, b in pairs]
-
-    def agreement(self, v: Variant) -> compare.LeafDiff:
-        """First-call losses against legacy pmap's, over the steps both ran."""
-        ref, got = self.first['legacy'], self.first[v.name]
-        n = min(len(ref), len(got))
-        return compare.compare_leaf('losses', v.name, ref[:n], got[:n], compare.FLOAT32_REDUCTION_ORDER)
 
 
 def _target(name: str, value: float, op: str, threshold: float, per_repeat: list[float], applies: bool = True):
@@ -197,8 +159,6 @@ def target_rows(r: BenchResult) -> list[str]:
 
 
 def text(r: BenchResult) -> str:
-    from equivalence.bench import advice
-
     note = 'absolute numbers on shared CPUs are noisy; the ratios are what count'
     tips = advice.rows(r)
     body = [*header(r), '', *variant_rows(r), '', *hlo_rows(r), '', *target_rows(r), '', *tips, *([''] * bool(tips))]
@@ -206,8 +166,6 @@ def text(r: BenchResult) -> str:
 
 
 def to_json(r: BenchResult) -> dict:
-    from equivalence.bench import advice
-
     c = r.config
     return {
         'workload': c.workload,

@@ -142,7 +142,7 @@ def stats(values: list[float]) -> dict[str, float]:
 
 def machine() -> dict:
     """Where the numbers came from: devices, cores, load and versions."""
-    from equivalence.core.report import versions
+    from equivalence.core.report.render import versions
 
     devices = jax.devices()
     return {

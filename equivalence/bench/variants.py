@@ -21,10 +21,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from equivalence.core import harness, randomness
-from equivalence.core.config import RunConfig
-from equivalence.core.ports import LoopPort
-from equivalence.core.ports import ModelPort as Workload
+from equivalence.core.port.config import RunConfig
+from equivalence.core.port.ports import LoopPort
+from equivalence.core.port.ports import ModelPort as Workload
+from equivalence.core.run import randomness, setups, sides
 from equivalence.distributed import rows
 from legacy_pmap import train as legacy
 from nnx_sharded import sharding
@@ -53,7 +53,7 @@ class Feed:
     def __init__(self, wl: Workload, config: RunConfig, pool_steps: int):
         data = wl.make_data(np.random.default_rng(config.seed), pool_steps, config.batch_size)
         self.data, self.pool_steps, self.devices = data, pool_steps, config.devices
-        self.variables, _, self.rng = harness.make_inputs(wl, dataclasses.replace(config, calls=1))
+        self.variables, _, self.rng = setups.make_inputs(wl, dataclasses.replace(config, calls=1))
 
     def batches(self, k: int, n: int, start: int) -> list[dict[str, np.ndarray]]:
         """``n`` batches ``[K, G, ...]`` from call ``start`` on, on the host: each variant hands JAX
@@ -87,7 +87,7 @@ def legacy_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: st
     """``jax.pmap(partial(lax.scan, step))``: inputs placed as pmap's own outputs are, one row per
     device (of this process: with several, each passes its own devices' rows)."""
     cfg = _config(config, k)
-    setup = harness.legacy_setup(wl, cfg, feed.variables)
+    setup = sides.legacy_setup(wl, cfg, feed.variables)
     devices = rows.local_devices(cfg.devices)
     per_device = NamedSharding(Mesh(np.array(devices), (legacy.AXIS,)), P(legacy.AXIS))
     chain = _Chain(feed, k, lambda rng: legacy.next_call_keys(rng, cfg.devices, cfg.rng_mode))
@@ -107,7 +107,7 @@ def legacy_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: st
         return loss_DxK
 
     def fresh_lowered(kk: int):
-        fresh = harness.legacy_setup(wl, _config(config, kk), feed.variables)
+        fresh = sides.legacy_setup(wl, _config(config, kk), feed.variables)
         keys_D, batch_DxK = to_device(*_Chain(feed, kk, chain.next_keys).take(1)[0])
         with fresh.context():
             return fresh.p_train_step.lower((keys_D, fresh.pstate), batch_DxK)
@@ -118,7 +118,7 @@ def legacy_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: st
     return Variant(name, label, k, place, call, fresh_lowered, to_host)
 
 
-def _nnx_place(setup: harness.NnxSetup, chain: _Chain) -> Callable[[int], list[tuple]]:
+def _nnx_place(setup: setups.NnxSetup, chain: _Chain) -> Callable[[int], list[tuple]]:
     def place(n: int) -> list[tuple]:
         mode, mesh, cfg = setup.config.rng_mode, setup.mesh, setup.config
         held = rows.held_rows(sharding.batch_sharding(mesh), cfg.batch_size)
@@ -131,15 +131,15 @@ def _nnx_place(setup: harness.NnxSetup, chain: _Chain) -> Callable[[int], list[t
     return place
 
 
-def _nnx_chain(feed: Feed, setup: harness.NnxSetup, k: int) -> _Chain:
+def _nnx_chain(feed: Feed, setup: setups.NnxSetup, k: int) -> _Chain:
     cfg = setup.config
     return _Chain(feed, k, lambda rng: sharded.next_call_keys(rng, cfg.devices, cfg.rng_mode))
 
 
-def bare_jit(setup: harness.NnxSetup, wl: Workload) -> Callable:
+def bare_jit(setup: setups.NnxSetup, wl: Workload) -> Callable:
     """The baseline of the host-overhead target: ``jax.jit`` of the same scan, no ``out_shardings``."""
     cfg = setup.config
-    step = harness.nnx_step(wl, setup.graphdef, cfg)
+    step = setups.nnx_step(wl, setup.graphdef, cfg)
     return jax.jit(sharded.scan_steps(step), donate_argnums=0)
 
 
@@ -154,9 +154,9 @@ def partitioner_all_reduce(fn: Callable) -> Callable:
     return traced
 
 
-def transposed_jit(setup: harness.NnxSetup, wl: Workload) -> Callable:
+def transposed_jit(setup: setups.NnxSetup, wl: Workload) -> Callable:
     """The shipped call but for where the gradient's all-reduce runs: before the kernel transposes."""
-    step = harness.nnx_step(wl, setup.graphdef, setup.config)
+    step = setups.nnx_step(wl, setup.graphdef, setup.config)
     carry = (
         sharding.key_sharding(setup.mesh, setup.config.rng_mode),
         sharding.state_shardings(setup.graphdef, setup.state, setup.mesh),
@@ -164,13 +164,13 @@ def transposed_jit(setup: harness.NnxSetup, wl: Workload) -> Callable:
     return jax.jit(partitioner_all_reduce(sharded.scan_steps(step)), donate_argnums=0, out_shardings=(carry, None))
 
 
-def first_shipped_jit(setup: harness.NnxSetup, wl: Workload) -> Callable:
+def first_shipped_jit(setup: setups.NnxSetup, wl: Workload) -> Callable:
     """The shipped call as it was first written, to measure what fixes 2 to 4 gained: the
     scan carried the ``nnx.State`` that ``nnx.split`` returns (flattened in Python on every
     call), each step returned its mean loss (one more all-reduce operand per step) and the
     gradient was all-reduced before the kernel transposes."""
     cfg = setup.config
-    step = harness.nnx_step(wl, setup.graphdef, cfg)
+    step = setups.nnx_step(wl, setup.graphdef, cfg)
 
     def step_state(carry, batch):
         (rng, pure), losses_G = step(carry, batch)
@@ -190,10 +190,10 @@ JITS |= {'transposed': transposed_jit}
 
 
 def nnx_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: str, label: str, jit: str = 'shipped'):
-    """The shipped call (``harness.nnx_setup``), or the same step under another ``jax.jit`` (see ``JITS``)."""
+    """The shipped call (``sides.nnx_setup``), or the same step under another ``jax.jit`` (see ``JITS``)."""
 
-    def build(kk: int) -> tuple[harness.NnxSetup, Callable]:
-        setup = harness.nnx_setup(wl, _config(config, kk), feed.variables)
+    def build(kk: int) -> tuple[setups.NnxSetup, Callable]:
+        setup = sides.nnx_setup(wl, _config(config, kk), feed.variables)
         return setup, JITS[jit](setup, wl)
 
     setup, fused = build(k)
@@ -216,8 +216,8 @@ def graph_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: str
     """``--nnx-form graph``: ``train.make_graph_call``'s ``nnx.jit(nnx.scan)`` over the TrainState
     object, called with the object; with ``cached``, through ``nnx.cached_partial``."""
 
-    def build(kk: int) -> harness.NnxGraphSetup:
-        return harness.nnx_setup(wl, dataclasses.replace(_config(config, kk), nnx_form='graph'), feed.variables)
+    def build(kk: int) -> setups.NnxGraphSetup:
+        return sides.nnx_setup(wl, dataclasses.replace(_config(config, kk), nnx_form='graph'), feed.variables)
 
     setup = build(k)
     place = _nnx_place(setup, _nnx_chain(feed, setup, k))
@@ -244,7 +244,7 @@ def strategy_variants(wl: Workload, feed: Feed, configs: list[RunConfig]) -> lis
 
 def loop_variant(port: LoopPort, config: RunConfig, feed: Feed, k: int, name: str, label: str) -> Variant:
     """A loop port's own NNX call over its own train state."""
-    setup = harness.nnx_setup(port, _config(config, k), feed.variables)
+    setup = sides.nnx_setup(port, _config(config, k), feed.variables)
     place = _nnx_place(setup, _nnx_chain(feed, setup, k))
     facts = {'state_kind': state_kind(setup.train_state)}
 
@@ -257,7 +257,7 @@ def loop_variant(port: LoopPort, config: RunConfig, feed: Feed, k: int, name: st
         return losses_K
 
     def fresh_lowered(kk: int):
-        fresh = harness.nnx_setup(port, _config(config, kk), feed.variables)
+        fresh = sides.nnx_setup(port, _config(config, kk), feed.variables)
         fn, state = fresh.as_pure_call()
         return fn.lower(state, *_nnx_place(fresh, _nnx_chain(feed, fresh, kk))(1)[0])
 

@@ -37,7 +37,7 @@ def parse(argv: list[str] | None):
 def inputs(argv: list[str] | None, n_available: int | None = None):
     """Every flag parsed and (migrate) the workload loaded, nothing read or written: ``(args, port)``;
     raises ``ConfigError``. The directories are checked by the command itself."""
-    from equivalence.core import workloads
+    from equivalence.core.port import workloads
 
     args = parse(argv)
     return args, workloads.get(args.workload) if args.command == 'migrate' else None
@@ -45,7 +45,7 @@ def inputs(argv: list[str] | None, n_available: int | None = None):
 
 def work(validated) -> int:
     from equivalence.checkpoint import manifest, migrate, store
-    from equivalence.core.config import ConfigError
+    from equivalence.core.port.config import ConfigError
 
     args, port = validated
     if args.command == 'verify':

@@ -14,8 +14,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from equivalence.core import convert, harness, states
-from equivalence.core.ports import LoopPort, Port
+from equivalence.core.port import convert, states
+from equivalence.core.port.ports import LoopPort, Port
+from equivalence.core.run import setups
 from legacy_pmap import train as legacy
 from nnx_sharded import checkpoints as nnx_checkpoints
 from nnx_sharded import train as sharded
@@ -54,13 +55,13 @@ def nnx_init(port: Port) -> Callable[[], nnx.Module]:
     return lambda: sharded.TrainState(port.nnx_model(nnx.Rngs(0)), port.make_tx(1.0), port.ema_rate)
 
 
-def view(setup: harness.NnxSetup | harness.NnxGraphSetup | harness.NnxLoopSetup) -> nnx.Module:
+def view(setup: setups.NnxSetup | setups.NnxGraphSetup | setups.NnxLoopSetup) -> nnx.Module:
     """The NNX train state a harness setup trains, as one object that shares its arrays."""
-    if isinstance(setup, harness.NnxLoopSetup) and setup.port.nnx_groups is not None:
+    if isinstance(setup, setups.NnxLoopSetup) and setup.port.nnx_groups is not None:
         return setup.train_state
-    if isinstance(setup, harness.NnxLoopSetup):
+    if isinstance(setup, setups.NnxLoopSetup):
         return View(*convert.find_nnx_objects(setup.train_state))
-    if isinstance(setup, harness.NnxGraphSetup):
+    if isinstance(setup, setups.NnxGraphSetup):
         return setup.ts
     return nnx.merge(setup.graphdef, setup.state)
 

@@ -4,7 +4,7 @@ import argparse
 import dataclasses
 import os
 
-from equivalence.core.config import ConfigError, RunConfig
+from equivalence.core.port.config import ConfigError, RunConfig
 
 
 @dataclasses.dataclass(frozen=True)

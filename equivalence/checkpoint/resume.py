@@ -22,9 +22,11 @@ from flax import nnx
 
 from equivalence.checkpoint import layout, manifest, migrate, store
 from equivalence.checkpoint.options import CheckpointOptions
-from equivalence.core import adapters, harness
-from equivalence.core.config import ConfigError, RunConfig
-from equivalence.core.ports import Port
+from equivalence.core import harness
+from equivalence.core.port.config import ConfigError, RunConfig
+from equivalence.core.port.ports import Port
+from equivalence.core.run import adapters, setups, sides
+from equivalence.core.verdict import judge
 from legacy_pmap import checkpoints as legacy_checkpoints
 from nnx_sharded import checkpoints as nnx_checkpoints
 
@@ -88,7 +90,7 @@ def restorer(directory: str, config: RunConfig, step: int | None = None, chain=N
         if meta.get('rng_recorded') is False and chain is not None:
             rng = chain()
         nnx_checkpoints.load_into(train_state, state)
-        if isinstance(setup, harness.NnxSetup):
+        if isinstance(setup, setups.NnxSetup):
             setup.state = nnx.to_pure_dict(nnx.state(train_state))
         return rng
 
@@ -112,7 +114,7 @@ def _root(directory: str | None) -> Iterator[str]:
 class LegacyRun:
     """The uninterrupted legacy run, and what NNX needs to resume beside it."""
 
-    result: harness.PathResult
+    result: sides.PathResult
     directory: str  # its checkpoints
     variables: dict  # the linen initialisation both paths start from
     calls: list  # every call's batch, [K, G, ...]
@@ -122,11 +124,11 @@ class LegacyRun:
 def train_legacy(port: Port, config: RunConfig, options: CheckpointOptions, directory: str, progress=None) -> LegacyRun:
     """All K x C legacy steps, saving every ``save_every`` calls into ``directory`` (the step
     NNX resumes from is kept whatever ``keep`` says)."""
-    variables, calls, rng = harness.make_inputs(port, config)
-    harness.check_names(port, variables)
+    variables, calls, rng = setups.make_inputs(port, config)
+    setups.check_names(port, variables)
     preserve = [options.resume_at] if options.resume_at else []
     hook = legacy_saver(directory, config, options.save_every(config), options.keep, preserve)
-    result = harness.run_legacy(port, config, variables, calls, rng, progress or harness.silent, after_call=hook)
+    result = sides.run_legacy(port, config, variables, calls, rng, progress or sides.silent, after_call=hook)
     return LegacyRun(result, directory, variables, calls, rng)
 
 
@@ -136,7 +138,7 @@ def resume_nnx(port: Port, config: RunConfig, legacy: LegacyRun, nnx_dir: str, s
     after = legacy.calls[step // config.steps_per_call :]
     chain = lambda: adapters.chain_at(port, config, legacy.rng, step // config.steps_per_call)  # noqa: E731
     restore = restorer(nnx_dir, config, step, chain)
-    new = harness.run_nnx(port, config, legacy.variables, after, None, progress or harness.silent, restore=restore)
+    new = sides.run_nnx(port, config, legacy.variables, after, None, progress or sides.silent, restore=restore)
     inputs = (legacy.variables, after, None)  # the twin restores the same checkpoint, trains the same calls
     return compare_paths(port, config, legacy.result, new, step, inputs, restore=restore)
 
@@ -156,7 +158,7 @@ def run(port: Port, config: RunConfig, options: CheckpointOptions, progress=None
             f'legacy checkpoints every {options.save_every(config)} call(s) in {legacy.directory}',
         )
         if n is None:
-            new = harness.run_nnx(port, config, legacy.variables, legacy.calls, legacy.rng, progress or harness.silent)
+            new = sides.run_nnx(port, config, legacy.variables, legacy.calls, legacy.rng, progress or sides.silent)
             inputs = (legacy.variables, legacy.calls, legacy.rng)
             return compare_paths(port, config, legacy.result, new, 0, inputs, notes=[note])
         nnx_dir = os.path.join(root, 'nnx')
@@ -174,8 +176,8 @@ def run(port: Port, config: RunConfig, options: CheckpointOptions, progress=None
 
 def compare_paths(
     port: Port, config: RunConfig, old, new, resumed_at: int, inputs: tuple, notes=None, restore=None
-) -> harness.RunResult:
-    """The usual judgement (``harness.judged``: the twin's measured floor); legacy's losses, metrics
+) -> judge.RunResult:
+    """The usual judgement (``judge.judged``: the twin's measured floor); legacy's losses, metrics
     and per-call parameters cut to the steps NNX ran. ``inputs``: NNX's (variables, calls, rng);
     ``restore``: the hook NNX resumed through, which the twin resumes through too."""
     first_call = resumed_at // config.steps_per_call
@@ -183,7 +185,7 @@ def compare_paths(
     old = dataclasses.replace(
         old, losses=old.losses[resumed_at:], params_per_call=old.params_per_call[first_call:], metrics=cut
     )
-    tree, lines = harness.compared(port, old, new)
-    result = harness.judged(port, config, old, new, *inputs, tree, restore=restore, first_call=first_call)
+    tree, lines = sides.compared(port, old, new)
+    result = judge.judged(port, config, old, new, *inputs, tree, restore=restore, first_call=first_call)
     result.resumed_at, result.notes = resumed_at, [*lines, *(notes or [])]
     return result

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from equivalence.checkpoint import foreign
-from equivalence.core.config import ConfigError
+from equivalence.core.port.config import ConfigError
 from legacy_pmap import checkpoints as legacy_checkpoints
 from nnx_sharded import checkpoints as nnx_checkpoints
 

@@ -5,7 +5,7 @@ import sys
 import warnings
 
 from equivalence import cli
-from equivalence.core.config import ConfigError, check_available, check_count
+from equivalence.core.port.config import ConfigError, check_available, check_count
 
 EXIT_CODES = cli.exit_codes(
     'zero wrong verdicts: every correct port MATCHed, every slip MISMATCHed (with the right kind, where named)',
@@ -82,7 +82,7 @@ def progress(case, ladder: bool = False) -> None:
 def work(validated) -> int:
     import jax
 
-    from equivalence.core import output
+    from equivalence.core.report import output
     from equivalence.corpus import runner, sensitivity, table
 
     args, entries, counts, seeds, sens = validated

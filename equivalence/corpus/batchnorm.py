@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 
 from equivalence import ModelPort
-from equivalence.core import workloads
+from equivalence.core.port import workloads
 from equivalence.corpus.entry import Entry
 
 FEATURES, HIDDEN, MOMENTUM = 20, 32, 0.9

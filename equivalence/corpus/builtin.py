@@ -10,7 +10,7 @@ import dataclasses
 
 import optax
 
-from equivalence.core import workloads
+from equivalence.core.port import workloads
 from equivalence.corpus.entry import Entry
 
 CNN = workloads.WORKLOADS['cnn']

@@ -77,7 +77,7 @@ def text(entries: list[Entry], cases: list[Case], s: Sensitivity | None, backend
 
 
 def to_json(cases: list[Case], s: Sensitivity | None) -> dict:
-    from equivalence.core.report import versions
+    from equivalence.core.report.render import versions
 
     out = {
         'wrong': len(wrong_cases(cases, s)),

@@ -26,7 +26,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 
-from equivalence.core.config import ConfigError
+from equivalence.core.port.config import ConfigError
 
 POLL_S = 0.1  # how often the launcher looks at its workers
 ENDING_TOGETHER_S = 20  # workers that finished normally leave within a shutdown barrier of each other

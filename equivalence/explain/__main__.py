@@ -15,7 +15,7 @@ CALLS_HELP = "C: checked as run's (default 4), but explain compiles one call of 
 
 
 def parse(argv: list[str] | None):
-    from equivalence.core.workloads import WORKLOADS
+    from equivalence.core.port.workloads import WORKLOADS
 
     parser = cli.OneLineParser(prog='python -m equivalence.explain', description=__doc__, epilog=EXIT_CODES)
     cli.add_run_flags(parser, list(WORKLOADS), calls_help=CALLS_HELP)
@@ -34,13 +34,12 @@ def inputs(argv: list[str] | None, n_available: int | None = None):
 def work(validated) -> int:
     import jax
 
-    from equivalence.core import output
-    from equivalence.core import report as report_io
+    from equivalence.core.report import output, render
 
     args, wl, config = validated
     warnings.filterwarnings('ignore', message='Some donated buffers were not usable')  # the batch, as score_sde
     legacy, nnx = measure_both(wl, config)
-    r = report(legacy, nnx, config, jax.default_backend(), report_io.versions())
+    r = report(legacy, nnx, config, jax.default_backend(), render.versions())
     print(header_text(r))
     for m in (legacy, nnx):
         print('\n' + path_text(r['paths'][m.path]))

@@ -34,14 +34,14 @@ def measure(layout: Layout, compiled: Any, args: tuple, config: Any) -> PathMeas
 
 
 def measure_legacy(setup: Any, args: tuple) -> PathMeasurement:
-    """``setup``: ``harness.LegacySetup``; ``args``: one call's, from ``setup.call_args``."""
+    """``setup``: ``setups.LegacySetup``; ``args``: one call's, from ``setup.call_args``."""
     with setup.context():  # a loop port's Dropout bridge, while tracing
         lowered = setup.p_train_step.lower(*args)
     return measure(LEGACY, lowered.compile(), args, setup.config)
 
 
 def measure_nnx(setup: Any, args: tuple) -> PathMeasurement:
-    """``setup``: ``harness.NnxSetup``, its state placed any way; ``args`` from ``setup.call_args``.
+    """``setup``: ``setups.NnxSetup``, its state placed any way; ``args`` from ``setup.call_args``.
 
     The call carries the state as a plain dict of arrays; its leaves are named from the same
     arrays viewed as an ``nnx.State`` (same paths, same order), whose Variable types tell
@@ -55,7 +55,7 @@ def measure_nnx(setup: Any, args: tuple) -> PathMeasurement:
 
 
 def measure_nnx_loop(setup: Any, args: tuple) -> PathMeasurement:
-    """``setup``: ``harness.NnxLoopSetup``: the user's call, lowered over its split state."""
+    """``setup``: ``setups.NnxLoopSetup``: the user's call, lowered over its split state."""
     fn, state = setup.as_pure_call()
     inputs = (state, *args)
     return measure(NNX_LOOP, fn.lower(*inputs).compile(), inputs, setup.config)
@@ -63,16 +63,17 @@ def measure_nnx_loop(setup: Any, args: tuple) -> PathMeasurement:
 
 def measure_both(port: Any, config: Any) -> tuple[PathMeasurement, PathMeasurement]:
     """One call of each path of a port (built-in or user's), compiled and read."""
-    from equivalence.core import adapters, harness, preflight
+    from equivalence.core import harness, preflight
+    from equivalence.core.run import adapters, setups, sides
 
     adapters.one_program_each(port, 'explain')
     harness.validate(port, config)
     preflight.check(port, config)
-    variables, calls, rng = harness.make_inputs(port, config)
-    harness.check_names(port, variables)
-    legacy_setup = harness.legacy_setup(port, config, variables)
+    variables, calls, rng = setups.make_inputs(port, config)
+    setups.check_names(port, variables)
+    legacy_setup = sides.legacy_setup(port, config, variables)
     _, legacy_args = legacy_setup.call_args(rng, calls[0])
-    nnx_setup = harness.nnx_setup(port, config, variables)
+    nnx_setup = sides.nnx_setup(port, config, variables)
     _, nnx_args = nnx_setup.call_args(rng, calls[0])
-    measure_nnx_call = measure_nnx if isinstance(nnx_setup, harness.NnxSetup) else measure_nnx_loop
+    measure_nnx_call = measure_nnx if isinstance(nnx_setup, setups.NnxSetup) else measure_nnx_loop
     return measure_legacy(legacy_setup, legacy_args), measure_nnx_call(nnx_setup, nnx_args)

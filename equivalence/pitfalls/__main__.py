@@ -6,7 +6,7 @@ import traceback
 import warnings
 
 from equivalence import cli
-from equivalence.core.config import ConfigError
+from equivalence.core.port.config import ConfigError
 
 MIN_DEVICES = 2  # replicas must be able to disagree
 EXIT_CODES = cli.exit_codes(
@@ -84,7 +84,7 @@ def work(validated) -> int:
     import jax
 
     from equivalence import pitfalls
-    from equivalence.core import output
+    from equivalence.core.report import output
 
     args, n_devices = validated
     names = pitfalls.names()
@@ -102,7 +102,7 @@ def work(validated) -> int:
 
 
 def json_report(rows: list[dict], n_devices: int) -> dict:
-    from equivalence.core.report import versions
+    from equivalence.core.report.render import versions
 
     return {
         'all_documented': all(r['documented'] for r in rows),

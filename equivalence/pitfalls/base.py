@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from equivalence.core import compare
+from equivalence.core.verdict import compare
 
 TOL = compare.FLOAT32_REDUCTION_ORDER  # "the fix matches": the suite's own tolerance, reason included
 # "the wrong version shows damage": a difference 100x the tolerance's absolute floor, so it

@@ -19,9 +19,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from equivalence.core import harness, workloads
-from equivalence.core.config import RunConfig
-from equivalence.core.ports import ModelPort
+from equivalence.core import harness
+from equivalence.core.port import workloads
+from equivalence.core.port.config import RunConfig
+from equivalence.core.port.ports import ModelPort
+from equivalence.core.run import sides
 from equivalence.pitfalls.base import DAMAGE, CaseResult, yes
 from legacy_pmap import train as legacy
 
@@ -83,9 +85,9 @@ def workload(axis_name: str | None) -> ModelPort:
 def run(devices: int) -> CaseResult:
     config = RunConfig(workload='mlp', devices=devices, steps_per_call=5, calls=2, batch_size=64)
     wrong, fixed = harness.run(workload(None), config), harness.run(workload(legacy.AXIS), config)
-    spread = harness.replica_spread(wrong.legacy.raw.model_state)
+    spread = sides.replica_spread(wrong.legacy.raw.model_state)
     losses, stats, params = (wrong.report.max_abs(g) for g in ('losses', 'model_state', 'params'))
-    fixed_spread = harness.replica_spread(fixed.legacy.raw.model_state)
+    fixed_spread = sides.replica_spread(fixed.legacy.raw.model_state)
     return CaseResult(
         symptom=f'running stats differ by {spread:.1e} between replicas; vs NNX global-batch BatchNorm: '
         f'losses {losses:.1e}, running stats {stats:.1e}, params {params:.1e} apart after {config.steps} steps',

@@ -15,8 +15,9 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from equivalence.core import convert, harness, workloads
-from equivalence.core.config import RunConfig
+from equivalence.core.port import convert, workloads
+from equivalence.core.port.config import RunConfig
+from equivalence.core.run import setups
 from equivalence.pitfalls.base import CaseResult, first_line, max_abs_diff, within_tol, yes
 from nnx_sharded import losses as nnx_losses
 from nnx_sharded import sharding
@@ -47,7 +48,7 @@ def placed(model_factory, batch_G: dict, mesh) -> tuple[nnx.Module, dict]:
 def run(devices: int) -> CaseResult:
     wl = workloads.get('mlp')
     config = RunConfig(workload='mlp', devices=devices, steps_per_call=1, calls=1, batch_size=wl.default_batch)
-    variables, calls, _ = harness.make_inputs(wl, config)
+    variables, calls, _ = setups.make_inputs(wl, config)
     batch_G = {k: v[0] for k, v in calls[0].items()}
 
     model = wl.nnx_model(nnx.Rngs(0))

@@ -22,9 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from equivalence.core import harness, workloads
-from equivalence.core.config import RunConfig
-from equivalence.core.ports import ModelPort
+from equivalence.core import harness
+from equivalence.core.port import workloads
+from equivalence.core.port.config import RunConfig
+from equivalence.core.port.ports import ModelPort
 from equivalence.pitfalls.base import DAMAGE, CaseResult, indivisible, padded, yes
 from legacy_pmap import losses as legacy_losses
 from legacy_pmap import train as legacy

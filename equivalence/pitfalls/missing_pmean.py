@@ -10,9 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from equivalence.core import convert, harness, workloads
-from equivalence.core.config import RunConfig
-from equivalence.core.ports import ModelPort
+from equivalence.core import harness
+from equivalence.core.port import convert, workloads
+from equivalence.core.port.config import RunConfig
+from equivalence.core.port.ports import ModelPort
+from equivalence.core.run import setups, sides
 from equivalence.pitfalls.base import DAMAGE, CaseResult, max_abs_diff, yes
 from legacy_pmap import train as legacy
 
@@ -49,7 +51,7 @@ def run_wrong(wl: ModelPort, config: RunConfig, variables: dict, calls: list[dic
     tx = wl.make_tx(1.0)
     devices = jax.devices()[: config.devices]
     pstate = legacy.replicate(legacy.create_state(variables, tx, None), devices)
-    setup = harness.LegacySetup(
+    setup = setups.LegacySetup(
         legacy.make_fused_call(step_without_pmean(wl.legacy_model(), wl.legacy_loss, tx), devices), pstate, config
     )
     for batch_KxG in calls:
@@ -63,13 +65,13 @@ def run(devices: int) -> CaseResult:
     wl = workloads.get('mlp')
     config = RunConfig(workload='mlp', devices=devices, steps_per_call=5, calls=4, batch_size=wl.default_batch)
     fixed = harness.run(wl, config)  # the suite's pmap step (with pmean) against the NNX reference
-    variables, calls, rng = harness.make_inputs(wl, config)
+    variables, calls, rng = setups.make_inputs(wl, config)
     pstate = run_wrong(wl, config, variables, calls, rng)
     reference = fixed.nnx.final['params']
-    spread = harness.replica_spread(pstate.params)
+    spread = sides.replica_spread(pstate.params)
     replicas = [convert.flatten(jax.tree.map(lambda x, d=d: np.asarray(x)[d], pstate.params)) for d in range(devices)]
     to_ref = max(max_abs_diff(reference, r) for r in replicas)
-    fixed_spread = harness.replica_spread(fixed.legacy.raw.params)
+    fixed_spread = sides.replica_spread(fixed.legacy.raw.params)
     return CaseResult(
         symptom=f'after {config.steps} steps the {devices} replicas are {spread:.1e} apart (max |param|), '
         f'and up to {to_ref:.1e} from the reference',

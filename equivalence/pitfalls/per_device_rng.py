@@ -9,8 +9,10 @@ implements both (``--rng per-device|global``, see docs/randomness.md), and eithe
 
 import numpy as np
 
-from equivalence.core import compare, harness, workloads
-from equivalence.core.config import RunConfig
+from equivalence.core.port import workloads
+from equivalence.core.port.config import RunConfig
+from equivalence.core.run import setups, sides
+from equivalence.core.verdict import compare
 from equivalence.pitfalls.base import DAMAGE, CaseResult, yes
 
 NUMBER = 3
@@ -28,12 +30,12 @@ def run(devices: int) -> CaseResult:
         mode: RunConfig(workload='score', devices=devices, steps_per_call=5, calls=2, batch_size=128, rng_mode=mode)
         for mode in ('per-device', 'global')
     }
-    variables, calls, rng = harness.make_inputs(wl, configs['global'])  # the same for both modes
-    legacy = {m: harness.run_legacy(wl, c, variables, calls, rng) for m, c in configs.items()}
-    nnx = {m: harness.run_nnx(wl, c, variables, calls, rng) for m, c in configs.items()}
+    variables, calls, rng = setups.make_inputs(wl, configs['global'])  # the same for both modes
+    legacy = {m: sides.run_legacy(wl, c, variables, calls, rng) for m, c in configs.items()}
+    nnx = {m: sides.run_nnx(wl, c, variables, calls, rng) for m, c in configs.items()}
     reports = {
         (a, b): compare.compare(
-            harness.with_losses(legacy[a].final, legacy[a].losses), harness.with_losses(nnx[b].final, nnx[b].losses)
+            sides.with_losses(legacy[a].final, legacy[a].losses), sides.with_losses(nnx[b].final, nnx[b].losses)
         )
         for a, b in [('per-device', 'global'), ('per-device', 'per-device'), ('global', 'global')]
     }

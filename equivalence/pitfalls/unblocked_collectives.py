@@ -132,8 +132,10 @@ def child(mode: str, calls: int) -> dict:
     import numpy as np
     from flax import nnx
 
-    from equivalence.core import compare, convert, harness, workloads
-    from equivalence.core.config import RunConfig
+    from equivalence.core.port import convert, workloads
+    from equivalence.core.port.config import RunConfig
+    from equivalence.core.run import setups, sides
+    from equivalence.core.verdict import compare
     from legacy_pmap import train as legacy
     from nnx_sharded import sharding
     from nnx_sharded import train as sharded
@@ -141,8 +143,8 @@ def child(mode: str, calls: int) -> dict:
     warnings.filterwarnings('ignore', message='Some donated buffers were not usable')
     wl = workloads.get('mlp')
     config = RunConfig(workload='mlp', devices=len(jax.devices()), steps_per_call=1, calls=1, batch_size=64)
-    variables, batches, rng = harness.make_inputs(wl, config)
-    setup = harness.nnx_setup(wl, config, variables)
+    variables, batches, rng = setups.make_inputs(wl, config)
+    setup = sides.nnx_setup(wl, config, variables)
     _, keys = sharded.next_call_keys(rng, config.devices, config.rng_mode)
     carry = (sharding.place_keys(keys, setup.mesh, config.rng_mode), setup.state)
     batch = sharding.place_batch(batches[0], setup.mesh)  # placed once, as a prefetching pipeline would
@@ -155,7 +157,7 @@ def child(mode: str, calls: int) -> dict:
     if mode == 'block':
         model = nnx.merge(setup.graphdef, carry[1]).model
         params = convert.flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-        reference = pmap_params(legacy, harness.legacy_setup(wl, config, variables), batches[0], rng, calls)
+        reference = pmap_params(legacy, sides.legacy_setup(wl, config, variables), batches[0], rng, calls)
         report = compare.compare({'params': reference}, {'params': params})
         out |= {'match': report.match, 'max_abs_params': report.max_abs('params')}
     return out
@@ -165,7 +167,7 @@ def pmap_params(legacy, setup, batch_KxG: dict, rng, calls: int) -> dict:
     """The same calls on the pmap path, each blocked on: the reference parameters."""
     import numpy as np
 
-    from equivalence.core import convert
+    from equivalence.core.port import convert
 
     for _ in range(calls):
         _, args = setup.call_args(rng, batch_KxG)

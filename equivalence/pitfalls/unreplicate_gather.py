@@ -15,8 +15,9 @@ from collections.abc import Callable
 
 import jax
 
-from equivalence.core import convert, harness, workloads
-from equivalence.core.config import RunConfig
+from equivalence.core.port import convert, workloads
+from equivalence.core.port.config import RunConfig
+from equivalence.core.run import setups, sides
 from equivalence.pitfalls.base import CaseResult, max_abs_diff
 from legacy_pmap import train as legacy
 
@@ -60,8 +61,8 @@ def pmap_state(devices: int):
     """The suite's replicated train state after one real pmap(scan) call (mlp workload)."""
     wl = workloads.get('mlp')
     config = RunConfig(workload='mlp', devices=devices, steps_per_call=2, calls=1, batch_size=wl.default_batch)
-    variables, calls, rng = harness.make_inputs(wl, config)
-    setup = harness.legacy_setup(wl, config, variables)
+    variables, calls, rng = setups.make_inputs(wl, config)
+    setup = sides.legacy_setup(wl, config, variables)
     _, args = setup.call_args(rng, calls[0])
     (_, pstate), _ = setup.p_train_step(*args)
     return pstate

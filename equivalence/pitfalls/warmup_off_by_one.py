@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from equivalence.core import convert, workloads
+from equivalence.core.port import convert, workloads
 from equivalence.pitfalls.base import DAMAGE, CaseResult, max_abs_diff, within_tol, yes
 from legacy_pmap import losses as legacy_losses
 

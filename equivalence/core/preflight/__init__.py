@@ -1,7 +1,7 @@
 """Pre-flight: every port traced abstractly before anything trains, so that a mistake in the
 port is one line (exit 2) in seconds, not an internal error after the legacy run.
 
-What runs is what the harness will run (``harness.legacy_setup`` / ``nnx_setup``), traced with
+What runs is what the harness will run (``sides.legacy_setup`` / ``nnx_setup``), traced with
 ``jax.eval_shape`` on abstract inputs of the run's real shapes (the linen variables, both train
 states, one call's keys and batch); only ``make_data`` runs for real, since its arrays are
 what is checked. Found here, each named with the port field, the user's file:line, expected
@@ -21,9 +21,9 @@ against given and the fix where one is known:
 
 import jax
 
-from equivalence.core import blame
-from equivalence.core.config import RunConfig
-from equivalence.core.ports import LoopPort, Port
+from equivalence.core.port import blame
+from equivalence.core.port.config import RunConfig
+from equivalence.core.port.ports import LoopPort, Port
 from equivalence.core.preflight.data import abstract_variables, check_names, make_data
 from equivalence.core.preflight.errors import PreflightError, blamed, line
 from equivalence.core.preflight.groups import check_groups
@@ -64,8 +64,8 @@ def check_states(port: Port) -> None:
 
 
 def _adapted(port: Port) -> bool:
-    """A loop port whose step is one of the forms real code has (``equivalence.core.adapters``): its
+    """A loop port whose step is one of the forms real code has (``equivalence.core.run.adapters``): its
     steps and states are not the ones traced here; the data, the init and the names still are."""
-    from equivalence.core import adapters
+    from equivalence.core.run import adapters
 
     return isinstance(port, LoopPort) and adapters.adapted(port)

@@ -7,10 +7,10 @@ from typing import Any
 
 import jax
 
-from equivalence.core import blame
-from equivalence.core.config import ConfigError
-from equivalence.core.naming import PortError
-from equivalence.core.ports import Port
+from equivalence.core.port import blame
+from equivalence.core.port.config import ConfigError
+from equivalence.core.port.naming import PortError
+from equivalence.core.port.ports import Port
 from legacy_pmap import train as legacy
 
 EXPECTED = {

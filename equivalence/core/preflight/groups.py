@@ -5,8 +5,8 @@ from typing import Any
 import jax
 from flax import nnx
 
-from equivalence.core import convert, naming
-from equivalence.core.ports import LoopPort, Port
+from equivalence.core.port import convert, naming
+from equivalence.core.port.ports import LoopPort, Port
 from equivalence.core.preflight.data import check_names
 from equivalence.core.preflight.errors import HOST_ONLY, PreflightError, fail, line
 

@@ -1,4 +1,4 @@
-"""A loop port whose step is written as teams write it (``equivalence.core.adapters``): one step
+"""A loop port whose step is written as teams write it (``equivalence.core.run.adapters``): one step
 of each side traced with ``jax.eval_shape`` before anything trains.
 
 The pmap side's step is traced under ``jax.vmap`` with the port's ``axis_name`` bound, one row per
@@ -16,11 +16,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from equivalence.core import randomness
-from equivalence.core.config import RunConfig
-from equivalence.core.ports import LoopPort
+from equivalence.core.port.config import RunConfig
+from equivalence.core.port.ports import LoopPort
 from equivalence.core.preflight.errors import HOST_ONLY, blamed, fail, kind
 from equivalence.core.preflight.trace import legacy_state, nnx_train_state, pair, same_nnx_state
+from equivalence.core.run import randomness
 from equivalence.distributed import rows
 
 SDS = jax.ShapeDtypeStruct
@@ -34,7 +34,7 @@ EXPECTED = {
 def trace_steps(port: LoopPort, config: RunConfig, variables: dict, batch_KxG: Any) -> None:
     """Both sides' steps, traced on abstract inputs of the run's shapes; ``PreflightError`` (exit 2)
     naming the field on the first mistake."""
-    from equivalence.core import adapters  # adapters builds on the harness, which imports this package
+    from equivalence.core.run import adapters  # adapters builds on the harness, which imports this package
 
     trace_legacy_step(port, config, variables, batch_KxG, adapters)
     trace_nnx_side(port, config, batch_KxG, adapters)

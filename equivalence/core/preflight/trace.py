@@ -6,10 +6,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from equivalence.core import harness, randomness
-from equivalence.core.config import RunConfig
-from equivalence.core.ports import LoopPort, Port
+from equivalence.core.port.config import RunConfig
+from equivalence.core.port.ports import LoopPort, Port
 from equivalence.core.preflight.errors import HOST_ONLY, blamed, fail, kind
+from equivalence.core.run import randomness, setups
 from equivalence.distributed import rows
 from legacy_pmap import train as legacy
 from nnx_sharded import train as sharded
@@ -37,15 +37,15 @@ def make_tx(port: Port) -> Any:
 
 
 def trace_legacy(port: Port, config: RunConfig, variables: dict, batch_KxG: Any) -> Any:
-    """The pmap(scan) call of ``harness.legacy_setup``, traced once on abstract keys, state and batch."""
+    """The pmap(scan) call of ``sides.legacy_setup``, traced once on abstract keys, state and batch."""
     d, k = config.devices, config.steps_per_call
     state = legacy_state(port, variables)
     if isinstance(port, LoopPort):
         step, axis, field = port.legacy_step, port.axis_name, 'legacy_step'
     else:
         tx, b = make_tx(port), config.batch_size // d
-        loss = checked_loss(port, 'legacy_loss', harness.legacy_loss(port, config), b, with_state=True)
-        noise = harness.port_noise(port, harness.uses_dropout(port))
+        loss = checked_loss(port, 'legacy_loss', setups.legacy_loss(port, config), b, with_state=True)
+        noise = setups.port_noise(port, setups.uses_dropout(port))
         step = legacy.make_step_fn(port.legacy_model(), loss, noise, tx, port.ema_rate, config.rng_mode)
         axis, field = legacy.AXIS, 'legacy_loss'
     n = len(rows.positions(d))  # pmap takes this process's rows: all D in one process
@@ -97,7 +97,7 @@ def _check_per_example(port: Port, field: str, losses: Any, b: int, part: str) -
 
 
 def trace_nnx(port: Port, config: RunConfig, batch_KxG: Any) -> Any:
-    """The NNX call of ``harness.nnx_setup`` in split form, traced once; the abstract train state."""
+    """The NNX call of ``sides.nnx_setup`` in split form, traced once; the abstract train state."""
     d, mode = config.devices, config.rng_mode
     keys = jax.ShapeDtypeStruct((d, 2) if mode == 'per-device' else (2,), np.uint32)
     if isinstance(port, LoopPort):
@@ -106,10 +106,8 @@ def trace_nnx(port: Port, config: RunConfig, batch_KxG: Any) -> Any:
     with blamed(port, 'nnx_model', 'nnx_model(rngs) -> nnx.Module'):
         ts = nnx.eval_shape(lambda: sharded.TrainState(port.nnx_model(nnx.Rngs(0)), tx, port.ema_rate))
     graphdef, state = nnx.split(ts)
-    loss = checked_loss(port, 'nnx_loss', harness.nnx_loss(port, config), config.batch_size, with_state=False)
-    step = sharded.make_step_fn(
-        graphdef, loss, harness.port_noise(port, harness.uses_dropout(port)), port.ema_rate, mode
-    )
+    loss = checked_loss(port, 'nnx_loss', setups.nnx_loss(port, config), config.batch_size, with_state=False)
+    step = sharded.make_step_fn(graphdef, loss, setups.port_noise(port, setups.uses_dropout(port)), port.ema_rate, mode)
     with blamed(port, 'nnx_loss'):
         _, loss_K = jax.eval_shape(sharded.scan_steps(step), (keys, nnx.to_pure_dict(state)), batch_KxG)
     check_losses(port, 'nnx_loss', loss_K, (config.steps_per_call,), 'one mean loss per step')

@@ -10,7 +10,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from equivalence.core.output import atomic_write
+from equivalence.core.report.output import atomic_write
 
 FILES = ('losses.png', 'divergence.png')
 
@@ -60,7 +60,7 @@ def divergence_figure(
 
 
 def write(result, directory: str) -> list[str]:
-    """Both figures of a ``harness.RunResult`` into ``directory`` (created if missing), each written atomically."""
+    """Both figures of a ``judge.RunResult`` into ``directory`` (created if missing), each written atomically."""
     c, tol = result.config, result.report.tolerance
     os.makedirs(directory, exist_ok=True)
     where = f'{c.workload}, {c.devices} devices'

@@ -6,7 +6,7 @@ module's ``dot_product_attention_weights`` as ``random.bernoulli(dropout_rng, ke
 the key from ``make_rng('dropout')`` / ``dropout_rng=`` (linen) or its stream / ``rngs=`` (NNX).
 While ``randomness.bridged`` is active, both modules' ``dot_product_attention_weights`` are
 replaced: the softmax is the layer's own (called with ``deterministic=True``), and the mask is
-the bridge's (``randomness.mask``) with the same guarantees as ``Dropout``: per example at
+the bridge's (``masks.mask``) with the same guarantees as ``Dropout``: per example at
 level 1 (a mask shared across the batch, ``broadcast_dropout=True``, the layers' default, is
 drawn from the shared keys, so every example it covers gets the same bits), from the key the
 user's code gave the layer at level 2. The mask is applied with the layer's own formula,
@@ -33,8 +33,8 @@ from flax.linen import module as linen_module
 from flax.nnx import rnglib
 from flax.nnx.nn import attention as nnx_attention
 
-from equivalence.core import randomness
-from equivalence.core.naming import PortError
+from equivalence.core.port.naming import PortError
+from equivalence.core.run import masks
 
 
 def _weights(original: Callable, legacy_side: bool) -> Callable:
@@ -42,7 +42,7 @@ def _weights(original: Callable, legacy_side: bool) -> Callable:
     signature = inspect.signature(original)
 
     def weights(*args, **kwargs):
-        bridge = randomness._state()
+        bridge = masks._state()
         bound = signature.bind(*args, **kwargs)
         given = bound.arguments
         rate = given.get('dropout_rate', 0.0)
@@ -54,7 +54,7 @@ def _weights(original: Callable, legacy_side: bool) -> Callable:
         broadcast = given.get('broadcast_dropout', True)
         shape = [1] * (w.ndim - 2) + list(w.shape[-2:]) if broadcast else list(w.shape)
         key_fn = bridge.attention_key if bridge.attention_key is not None else (lambda: given['dropout_rng'])
-        keep_mask = randomness.mask(shape, keep, key_fn, legacy_side, w.shape[0], shared=broadcast)
+        keep_mask = masks.mask(shape, keep, key_fn, legacy_side, w.shape[0], shared=broadcast)
         return w * (keep_mask.astype(w.dtype) / jnp.asarray(keep, dtype=w.dtype))
 
     return weights
@@ -63,7 +63,7 @@ def _weights(original: Callable, legacy_side: bool) -> Callable:
 def linen_attention_call(next_fun, args, kwargs, module: nn.Module):
     """A linen attention layer's call with its dropout key given, so that it never calls ``make_rng``
     (at level 1 there is none): the bridge draws the mask from that key or from the example keys."""
-    bridge = randomness._state()
+    bridge = masks._state()
     deterministic = kwargs.get('deterministic')
     deterministic = module.deterministic if deterministic is None else deterministic
     if module.dropout_rate == 0.0 or deterministic in (None, True) or kwargs.get('dropout_rng') is not None:
@@ -79,7 +79,7 @@ def linen_attention_call(next_fun, args, kwargs, module: nn.Module):
 
 def _nnx_attention_call(original: Callable) -> Callable:
     def call(self, *args, rngs=None, **kwargs):
-        bridge = randomness._state()
+        bridge = masks._state()
 
         def key():
             if rngs is None and 'dropout' in bridge.reseeded:
@@ -100,7 +100,7 @@ def _nnx_attention_call(original: Callable) -> Callable:
 
 def _make_rng(original: Callable) -> Callable:
     def make_rng(self, name: str = 'params'):
-        if randomness._state() is not None and name != 'params':
+        if masks._state() is not None and name != 'params':
             path = '/'.join(self.scope.path) or type(self).__name__
             if not self.has_rng(name):
                 raise PortError(
@@ -108,7 +108,7 @@ def _make_rng(original: Callable) -> Callable:
                     'which the suite does not bridge, and no key was given: draw those numbers in the port '
                     "(ModelPort noise=) and pass them in, or use Dropout or Flax's attention dropout"
                 )
-            randomness._unbridged[
+            masks._unbridged[
                 f'randomness not bridged: linen {path} ({type(self).__name__}) draws from the {name!r} stream '
                 '(make_rng): its numbers are not made equal on both sides'
             ] = None
@@ -119,12 +119,12 @@ def _make_rng(original: Callable) -> Callable:
 
 def _stream_call(original: Callable) -> Callable:
     def call(self):
-        bridge = randomness._state()
+        bridge = masks._state()
         if bridge is not None and bridge.attention_key is None:
             frame = sys._getframe(1)  # who draws: a module's method (not its __init__, which draws initial values)
             caller = frame.f_locals.get('self') if frame.f_code.co_name != '__init__' else None
             if isinstance(caller, nnx.Module) and not isinstance(caller, nnx.Dropout | nnx.MultiHeadAttention):
-                randomness._unbridged[
+                masks._unbridged[
                     f'randomness not bridged: NNX {type(caller).__name__} draws from the '
                     f'{getattr(self, "tag", "?")!r} stream: its numbers are not made equal on both sides'
                 ] = None

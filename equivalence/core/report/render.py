@@ -4,7 +4,7 @@ import platform
 
 import numpy as np
 
-from equivalence.core.harness import RunResult
+from equivalence.core.verdict.judge import RunResult
 
 GROUPS = ('params', 'opt_state', 'ema', 'model_state', 'losses')
 

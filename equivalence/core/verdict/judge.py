@@ -23,14 +23,17 @@ Where no other mesh fits, the fixed screen decides, and the report says so.
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
 
-from equivalence.core import compare, harness, probe, randomness, twin, verdict
-from equivalence.core.config import RunConfig
-from equivalence.core.ports import ModelPort, Port
-from equivalence.core.verdict import MEASURED_FLOOR, Verdict
+from equivalence.core.port.config import RunConfig
+from equivalence.core.port.ports import ModelPort, Port
+from equivalence.core.run import randomness, setups, sides
+from equivalence.core.run.sides import PathResult
+from equivalence.core.verdict import compare, probe, rule, twin
+from equivalence.core.verdict.rule import MEASURED_FLOOR, Verdict
 from legacy_pmap import losses as legacy_losses
 
 
@@ -50,7 +53,7 @@ class Inputs:
         if jax.process_count() == 1:
             return self.calls
         if self.whole is None:
-            self.whole = harness.global_calls(port, config)[self.first_call :]
+            self.whole = setups.global_calls(port, config)[self.first_call :]
         return self.whole
 
     def single_process_probes(self) -> str:
@@ -62,7 +65,7 @@ class Inputs:
 
 def judge(port: Port, config: RunConfig, old, new, inputs: Inputs, tree) -> tuple[compare.Report, Verdict]:
     """The report every leaf is judged by, and the verdict with its diagnosis; ``tree(path)`` is
-    what of a path's result is compared (``harness.compared``)."""
+    what of a path's result is compared (``sides.compared``)."""
     trees = lambda path, first=None: {**tree(path), **(first or {})}  # noqa: E731
     screen = compare.compare(trees(old), trees(new), port.tolerance)
     done = [f'fixed screen {"passed" if screen.match else "failed"}']
@@ -74,9 +77,9 @@ def judge(port: Port, config: RunConfig, old, new, inputs: Inputs, tree) -> tupl
     twins, why = measured_twins(port, config, new, inputs, counts)
     if not twins:
         return screen, finish(port, config, screen, old, new, inputs, done + [f'twin {why}'], why, None)
-    first = [verdict.first_step_tree(float(p.losses[0])) for p in (old, new)]
+    first = [rule.first_step_tree(float(p.losses[0])) for p in (old, new)]
     floor = twin.farthest(
-        trees(new, first[1]), [trees(tw, verdict.first_step_tree(float(tw.losses[0]))) for tw in twins.values()]
+        trees(new, first[1]), [trees(tw, rule.first_step_tree(float(tw.losses[0]))) for tw in twins.values()]
     )
     report = compare.compare_to_floor(trees(old, first[0]), trees(new, first[1]), floor, MEASURED_FLOOR)
     on = f'on {" and ".join(map(str, twins))} device(s)'
@@ -86,7 +89,7 @@ def judge(port: Port, config: RunConfig, old, new, inputs: Inputs, tree) -> tupl
     if wants_legacy_twin(report, old, new):
         grads, other = legacy_floor(port, config, old, new, inputs, twins, done)
         if other is not None:
-            ref_twin = trees(other, verdict.first_step_tree(float(other.losses[0])))
+            ref_twin = trees(other, rule.first_step_tree(float(other.losses[0])))
             report = compare.compare_to_floor(
                 trees(old, first[0]), trees(new, first[1]), floor, MEASURED_FLOOR, ref_twin
             )
@@ -106,9 +109,9 @@ def measured_twins(port: Port, config: RunConfig, new, inputs: Inputs, counts: t
         except Exception as e:  # noqa: BLE001 -- NNX code pinned to its own mesh cannot run on the twin's
             why.append(f'not run: on {n} device(s) it raised {type(e).__name__}: {str(e).splitlines()[0][:160]}')
             continue
-        refusal = verdict.twin_refusal(new.losses, tw.losses)
+        refusal = rule.twin_refusal(new.losses, tw.losses)
         if not refusal and n == config.devices:
-            refusal = verdict.twin_reordered_nothing(new.final, tw.final)
+            refusal = rule.twin_reordered_nothing(new.final, tw.final)
         if refusal:
             why.append(refusal)
         else:
@@ -122,10 +125,10 @@ def wants_legacy_twin(report: compare.Report, old, new) -> bool:
     first step within its floor (a slip there is math, which no reordering explains), and not only
     running statistics: chaos moves the parameters, and statistics that differ while the parameters
     and losses agree are computed differently (a BatchNorm momentum), not reordered."""
-    bad = [leaf for leaf in verdict.failed(report) if not leaf.one_sided and leaf.floor is not None]
+    bad = [leaf for leaf in rule.failed(report) if not leaf.one_sided and leaf.floor is not None]
     finite = np.isfinite(old.losses).all() and np.isfinite(new.losses).all()
     trained = any(leaf.group != 'model_state' for leaf in bad)
-    return trained and bool(finite) and not verdict.failed(report, 'first_step')
+    return trained and bool(finite) and not rule.failed(report, 'first_step')
 
 
 def legacy_floor(port: Port, config: RunConfig, old, new, inputs: Inputs, twins: dict, done: list):
@@ -156,7 +159,7 @@ def legacy_twin(port: Port, config: RunConfig, old, new, twins: dict, inputs: In
     Refused, like an NNX twin, when it does not compute what the pmap run computes: its losses at
     steps 1 and 2 more than TWIN_ULPS apart (with per-device keys a random port draws other numbers
     on another count: not run at all when the port is known to), or, after the first call, a spread
-    already beyond what the NNX twin allows there (``verdict.early_excess``): chaos starts at
+    already beyond what the NNX twin allows there (``rule.early_excess``): chaos starts at
     rounding level and grows (seed 4: 5.7e-7 after call 1, NNX's twin 5.5e-7; 1.8e-4 after call 4),
     a pmap program whose math depends on its device count (a gradient psum for pmean under Adam acts
     as eps / D) differs from the first updates on. So it needs two calls or more.
@@ -175,21 +178,21 @@ def legacy_twin(port: Port, config: RunConfig, old, new, twins: dict, inputs: In
     first = [{'params': tw.params_per_call[0]} for tw in twins.values()]
     twin_first = twin.farthest({'params': new.params_per_call[0]}, first).get('params', {})
     first_call = (new.params_per_call[0], twin_first, MEASURED_FLOOR)
-    excess = verdict.early_excess(old.params_per_call[0], new.params_per_call[0], *first_call)
+    excess = rule.early_excess(old.params_per_call[0], new.params_per_call[0], *first_call)
     if excess:
         why = f'NNX is off after the first call, {excess}: not chaos, which grows from rounding'
         return None, f'legacy twin not run: {why}'
     try:
         on_n = dataclasses.replace(config, devices=n, strategy='dp', mesh=None, nnx_form='split')
-        other = harness.run_legacy(port, on_n, inputs.variables, inputs.calls, inputs.rng)
+        other = sides.run_legacy(port, on_n, inputs.variables, inputs.calls, inputs.rng)
     except Exception as e:  # noqa: BLE001 -- pmap code written for one device count
         why = f'{type(e).__name__}: {str(e).splitlines()[0][:160]}'
         return None, f'legacy twin on {n} device(s) not run: it raised {why}'
-    refusal = verdict.twin_refusal(old.losses, other.losses, 'legacy')
+    refusal = rule.twin_refusal(old.losses, other.losses, 'legacy')
     if not refusal and not np.isfinite(other.losses).all():
         refusal = 'refused: a non-finite loss'
     if not refusal:
-        excess = verdict.early_excess(old.params_per_call[0], other.params_per_call[0], *first_call)
+        excess = rule.early_excess(old.params_per_call[0], other.params_per_call[0], *first_call)
         refusal = excess and f'refused: after the first call, {excess}: on another count it computes something else'
     if refusal:
         return None, f'legacy twin on {n} device(s) {refusal}'
@@ -201,7 +204,7 @@ def draws_random_numbers(port: Port) -> bool | None:
     a loop port, whose step the suite cannot see (its legacy twin is then judged by its losses)."""
     if not isinstance(port, ModelPort):
         return None
-    return harness.uses_dropout(port) or port.noise not in (None, legacy_losses.no_noise)
+    return setups.uses_dropout(port) or port.noise not in (None, legacy_losses.no_noise)
 
 
 def finish(port, config, report, old, new, inputs, done, twin_text, n_twin, grads=None) -> Verdict:
@@ -221,18 +224,18 @@ def finish(port, config, report, old, new, inputs, done, twin_text, n_twin, grad
     rerun = None
     # Only a first *loss* that differs can be re-checked with dropout off (the re-run compares
     # losses): a slip seen only in the first gradients is math, whatever dropout does.
-    loss_failed = any(leaf.name == 'first_step/loss' for leaf in verdict.failed(report, 'first_step'))
-    if loss_failed and harness.uses_dropout(port) and cannot:
+    loss_failed = any(leaf.name == 'first_step/loss' for leaf in rule.failed(report, 'first_step'))
+    if loss_failed and setups.uses_dropout(port) and cannot:
         done.append(f'deterministic re-run (dropout off) not run: {cannot}')
-    elif loss_failed and harness.uses_dropout(port):
+    elif loss_failed and setups.uses_dropout(port):
         rerun = deterministic_rerun_matches(port, config, inputs, report)
         done.append(f'deterministic re-run (dropout off) {"matches" if rerun else "differs"}')
-    nonfinite = verdict.nonfinite_line(
+    nonfinite = rule.nonfinite_line(
         {'legacy': old.losses, 'nnx': new.losses},
         {'legacy': old.final, 'nnx': new.final},
         data_nonfinite(inputs.whole_calls(port, config)),
     )
-    kind, line = verdict.diagnose(report, nonfinite, rerun, grads is not None)
+    kind, line = rule.diagnose(report, nonfinite, rerun, grads is not None)
     return Verdict(False, config.verdict, tuple(done), kind, line, twin_text, noisy)
 
 
@@ -240,7 +243,7 @@ def first_step_grads(port: ModelPort, config: RunConfig, inputs: Inputs, n_twin:
     """The first step's gradients of both sides, held to the floor of the twin's (0 without one)."""
     twin_setup = twin.twin_setup(port, config, inputs.variables, n_twin) if n_twin else None
     steps = probe.first_steps(port, config, inputs.variables, inputs.calls, inputs.rng, twin_setup)
-    ref, other, floor = (verdict.first_step_tree(grads=steps[s].grads) for s in ('legacy', 'nnx', 'twin'))
+    ref, other, floor = (rule.first_step_tree(grads=steps[s].grads) for s in ('legacy', 'nnx', 'twin'))
     return compare.compare_to_floor(ref, other, floor, MEASURED_FLOOR)
 
 
@@ -254,8 +257,8 @@ def deterministic_rerun_matches(port: Port, config: RunConfig, inputs: Inputs, r
     jax.clear_caches()
     try:
         with randomness.dropout_off():
-            old = harness.run_legacy(port, one, inputs.variables, inputs.calls[:1], inputs.rng)
-            new = harness.run_nnx(port, one, inputs.variables, inputs.calls[:1], inputs.rng)
+            old = sides.run_legacy(port, one, inputs.variables, inputs.calls[:1], inputs.rng)
+            new = sides.run_nnx(port, one, inputs.variables, inputs.calls[:1], inputs.rng)
     finally:
         jax.clear_caches()
     leaf = next((x for x in report.leaves if x.name == 'first_step/loss'), None)
@@ -274,3 +277,38 @@ def data_nonfinite(calls: list) -> int | None:
             if any(np.issubdtype(v.dtype, np.floating) and not np.isfinite(v[k]).all() for v in leaves):
                 return step
     return None
+
+
+@dataclasses.dataclass
+class RunResult:
+    config: RunConfig
+    legacy: PathResult
+    nnx: PathResult
+    report: compare.Report
+    resumed_at: int = 0  # NNX resumed from a checkpoint of this step: losses and divergence cover the steps after it
+    notes: list[str] = dataclasses.field(default_factory=list)  # lines the report prints under its header
+    verdict: Any = None  # rule.Verdict: what was measured and, on MISMATCH, the diagnosis (judge)
+    programs: tuple[str, str] = ('pmap(scan)', 'sharded scan')  # how each side ran its K steps (header)
+
+    def param_divergence(self) -> list[float]:
+        """Max |nnx - legacy| over all parameters, after each call."""
+        pairs = zip(self.legacy.params_per_call, self.nnx.params_per_call, strict=True)
+        return [max(float(np.abs(a[k] - b[k]).max()) for k in a) for a, b in pairs]
+
+
+def judged(
+    port: Port,
+    config: RunConfig,
+    old: PathResult,
+    new: PathResult,
+    variables,
+    calls,
+    rng,
+    tree=None,
+    **resumed,
+) -> RunResult:
+    """The two runs judged against their measured noise floor (``judge``);
+    ``resumed``: ``restore`` and ``first_call`` of a run NNX resumed from a checkpoint."""
+    inputs = Inputs(variables, calls, rng, **resumed)
+    report, verdict = judge(port, config, old, new, inputs, tree or sides.compared(port, old, new)[0])
+    return RunResult(config, old, new, report, verdict=verdict)

@@ -10,7 +10,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from equivalence.core.config import RNG_MODES, ConfigError
+from equivalence.core.port.config import RNG_MODES, ConfigError
 
 # field -> (positional arguments the suite passes, what it is called as); '?' marks an optional field
 CALLS = {
@@ -59,7 +59,7 @@ def check(port: Any) -> None:
 
 
 def _step_call(port: Any) -> tuple[int, str]:
-    """How a loop port's ``legacy_step`` is called, by its ``step_form`` (``equivalence.core.adapters``)."""
+    """How a loop port's ``legacy_step`` is called, by its ``step_form`` (``equivalence.core.run.adapters``)."""
     form = getattr(port, 'step_form', 'carry')
     if form == 'state_rng' and not getattr(port, 'rng_arg', None):
         return 3, 'legacy_step(state, batch, rng)'
@@ -84,7 +84,7 @@ def check_rng_modes(port: Any) -> None:
 
 
 def check_names(port: Any) -> None:
-    from equivalence.core.naming import STRUCTURE
+    from equivalence.core.port.naming import STRUCTURE
 
     names = port.names
     if names is None or callable(names) or names == STRUCTURE:

@@ -1,4 +1,4 @@
-"""The built-in workloads: model ports (``equivalence.core.ports.ModelPort``) like any user's.
+"""The built-in workloads: model ports (``equivalence.core.port.ports.ModelPort``) like any user's.
 
 Each entry names the mirrored model and loss of both packages, its synthetic data and
 its optimizer. The harness, CLI and tests iterate over ``WORKLOADS``; adding a workload
@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from equivalence.core import ports
-from equivalence.core.config import ConfigError
-from equivalence.core.ports import ModelPort
+from equivalence.core.port import ports
+from equivalence.core.port.config import ConfigError
+from equivalence.core.port.ports import ModelPort
 from legacy_pmap import losses as legacy_losses
 from legacy_pmap import models as legacy_models
 from nnx_sharded import losses as nnx_losses
@@ -44,7 +44,7 @@ def wide_tx(lr_scale: float = 1.0) -> optax.GradientTransformation:
     1.0e-5 / 9.9e-6 (seed 0); the twin run (NNX on 1 device, same keys) differs from the checked
     NNX run by 3.2e-6 / 5.5e-6 / 7.1e-6 on the same leaves: reduction order, not a slip. cnn: up
     to 1.9e-5 under tp (hidden/kernel), twin 1.4e-5. The verdict holds each leaf to its measured
-    floor (``equivalence.core.verdict``), and every strategy matches at D=8 (wide seeds 0, 1;
+    floor (``equivalence.core.verdict.rule``), and every strategy matches at D=8 (wide seeds 0, 1;
     cnn seeds 0, 3 and --rng global seed 3), so wide keeps the setting real code uses. cnn keeps
     eps 1e-5: with 1e-8 and per-device keys (its Dropout then draws other masks on another device
     count, so no legacy twin can run) seed 5 at D=8 under dp and fsdp is a false MISMATCH, the

@@ -39,9 +39,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from equivalence.core import compare, convert, harness
-from equivalence.core.config import RunConfig
-from equivalence.core.ports import LoopPort, Port
+from equivalence.core.port import convert
+from equivalence.core.port.config import RunConfig
+from equivalence.core.port.ports import LoopPort, Port
+from equivalence.core.run import adapters, setups, sides
+from equivalence.core.verdict import compare
 from equivalence.distributed import gather
 from nnx_sharded import sharding
 from nnx_sharded import train as sharded
@@ -76,7 +78,7 @@ def twin_placed_inputs(setup, rng, batch_KxG) -> tuple[jax.Array, tuple]:
 
 
 @dataclasses.dataclass
-class TwinSetup(harness.NnxSetup):
+class TwinSetup(setups.NnxSetup):
     """A model port's twin: the suite's split-state loop on the twin mesh, keys of the checked run."""
 
     def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
@@ -85,7 +87,7 @@ class TwinSetup(harness.NnxSetup):
 
 
 @dataclasses.dataclass
-class TwinLoopSetup(harness.NnxLoopSetup):
+class TwinLoopSetup(setups.NnxLoopSetup):
     """A loop port's twin: the user's own fused call on the twin mesh, keys of the checked run."""
 
     def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
@@ -98,16 +100,16 @@ def twin_setup(port: Port, config: RunConfig, variables: dict, n_twin: int, lr_s
     math differs, which the verdict must refuse."""
     mesh = sharding.make_mesh(n_twin, devices=jax.local_devices())  # this process's own: no collective
     model = port.nnx_model(nnx.Rngs(0))
-    convert.load_linen_variables(model, variables, harness.check_names(port, variables))
-    if isinstance(port, LoopPort) and harness.step_adapters().adapted(port):  # a real step: its own setup
-        return harness.step_adapters().nnx_setup(port, config, model, mesh)
+    convert.load_linen_variables(model, variables, setups.check_names(port, variables))
+    if isinstance(port, LoopPort) and adapters.adapted(port):  # a real step: its own setup
+        return adapters.nnx_setup(port, config, model, mesh)
     if isinstance(port, LoopPort):
         return TwinLoopSetup(port, sharding.place_objects(port.nnx_state(model), mesh), mesh, config)
     scale = 1.0 + config.perturb if lr_scale is None else lr_scale
     graphdef, state = sharded.create_state(model, port.make_tx(scale), port.ema_rate)
     shardings = sharding.state_shardings(graphdef, state, mesh)
     state = sharding.place_state(state, shardings)
-    step = harness.nnx_step(port, graphdef, config)
+    step = setups.nnx_step(port, graphdef, config)
     fused = sharded.make_fused_call(step, (sharding.replicated(mesh), shardings))
     return TwinSetup(fused, graphdef, state, mesh, config)
 
@@ -122,8 +124,8 @@ def run_twin(
     setup = twin_setup(port, config, variables, n_twin, lr_scale)
     if restore is not None:
         rng = restore(setup)
-    losses, per_call = harness.run_calls(setup, calls, rng, None, harness.silent, 'twin')
-    final, losses, metrics = gather.from_process_0((setup.neutral(), losses, harness.loop_metrics(setup)))
-    result = harness.PathResult(final, losses, per_call, None, mesh=dict(setup.mesh.shape))
+    losses, per_call = sides.run_calls(setup, calls, rng, None, sides.silent, 'twin')
+    final, losses, metrics = gather.from_process_0((setup.neutral(), losses, sides.loop_metrics(setup)))
+    result = sides.PathResult(final, losses, per_call, None, mesh=dict(setup.mesh.shape))
     result.metrics = metrics
     return result

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from equivalence.core.paths import key_name, rename  # noqa: F401 -- rename: part of this module's API
+from equivalence.core.port.paths import key_name, rename  # noqa: F401 -- rename: part of this module's API
 
 Neutral = dict[str, dict[str, np.ndarray]]  # group ('params', 'opt_state', ...) -> path -> array
 

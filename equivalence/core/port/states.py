@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from equivalence.core import convert
+from equivalence.core.port import convert
 
 READ = ('step', 'params', 'opt_state', 'model_state', 'batch_stats', 'params_ema', 'ema_params', 'ema')
 WHY = {

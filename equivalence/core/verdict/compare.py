@@ -4,24 +4,9 @@ import dataclasses
 
 import numpy as np
 
+from equivalence.core.port.tolerance import FLOAT32_REDUCTION_ORDER, Tolerance  # noqa: F401 -- part of this API
+
 Neutral = dict[str, dict[str, np.ndarray]]
-
-
-@dataclasses.dataclass(frozen=True)
-class Tolerance:
-    rtol: float  # per element: |nnx - legacy| <= atol + rtol * |legacy|
-    atol: float
-    reason: str
-
-
-# The pmap loss is a mean of per-device means, the sharded loss one global mean; their
-# gradients are summed in different orders, so they differ in the last bits (float32
-# eps = 1.2e-7), and Adam's normalised steps carry that rounding into every parameter.
-FLOAT32_REDUCTION_ORDER = Tolerance(
-    rtol=1e-5,
-    atol=1e-6,
-    reason='float32 reduction order: pmean of per-device means vs one global mean',
-)
 
 
 @dataclasses.dataclass(frozen=True)

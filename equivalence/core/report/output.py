@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import IO
 
-from equivalence.core.config import ConfigError
+from equivalence.core.port.config import ConfigError
 
 
 def check_file(path: str, overwrite: bool, flag: str = '--json') -> None:

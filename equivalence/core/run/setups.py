@@ -15,12 +15,13 @@ import jax
 import numpy as np
 from flax import nnx
 
-from equivalence.core import convert, naming, randomness, states
-from equivalence.core.config import RunConfig
-from equivalence.core.ports import LoopPort, ModelPort, Port
+from equivalence.core.port import convert, naming
+from equivalence.core.port.config import RunConfig
+from equivalence.core.port.ports import LoopPort, ModelPort, Port
+from equivalence.core.run import randomness
 from equivalence.distributed import gather, rows
 from legacy_pmap import train as legacy
-from nnx_sharded import shard_map, sharding
+from nnx_sharded import sharding
 from nnx_sharded import train as sharded
 
 
@@ -244,63 +245,5 @@ class NnxLoopSetup:
         return jax.jit(pure, keep_unused=True), state  # a key the call ignores is an input too (FACTS.md)
 
 
-def legacy_setup(port: Port, config: RunConfig, variables: dict) -> LegacySetup:
-    """pmap spans the first D devices of every process; each process replicates onto its own."""
-    devices, local = jax.devices()[: config.devices], rows.local_devices(config.devices)
-    if isinstance(port, LoopPort) and step_adapters().adapted(port):
-        return step_adapters().legacy_setup(port, config, variables)
-    if isinstance(port, LoopPort):
-        pstate = legacy.replicate(port.legacy_state(variables), local)
-        call = legacy.make_fused_call(port.legacy_step, devices, port.axis_name)
-        context = functools.partial(randomness.bridged, config.rng_mode, port.axis_name)
-        return LegacySetup(call, pstate, config, port.legacy_groups or states.legacy_groups, context)
-    tx = port.make_tx(1.0)
-    pstate = legacy.replicate(legacy.create_state(variables, tx, port.ema_rate), local)
-    noise = port_noise(port, uses_dropout(port))
-    step = legacy.make_step_fn(
-        port.legacy_model(), legacy_loss(port, config), noise, tx, port.ema_rate, config.rng_mode
-    )
-    return LegacySetup(legacy.make_fused_call(step, devices), pstate, config)
-
-
-def step_adapters():
-    """Real step forms (``adapters``), which build on this module's setups."""
-    from equivalence.core import adapters
-
-    return adapters
-
-
 def nnx_mesh(config: RunConfig):
     return sharding.make_mesh(config.devices, sharding.mesh_shape(config.strategy, config.devices, config.mesh_axes))
-
-
-def nnx_setup(port: Port, config: RunConfig, variables: dict) -> NnxSetup | NnxGraphSetup | NnxLoopSetup:
-    """The NNX side placed by ``config.strategy`` (``nnx_sharded/sharding.py``), in ``config.nnx_form``.
-
-    The step is the same for every strategy: only the annotations on the parameters change.
-    """
-    mesh = nnx_mesh(config)
-    model = port.nnx_model(nnx.Rngs(0))
-    convert.load_linen_variables(model, variables, check_names(port, variables))
-    if isinstance(port, LoopPort) and step_adapters().adapted(port):
-        return step_adapters().nnx_setup(port, config, model, mesh)
-    if isinstance(port, LoopPort):
-        return NnxLoopSetup(port, sharding.place_objects(port.nnx_state(model), mesh), mesh, config)
-    decisions = sharding.decide(model, config.strategy, mesh)
-    sharding.annotate(model, decisions)
-    graphdef, state = sharded.create_state(model, port.make_tx(1.0 + config.perturb), port.ema_rate)
-    shardings = sharding.state_shardings(graphdef, state, mesh)
-    state = sharding.place_state(state, shardings)
-    if config.nnx_form == 'graph':
-        update = sharded.make_update_fn(nnx_loss(port, config), port_noise(port, uses_dropout(port)), port.ema_rate,
-                                        config.rng_mode)  # fmt: skip
-        ts = nnx.merge(graphdef, state)
-        return NnxGraphSetup(sharded.make_graph_call(update), ts, mesh, config, decisions)
-    if config.strategy == 'shard_map':
-        step = shard_map.make_step_fn(graphdef, nnx_loss(port, config), port_noise(port, uses_dropout(port)),
-                                      port.ema_rate, config.rng_mode)  # fmt: skip
-        fused = shard_map.make_fused_call(step, mesh, config.rng_mode)
-        return NnxSetup(fused, graphdef, state, mesh, config, decisions)
-    carry_shardings = (sharding.key_sharding(mesh, config.rng_mode), shardings)
-    fused = sharded.make_fused_call(nnx_step(port, graphdef, config), carry_shardings)
-    return NnxSetup(fused, graphdef, state, mesh, config, decisions)

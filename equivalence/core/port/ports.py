@@ -3,7 +3,7 @@
 - ``ModelPort`` (level 1): your linen module and your NNX module, the loss of each, an
   optax transformation and a data source. The suite's own loops (``legacy_pmap/train.py``
   and ``nnx_sharded/train.py``) train both and compare. The built-in workloads are ports
-  of this kind (``equivalence.core.workloads``): they take no path a user port cannot.
+  of this kind (``equivalence.core.port.workloads``): they take no path a user port cannot.
 - ``LoopPort`` (level 2): your own step, the one you ``pmap(scan(...))`` with its
   ``lax.pmean``, and your own NNX fused call (``jax.jit(lax.scan)`` over split state, or
   ``nnx.jit(nnx.scan)`` over the objects). The suite lays out one data stream both ways,
@@ -20,10 +20,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from equivalence.core import port_fields
-from equivalence.core.compare import FLOAT32_REDUCTION_ORDER, Tolerance
-from equivalence.core.config import ConfigError
-from equivalence.core.naming import Names
+from equivalence.core.port import port_fields
+from equivalence.core.port.config import ConfigError
+from equivalence.core.port.naming import Names
+from equivalence.core.port.tolerance import FLOAT32_REDUCTION_ORDER, Tolerance
 
 
 def _batch_only(batch) -> tuple:
@@ -41,7 +41,7 @@ class ModelPort:
     ``noise`` draws the random numbers a loss consumes outside the model (the suite calls it
     per device or once for the global batch, as ``--rng`` says, and gives both losses the
     same numbers); Dropout layers *inside* the models need nothing: the suite draws their
-    masks the same way on both sides (``equivalence.core.randomness``).
+    masks the same way on both sides (``equivalence.core.run.randomness``).
     """
 
     name: str
@@ -77,7 +77,7 @@ class LoopPort:
     ``[D, 2]`` (pmap: row d on device d; NNX: the same array placed ``P('data')``) or one
     global key, as ``--rng`` says.
 
-    Real steps come as they are written (``equivalence.core.adapters``): ``step_form='state'``
+    Real steps come as they are written (``equivalence.core.run.adapters``): ``step_form='state'``
     for ``train_step(state, batch) -> (state, metrics)`` (no key, or the key inside the state),
     ``'state_rng'`` for ``train_step(state, batch, rng)`` (a fresh key per step from the host
     chain), extra arguments bound with ``functools.partial``; ``loss='loss'`` or a function of
@@ -102,7 +102,7 @@ class LoopPort:
     summary: str = ''
     tolerance: Tolerance = FLOAT32_REDUCTION_ORDER
     skip: tuple[str, ...] = ()  # legacy train-state fields deliberately not migrated (e.g. 'dynamic_scale')
-    # Real code as it is (equivalence.core.adapters): the step's form, how it is run, where its loss is.
+    # Real code as it is (equivalence.core.run.adapters): the step's form, how it is run, where its loss is.
     step_form: str = 'carry'  # 'carry' (above); 'state': (state, batch) -> (state, out); 'state_rng': + key
     legacy_loop: str | None = None  # 'steps': pmap(step) K times per call; 'scan': pmap(scan(step)); None: carry->scan
     loss: str | Callable | None = None  # a metrics key, or a function metrics -> loss; None: out is the loss

@@ -32,9 +32,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from equivalence.core import convert, harness, randomness, states
-from equivalence.core.config import ConfigError, RunConfig
-from equivalence.core.ports import LoopPort
+from equivalence.core.port import convert, states
+from equivalence.core.port.config import ConfigError, RunConfig
+from equivalence.core.port.ports import LoopPort
+from equivalence.core.run import randomness, setups
 from equivalence.distributed import rows
 from legacy_pmap import train as legacy
 from nnx_sharded import sharding
@@ -197,7 +198,7 @@ def _unpack_carry(result):
 
 
 @dataclasses.dataclass
-class StepLegacySetup(harness.LegacySetup):
+class StepLegacySetup(setups.LegacySetup):
     """The pmap side of a loop port with a real step (``p_train_step`` is ``legacy_program``)."""
 
     port: LoopPort = None
@@ -241,7 +242,7 @@ def legacy_setup(port: LoopPort, config: RunConfig, variables: dict) -> StepLega
 
 
 @dataclasses.dataclass
-class StepNnxSetup(harness.NnxLoopSetup):
+class StepNnxSetup(setups.NnxLoopSetup):
     """The NNX side of a loop port with a real step: the user's fused call, or their one step K times."""
 
     metrics: list = dataclasses.field(default_factory=list)
@@ -249,7 +250,7 @@ class StepNnxSetup(harness.NnxLoopSetup):
     def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
         n, mode, k = self.config.devices, self.config.rng_mode, self.config.steps_per_call
         if self.port.step_form == 'carry':
-            return harness.placed_inputs(self, rng, batch_KxG)
+            return setups.placed_inputs(self, rng, batch_KxG)
         keys = None
         if self.port.step_form == 'state_rng':
             rng, keys = step_keys(sharded.next_call_keys, rng, n, mode, k)

@@ -22,8 +22,8 @@ import dataclasses
 
 import numpy as np
 
-from equivalence.core import compare
-from equivalence.core.compare import FloorRule, LeafDiff, Report, spacing32
+from equivalence.core.verdict import compare
+from equivalence.core.verdict.compare import FloorRule, LeafDiff, Report, spacing32
 
 # Measured (scratch sweep, legacy / NNX / twin on the same inputs, default 4 calls x 5 steps):
 # 36 correct runs (mlp, wide, score: D in {1, 2, 8}, seeds 0-3) and 19 at D=8 with Adam eps 1e-8

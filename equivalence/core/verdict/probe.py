@@ -19,9 +19,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from equivalence.core import convert, harness
-from equivalence.core.config import RunConfig
-from equivalence.core.ports import ModelPort
+from equivalence.core.port import convert
+from equivalence.core.port.config import RunConfig
+from equivalence.core.port.ports import ModelPort
+from equivalence.core.run import setups, sides
 from legacy_pmap import train as legacy
 from nnx_sharded import sharding
 from nnx_sharded import train as sharded
@@ -44,7 +45,7 @@ def first_batch(batch_KxG):
 def legacy_first_step(port: ModelPort, config: RunConfig, variables: dict, batch_KxG, rng, mapping) -> FirstStep:
     """The pmap step's first step (``legacy_pmap.train.make_step_fn``), its gradient kept."""
     tx, mode = port.make_tx(1.0), config.rng_mode
-    noise_fn, loss = harness.port_noise(port, harness.uses_dropout(port)), harness.legacy_loss(port, config)
+    noise_fn, loss = setups.port_noise(port, setups.uses_dropout(port)), setups.legacy_loss(port, config)
     model, devices = port.legacy_model(), jax.devices()[: config.devices]
 
     def step(key, state, batch):
@@ -68,10 +69,10 @@ def legacy_first_step(port: ModelPort, config: RunConfig, variables: dict, batch
     return FirstStep(float(value[0]), named(grads), named(params))
 
 
-def nnx_first_step(setup: harness.NnxSetup, port: ModelPort, batch_KxG, rng) -> FirstStep:
+def nnx_first_step(setup: setups.NnxSetup, port: ModelPort, batch_KxG, rng) -> FirstStep:
     """The NNX step's first step (``nnx_sharded.train.make_update_fn``) on ``setup``'s mesh and state."""
     mode, graphdef = setup.config.rng_mode, setup.graphdef
-    noise_fn, loss = harness.port_noise(port, harness.uses_dropout(port)), harness.nnx_loss(port, setup.config)
+    noise_fn, loss = setups.port_noise(port, setups.uses_dropout(port)), setups.nnx_loss(port, setup.config)
 
     def step(keys, state, batch_KxG):
         ts, batch = nnx.merge(graphdef, state), jax.tree.map(lambda v: v[0], batch_KxG)
@@ -97,8 +98,8 @@ def probe_config(config: RunConfig) -> RunConfig:
 def first_steps(port: ModelPort, config: RunConfig, variables: dict, calls: list, rng, twin_setup=None) -> dict:
     """``{'legacy', 'nnx', 'twin'}`` -> ``FirstStep``; ``twin_setup`` is a fresh twin (``twin.twin_setup``);
     without one, 'twin' is the NNX side's own step (a floor of 0: only the ulp minimum applies)."""
-    mapping = harness.check_names(port, variables)
-    checked = nnx_first_step(harness.nnx_setup(port, probe_config(config), variables), port, calls[0], rng)
+    mapping = setups.check_names(port, variables)
+    checked = nnx_first_step(sides.nnx_setup(port, probe_config(config), variables), port, calls[0], rng)
     return {
         'legacy': legacy_first_step(port, config, variables, calls[0], rng, mapping),
         'nnx': checked,

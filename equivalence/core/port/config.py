@@ -11,7 +11,7 @@ import math
 RNG_MODES = ('per-device', 'global')
 STRATEGIES = ('dp', 'fsdp', 'tp', 'fsdp-tp', 'shard_map')  # nnx_sharded.sharding.STRATEGIES, without importing JAX
 NNX_FORMS = ('split', 'graph')
-VERDICTS = ('measured', 'strict', 'screen')  # equivalence.core.judge: what the verdict measures
+VERDICTS = ('measured', 'strict', 'screen')  # equivalence.core.verdict.judge: what the verdict measures
 SEED_LIMIT = 2**32  # np.random.default_rng takes any seed >= 0, jax.random.PRNGKey keeps only 32 bits
 MAX_EXAMPLES = 2**22  # examples generated on the host for one run (steps x global batch): ~0.7 GB for mlp
 MAX_PERTURB = 1e3  # a deliberate mismatch needs 1e-3; a 1001x learning rate is far past any use
@@ -23,7 +23,7 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    workload: str = 'mlp'  # registry name, see equivalence.core.workloads.WORKLOADS
+    workload: str = 'mlp'  # registry name, see equivalence.core.port.workloads.WORKLOADS
     devices: int = 8  # D: pmap replicas on the legacy side, mesh size on the NNX side
     steps_per_call: int = 5  # K: steps fused into one compiled call (score_sde's n_jitted_steps)
     calls: int = 4  # C: compiled calls; K * C steps in all

@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from equivalence.core import compare, convert
+from equivalence.core.port import convert
+from equivalence.core.verdict import compare
 
 PITFALL = 'masked_loss'
 WEIGHT_WORDS = ('mask', 'weight', 'pad')
