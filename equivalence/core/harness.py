@@ -173,6 +173,7 @@ def compared(port: Port, old: PathResult, new: PathResult) -> tuple[Callable[[Pa
         return states.without(full(path), 'step') if notes else full(path)
 
     lines = [step_adapters().describe(port)] if step_adapters().adapted(port) else []
+    lines += step_adapters().wrapped_notes(port)
     lines += [*old.notes, *new.notes, *notes, *randomness.take_unbridged()]
     lines += [f'not compared: metrics/{p}: only the {"pmap" if p in old.metrics else "NNX"} step reports it'
               for p in one_side]  # fmt: skip

@@ -251,7 +251,7 @@ def legacy_setup(port: Port, config: RunConfig, variables: dict) -> LegacySetup:
         return step_adapters().legacy_setup(port, config, variables)
     if isinstance(port, LoopPort):
         pstate = legacy.replicate(port.legacy_state(variables), local)
-        call = legacy.make_fused_call(port.legacy_step, devices, port.axis_name)
+        call = legacy.make_fused_call(step_adapters().legacy_step(port), devices, port.axis_name)
         context = functools.partial(randomness.bridged, config.rng_mode, port.axis_name)
         return LegacySetup(call, pstate, config, port.legacy_groups or states.legacy_groups, context)
     tx = port.make_tx(1.0)

@@ -41,7 +41,7 @@ def trace_legacy(port: Port, config: RunConfig, variables: dict, batch_KxG: Any)
     d, k = config.devices, config.steps_per_call
     state = legacy_state(port, variables)
     if isinstance(port, LoopPort):
-        step, axis, field = port.legacy_step, port.axis_name, 'legacy_step'
+        step, axis, field = harness.step_adapters().legacy_step(port), port.axis_name, 'legacy_step'
     else:
         tx, b = make_tx(port), config.batch_size // d
         loss = checked_loss(port, 'legacy_loss', harness.legacy_loss(port, config), b, with_state=True)
