@@ -62,9 +62,20 @@ class OneLineParser(argparse.ArgumentParser):
         fail(f'{message} (see --help)')
 
 
-def fail(message: str) -> NoReturn:
-    print('error: ' + ' '.join(str(message).splitlines()), file=sys.stderr)
+def fail(message: str, whole: str = '') -> NoReturn:
+    """One ``error:`` line and exit 2; ``whole``, the text the line shortened, goes to a file it names."""
+    line = ' '.join(str(message).splitlines())
+    print('error: ' + line + (f'; {_whole_text_file(whole)}' if whole else ''), file=sys.stderr)
     sys.exit(EXIT_BAD_INPUT)
+
+
+def _whole_text_file(whole: str) -> str:
+    try:
+        with tempfile.NamedTemporaryFile('w', prefix='equivalence-', suffix='.error.txt', delete=False) as f:
+            f.write(whole)
+    except OSError as e:
+        return f'the whole text could not be written to a file ({e.strerror})'
+    return f'whole text in {f.name}'
 
 
 def add_run_flags(
@@ -170,7 +181,7 @@ def validate(inputs: Callable[[list[str] | None], Inputs], argv: list[str] | Non
     try:
         return inputs(argv)
     except ConfigError as e:
-        fail(str(e))
+        fail(str(e), getattr(e, 'whole', ''))
 
 
 def main(
@@ -185,14 +196,14 @@ def main(
             raise RuntimeError(f'injected by {INJECT_INTERNAL_ERROR}=1')
         return work(validated)
     except ConfigError as e:  # found only while working, e.g. an optional dependency missing
-        fail(str(e))
+        fail(str(e), getattr(e, 'whole', ''))
     except KeyboardInterrupt:
         print('interrupted', file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001 -- every unexpected failure becomes exit 3, with its traceback kept
         line = blame.runtime_line(e)  # raised in the port's own code: the port's mistake, exit 2
         if line is not None:
-            fail(line)
+            fail(line, blame.whole_text(e) if blame.elided(e) else '')
         return internal_error(e, command_name(inputs), sys.argv[1:] if argv is None else argv)
 
 
@@ -211,9 +222,7 @@ def internal_error(error: Exception, command: str, argv: list[str]) -> int:
         where = f'full traceback in {f.name}'
     except OSError as e:
         where = f'the traceback could not be written to a file ({e.strerror})'
-    first = (str(error).splitlines() or [''])[0][:200]
-    what = f'{type(error).__name__}: {first}' if first else type(error).__name__
-    print(f'{INTERNAL} ({what}); {where}', file=sys.stderr)
+    print(f'{INTERNAL} ({blame.first_line(error)}); {where}', file=sys.stderr)
     return EXIT_INTERNAL
 
 

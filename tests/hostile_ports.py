@@ -165,11 +165,6 @@ def legacy_step_not_callable():
     return loop(legacy_step='old.train_step')
 
 
-@case('legacy_step')
-def legacy_step_is_pmapped_already():
-    return loop(legacy_step=old.p_train_step)
-
-
 # -- the user's own NNX call (nnx_call, nnx_state) -----------------------------------------------
 
 
@@ -504,6 +499,28 @@ def ema_rate_above_one():
 @case('eval_data')
 def eval_data_not_callable():
     return model(eval_data={'x': np.zeros((4, 8)), 'y': np.zeros(4)})
+
+
+# -- not a port: --workload module:NAME names the user's model, or a factory whose own code raises ---
+
+MLP = case('MLP', EVERY)(new.MLP)  # the NNX model class named where the port belongs
+
+
+@case('port_with_misspelt_field', (*EVERY, 'migrate'))
+def port_with_misspelt_field():
+    return dataclasses.replace(LOOP, legacy_stp=old.train_step)  # legacy_step
+
+
+def step_raises_long(carry, batch):
+    """A step whose error is JAX-like: long, several lines, the culprit named in its last clause."""
+    raise ValueError('Sharding passed to jit does not match the sharding on the respective arg. Got jit sharding: '
+                     + 'NamedSharding(' + 'x' * 600 + '),\narg sharding: NamedSharding(mesh=Mesh(...)) for arg type: '
+                     'uint32[2,2]')  # fmt: skip
+
+
+@case('legacy_step')
+def legacy_step_raises_long():
+    return loop(legacy_step=step_raises_long)
 
 
 # -- mistakes that show only while training: reported with the frame, after the pre-flight ------

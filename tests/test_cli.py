@@ -177,8 +177,8 @@ def test_main_maps_every_outcome_to_its_exit_code(monkeypatch, capsys, tmp_path)
     monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path))
     assert cli.main(inputs, work, [ValueError('boom\nsecond line')]) == 3
     [line] = capsys.readouterr().err.splitlines()
-    assert line.startswith(cli.INTERNAL) and f'(ValueError: boom); full traceback in {tmp_path}' in line
-    assert 'second line' in open(line.rsplit('full traceback in ', 1)[1]).read()
+    assert line.startswith(cli.INTERNAL) and f'(ValueError: boom second line); full traceback in {tmp_path}' in line
+    assert 'Traceback (most recent call last)' in open(line.rsplit('full traceback in ', 1)[1]).read()
 
 
 @pytest.mark.parametrize('command', list(COMMANDS))

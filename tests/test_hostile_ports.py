@@ -6,6 +6,8 @@ pre-flight before any training step runs (``tests/hostile_ports.py`` holds the p
 import contextlib
 import io
 import os
+import re
+import tempfile
 import time
 
 import hostile_ports
@@ -100,6 +102,30 @@ def test_a_hostile_port_is_one_line_naming_its_field(case, no_training, tmp_path
     assert seconds < 15 or name in TRAINS_FIRST, f'{seconds:.1f} s'
     if command == 'migrate':
         assert not (tmp_path / 'nnx').exists()
+
+
+def test_a_name_that_is_not_a_port_is_the_users_mistake_named_with_its_line():
+    """``--workload module:NAME`` naming a model class, or a factory whose own code raises: exit 2 naming
+    NAME (and the factory's line), not exit 3: neither is a bug in the suite."""
+    code, _, err = invoke(_main('run'), ['--workload', 'hostile_ports:MLP', *QUICK])
+    assert code == 2 and "hostile_ports:MLP' is a class (an nnx.Module), not a port" in err, err
+    code, _, err = invoke(_main('run'), ['--workload', 'hostile_ports:port_with_misspelt_field', *QUICK])
+    line = err.strip()
+    assert code == 2 and 'port_with_misspelt_field() raised TypeError: ' in line and "'legacy_stp'" in line, err
+    assert re.search(r'at hostile_ports\.py:\d+ in port_with_misspelt_field$', line), line
+
+
+def test_a_long_error_keeps_its_culprit_on_the_line_and_its_whole_text_in_a_file(tmp_path, monkeypatch):
+    """A JAX error names the argument at fault in its last clause, after hundreds of characters and a
+    line break: the one line keeps its head and that clause; the whole text is in the file it names."""
+    monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path))
+    code, _, err = invoke(_main('run'), ['--workload', 'hostile_ports:legacy_step_raises_long', *QUICK])
+    [line] = err.strip().splitlines()
+    assert code == 2 and line.startswith("error: port 'mlp-port-loop': legacy_step raised ValueError: Sharding passed")
+    assert ' ... ' in line and 'for arg type: uint32[2,2]' in line and len(line) < 800, line
+    path = line.rsplit('whole text in ', 1)[1]
+    assert os.path.dirname(path) == str(tmp_path)
+    assert 'x' * 600 + '),\narg sharding: ' in open(path).read()
 
 
 def test_explain_reads_a_loop_call_that_ignores_its_key():

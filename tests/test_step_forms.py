@@ -16,6 +16,7 @@ from flax.training import train_state
 
 from equivalence import LoopPort
 from equivalence.core import harness
+from equivalence.core.port import states
 from equivalence.core.port.config import ConfigError
 from equivalence.core.report import render
 from equivalence.core.run import adapters
@@ -81,6 +82,24 @@ def tuple_step(state, batch):
     updates, opt_state = tx().update(jax.lax.pmean(grads, AXIS), opt_state, params)
     metrics = {'loss': jax.lax.pmean(loss, AXIS), 'mae': loss, 'denominator': jnp.float32(2.0)}  # mae: no pmean
     return (optax.apply_updates(params, updates), opt_state), metrics
+
+
+def dict_step(state, batch):
+    """linen + ``jax.jit``'s state: a dict of params and optax state, no counter (a benchmark's port)."""
+    params = state['params']
+
+    def loss_fn(p):
+        error = LinenMLP().apply({'params': p}, batch['x'], False) - batch['y']
+        return jnp.mean(error**2), jnp.mean(jnp.abs(error))
+
+    (loss, mae), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = tx().update(jax.lax.pmean(grads, AXIS), state['opt_state'], params)
+    metrics = jax.lax.pmean({'loss': loss, 'mae': mae, 'denominator': jnp.float32(2.0)}, AXIS)
+    return {'params': optax.apply_updates(params, updates), 'opt_state': opt_state}, metrics
+
+
+def dict_state(variables):
+    return {'params': variables['params'], 'opt_state': tx().init(variables['params'])}
 
 
 def carry_step(carry, batch):
@@ -155,7 +174,12 @@ FORMS = {
     'tuple state': LoopPort(**{**BASE, 'legacy_state': lambda v: (v['params'], tx().init(v['params']))},
                             legacy_step=tuple_step, step_form='state', loss='loss', nnx_step=nnx_train_step),
     'carry with metrics': LoopPort(**BASE, legacy_step=carry_step, loss='loss', nnx_call=nnx_carry_call),
+    # As teams hand them over: the step already pmapped (p_train_step), the state a dict.
+    'dict state, pmapped step': LoopPort(**{**BASE, 'legacy_state': dict_state},
+                                         legacy_step=jax.pmap(dict_step, axis_name=AXIS), step_form='state',
+                                         loss='loss', nnx_step=nnx_train_step),
 }  # fmt: skip
+NO_COUNTER = ('tuple state', 'dict state, pmapped step')  # pmap states that hold no step counter
 
 
 def _slip(port: LoopPort) -> LoopPort:
@@ -175,7 +199,7 @@ def test_each_step_form_matches_its_slip_does_not(results, form):
     result = results[form]
     assert result.report.match, [leaf for leaf in result.report.leaves if not leaf.ok]
     groups = {leaf.group for leaf in result.report.leaves}
-    assert {'metrics', 'losses', 'params', 'opt_state', 'step' if form != 'tuple state' else 'losses'} <= groups
+    assert {'metrics', 'losses', 'params', 'opt_state', 'step' if form not in NO_COUNTER else 'losses'} <= groups
     assert {'metrics/loss'} <= {leaf.name for leaf in result.report.leaves}
     assert ('metrics/mae' in {leaf.name for leaf in result.report.leaves}) == (form != 'tuple state')
     assert result.notes[0].startswith('loop port: step('), result.notes
@@ -194,12 +218,44 @@ def test_a_flax_train_state_lists_what_it_does_not_compare(results):
     assert ': legacy pmap(step) x K vs NNX ' in render.header(results['key in state'], 'cpu')
     fused = results['state_rng, scan, fused nnx']
     assert ': legacy pmap(scan) vs NNX sharded scan on 2 ' in render.header(fused, 'cpu')
-    assert 'not compared: step: the pmap train state holds no step counter (a tuple (params, opt_state))' in (
-        results['tuple state'].notes
-    )
+    for form in NO_COUNTER:
+        assert any(n.startswith('not compared: step: the pmap train state holds no step counter') for n in
+                   results[form].notes), results[form].notes  # fmt: skip
     # A metric the step does not pmean differs between devices: named, not compared as if global.
     assert any(n.startswith('not compared: metrics/mae: differs between pmap devices') for n in
                results['tuple state'].notes)  # fmt: skip
+
+
+def test_artefacts_as_handed_over_are_read_and_said(results):
+    """A dict state ``{'params', 'opt_state'}`` reads like a TrainState with no ``legacy_groups=`` (its
+    other keys listed, not dropped), and a step already pmapped (``p_train_step``) runs what it wraps,
+    which the report says."""
+    notes = results['dict state, pmapped step'].notes
+    assert "legacy_step is jax.pmap(dict_step): the suite runs dict_step under its own pmap over axis_name='batch'" in (
+        notes
+    ), notes
+    groups = states.legacy_groups({'params': {'w': 1.0}, 'opt_state': (), 'rng': KEY0})
+    assert groups['params'] == {'w': 1.0} and groups['step'] is None, groups
+    assert states.legacy_not_compared({'params': {}, 'opt_state': (), 'rng': KEY0}) == [
+        'not compared: rng: a random key, not trained state: the masks drawn from it are bridged, not its bits'
+    ]
+
+
+def test_a_pmapped_scan_is_run_as_the_step_it_wraps():
+    """score_sde's own ``p_train_step = pmap(partial(lax.scan, train_step))`` given as a carry port's
+    ``legacy_step``: the pre-flight passes it (it once said 'give the step itself'), and the suite runs
+    ``train_step`` under its own pmap(scan), as it runs the step given bare."""
+    from equivalence.core import preflight
+    from equivalence.core.port.config import RunConfig
+
+    p_train_step = jax.pmap(functools.partial(jax.lax.scan, carry_step), axis_name=AXIS, donate_argnums=1)
+    port = dataclasses.replace(FORMS['carry with metrics'], legacy_step=p_train_step)
+    preflight.check(port, RunConfig(workload=port.name, devices=2, batch_size=8, rng_mode='global', **QUICK))
+    assert adapters.legacy_step(port) is carry_step
+    assert adapters.wrapped_notes(port) == [
+        'legacy_step is jax.pmap(functools.partial(jax.lax.scan, carry_step)): the suite runs carry_step under its '
+        "own pmap over axis_name='batch'"
+    ]
 
 
 def test_forms_that_do_not_fit_together_exit_2_before_any_work():
@@ -225,6 +281,13 @@ def _other_axis(state, batch):
     return state.apply_gradients(grads=jax.lax.pmean(grads, 'devices')), {'loss': jnp.float32(0.0)}
 
 
+def _bare_step(ts):
+    """The NNX groups read by hand, the counter left bare (the issue's functional-NNX port)."""
+    from equivalence.core.port import convert
+
+    return {**convert.find_nnx_groups(ts), 'step': ts[1].step[...]}
+
+
 def _nnx_no_opt(ts, batch):
     return ts[0], nnx_step_plain(ts, batch)  # returns the model alone as the new train state
 
@@ -237,8 +300,42 @@ def _nnx_no_opt(ts, batch):
         (dict(loss='los'), "loss 'los' is not in what legacy_step returns (metrics ['denominator', 'loss', 'mae'])"),
         (dict(loss=lambda m: m['loss'][:, None] * jnp.ones(3)), 'legacy_step gives an array of shape [2, 3]'),
         (dict(nnx_step=nnx.jit(_nnx_no_opt)), 'nnx_step returned a train state of another structure'),
+        (
+            dict(nnx_groups=_bare_step),
+            "nnx_groups gives step as an array of shape []; expected the step group as {'step': counter}",
+        ),
+        (
+            dict(legacy_groups=lambda s: {'params': s.params, 'opt_state': s.opt_state, 'step': s.step}),
+            "legacy_groups gives step as an array of shape []; expected the step group as {'step': counter}",
+        ),
+        (
+            dict(legacy_groups=lambda s: {'params': s.params, 'opt_state': s.opt_state, 'step': {'count': s.step}}),
+            "legacy_groups gives step as a dict with keys ['count']; expected the step group as {'step': counter}",
+        ),
+        (
+            dict(legacy_groups=lambda s: {'params': s.params, 'model_state': {'Dense_0': {'mean': s.step}}}),
+            "legacy_groups gives model_state as a dict with keys ['Dense_0']; expected linen's collections by name",
+        ),
+        (
+            dict(
+                legacy_state=lambda v: {'weights': v['params'], 'opt_state': tx().init(v['params'])},
+                legacy_step=lambda s, b: (s, {'loss': jax.lax.pmean(jnp.mean(b['x']), AXIS)}),
+            ),
+            'legacy_state returns a dict, which the comparison cannot read by field or key name',
+        ),
     ],
-    ids=['no metrics', 'axis name', 'loss key', 'loss shape', 'nnx state'],
+    ids=[
+        'no metrics',
+        'axis name',
+        'loss key',
+        'loss shape',
+        'nnx state',
+        'nnx bare step',
+        'legacy bare step',
+        'legacy step key',
+        'legacy model_state',
+        'dict without params',
+    ],
 )
 def test_a_mistake_in_a_real_step_is_one_line_before_any_training(fields, line, monkeypatch):
     """The pre-flight traces one step of each side as the adapters call them: exit 2 before training."""

@@ -108,6 +108,31 @@ def test_a_twin_that_changes_the_math_is_refused():
     assert rule.twin_refusal(new.losses, secret.losses).startswith('refused: its loss at step 2')
 
 
+def test_a_twin_that_raises_is_named_by_its_culprit_and_its_whole_text_goes_to_the_report(monkeypatch):
+    """A twin of code pinned to its own mesh raises JAX's sharding error, whose last clause names the
+    argument at fault after a line break: the verdict's line keeps that clause, the JSON the whole text."""
+    text = ("Sharding passed to jit does not match the sharding on the respective arg. Got jit sharding: "
+            "NamedSharding(mesh=Mesh('data': 2, axis_types=(Auto,)), spec=P('data',), memory_kind=device),\n"
+            "arg sharding: NamedSharding(mesh=Mesh('data': 1, axis_types=(Auto,)), spec=P('data',), "
+            "memory_kind=device) for arg type: uint32[2,2]")  # fmt: skip
+
+    def pinned(*args, **kwargs):
+        raise ValueError(text)
+
+    monkeypatch.setattr(twin, 'run_twin', pinned)
+    port, config = workloads.get('mlp'), RunConfig(workload='mlp', devices=2, steps_per_call=2, calls=1)
+    inputs = judge.Inputs({}, [], None)
+    twins, why = judge.measured_twins(port, config, None, inputs, (1,))
+    assert twins == {} and why.startswith('not run: on 1 device(s) it raised ValueError: Sharding passed'), why
+    assert why.endswith('for arg type: uint32[2,2]') and '\n' not in why, why
+    report = compare.Report([], port.tolerance)
+    result = judge.RunResult(config, None, None, report, verdict=judge.finish(port, config, report, None, None,
+                                                                              inputs, [why], why, None))  # fmt: skip
+    from equivalence.core.report import render as report_module
+
+    assert report_module.verdict_json(result)['errors'] == [f'twin on 1 device(s): ValueError: {text}']
+
+
 def test_chaos_on_the_pmap_side_is_measured_by_the_legacy_twin():
     """A correct port whose pmap run alone leaves every other run, by a spread that grows from rounding
     (``pmap_side_chaos``: its gradient pmean adds offsets that cancel over the devices and drop the low

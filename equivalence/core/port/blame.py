@@ -9,10 +9,12 @@ the traceback passes through one of the port's callables (``legacy_step``, ``nnx
 """
 
 import dataclasses
+import functools
 import inspect
 import os
 import sysconfig
 import threading
+import traceback
 from typing import Any
 
 LIBRARIES = frozenset(
@@ -102,7 +104,8 @@ def innermost_user(error: BaseException) -> Frame | None:
 
 
 def _codes(fn: Any) -> list[Any]:
-    """The code objects that run when the suite calls ``fn`` (a function, a partial, a jit, a class)."""
+    """The code objects that run when the suite calls ``fn`` (a function, a partial, a jit, a class, a
+    pmap of any of them, score_sde's ``pmap(partial(lax.scan, step))``)."""
     seen = []
     for candidate in (
         fn,
@@ -119,7 +122,14 @@ def _codes(fn: Any) -> list[Any]:
         code = getattr(candidate, '__code__', None)
         if code is not None:
             seen.append(code)
+        elif isinstance(candidate, functools.partial):  # a pmap's: what it binds, the libraries' own code left out
+            seen += [c for f in (candidate.func, *candidate.args) if _own(f) for c in _codes(f)]
     return seen
+
+
+def _own(fn: Any) -> bool:
+    """A callable of the user's code, not of a library (``jax.lax.scan`` in score_sde's partial)."""
+    return callable(fn) and str(getattr(fn, '__module__', '')).split('.')[0] not in LIBRARIES
 
 
 def port_field(error: BaseException, port: Any) -> str | None:
@@ -135,11 +145,30 @@ def port_field(error: BaseException, port: Any) -> str | None:
     return next((by_code[c] for _, c in frames(error) if c in by_code), None)
 
 
-def first_line(error: BaseException, width: int = 300) -> str:
-    lines = [line for line in str(error).strip().splitlines() if line.strip()]
-    text = lines[0] if lines else ''
-    text = text if len(text) <= width else text[:width] + '...'
+def first_line(error: BaseException, width: int = 480) -> str:
+    """``Type: message`` on one line: every line of the message joined, and when longer than ``width``
+    its head and its tail, where JAX names the culprit (``... for arg type: uint32[2,2]``)."""
+    text = one_line(str(error), width)
     return f'{type(error).__name__}: {text}' if text else type(error).__name__
+
+
+def one_line(text: str, width: int = 480) -> str:
+    """``text``'s lines joined into one; the middle left out (`` ... ``) when it is longer than ``width``."""
+    text = ' '.join(line.strip() for line in text.strip().splitlines() if line.strip())
+    if len(text) <= width:
+        return text
+    tail = width // 3
+    return f'{text[: width - tail].rstrip()} ... {text[-tail:].lstrip()}'
+
+
+def elided(error: BaseException, width: int = 480) -> bool:
+    """Whether ``first_line`` left part of the message out."""
+    return one_line(str(error), width) != one_line(str(error), len(str(error)) + 1)
+
+
+def whole_text(error: BaseException) -> str:
+    """The exception's whole message and traceback, for the file a shortened line names."""
+    return ''.join(traceback.format_exception(error))
 
 
 def runtime_line(error: BaseException) -> str | None:

@@ -5,6 +5,7 @@ and copies the variables into the NNX model. Everything the comparison sees goes
 ``legacy_to_neutral`` / ``nnx_to_neutral``; ``compare.py`` never sees a framework type.
 """
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -60,17 +61,23 @@ def legacy_to_neutral(state) -> Neutral:
 
 def legacy_groups(state) -> dict[str, Any]:
     """A pmap-era train state's fields by group: ``step``, ``params``, ``opt_state``, and where
-    present ``model_state`` or ``batch_stats``, and ``params_ema`` (also ``ema_params``, ``ema``)."""
-    field = lambda *names: next((getattr(state, n) for n in names if getattr(state, n, None) is not None), None)  # noqa: E731
+    present ``model_state`` or ``batch_stats``, and ``params_ema`` (also ``ema_params``, ``ema``).
+    A dict with those keys (linen + ``jax.jit`` code keeps ``{'params': ..., 'opt_state': ...}``) reads
+    alike; a state with no counter gives ``step`` None."""
+    get = state.get if isinstance(state, Mapping) else lambda name: getattr(state, name, None)
+    field = lambda *names: next((get(n) for n in names if get(n) is not None), None)  # noqa: E731
+    for name in ('params', 'opt_state'):
+        if get(name) is None:
+            raise AttributeError(f'{type(state).__name__} has no {name!r}: give the port legacy_groups=')
     model_state = field('model_state')
     if model_state is None and field('batch_stats') is not None:
-        model_state = {'batch_stats': state.batch_stats}
+        model_state = {'batch_stats': get('batch_stats')}
     return {
-        'params': state.params,
-        'opt_state': state.opt_state,
+        'params': get('params'),
+        'opt_state': get('opt_state'),
         'ema': field('params_ema', 'ema_params', 'ema'),
         'model_state': model_state,
-        'step': {'step': state.step},
+        'step': {'step': get('step')} if get('step') is not None else None,
     }
 
 

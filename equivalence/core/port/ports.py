@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from equivalence.core.port import port_fields
+from equivalence.core.port import blame, port_fields
 from equivalence.core.port.config import ConfigError
 from equivalence.core.port.naming import Names
 from equivalence.core.port.tolerance import FLOAT32_REDUCTION_ORDER, Tolerance
@@ -130,6 +130,25 @@ def _absl_warnings_off():
         logger.setLevel(level)
 
 
+def _kind(cls: type) -> str:
+    """' (an nnx.Module)', ' (a linen Module)' or '' for a class that a port's name names."""
+    bases = {(c.__module__, c.__name__) for c in cls.__mro__}
+    if ('flax.nnx.module', 'Module') in bases:
+        return ' (an nnx.Module)'
+    if ('flax.linen.module', 'Module') in bases:
+        return ' (a linen Module)'
+    return ''
+
+
+def _users(spec: str, what: str, error: Exception) -> ConfigError:
+    """The user's module or factory raised: one line naming it and the user's frame (exit 2)."""
+    frame = blame.innermost_user(error)
+    line = f'--workload {spec!r}: {what} raised {blame.first_line(error)}' + (f' at {frame.where}' if frame else '')
+    out = ConfigError(line)
+    out.whole = blame.whole_text(error) if blame.elided(error) else ''
+    return out
+
+
 def load(spec: str) -> Port:
     """``'package.module:NAME'`` -> the port it names (a port, or a function of no arguments returning one)."""
     module_name, _, attr = spec.partition(':')
@@ -143,15 +162,22 @@ def load(spec: str) -> Port:
     except ModuleNotFoundError as e:
         raise ConfigError(f'--workload {spec!r}: cannot import {e.name!r} (is its folder on PYTHONPATH?)') from None
     except Exception as e:  # noqa: BLE001 -- the user's module failed: say so in one line
-        raise ConfigError(f'--workload {spec!r}: importing {module_name} raised {type(e).__name__}: {e}') from None
+        raise _users(spec, f'importing {module_name}', e) from None
     if not hasattr(module, attr):
         raise ConfigError(f'--workload {spec!r}: {module_name} has no attribute {attr!r}')
     port = getattr(module, attr)
+    if isinstance(port, type):  # a model (or any class) named where the port belongs: calling it is no answer
+        raise ConfigError(
+            f'--workload {spec!r} is a class{_kind(port)}, not a port: name a ModelPort or LoopPort '
+            'built around it, or a function of no arguments returning one (docs/port.md)'
+        )
     if callable(port) and not isinstance(port, Port):
         try:
             port = port()
         except ConfigError as e:
             raise ConfigError(f'--workload {spec!r}: {e}') from None
+        except Exception as e:  # noqa: BLE001 -- the user's factory failed: its line, exit 2
+            raise _users(spec, f'{attr}()', e) from None
     if not isinstance(port, Port):
         raise ConfigError(f'--workload {spec!r} is a {type(port).__name__}, not an equivalence ModelPort or LoopPort')
     return port

@@ -2,7 +2,8 @@
 
 The pmap side is read by field name (``convert.legacy_groups``): a flax
 ``training.train_state.TrainState`` and its subclasses (``batch_stats``, an EMA as
-``ema_params`` / ``params_ema`` / ``ema``) need no ``legacy_groups=``, and a plain tuple
+``ema_params`` / ``params_ema`` / ``ema``) need no ``legacy_groups=``, nor does a dict with those
+keys (linen + ``jax.jit``: ``{'params': ..., 'opt_state': ...}``), and a plain tuple
 ``(params, opt_state)`` is read as those two. Whatever else a state holds is listed in the
 report as ``not compared: <field>: <why>``, never dropped without a word: static fields
 (``apply_fn``, ``tx``), a ``dynamic_scale`` (mixed-precision bookkeeping with no NNX
@@ -11,6 +12,8 @@ listed the same way: variables that are neither parameters nor batch statistics.
 """
 
 import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -36,7 +39,10 @@ def legacy_groups(state: Any) -> dict[str, Any]:
 
 
 def legacy_not_compared(state: Any) -> list[str]:
-    """``not compared: <field>: <why>`` for every field of a pmap-era train state the groups do not read."""
+    """``not compared: <field>: <why>`` for every field (or key, of a dict) of a pmap-era train state
+    the groups do not read."""
+    if isinstance(state, Mapping):
+        return [f'not compared: {k}: {_why(str(k), v)}' for k, v in state.items() if k not in READ]
     if not dataclasses.is_dataclass(state):
         return []
     lines = []
@@ -44,14 +50,14 @@ def legacy_not_compared(state: Any) -> list[str]:
         if field.name in READ:
             continue
         value = getattr(state, field.name)
-        lines.append(f'not compared: {field.name}: {_why(field, value)}')
+        lines.append(f'not compared: {field.name}: {_why(field.name, value, field.metadata)}')
     return lines
 
 
-def _why(field: dataclasses.Field, value: Any) -> str:
-    if field.name in WHY:
-        return WHY[field.name]
-    if not field.metadata.get('pytree_node', True):
+def _why(name: str, value: Any, metadata: Mapping = MappingProxyType({})) -> str:
+    if name in WHY:
+        return WHY[name]
+    if not metadata.get('pytree_node', True):
         return f'a static field ({type(value).__name__}), not an array'
     if value is None:
         return 'None in this run'
@@ -59,7 +65,7 @@ def _why(field: dataclasses.Field, value: Any) -> str:
         scale = np.asarray(jax.device_get(value.scale)).reshape(-1)[:1]
         return (f'flax DynamicScale (loss scale {float(scale[0]):g}): mixed-precision bookkeeping; '
                 'the NNX side keeps no loss scale to compare it with')  # fmt: skip
-    if 'rng' in field.name or 'key' in field.name:
+    if 'rng' in name or 'key' in name:
         return 'a random key, not trained state: the masks drawn from it are bridged, not its bits'
     n = len(jax.tree.leaves(value))
     return f'{type(value).__name__} ({n} arrays): no NNX counterpart the suite reads (give legacy_groups=, nnx_groups=)'
@@ -90,7 +96,8 @@ def align(ref: convert.Neutral, other: convert.Neutral) -> tuple[convert.Neutral
     if bool(ref.get('step')) == bool(other.get('step')):
         return ref, other, []
     side = 'pmap' if not ref.get('step') else 'NNX'
-    note = f'not compared: step: the {side} train state holds no step counter (a tuple (params, opt_state))'
+    note = (f'not compared: step: the {side} train state holds no step counter (a tuple (params, opt_state), '
+            "or a dict with no 'step')")  # fmt: skip
     return without(ref, 'step'), without(other, 'step'), [note]
 
 

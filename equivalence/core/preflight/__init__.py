@@ -16,12 +16,13 @@ against given and the fix where one is known:
   ``make_tx`` (a model port): signatures, return structures, carries that change structure,
   unbound axis names, loss shapes;
 - ``legacy_state`` / ``nnx_state`` and their groups: train states the comparison cannot read
-  (a plain tuple without ``legacy_groups=``, NNX objects without ``nnx_groups=``).
+  (a plain tuple without ``legacy_groups=`` in the carry form, NNX objects without ``nnx_groups=``),
+  and groups of another shape than it reads (``preflight/shapes.py``: ``step`` is ``{'step': x}``).
 """
 
 import jax
 
-from equivalence.core.port import blame
+from equivalence.core.port import blame, states
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort, Port
 from equivalence.core.preflight.data import abstract_variables, check_names, make_data
@@ -45,6 +46,7 @@ def check(port: Port, config: RunConfig, n_steps: int | None = None) -> None:
     batch_KxG = jax.tree.map(lambda v: jax.ShapeDtypeStruct((config.steps_per_call, *v.shape[1:]), v.dtype), data)
     if _adapted(port):  # a step as teams write it: one step of each side, as its adapter will call it
         trace_steps(port, config, variables, batch_KxG)
+        _check_adapted_groups(port, variables)
         return
     legacy_state = trace_legacy(port, config, variables, batch_KxG)
     nnx_state = trace_nnx(port, config, batch_KxG)
@@ -61,6 +63,11 @@ def check_states(port: Port) -> None:
     check_names(port, variables)
     if isinstance(port, LoopPort) and not _adapted(port):
         check_groups(port, legacy_state(port, variables), nnx_train_state(port), variables)
+
+
+def _check_adapted_groups(port: LoopPort, variables: dict) -> None:
+    """A step form's train states read as its run reads them (``states.legacy_groups``: tuples too)."""
+    check_groups(port, legacy_state(port, variables), nnx_train_state(port), variables, states.legacy_groups)
 
 
 def _adapted(port: Port) -> bool:

@@ -36,7 +36,17 @@ HOST_ONLY = (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversio
 
 
 class PreflightError(PortError):
-    """A port that cannot run as given: exit 2, one line, before any training."""
+    """A port that cannot run as given: exit 2, one line, before any training; ``whole``: the text of
+    the error the line shortened (the command writes it to a file the line names), else ''."""
+
+    def __init__(self, message: str, whole: str = ''):
+        super().__init__(message)
+        self.whole = whole
+
+
+def raised(port: Port, field: str, error: BaseException, expected: str = '') -> PreflightError:
+    """``PreflightError`` of ``line``, with the whole text of ``error`` when the line shortened it."""
+    return PreflightError(line(port, field, error, expected), blame.whole_text(error) if blame.elided(error) else '')
 
 
 def fail(port: Port, field: str, text: str) -> PreflightError:
@@ -66,7 +76,7 @@ def blamed(port: Port, field: str, expected: str = '') -> Iterator[None]:
     except ConfigError:  # already one line: a name mapping, a Dropout the bridge refuses, a check below
         raise
     except Exception as e:  # noqa: BLE001 -- the user's code failed while traced: say where, in one line
-        raise PreflightError(line(port, field, e, expected)) from None
+        raise raised(port, field, e, expected) from None
 
 
 def kind(value: Any) -> str:

@@ -8,26 +8,39 @@ from flax import nnx
 from equivalence.core.port import convert, naming
 from equivalence.core.port.ports import LoopPort, Port
 from equivalence.core.preflight.data import check_names
-from equivalence.core.preflight.errors import HOST_ONLY, PreflightError, fail, line
+from equivalence.core.preflight.errors import HOST_ONLY, fail, raised
+from equivalence.core.preflight.shapes import check_shapes
 
 
-def check_groups(port: LoopPort, legacy_state: Any, nnx_ts: Any, variables: dict) -> None:
-    """Both train states grouped as the comparison reads them, with the parameters where expected."""
+def check_groups(port: LoopPort, legacy_state: Any, nnx_ts: Any, variables: dict, reader=convert.legacy_groups) -> None:
+    """Both train states grouped as the comparison reads them, with the parameters where expected and
+    every group of its shape (``shapes``); ``reader``: the legacy side's default (a step form's reads tuples)."""
     mapping = check_names(port, variables)
-    groups = legacy_groups(port, legacy_state)
+    groups = legacy_groups(port, legacy_state, reader)
     expect = {p for p, (c, _, _) in naming.linen_spec(variables).items() if c == 'params'}
+    collections = set(variables) - {'params'}
     if groups is not None:
-        _check_params(port, 'legacy_groups' if port.legacy_groups else 'legacy_state', groups, expect)
+        field = 'legacy_groups' if port.legacy_groups else 'legacy_state'
+        _check_params(port, field, groups, expect)
+        check_shapes(port, field, groups, collections)
+    field = 'nnx_groups' if port.nnx_groups else 'nnx_state'
+    groups = nnx_groups(port, nnx_ts, field)
+    if groups is not None:
+        _check_params(port, field, groups, {mapping.get(p, p) for p in expect})
+        check_shapes(port, field, groups, collections)
+
+
+def nnx_groups(port: LoopPort, nnx_ts: Any, field: str) -> dict | None:
+    """The NNX train state's groups, shapes only; None when reading them runs host code."""
     graphdef, state = nnx.split(nnx_ts)
     fn = port.nnx_groups or convert.find_nnx_groups
-    field = 'nnx_groups' if port.nnx_groups else 'nnx_state'
     try:
-        nnx_groups = jax.eval_shape(lambda s: fn(nnx.merge(graphdef, s)), state)
+        return jax.eval_shape(lambda s: fn(nnx.merge(graphdef, s)), state)
     except HOST_ONLY:  # reads values on the host: only the run can check it
-        return
+        return None
     except TypeError as e:
         if port.nnx_groups is not None or 'nnx_groups=' not in str(e):
-            raise PreflightError(line(port, field, e, 'nnx_groups(train_state) -> {group: tree}')) from None
+            raise raised(port, field, e, 'nnx_groups(train_state) -> {group: tree}') from None
         raise fail(
             port,
             'nnx_state',
@@ -35,26 +48,23 @@ def check_groups(port: LoopPort, legacy_state: Any, nnx_ts: Any, variables: dict
             '"opt_state": ..., "step": {"step": ...}})',
         ) from None
     except Exception as e:  # noqa: BLE001
-        raise PreflightError(line(port, field, e, 'nnx_groups(train_state) -> {group: tree}')) from None
-    _check_params(port, field, nnx_groups, {mapping.get(p, p) for p in expect})
+        raise raised(port, field, e, 'nnx_groups(train_state) -> {group: tree}') from None
 
 
-def legacy_groups(port: LoopPort, state: Any) -> dict:
-    fn = port.legacy_groups or convert.legacy_groups
+def legacy_groups(port: LoopPort, state: Any, reader=convert.legacy_groups) -> dict:
+    fn = port.legacy_groups or reader
     try:
         return jax.eval_shape(fn, state)
     except HOST_ONLY:  # reads values on the host: only the run can check it
         return None
     except Exception as e:  # noqa: BLE001
         if port.legacy_groups is not None:
-            raise PreflightError(
-                line(port, 'legacy_groups', e, 'legacy_groups(train_state) -> {group: tree}')
-            ) from None
+            raise raised(port, 'legacy_groups', e, 'legacy_groups(train_state) -> {group: tree}') from None
         raise fail(
             port,
             'legacy_state',
-            f'returns a {type(state).__name__}, which the comparison cannot read by '
-            'field name (.params, .opt_state, .step); fix: give the port legacy_groups='
+            f'returns a {type(state).__name__}, which the comparison cannot read by field or key name '
+            '(params, opt_state, step); fix: give the port legacy_groups='
             "lambda state: {'params': ..., 'opt_state': ..., 'step': {'step': ...}}",
         ) from None
 

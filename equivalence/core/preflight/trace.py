@@ -9,7 +9,7 @@ from flax import nnx
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort, Port
 from equivalence.core.preflight.errors import HOST_ONLY, blamed, fail, kind
-from equivalence.core.run import randomness, setups
+from equivalence.core.run import adapters, randomness, setups
 from equivalence.distributed import rows
 from legacy_pmap import train as legacy
 from nnx_sharded import train as sharded
@@ -41,7 +41,7 @@ def trace_legacy(port: Port, config: RunConfig, variables: dict, batch_KxG: Any)
     d, k = config.devices, config.steps_per_call
     state = legacy_state(port, variables)
     if isinstance(port, LoopPort):
-        step, axis, field = port.legacy_step, port.axis_name, 'legacy_step'
+        step, axis, field = adapters.legacy_step(port), port.axis_name, 'legacy_step'
     else:
         tx, b = make_tx(port), config.batch_size // d
         loss = checked_loss(port, 'legacy_loss', setups.legacy_loss(port, config), b, with_state=True)

@@ -117,7 +117,7 @@ def verdict_json(result: RunResult) -> dict | None:
     floor = None if rule is None else {'safety': rule.safety, 'min_ulps': rule.min_ulps, 'noise_rel': rule.noise_rel,
                                        'legacy_twin': result.report.legacy_twin}  # fmt: skip
     return {'mode': v.mode, 'done': list(v.done), 'twin': v.twin, 'kind': v.kind, 'diagnosis': v.diagnosis,
-            'floor_rule': floor, 'noise_dominated': noisy}  # fmt: skip
+            'floor_rule': floor, 'noise_dominated': noisy, 'errors': list(v.errors)}  # fmt: skip
 
 
 def text(result: RunResult, backend: str) -> str:

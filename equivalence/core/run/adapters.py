@@ -22,6 +22,7 @@ not the global value on the pmap side: it is listed as not compared, with that r
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -153,15 +154,63 @@ def chain_at(port: Any, config: RunConfig, rng: jax.Array, calls: int) -> jax.Ar
 # -- the pmap side -----------------------------------------------------------------------------
 
 
+@functools.cache
+def _pmap_code() -> Any:
+    """The code object of every function ``jax.pmap`` returns (jax >= 0.8 builds it in Python)."""
+    return getattr(jax.pmap(lambda x: x), '__code__', None)
+
+
+def _pmapped(fn: Any) -> Any | None:
+    """What ``jax.pmap`` wrapped, if ``fn`` is a pmapped function (teams hand over ``p_train_step``), else None."""
+    code = getattr(fn, '__code__', None)
+    if (code is None or code is not _pmap_code()) and type(fn).__name__ != 'PmapFunction':
+        return None
+    return getattr(fn, '__wrapped__', None)
+
+
+def _scanned(fn: Any) -> Any | None:
+    """``step`` of score_sde's ``functools.partial(jax.lax.scan, step)``, else None."""
+    if isinstance(fn, functools.partial) and fn.func is jax.lax.scan and len(fn.args) == 1 and not fn.keywords:
+        return fn.args[0]
+    return None
+
+
+def legacy_step(port: LoopPort) -> Callable:
+    """The step the suite runs: ``legacy_step`` itself, or, when it is already pmapped (``jax.pmap(step)`` or
+    score_sde's ``jax.pmap(partial(lax.scan, step))``), the step it wraps, under the suite's own pmap."""
+    inner = _pmapped(port.legacy_step)
+    if inner is None:
+        return port.legacy_step
+    return _scanned(inner) or inner
+
+
+def wrapped_notes(port: Any) -> list[str]:
+    """The report's line saying that the suite ran what a pmapped ``legacy_step`` wraps; [] otherwise."""
+    inner = _pmapped(getattr(port, 'legacy_step', None))
+    if inner is None:
+        return []
+    step = _scanned(inner) or inner
+    given = f'functools.partial(jax.lax.scan, {_name(step)})' if _scanned(inner) else _name(step)
+    return [f'legacy_step is jax.pmap({given}): the suite runs {_name(step)} under its own pmap over '
+            f'axis_name={port.axis_name!r}']  # fmt: skip
+
+
+def _name(fn: Any) -> str:
+    if isinstance(fn, functools.partial):
+        return f'functools.partial({_name(fn.func)}, ...)'
+    return getattr(fn, '__qualname__', None) or type(fn).__name__
+
+
 def one_step(port: LoopPort) -> Callable:
     """``(state, batch, key) -> (state, out)`` from the team's step."""
+    step = legacy_step(port)
     if port.step_form == 'state':
-        return lambda state, batch, key: port.legacy_step(state, batch)
+        return lambda state, batch, key: step(state, batch)
     if port.step_form == 'state_rng' and port.rng_arg:
-        return lambda state, batch, key: port.legacy_step(state, batch, **{port.rng_arg: key})
+        return lambda state, batch, key: step(state, batch, **{port.rng_arg: key})
     if port.step_form == 'state_rng':
-        return port.legacy_step
-    return lambda state, batch, key: _carry_step(port.legacy_step, state, batch, key)
+        return step
+    return lambda state, batch, key: _carry_step(step, state, batch, key)
 
 
 def _carry_step(step: Callable, state, batch, key):
@@ -173,7 +222,7 @@ def legacy_program(port: LoopPort, devices) -> Callable:
     """``run(pstate, batch_nxK, keys) -> (pstate, out_nxK)``: pmap(step) K times, or pmap(scan(step))."""
     one = one_step(port)
     if port.step_form == 'carry':  # the key chain is the scan's carry, as the step expects
-        fused = legacy.make_fused_call(port.legacy_step, devices, port.axis_name)
+        fused = legacy.make_fused_call(legacy_step(port), devices, port.axis_name)
         return lambda pstate, batch, keys: _unpack_carry(fused((keys, pstate), batch))
     if legacy_loop(port) == 'scan':
         scan = lambda state, batch_K, keys_K: jax.lax.scan(lambda s, xs: one(s, *xs), state, (batch_K, keys_K))  # noqa: E731

@@ -154,6 +154,7 @@ def compared(port: Port, old: PathResult, new: PathResult) -> tuple[Callable[[Pa
         return states.without(full(path), 'step') if notes else full(path)
 
     lines = [adapters.describe(port)] if adapters.adapted(port) else []
+    lines += adapters.wrapped_notes(port)
     lines += [*old.notes, *new.notes, *notes, *randomness.take_unbridged()]
     lines += [f'not compared: metrics/{p}: only the {"pmap" if p in old.metrics else "NNX"} step reports it'
               for p in one_side]  # fmt: skip
@@ -167,7 +168,7 @@ def legacy_setup(port: Port, config: RunConfig, variables: dict) -> LegacySetup:
         return adapters.legacy_setup(port, config, variables)
     if isinstance(port, LoopPort):
         pstate = legacy.replicate(port.legacy_state(variables), local)
-        call = legacy.make_fused_call(port.legacy_step, devices, port.axis_name)
+        call = legacy.make_fused_call(adapters.legacy_step(port), devices, port.axis_name)
         context = functools.partial(randomness.bridged, config.rng_mode, port.axis_name)
         return LegacySetup(call, pstate, config, port.legacy_groups or states.legacy_groups, context)
     tx = port.make_tx(1.0)

@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from equivalence.core.port import blame
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import ModelPort, Port
 from equivalence.core.run import randomness, setups, sides
@@ -47,6 +48,7 @@ class Inputs:
     restore: Callable | None = None  # --resume-at: loads the checkpoint into a setup, returns the key chain
     first_call: int = 0  # --resume-at: the calls are those from this one on
     whole: list | None = dataclasses.field(default=None, repr=False)  # whole_calls, drawn once
+    errors: list = dataclasses.field(default_factory=list)  # the whole text of what a re-run raised (the JSON report)
 
     def whole_calls(self, port: Port, config: RunConfig) -> list:
         """The calls with every row of the global batch: the twin runs on this process's devices alone."""
@@ -107,7 +109,8 @@ def measured_twins(port: Port, config: RunConfig, new, inputs: Inputs, counts: t
         try:
             tw = twin.run_twin(port, config, inputs.variables, calls, inputs.rng, n, restore=inputs.restore)
         except Exception as e:  # noqa: BLE001 -- NNX code pinned to its own mesh cannot run on the twin's
-            why.append(f'not run: on {n} device(s) it raised {type(e).__name__}: {str(e).splitlines()[0][:160]}')
+            why.append(f'not run: on {n} device(s) it raised {blame.first_line(e)}')
+            inputs.errors.append(f'twin on {n} device(s): {type(e).__name__}: {e}')
             continue
         refusal = rule.twin_refusal(new.losses, tw.losses)
         if not refusal and n == config.devices:
@@ -186,8 +189,8 @@ def legacy_twin(port: Port, config: RunConfig, old, new, twins: dict, inputs: In
         on_n = dataclasses.replace(config, devices=n, strategy='dp', mesh=None, nnx_form='split')
         other = sides.run_legacy(port, on_n, inputs.variables, inputs.calls, inputs.rng)
     except Exception as e:  # noqa: BLE001 -- pmap code written for one device count
-        why = f'{type(e).__name__}: {str(e).splitlines()[0][:160]}'
-        return None, f'legacy twin on {n} device(s) not run: it raised {why}'
+        inputs.errors.append(f'legacy twin on {n} device(s): {type(e).__name__}: {e}')
+        return None, f'legacy twin on {n} device(s) not run: it raised {blame.first_line(e)}'
     refusal = rule.twin_refusal(old.losses, other.losses, 'legacy')
     if not refusal and not np.isfinite(other.losses).all():
         refusal = 'refused: a non-finite loss'
@@ -218,9 +221,9 @@ def finish(port, config, report, old, new, inputs, done, twin_text, n_twin, grad
             grads = first_step_grads(port, config, inputs, n_twin)
             report.leaves.extend(grads.leaves)
             done.append(f'first-step gradients {"agree" if grads.match else "differ"}')
-    noisy = tuple(leaf for leaf in report.leaves if leaf.noise_dominated)
+    noisy, errors = tuple(leaf for leaf in report.leaves if leaf.noise_dominated), tuple(inputs.errors)
     if report.match:
-        return Verdict(True, config.verdict, tuple(done), twin=twin_text, noise_dominated=noisy)
+        return Verdict(True, config.verdict, tuple(done), twin=twin_text, noise_dominated=noisy, errors=errors)
     rerun = None
     # Only a first *loss* that differs can be re-checked with dropout off (the re-run compares
     # losses): a slip seen only in the first gradients is math, whatever dropout does.
@@ -236,7 +239,7 @@ def finish(port, config, report, old, new, inputs, done, twin_text, n_twin, grad
         data_nonfinite(inputs.whole_calls(port, config)),
     )
     kind, line = rule.diagnose(report, nonfinite, rerun, grads is not None)
-    return Verdict(False, config.verdict, tuple(done), kind, line, twin_text, noisy)
+    return Verdict(False, config.verdict, tuple(done), kind, line, twin_text, noisy, errors)
 
 
 def first_step_grads(port: ModelPort, config: RunConfig, inputs: Inputs, n_twin: int | None) -> compare.Report:

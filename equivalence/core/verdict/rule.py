@@ -65,6 +65,7 @@ class Verdict:
     diagnosis: str = ''  # the line above the leaf table
     twin: str = ''  # 'on 1 device', or why there is no floor: 'refused: ...', 'not run: ...'
     noise_dominated: tuple[LeafDiff, ...] = ()
+    errors: tuple[str, ...] = ()  # the whole text of what a twin raised; its line in done/twin is shortened
 
     def lines(self) -> list[str]:
         out = [f'verdict: {self.mode}; ' + '; '.join(self.done)]
