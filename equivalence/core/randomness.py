@@ -30,6 +30,12 @@ does that, and names any layer that draws from a stream the bridge does not cove
 Linen is intercepted through its public ``nn.intercept_methods``; NNX has no interceptor,
 so ``nnx.Dropout.__call__`` (and ``nnx.reseed``, see above) are replaced for the duration
 of the ``with`` (tracing is single-threaded) and restored after it.
+
+The bridge acts while JAX traces, so a trace is only right where it was made: with the bridge,
+with dropout off (``dropout_off``), or without either (the user's own calls). Both set a JAX user
+context (``jax.make_user_context``), which JAX keys its traces and compiled programs on: a user's
+own jitted step keeps one trace per setting, none is reused where another holds, and nothing clears
+JAX's caches (which would make a notebook or a pytest worker trace everything again).
 """
 
 import contextlib
@@ -52,6 +58,8 @@ DROPOUT_STREAM = 0x0D0  # folded into the step key to make the per-example dropo
 
 
 SHARED_STREAM = 0x5A4  # folded into the step key to make the key of masks shared across the batch
+
+_TRACES = jax.make_user_context(None)  # part of every trace's key: what the bridge was doing (module docstring)
 
 
 @dataclasses.dataclass
@@ -140,7 +148,8 @@ def dropout_off():
     previous = getattr(_active, 'off', False)
     _active.off = True
     try:
-        yield
+        with _TRACES(('dropout off', _TRACES.value)):  # traced again, not taken from a bridged trace
+            yield
     finally:
         _active.off = previous
 
@@ -229,7 +238,8 @@ def bridged(rng_mode: str, axis_name: str | None = None, example_keys: Any = Non
     _active.bridge = _Bridge(rng_mode, axis_name, example_keys, shared)
     nnx.Dropout.__call__, nnx.reseed = _nnx_dropout_call, _reseed(reseed)
     try:
-        with nn.intercept_methods(_linen_interceptor), streams.patched():
+        keyed = _TRACES(('bridged', rng_mode, axis_name, example_keys is not None, _TRACES.value))
+        with nn.intercept_methods(_linen_interceptor), streams.patched(), keyed:
             yield
     finally:
         nnx.Dropout.__call__, nnx.reseed = original, reseed
