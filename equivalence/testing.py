@@ -33,6 +33,7 @@ from equivalence import devices as _devices
 _devices.simulate_cpu_devices()
 
 WARNINGS = ('ignore:Some donated buffers were not usable',)  # the batch, donated as score_sde did
+RELEASE_AT = 0.5  # share of the kernel's memory-map limit past which a check releases compiled programs
 
 
 def pytest_configure(config) -> None:
@@ -51,7 +52,9 @@ def require_devices(n: int) -> None:
 
 def assert_port_matches(port, devices: int, steps_per_call: int = 2, calls: int = 2, **flags):
     """Run both sides of ``port`` on ``devices`` devices and fail with the worst leaves unless
-    every leaf matches; returns the ``RunResult``. ``flags``: other ``RunConfig`` fields."""
+    every leaf matches; returns the ``RunResult``. ``flags``: other ``RunConfig`` fields. Once the
+    process holds more than ``RELEASE_AT`` of the kernel's memory-map limit, the programs JAX keeps
+    are released after the check (``equivalence.devices.release_compiled_programs``)."""
     from equivalence.core import blame, harness, report
     from equivalence.core.config import ConfigError
 
@@ -65,6 +68,8 @@ def assert_port_matches(port, devices: int, steps_per_call: int = 2, calls: int 
         if line is None:
             raise
         pytest.fail(f'error: {line}', pytrace=False)
+    finally:  # hundreds of checks in one session: their programs go before the map limit (as the corpus's)
+        _devices.release_compiled_programs(RELEASE_AT)
     if not result.report.match:
         pytest.fail('\n'.join([report.header(result, 'cpu'), *report.leaf_table(result), report.verdict(result)]))
     return result
