@@ -8,6 +8,8 @@
   go on into the next call's collectives: an exception in one process mid-run.
 - With ``SPY_KILL_IN_SAVE=I:N``, process I SIGKILLs itself during its N-th legacy checkpoint
   save, once Orbax has made the step's temporary directory: a worker killed mid-save.
+- With ``SPY_TWIN_FAIL_PROCESS=I``, the verdict's twin raises in process I alone, after its first
+  call: the others' twins go on to share their results.
 
 Run from ``tests/`` (``python -m spy_worker --processes 2 ...``), so that the workers the launcher
 starts find this module too.
@@ -96,6 +98,25 @@ def inject_fault() -> None:
     distributed.progress_log = failing
 
 
+def fail_twin(process: int) -> None:
+    """Process ``process``'s twin raises once its first call is done (the progress hook runs after each call)."""
+    import jax
+
+    from equivalence.core import harness
+
+    run_calls = harness.run_calls
+
+    def failing(setup, calls, rng, mapping, progress, path, *rest, **kwargs):
+        if path == 'twin' and jax.process_index() == process:
+
+            def progress(done: str) -> None:
+                raise ValueError(f'injected twin fault in process {process}')
+
+        return run_calls(setup, calls, rng, mapping, progress, path, *rest, **kwargs)
+
+    harness.run_calls = failing
+
+
 def kill_in_save(process: int, nth: int) -> None:
     """Process ``process`` runs its ``nth`` legacy save in a thread and SIGKILLs itself as soon as
     the step's temporary directory exists: the save has begun and cannot have been committed (the
@@ -129,6 +150,8 @@ def spied(validated) -> int:
     install(record)
     if 'SPY_FAIL_PROCESS' in os.environ:
         inject_fault()
+    if 'SPY_TWIN_FAIL_PROCESS' in os.environ:
+        fail_twin(int(os.environ['SPY_TWIN_FAIL_PROCESS']))
     if 'SPY_KILL_IN_SAVE' in os.environ:
         kill_in_save(*map(int, os.environ['SPY_KILL_IN_SAVE'].split(':')))
     code = command.work(validated)
