@@ -33,6 +33,7 @@ from equivalence import devices as _devices
 _devices.simulate_cpu_devices()
 
 WARNINGS = ('ignore:Some donated buffers were not usable',)  # the batch, donated as score_sde did
+RELEASE_AT = 0.5  # share of the kernel's memory-map limit past which a check releases compiled programs
 
 
 def pytest_configure(config) -> None:
@@ -51,7 +52,9 @@ def require_devices(n: int) -> None:
 
 def assert_port_matches(port, devices: int, steps_per_call: int = 2, calls: int = 2, **flags):
     """Run both sides of ``port`` on ``devices`` devices and fail with the worst leaves unless
-    every leaf matches; returns the ``RunResult``. ``flags``: other ``RunConfig`` fields."""
+    every leaf matches; returns the ``RunResult``. ``flags``: other ``RunConfig`` fields. Once the
+    process holds more than ``RELEASE_AT`` of the kernel's memory-map limit, the programs JAX keeps
+    are released after the check (``equivalence.devices.release_compiled_programs``)."""
     from equivalence.core import harness
     from equivalence.core.port import blame
     from equivalence.core.port.config import ConfigError
@@ -67,6 +70,8 @@ def assert_port_matches(port, devices: int, steps_per_call: int = 2, calls: int 
         if line is None:
             raise
         pytest.fail(f'error: {line}', pytrace=False)
+    finally:  # hundreds of checks in one session: their programs go before the map limit (as the corpus's)
+        _devices.release_compiled_programs(RELEASE_AT)
     if not result.report.match:
         pytest.fail('\n'.join([render.header(result, 'cpu'), *render.leaf_table(result), render.verdict(result)]))
     return result

@@ -8,6 +8,8 @@
   go on into the next call's collectives: an exception in one process mid-run.
 - With ``SPY_KILL_IN_SAVE=I:N``, process I SIGKILLs itself during its N-th legacy checkpoint
   save, once Orbax has made the step's temporary directory: a worker killed mid-save.
+- With ``SPY_TWIN_FAIL_PROCESS=I``, the verdict's twin raises in process I alone, after its first
+  call: the others' twins go on to share their results.
 
 Run from ``tests/`` (``python -m spy_worker --processes 2 ...``), so that the workers the launcher
 starts find this module too.
@@ -32,7 +34,6 @@ def held_rows(x, axis: int) -> int:
 def install(record: dict) -> None:
     import jax
 
-    from equivalence.core import harness
     from equivalence.core.run import setups
 
     def wrap(owner, name, before):
@@ -63,14 +64,14 @@ def install(record: dict) -> None:
         key = 'local_data' if not sharding.is_fully_addressable else 'own_devices_data'
         record.setdefault(key, []).append(list(getattr(data, 'shape', ())))
 
-    original_inputs = harness.make_inputs
+    original_inputs = setups.make_inputs
 
     def make_inputs(port, config):
         variables, calls, rng = original_inputs(port, config)
         record['read'] = first(calls[0])
         return variables, calls, rng
 
-    harness.make_inputs = make_inputs  # what the orchestration calls
+    setups.make_inputs = make_inputs  # what the orchestration calls
     wrap(setups.LegacySetup, 'call', legacy_call)
     wrap(setups.NnxSetup, 'call', nnx_call)
     wrap(setups.NnxGraphSetup, 'call', nnx_call)  # args (keys, batch): the batch is last as well
@@ -95,6 +96,25 @@ def inject_fault() -> None:
         return fail_on_second
 
     distributed.progress_log = failing
+
+
+def fail_twin(process: int) -> None:
+    """Process ``process``'s twin raises once its first call is done (the progress hook runs after each call)."""
+    import jax
+
+    from equivalence.core.run import sides
+
+    run_calls = sides.run_calls
+
+    def failing(setup, calls, rng, mapping, progress, path, *rest, **kwargs):
+        if path == 'twin' and jax.process_index() == process:
+
+            def progress(done: str) -> None:
+                raise ValueError(f'injected twin fault in process {process}')
+
+        return run_calls(setup, calls, rng, mapping, progress, path, *rest, **kwargs)
+
+    sides.run_calls = failing
 
 
 def kill_in_save(process: int, nth: int) -> None:
@@ -130,6 +150,8 @@ def spied(validated) -> int:
     install(record)
     if 'SPY_FAIL_PROCESS' in os.environ:
         inject_fault()
+    if 'SPY_TWIN_FAIL_PROCESS' in os.environ:
+        fail_twin(int(os.environ['SPY_TWIN_FAIL_PROCESS']))
     if 'SPY_KILL_IN_SAVE' in os.environ:
         kill_in_save(*map(int, os.environ['SPY_KILL_IN_SAVE'].split(':')))
     code = command.work(validated)

@@ -161,6 +161,21 @@ def test_resume_from_a_checkpoint_saved_across_processes_onto_an_fsdp_mesh_acros
     assert {'ocdbt.process_0', 'ocdbt.process_1'} <= set(os.listdir(root / 'legacy' / '2' / 'state'))
 
 
+def test_a_twin_that_raises_in_one_process_is_the_same_verdict_in_every_process(tmp_path):
+    """Process 1's twin raises after its first call, process 0's does not. Had process 1 gone on to
+    judge without it, process 0 would wait forever for it to share its twin (``from_process_0``):
+    instead every process learns of the error, every process judges without the twin, and they end
+    alike, saying which process raised what."""
+    out = tmp_path / 'report.json'
+    proc = spy(tmp_path, '--processes', '2', '--devices', '4', *TINY, '--json', str(out), SPY_TWIN_FAIL_PROCESS='1')
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and stdout.count('MATCH') == 1, stdout + stderr
+    done = json.loads(out.read_text())['verdict']['done']
+    fault = 'process 1 of 2 raised ValueError: injected twin fault in process 1'
+    assert done[0] == 'fixed screen passed' and any(line.startswith('twin not run') and fault in line for line in done)
+    assert {json.loads((tmp_path / f'process-{i}.json').read_text())['process'] for i in range(2)} == {0, 1}
+
+
 def test_a_worker_killed_during_a_save_leaves_the_previous_checkpoint_the_newest_complete(tmp_path):
     """Process 1 is SIGKILLed inside its second legacy save, after Orbax made the step's temporary
     directory: the step is never committed (the commit waits for every process), step 2 stays the

@@ -65,13 +65,17 @@ def test_gelu_slip_names_the_first_step_gradients():
     assert any(leaf.name.startswith('first_step/grads/') for leaf in rule.failed(result.report))
 
 
-def test_dropout_keyed_differently_is_randomness():
-    """The NNX loop reseeds dropout from another key: the losses differ from step 1, the dropout-off re-run matches."""
+def test_dropout_keyed_differently_is_randomness(monkeypatch):
+    """The NNX loop reseeds dropout from another key: the losses differ from step 1, the dropout-off re-run matches.
+    The re-run traces the user's jitted call again without clearing JAX's caches (a notebook keeps its traces)."""
     call = my_port.LOOP.nnx_call
     port = dataclasses.replace(my_port.LOOP, nnx_call=lambda ts, key, b: call(ts, jax.random.fold_in(key, 7), b))
+    cleared = []
+    monkeypatch.setattr(jax, 'clear_caches', lambda: cleared.append(1))
     result = run(port, devices=2)
     assert kind(result) == 'randomness'
     assert 'deterministic re-run (dropout off) matches' in result.verdict.done
+    assert not cleared, 'jax.clear_caches() was called: every trace of the process would be made again'
 
 
 def test_a_step_counter_on_one_side_is_bookkeeping():

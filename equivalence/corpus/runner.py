@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from equivalence.corpus.entry import Entry
+from equivalence.devices import release_compiled_programs
 
 VERDICTS = ('MATCH', 'MISMATCH', 'ERROR')
 LADDER = (1e-3, 3e-4, 1e-4, 3e-5, 1e-5, 3e-6, 1e-6, 3e-7, 1e-7)  # --perturb levels, walked down to the first miss
@@ -100,26 +101,6 @@ def margins(report) -> dict:
         top = max(by_floor, key=lambda leaf: leaf.max_abs / leaf.floor)
         out.update(ratio=top.max_abs / top.floor, ratio_leaf=top.name)
     return out
-
-
-def release_compiled_programs(share: float = 0.5) -> None:
-    """``jax.clear_caches()`` once this process holds more than ``share`` of the kernel's memory-map
-    limit. Every run compiles its own programs and JAX keeps them: a loop-port Transformer MISMATCH
-    adds about 3,000 mappings (measured), and at the default limit of 65,530 the corpus died with
-    "LLVM compilation error: Cannot allocate memory" after 41 runs. Clearing on every run instead
-    would recompile what seeds of one entry share (18 s a run against 25 s measured). Not Linux:
-    nothing to read, nothing done."""
-    try:
-        with open('/proc/self/maps') as f:
-            held = sum(1 for _ in f)
-        with open('/proc/sys/vm/max_map_count') as f:
-            limit = int(f.read())
-    except (OSError, ValueError):
-        return
-    if held > share * limit:
-        import jax
-
-        jax.clear_caches()
 
 
 def run_case(entry: Entry, devices: int, seed: int, **overrides) -> Case:

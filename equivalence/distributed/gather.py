@@ -9,6 +9,7 @@ is) is read directly; one split across processes is all-gathered, in every proce
 the same points of the run, which the harness does).
 """
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -46,6 +47,39 @@ def from_process_0(tree: Any) -> Any:
     for i, x in zip(floats, shared, strict=True):
         leaves[i] = np.asarray(x)
     return jax.tree.unflatten(treedef, leaves)
+
+
+class ProcessError(RuntimeError):
+    """Another process raised where this one did not (``together``): its first line, and which process."""
+
+
+def together(fn: Callable, *args: Any) -> Any:
+    """``fn(*args)`` in every process, raising in every process when it raised in any: for what each
+    process computes alone (the verdict's twin) before a collective that a process which raised would
+    never reach, where the others would wait on it. This process's own exception is raised as it is;
+    the others raise ``ProcessError`` naming the first process that raised and its line. A
+    collective: every process calls it at the same point. One process: ``fn(*args)``."""
+    if jax.process_count() == 1:
+        return fn(*args)
+    try:
+        out, error = fn(*args), None
+    except Exception as e:  # noqa: BLE001 -- raised again below, once every process knows
+        out, error = None, e
+    lines = _every_line('' if error is None else f'{type(error).__name__}: {(str(error).splitlines() or [""])[0]}')
+    if error is not None:
+        raise error
+    raised = [(i, line) for i, line in enumerate(lines) if line]
+    if raised:
+        i, line = raised[0]
+        raise ProcessError(f'process {i} of {len(lines)} raised {line}')
+    return out
+
+
+def _every_line(line: str, width: int = 240) -> list[str]:
+    """Every process's ``line`` (its first ``width`` bytes), in process order: one all-gather."""
+    mine = np.frombuffer(line.encode()[:width].ljust(width, b'\0'), dtype=np.uint8).astype(np.int32)
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), width)
+    return [bytes(row.astype(np.uint8)).rstrip(b'\0').decode(errors='replace') for row in every]
 
 
 def _floating(x: Any) -> bool:

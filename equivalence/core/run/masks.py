@@ -21,6 +21,8 @@ DROPOUT_STREAM = 0x0D0  # folded into the step key to make the per-example dropo
 
 SHARED_STREAM = 0x5A4  # folded into the step key to make the key of masks shared across the batch
 
+TRACES = jax.make_user_context(None)  # part of every trace's key: what the bridge was doing (randomness)
+
 
 @dataclasses.dataclass
 class _Bridge:
@@ -108,7 +110,8 @@ def dropout_off():
     previous = getattr(_active, 'off', False)
     _active.off = True
     try:
-        yield
+        with TRACES(('dropout off', TRACES.value)):  # traced again, not taken from a bridged trace
+            yield
     finally:
         _active.off = previous
 

@@ -30,6 +30,13 @@ does that, and names any layer that draws from a stream the bridge does not cove
 Linen is intercepted through its public ``nn.intercept_methods``; NNX has no interceptor,
 so ``nnx.Dropout.__call__`` (and ``nnx.reseed``, see above) are replaced for the duration
 of the ``with`` (tracing is single-threaded) and restored after it.
+
+The bridge acts while JAX traces, so a trace is only right where it was made: with the bridge,
+with dropout off (``dropout_off``), or without either (the user's own calls). Both set a JAX user
+context (``masks.TRACES``, ``jax.make_user_context``), which JAX keys its traces and compiled
+programs on: a user's own jitted step keeps one trace per setting, none is reused where another
+holds, and nothing clears JAX's caches (which would make a notebook or a pytest worker trace
+everything again).
 """
 
 import contextlib
@@ -114,7 +121,8 @@ def bridged(rng_mode: str, axis_name: str | None = None, example_keys: Any = Non
     _active.bridge = masks._Bridge(rng_mode, axis_name, example_keys, shared)
     nnx.Dropout.__call__, nnx.reseed = _nnx_dropout_call, _reseed(reseed)
     try:
-        with nn.intercept_methods(_linen_interceptor), streams.patched():
+        keyed = masks.TRACES(('bridged', rng_mode, axis_name, example_keys is not None, masks.TRACES.value))
+        with nn.intercept_methods(_linen_interceptor), streams.patched(), keyed:
             yield
     finally:
         nnx.Dropout.__call__, nnx.reseed = original, reseed

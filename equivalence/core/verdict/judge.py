@@ -254,16 +254,13 @@ def deterministic_rerun_matches(port: Port, config: RunConfig, inputs: Inputs, r
     """The first call again, both sides, every bridged Dropout off: do the first losses now agree?
 
     A user's own jitted step (a loop port) keeps its traces across calls, and the bridge acts
-    only while tracing: JAX's caches are cleared before the re-run, and after it, so that no
-    later run reuses a trace without dropout."""
+    only while tracing: ``dropout_off`` keys the traces it makes apart from the bridged ones
+    (``randomness``), so the re-run traces again and no later run reuses a trace without dropout,
+    with no cache cleared."""
     one = dataclasses.replace(config, calls=1)
-    jax.clear_caches()
-    try:
-        with randomness.dropout_off():
-            old = sides.run_legacy(port, one, inputs.variables, inputs.calls[:1], inputs.rng)
-            new = sides.run_nnx(port, one, inputs.variables, inputs.calls[:1], inputs.rng)
-    finally:
-        jax.clear_caches()
+    with randomness.dropout_off():
+        old = sides.run_legacy(port, one, inputs.variables, inputs.calls[:1], inputs.rng)
+        new = sides.run_nnx(port, one, inputs.variables, inputs.calls[:1], inputs.rng)
     leaf = next((x for x in report.leaves if x.name == 'first_step/loss'), None)
     limit = leaf.limit if leaf is not None and leaf.limit is not None else 0.0
     allowed = max(limit, MEASURED_FLOOR.min_ulps * compare.spacing32(float(old.losses[0])))

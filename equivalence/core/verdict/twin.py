@@ -30,7 +30,8 @@ With several processes every process runs the same twins on its own devices
 (``jax.local_devices()``; a twin needs no more of them than one process has), on the whole batch
 (``setups.global_calls``): no collective, so no process waits on another, and every process
 judges by process 0's twin (``gather.from_process_0``), so all reach the same verdict (the
-workers' exit codes must agree).
+workers' exit codes must agree). A twin that raises in one process raises in all of them
+(``gather.together``), before any process waits for it to be shared.
 """
 
 import dataclasses
@@ -120,12 +121,19 @@ def run_twin(
     """The twin's ``PathResult``: its final state, per-step losses and parameters after each call.
     ``calls`` hold the whole batch; ``restore(setup) -> rng``, if given, loads the checkpoint the
     checked run resumed from (``--resume-at``) onto the twin's mesh, and ``calls`` follow it.
-    With several processes, every process's result is process 0's (``gather.from_process_0``)."""
-    setup = twin_setup(port, config, variables, n_twin, lr_scale)
+    With several processes, every process's result is process 0's (``gather.from_process_0``), and
+    an exception in one process's twin is raised in every process (``gather.together``): none waits
+    for a twin that will never be shared."""
+    setup = gather.together(twin_setup, port, config, variables, n_twin, lr_scale)
     if restore is not None:
-        rng = restore(setup)
-    losses, per_call = sides.run_calls(setup, calls, rng, None, sides.silent, 'twin')
-    final, losses, metrics = gather.from_process_0((setup.neutral(), losses, sides.loop_metrics(setup)))
+        rng = gather.together(restore, setup)
+
+    def run():
+        losses, per_call = sides.run_calls(setup, calls, rng, None, sides.silent, 'twin')
+        return setup.neutral(), losses, sides.loop_metrics(setup), per_call
+
+    final, losses, metrics, per_call = gather.together(run)
+    final, losses, metrics = gather.from_process_0((final, losses, metrics))
     result = sides.PathResult(final, losses, per_call, None, mesh=dict(setup.mesh.shape))
     result.metrics = metrics
     return result

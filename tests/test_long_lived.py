@@ -1,0 +1,71 @@
+"""A long-lived process (a notebook, a pytest worker) stays healthy across many checks: what it
+traced stays traced, and the compiled programs the checks leave behind are released before the
+kernel's map limit ends the process.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from equivalence import testing
+from equivalence.core.port import workloads
+from equivalence.core.run import randomness
+
+
+def test_a_trace_is_reused_only_where_the_dropout_bridge_did_the_same():
+    """One jitted step with a Dropout (a loop port's own call) traced as the user runs it, with the
+    bridge, and with the bridge's dropout off (the deterministic re-run): each is traced once and kept,
+    none is reused where another holds, and no cache is cleared for it."""
+    layer, traced = nnx.Dropout(0.5), []
+
+    @jax.jit
+    def step(x, key):
+        traced.append(1)
+        return layer(x, rngs=key)
+
+    x, key = jnp.ones((8, 16)), jax.random.key(0)
+    own = step(x, key)
+    with randomness.bridged('global'):
+        bridged = step(x, key)
+    with randomness.dropout_off(), randomness.bridged('global'):
+        off = step(x, key)
+    assert len(traced) == 3, 'the bridged and the dropout-off calls must each be traced, not reuse a trace'
+    assert not np.array_equal(bridged, own)  # the bridge draws fold_in(key, 0), the layer key itself
+    np.testing.assert_array_equal(off, x)
+    np.testing.assert_array_equal(step(x, key), own)  # the user's own trace, kept
+    with randomness.bridged('global'):
+        np.testing.assert_array_equal(step(x, key), bridged)  # the bridged trace, kept
+    assert len(traced) == 3, 'a trace made before must stay cached'
+
+
+def mappings() -> int:
+    with open('/proc/self/maps') as f:
+        return sum(1 for _ in f)
+
+
+@pytest.mark.skipif(not os.path.exists('/proc/sys/vm/max_map_count'), reason='reads Linux memory maps')
+def test_many_checks_in_one_process_release_their_compiled_programs(monkeypatch):
+    """Each ``assert_port_matches`` leaves compiled programs in JAX's caches, so a pytest session of
+    hundreds of them would reach the kernel's map limit (the corpus died at 41 runs). The plugin
+    releases them past ``RELEASE_AT`` of the limit: lowered here to one check's growth above where
+    this process stands, the mappings never end a check more than one check's growth above that
+    line, however many run (without the release they climb by one check's growth each time)."""
+    mlp = workloads.get('mlp')
+    check = lambda: testing.assert_port_matches(mlp, devices=1, steps_per_call=2, calls=1, verdict='screen')  # noqa: E731
+    check()  # what any first check compiles once
+    before = mappings()
+    check()
+    grown = mappings() - before
+    assert grown > 0, 'a check left nothing behind: nothing to release'
+    with open('/proc/sys/vm/max_map_count') as f:
+        line = mappings() + grown
+        monkeypatch.setattr(testing, 'RELEASE_AT', line / int(f.read()))
+    held = []
+    for _ in range(4):
+        check()
+        held.append(mappings())
+    assert max(held) <= line + grown, (line, grown, held)
