@@ -59,8 +59,9 @@ def legacy_to_neutral(state) -> Neutral:
 
 
 def legacy_groups(state) -> dict[str, Any]:
-    """A pmap-era train state's fields by group: ``step``, ``params``, ``opt_state``, and where
-    present ``model_state`` or ``batch_stats``, and ``params_ema`` (also ``ema_params``, ``ema``)."""
+    """A pmap-era train state's fields by group: ``params``, ``opt_state``, and where present ``step``
+    (None without one: a ``flax.struct`` state of params, opt_state and a key), ``model_state`` or
+    ``batch_stats``, and ``params_ema`` (also ``ema_params``, ``ema``)."""
     field = lambda *names: next((getattr(state, n) for n in names if getattr(state, n, None) is not None), None)  # noqa: E731
     model_state = field('model_state')
     if model_state is None and field('batch_stats') is not None:
@@ -70,7 +71,7 @@ def legacy_groups(state) -> dict[str, Any]:
         'opt_state': state.opt_state,
         'ema': field('params_ema', 'ema_params', 'ema'),
         'model_state': model_state,
-        'step': {'step': state.step},
+        'step': {'step': state.step} if getattr(state, 'step', None) is not None else None,
     }
 
 

@@ -90,7 +90,7 @@ def align(ref: convert.Neutral, other: convert.Neutral) -> tuple[convert.Neutral
     if bool(ref.get('step')) == bool(other.get('step')):
         return ref, other, []
     side = 'pmap' if not ref.get('step') else 'NNX'
-    note = f'not compared: step: the {side} train state holds no step counter (a tuple (params, opt_state))'
+    note = f'not compared: step: the {side} train state holds no step counter (a tuple, or no step field)'
     return without(ref, 'step'), without(other, 'step'), [note]
 
 

@@ -16,7 +16,8 @@ against given and the fix where one is known:
   ``make_tx`` (a model port): signatures, return structures, carries that change structure,
   unbound axis names, loss shapes;
 - ``legacy_state`` / ``nnx_state`` and their groups: train states the comparison cannot read
-  (a plain tuple without ``legacy_groups=``, NNX objects without ``nnx_groups=``).
+  (no ``params`` and ``opt_state`` found by field name without ``legacy_groups=``, NNX objects
+  without ``nnx_groups=``), for every step form, before anything trains.
 """
 
 import jax
@@ -45,11 +46,12 @@ def check(port: Port, config: RunConfig, n_steps: int | None = None) -> None:
     batch_KxG = jax.tree.map(lambda v: jax.ShapeDtypeStruct((config.steps_per_call, *v.shape[1:]), v.dtype), data)
     if _adapted(port):  # a step as teams write it: one step of each side, as its adapter will call it
         trace_steps(port, config, variables, batch_KxG)
+        check_groups(port, legacy_state(port, variables), nnx_train_state(port), variables)
         return
-    legacy_state = trace_legacy(port, config, variables, batch_KxG)
+    old_state = trace_legacy(port, config, variables, batch_KxG)
     nnx_state = trace_nnx(port, config, batch_KxG)
     if isinstance(port, LoopPort):
-        check_groups(port, legacy_state, nnx_state, variables)
+        check_groups(port, old_state, nnx_state, variables)
 
 
 def check_states(port: Port) -> None:

@@ -5,7 +5,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from equivalence.core import convert, naming
+from equivalence.core import convert, naming, states
 from equivalence.core.ports import LoopPort, Port
 from equivalence.core.preflight.data import check_names
 from equivalence.core.preflight.errors import HOST_ONLY, PreflightError, fail, line
@@ -40,7 +40,7 @@ def check_groups(port: LoopPort, legacy_state: Any, nnx_ts: Any, variables: dict
 
 
 def legacy_groups(port: LoopPort, state: Any) -> dict:
-    fn = port.legacy_groups or convert.legacy_groups
+    fn = port.legacy_groups or states.legacy_groups
     try:
         return jax.eval_shape(fn, state)
     except HOST_ONLY:  # reads values on the host: only the run can check it
@@ -50,12 +50,13 @@ def legacy_groups(port: LoopPort, state: Any) -> dict:
             raise PreflightError(
                 line(port, 'legacy_groups', e, 'legacy_groups(train_state) -> {group: tree}')
             ) from None
+        how = 'as (params, opt_state)' if isinstance(state, tuple | list) else 'by field name'
         raise fail(
             port,
             'legacy_state',
-            f'returns a {type(state).__name__}, which the comparison cannot read by '
-            'field name (.params, .opt_state, .step); fix: give the port legacy_groups='
-            "lambda state: {'params': ..., 'opt_state': ..., 'step': {'step': ...}}",
+            f'returns a {type(state).__name__}, which the comparison cannot read {how} (.params, .opt_state, '
+            "and .step where it has one); fix: give the port legacy_groups=lambda state: {'params': ..., "
+            "'opt_state': ..., 'step': {'step': ...}}",
         ) from None
 
 
