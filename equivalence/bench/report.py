@@ -30,6 +30,7 @@ class BenchResult:
     scaling: dict[int, CompileTiming]  # the shipped call compiled at K=5 and K=100
     first: dict[str, np.ndarray]  # each variant's first-call losses, same inputs for all
     notes: list[str] = dataclasses.field(default_factory=list)  # a loop port: what could not be derived
+    placement: list[str] = dataclasses.field(default_factory=list)  # the gradient all-reduce's fallback, and why
 
     def steps(self, name: str) -> list[float]:
         return [b.steps_per_s for b in self.blocks[name]]
@@ -196,12 +197,18 @@ def target_rows(r: BenchResult) -> list[str]:
     return rows
 
 
+def placement_rows(r: BenchResult) -> list[str]:
+    """Where the NNX calls' gradient all-reduce fell back to the partitioner's placement, and why."""
+    return [f'note on the NNX calls: {n}' for n in r.placement]
+
+
 def text(r: BenchResult) -> str:
     from equivalence.bench import advice
 
     note = 'absolute numbers on shared CPUs are noisy; the ratios are what count'
     tips = advice.rows(r)
-    body = [*header(r), '', *variant_rows(r), '', *hlo_rows(r), '', *target_rows(r), '', *tips, *([''] * bool(tips))]
+    body = [*header(r), *placement_rows(r), '', *variant_rows(r), '', *hlo_rows(r), '', *target_rows(r), '', *tips]
+    body += [''] * bool(tips)
     return '\n'.join([*body, note])
 
 
@@ -228,6 +235,7 @@ def to_json(r: BenchResult) -> dict:
         'targets': targets(r),
         'advice': [f.to_json() for f in advice.findings(r)],
         'not_derived': r.notes,
+        'gradient_placement': r.placement,
     }
 
 

@@ -9,7 +9,7 @@ against given and the fix where one is known:
 
 - ``make_data``: a generator, non-array or object leaves, leading axes other than
   ``[n_steps, global_batch]`` (``[batch, steps]`` named as such), ragged leaves;
-- ``init_args``, ``legacy_model``, ``nnx_model``: what building and initialising them raises;
+- ``init_args``, ``init_kwargs``, ``legacy_model``, ``nnx_model``: what building and initialising them raises;
 - a loop port's step in a real form (``step_form``, ``nnx_step``, ``loss``): one step of each side
   as ``adapters`` calls it (``preflight/steps.py``): ``(state, out)``, the ``loss`` reader;
 - ``legacy_step`` / ``nnx_call`` (a loop port) or ``legacy_loss`` / ``nnx_loss`` / ``noise`` /
