@@ -5,7 +5,9 @@ the suite's own: the gradient placement that does not fit it falls back, said by
 
 import dataclasses
 import warnings
+from typing import Any
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -17,7 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from equivalence import ModelPort
+from equivalence import LoopPort, ModelPort
 from equivalence.core import harness, preflight
 from equivalence.core.config import ConfigError, RunConfig
 from equivalence.explain import measure_both, path_text, report
@@ -139,6 +141,135 @@ def test_a_level_1_run_of_the_stem_prints_no_warning_and_explain_says_where_the_
     text = path_text(report(legacy, nnx_side, config(STEM), 'cpu', {})['paths']['nnx'])
     assert 'note: gradient all-reduced before the kernel transposes' in text and 'ShardingTypeError' in text, text
     assert legacy.notes == ()
+
+
+# -- attention dropout with per-device keys ----------------------------------------------------------
+
+HEADS, LENGTH, FEATURES = 2, 3, 4
+RAW_KEYS, TYPED_KEYS = jax.random.split(jax.random.PRNGKey(0), 2), jax.random.split(jax.random.key(0), 2)
+
+
+@pytest.mark.parametrize('keys', [RAW_KEYS, TYPED_KEYS], ids=['[D, 2] raw', '[D] typed'])
+def test_no_nnx_layer_takes_per_device_keys_whatever_the_reseed_policy(keys):
+    """What docs/port.md says: ``nnx.reseed``'s ``policy`` reshapes a stream's *own* key; the key it is
+    given must be one key, so per-device keys raise whatever the policy. So do NNX attention and Dropout."""
+    model = nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEATURES, qkv_features=8, dropout_rate=0.3,
+                                   decode=False, deterministic=False, rngs=nnx.Rngs(0, dropout=1))  # fmt: skip
+    for policy in ('scalars_only', 'match_shape', lambda path, key, shape: key):
+        with pytest.raises(ValueError, match='fold_in accepts a single key'):
+            nnx.reseed(model, dropout=keys, policy=policy)
+    x = jnp.ones((2, LENGTH, FEATURES))
+    with pytest.raises(ValueError, match='fold_in accepts a single key'):
+        model(x, rngs=nnx.Rngs(dropout=keys))
+    with pytest.raises(ValueError, match='bernoulli accepts a single key'):
+        nnx.Dropout(0.5)(x, rngs=keys)
+    one = model(x, rngs=nnx.Rngs(dropout=keys[0]))  # control: one key is taken
+    assert one.shape == x.shape
+
+
+class LinenAttention(nn.Module):
+    @nn.compact
+    def __call__(self, x, *, train: bool):
+        attention = nn.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=8, dropout_rate=0.3,
+                                                    deterministic=not train)  # fmt: skip
+        return nn.Dense(1)(attention(x).mean(1))
+
+
+class NnxAttention(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.MultiHeadDotProductAttention_0 = nnx.MultiHeadAttention(
+            num_heads=HEADS, in_features=FEATURES, qkv_features=8, dropout_rate=0.3, decode=False,
+            deterministic=False, rngs=rngs)  # fmt: skip
+        self.Dense_0 = nnx.Linear(FEATURES, 1, rngs=rngs)
+
+    def __call__(self, x, rngs: nnx.Rngs | None = None):
+        return self.Dense_0(self.MultiHeadDotProductAttention_0(x, rngs=rngs).mean(1))
+
+
+def attention_data(rng, n_steps, batch):
+    x = rng.normal(size=(n_steps, batch, LENGTH, FEATURES)).astype('float32')
+    return {'x': x, 'y': x.sum((-1, -2))[..., None].astype('float32')}
+
+
+@flax.struct.dataclass
+class AttentionState:
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+def sgd():
+    return optax.sgd(0.02, momentum=0.9)
+
+
+def attention_state(variables: dict) -> AttentionState:
+    return AttentionState(jnp.zeros((), jnp.int32), variables['params'], sgd().init(variables['params']))
+
+
+def attention_step(carry, batch):
+    """The pmap step: each device splits its own key and gives the attention layer its step key."""
+    rng, state = carry
+    rng, step_rng = jax.random.split(rng)
+
+    def loss_fn(params):
+        pred = LinenAttention().apply({'params': params}, batch['x'], train=True, rngs={'dropout': step_rng})
+        return jnp.mean((pred - batch['y']) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    updates, opt_state = sgd().update(jax.lax.pmean(grads, 'batch'), state.opt_state, state.params)
+    state = AttentionState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
+    return (rng, state), jax.lax.pmean(loss, 'batch')
+
+
+def device_rows(model: NnxAttention, x_G: jax.Array, keys_D: jax.Array) -> jax.Array:
+    """The working path of docs/port.md: the forward pass on each device's rows of the global batch
+    (``[D, G/D, ...]``), vmapped, each row with its device's key: the masks pmap drew, in one program."""
+    d = keys_D.shape[0]
+    forward = nnx.vmap(lambda m, x, key: m(x, rngs=nnx.Rngs(dropout=key)), in_axes=(None, 0, 0))
+    out = forward(model, x_G.reshape(d, -1, *x_G.shape[1:]), keys_D)
+    return out.reshape(x_G.shape[0], *out.shape[2:])
+
+
+def attention_call(rows_of_keys=lambda keys: keys):
+    """The NNX fused call; ``rows_of_keys``: which device key each row gets (the negative control swaps them)."""
+
+    @nnx.jit
+    def calls(model, optimizer, keys_D, batch_KxG):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+        def step(carry, batch):
+            model, optimizer, keys_D = carry
+            split = jax.vmap(jax.random.split)(keys_D)  # each device's rng, step_rng = split(rng)
+            keys_D, step_keys = split[:, 0], rows_of_keys(split[:, 1])
+            loss_fn = lambda m: jnp.mean((device_rows(m, batch['x'], step_keys) - batch['y']) ** 2)  # noqa: E731
+            loss, grads = nnx.value_and_grad(loss_fn)(model)
+            optimizer.update(model, grads)
+            return (model, optimizer, keys_D), loss
+
+        return step((model, optimizer, keys_D), batch_KxG)[1]
+
+    return lambda ts, keys_D, batch_KxG: (ts, calls(*ts, keys_D, batch_KxG))
+
+
+ATTENTION = LoopPort(
+    name='attention rows', legacy_model=LinenAttention, nnx_model=NnxAttention, make_data=attention_data,
+    legacy_state=attention_state, legacy_step=attention_step, nnx_call=attention_call(),
+    nnx_state=lambda m: (m, nnx.Optimizer(m, sgd(), wrt=nnx.Param)), init_args=lambda b: (b['x'],),
+    init_kwargs=lambda b: {'train': False}, default_batch=8, rng_modes=('per-device',),
+)  # fmt: skip
+
+
+def test_nnx_attention_with_per_device_keys_matches_when_each_device_row_gets_its_key():
+    require_devices(2)
+    once = {'devices': 2, 'steps_per_call': 2, 'calls': 1, 'verdict': 'screen'}
+    result = harness.check(ATTENTION, **once)
+    assert result.report.match, [leaf for leaf in result.report.leaves if not leaf.ok]
+    swapped = dataclasses.replace(ATTENTION, nnx_call=attention_call(lambda keys: keys[::-1]))  # negative control
+    assert not harness.check(swapped, **once).report.match
+    # The same NNX code runs on its own, without the suite's bridge: [D, 2] keys, one row each.
+    model = NnxAttention(nnx.Rngs(0))
+    batch = jax.tree.map(jnp.asarray, attention_data(np.random.default_rng(0), 2, 8))
+    _, losses_K = ATTENTION.nnx_call((model, nnx.Optimizer(model, sgd(), wrt=nnx.Param)), RAW_KEYS, batch)
+    assert losses_K.shape == (2,) and bool(jnp.all(jnp.isfinite(losses_K)))
 
 
 def test_bench_says_where_the_gradient_all_reduce_fell_back():
