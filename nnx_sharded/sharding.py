@@ -18,7 +18,9 @@ decision is returned as a note for the report: never silently.
 import contextlib
 import contextvars
 import dataclasses
-import warnings
+import os
+import sys
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -231,8 +233,11 @@ def value_and_grad(loss_fn: Callable) -> Callable:
     transpose) moves the all-reduce behind the transpose: no transposes, same sums.
 
     Applies when the batch is placed on a mesh whose data axis is Auto and every parameter is
-    replicated (data parallelism); otherwise, or when the model cannot be traced in explicit
-    mode, it is the plain gradient (with a warning in the second case).
+    replicated (data parallelism); otherwise it is the plain gradient. So it is too when the model
+    does not trace in explicit mode (a class token ``concatenate``d with the batch's patches: one
+    operand replicated, the other split over the batch). That fallback changes no number, only
+    where the all-reduce runs; it is not a warning on the user's run but a line that
+    ``take_fallbacks`` hands to ``equivalence.bench`` and ``equivalence.explain``.
     """
     plain = nnx.value_and_grad(loss_fn, has_aux=True)
 
@@ -245,11 +250,38 @@ def value_and_grad(loss_fn: Callable) -> Callable:
                 return _reduced_value_and_grad(loss_fn, model, batch, noise)
         except Exception as e:  # noqa: BLE001 -- a bug in the loss raises again just below, in plain
             out = plain(model, batch, noise)
-            note = f'gradient all-reduced before the kernel transposes (explicit mode: {e!r:.200})'
-            warnings.warn(note, stacklevel=2)
+            _fallbacks[fallback_line(e)] = None
             return out
 
     return grad
+
+
+_fallbacks: dict[str, None] = {}  # why the placement above fell back, per step traced since the last take
+
+
+def take_fallbacks() -> list[str]:
+    """Why the gradient's all-reduce stayed before the kernel transposes, for every step traced since
+    the last call (in order, without repeats): the lines ``bench`` and ``explain`` print."""
+    lines = list(_fallbacks)
+    _fallbacks.clear()
+    return lines
+
+
+def fallback_line(error: BaseException) -> str:
+    """One line: what explicit mode refused, where in the model's code, and what it costs."""
+    text = str(error).split('. ')[0].split('\n')[0][:160]
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if _outside(f.filename)]
+    where = f' at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}' if frames else ''
+    return (
+        'gradient all-reduced before the kernel transposes (where the partitioner puts it; same sums, the transposes '
+        f'run as copies): the model does not trace with its batch in explicit sharding mode ({type(error).__name__}: '
+        f'{text}{where})'
+    )
+
+
+def _outside(filename: str) -> bool:
+    """A frame of the model's own code: not this module, not an installed library, not Python's."""
+    return filename != __file__ and 'site-packages' not in filename and not filename.startswith(sys.base_prefix)
 
 
 def _mesh_of(batch) -> jax.sharding.AbstractMesh:

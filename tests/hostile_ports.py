@@ -101,13 +101,15 @@ def step_metrics_as_loss(carry, batch):
     return (rng, _apply(state, grads)), {'loss': loss, 'step': state.step}
 
 
-def step_of_tuple_state(carry, batch):
-    rng, (params, opt_state) = carry
+def step_of_renamed_state(carry, batch):
+    rng, state = carry
+    params, opt_state = state['weights'], state['moments']
     rng, key = jax.random.split(rng)
     loss_fn = lambda p: jnp.mean(old.per_example_loss(p, batch, key))  # noqa: E731
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = old.make_tx().update(jax.lax.pmean(grads, AXIS), opt_state, params)
-    return (rng, (optax.apply_updates(params, updates), opt_state)), jax.lax.pmean(loss, AXIS)
+    state = {'weights': optax.apply_updates(params, updates), 'moments': opt_state}
+    return (rng, state), jax.lax.pmean(loss, AXIS)
 
 
 def step_three_arguments(state, batch, rng):
@@ -115,9 +117,9 @@ def step_three_arguments(state, batch, rng):
 
 
 @case('legacy_state', (*EVERY, 'migrate'))
-def tuple_legacy_state():  # the original question's form: (params, opt_state), no legacy_groups=
-    tuple_state = lambda v: (v['params'], old.make_tx().init(v['params']))  # noqa: E731
-    return loop(legacy_state=tuple_state, legacy_step=step_of_tuple_state)
+def renamed_legacy_state():  # no .params, no .opt_state, no legacy_groups= (a tuple (params, opt_state) reads)
+    renamed = lambda v: {'weights': v['params'], 'moments': old.make_tx().init(v['params'])}  # noqa: E731
+    return loop(legacy_state=renamed, legacy_step=step_of_renamed_state)
 
 
 @case('legacy_step')

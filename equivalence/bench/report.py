@@ -158,10 +158,16 @@ def target_rows(r: BenchResult) -> list[str]:
     return rows
 
 
+def placement_rows(r: BenchResult) -> list[str]:
+    """Where the NNX calls' gradient all-reduce fell back to the partitioner's placement, and why."""
+    return [f'note on the NNX calls: {n}' for n in r.placement]
+
+
 def text(r: BenchResult) -> str:
     note = 'absolute numbers on shared CPUs are noisy; the ratios are what count'
     tips = advice.rows(r)
-    body = [*header(r), '', *variant_rows(r), '', *hlo_rows(r), '', *target_rows(r), '', *tips, *([''] * bool(tips))]
+    body = [*header(r), *placement_rows(r), '', *variant_rows(r), '', *hlo_rows(r), '', *target_rows(r), '', *tips]
+    body += [''] * bool(tips)
     return '\n'.join([*body, note])
 
 
@@ -186,6 +192,7 @@ def to_json(r: BenchResult) -> dict:
         'targets': targets(r),
         'advice': [f.to_json() for f in advice.findings(r)],
         'not_derived': r.notes,
+        'gradient_placement': r.placement,
     }
 
 

@@ -23,6 +23,7 @@ class BenchResult:
     scaling: dict[int, CompileTiming]  # the shipped call compiled at K=5 and K=100
     first: dict[str, np.ndarray]  # each variant's first-call losses, same inputs for all
     notes: list[str] = dataclasses.field(default_factory=list)  # a loop port: what could not be derived
+    placement: list[str] = dataclasses.field(default_factory=list)  # the gradient all-reduce's fallback, and why
 
     def steps(self, name: str) -> list[float]:
         return [b.steps_per_s for b in self.blocks[name]]

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from equivalence.core.port import convert, states
-from equivalence.core.port.ports import LoopPort, Port
+from equivalence.core.port.ports import LoopPort, Port, init_inputs
 from equivalence.core.run import setups
 from legacy_pmap import train as legacy
 from nnx_sharded import checkpoints as nnx_checkpoints
@@ -35,7 +35,8 @@ def _variables(port: Port) -> dict:
     data = port.make_data(np.random.default_rng(0), 1, 1)
     example = jax.tree.map(lambda v: v[0, :1], data)
     key = jax.random.PRNGKey(0)
-    return dict(port.legacy_model().init({'params': key, 'dropout': key}, *port.init_args(example)))
+    args, kwargs = init_inputs(port, example)
+    return dict(port.legacy_model().init({'params': key, 'dropout': key}, *args, **kwargs))
 
 
 def legacy_init(port: Port) -> Callable[[], Any]:

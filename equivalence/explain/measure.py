@@ -9,8 +9,8 @@ from equivalence.explain.memory import memory
 from equivalence.explain.placements import LEGACY, NNX, NNX_LOOP, Layout, copies_spread, flat_inputs, placement
 
 
-def measure(layout: Layout, compiled: Any, args: tuple, config: Any) -> PathMeasurement:
-    """Reads the compiled call: its HLO text, input shardings and memory analysis."""
+def measure(layout: Layout, compiled: Any, args: tuple, config: Any, notes: tuple[str, ...] = ()) -> PathMeasurement:
+    """Reads the compiled call: its HLO text, input shardings and memory analysis; ``notes``: how it was built."""
     text = compiled.as_text()
     header, found = hlo.collectives(text)
     inputs = flat_inputs(args, compiled.input_shardings[0])
@@ -30,6 +30,7 @@ def measure(layout: Layout, compiled: Any, args: tuple, config: Any) -> PathMeas
         placements,
         memory(compiled),
         copies_spread(full),
+        notes,
     )
 
 
@@ -49,9 +50,13 @@ def measure_nnx(setup: Any, args: tuple) -> PathMeasurement:
     """
     from flax import nnx
 
+    from nnx_sharded import sharding
+
     (keys, state), batch = args
     typed = nnx.state(nnx.merge(setup.graphdef, state))
-    return measure(NNX, setup.fused.lower(*args).compile(), ((keys, typed), batch), setup.config)
+    compiled = setup.fused.lower(*args).compile()
+    notes = tuple(sharding.take_fallbacks())  # the gradient's all-reduce left where the partitioner puts it, and why
+    return measure(NNX, compiled, ((keys, typed), batch), setup.config, notes)
 
 
 def measure_nnx_loop(setup: Any, args: tuple) -> PathMeasurement:
@@ -65,7 +70,9 @@ def measure_both(port: Any, config: Any) -> tuple[PathMeasurement, PathMeasureme
     """One call of each path of a port (built-in or user's), compiled and read."""
     from equivalence.core import harness, preflight
     from equivalence.core.run import adapters, setups, sides
+    from nnx_sharded import sharding
 
+    sharding.take_fallbacks()  # what earlier calls traced is theirs
     adapters.one_program_each(port, 'explain')
     harness.validate(port, config)
     preflight.check(port, config)

@@ -88,6 +88,7 @@ class PathMeasurement:
     placements: tuple[Placement, ...]
     memory: dict[str, int]  # per device, from compiled.memory_analysis()
     copies_spread: float | None  # max |copy on device d - copy on device 0| over full-copy parameters
+    notes: tuple[str, ...] = ()  # how the program was built where it is not the usual way (sharding.take_fallbacks)
 
 
 def size(shape: tuple[int, ...]) -> int:

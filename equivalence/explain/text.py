@@ -58,6 +58,7 @@ def path_dict(m: PathMeasurement) -> dict:
         'memory_per_device_bytes': m.memory,
         'input_bytes_per_device': sum(p.shard_bytes for p in m.placements),
         'answers': answers(m),
+        'notes': list(m.notes),
     }
 
 
@@ -140,6 +141,7 @@ def path_text(d: dict) -> str:
             *placement_text(d),
             f'memory per device (compiled.memory_analysis()): {memory_line}; '
             f'the inputs above add up to {d["input_bytes_per_device"]:,} B per device',
+            *[f'note: {n}' for n in d['notes']],
         ]
     )
 

@@ -17,6 +17,7 @@ CALLS = {
     'make_data': (3, 'make_data(rng: np.random.Generator, n_steps, global_batch)'),
     'make_tx': (1, 'make_tx(lr_scale)'),
     'init_args': (1, 'init_args(batch_of_one_example)'),
+    'init_kwargs?': (1, 'init_kwargs(batch_of_one_example)'),
     'legacy_loss': (5, 'legacy_loss(model, params, model_state, batch, noise)'),
     'nnx_loss': (3, 'nnx_loss(model, batch, noise)'),
     'noise?': (2, 'noise(key, batch_spec)'),

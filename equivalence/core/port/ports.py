@@ -52,6 +52,7 @@ class ModelPort:
     make_data: Callable  # (np.random.Generator, n_steps, global_batch) -> pytree of [n_steps, global_batch, ...]
     make_tx: Callable  # (lr_scale: float) -> optax transformation; --perturb scales the NNX side's
     init_args: Callable = _batch_only  # (batch of one example) -> positional args of the linen init
+    init_kwargs: Callable | None = None  # (batch of one example) -> keyword args of the linen init: {'train': False}
     noise: Callable | None = None  # (key, batch shapes) -> pytree of per-example arrays, or None
     names: Names = None  # linen -> NNX paths: None (same), {prefix: prefix}, a function, or 'structure'
     ema_rate: float | None = None  # EMA of the parameters after every step, or None
@@ -93,6 +94,7 @@ class LoopPort:
     nnx_state: Callable[[Any], Any]  # the NNX model, holding linen's weights -> what your fused call takes
     nnx_call: Callable | None = None  # (train_state, keys, batch_KxG) -> (train_state, out_K): K steps, one call
     init_args: Callable = _batch_only  # (batch of one example) -> positional args of the linen init
+    init_kwargs: Callable | None = None  # (batch of one example) -> keyword args of the linen init, as for ModelPort
     axis_name: str = 'batch'  # the pmap axis your step's lax.pmean names
     names: Names = None  # linen -> NNX paths, as for ModelPort
     legacy_groups: Callable | None = None  # your train state -> {group: tree}; None: read its fields by name
@@ -114,6 +116,13 @@ class LoopPort:
 
 
 Port = ModelPort | LoopPort
+
+
+def init_inputs(port: Port, example: Any) -> tuple[tuple, dict]:
+    """The linen init's positional and keyword arguments from one example: ``init_args`` and
+    ``init_kwargs`` (``__call__(self, inputs, *, train)`` takes ``train`` by keyword only)."""
+    kwargs = port.init_kwargs(example) if port.init_kwargs is not None else {}
+    return port.init_args(example), kwargs
 
 
 @contextlib.contextmanager

@@ -97,7 +97,7 @@ def align(ref: convert.Neutral, other: convert.Neutral) -> tuple[convert.Neutral
         return ref, other, []
     side = 'pmap' if not ref.get('step') else 'NNX'
     note = (f'not compared: step: the {side} train state holds no step counter (a tuple (params, opt_state), '
-            "or a dict with no 'step')")  # fmt: skip
+            "a dict with no 'step', or a state with no step field)")  # fmt: skip
     return without(ref, 'step'), without(other, 'step'), [note]
 
 

@@ -9,7 +9,7 @@ against given and the fix where one is known:
 
 - ``make_data``: a generator, non-array or object leaves, leading axes other than
   ``[n_steps, global_batch]`` (``[batch, steps]`` named as such), ragged leaves;
-- ``init_args``, ``legacy_model``, ``nnx_model``: what building and initialising them raises;
+- ``init_args``, ``init_kwargs``, ``legacy_model``, ``nnx_model``: what building and initialising them raises;
 - a loop port's step in a real form (``step_form``, ``nnx_step``, ``loss``): one step of each side
   as ``adapters`` calls it (``preflight/steps.py``): ``(state, out)``, the ``loss`` reader;
 - ``legacy_step`` / ``nnx_call`` (a loop port) or ``legacy_loss`` / ``nnx_loss`` / ``noise`` /
@@ -48,10 +48,10 @@ def check(port: Port, config: RunConfig, n_steps: int | None = None) -> None:
         trace_steps(port, config, variables, batch_KxG)
         _check_adapted_groups(port, variables)
         return
-    legacy_state = trace_legacy(port, config, variables, batch_KxG)
+    old_state = trace_legacy(port, config, variables, batch_KxG)
     nnx_state = trace_nnx(port, config, batch_KxG)
     if isinstance(port, LoopPort):
-        check_groups(port, legacy_state, nnx_state, variables)
+        check_groups(port, old_state, nnx_state, variables)
 
 
 def check_states(port: Port) -> None:

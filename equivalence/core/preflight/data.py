@@ -82,9 +82,25 @@ def abstract_variables(port: Port, data: Any) -> dict:
             f"returned a {type(args).__name__}, not a tuple: return the linen init's "
             "positional arguments, e.g. init_args=lambda batch: (batch['x'],)",
         )
-    key = jax.random.PRNGKey(0)
-    with blamed(port, 'legacy_model', 'legacy_model().init(rngs, *init_args(example))'):
+    kwargs, key = init_kwargs(port, example), jax.random.PRNGKey(0)
+    with blamed(port, 'legacy_model', 'legacy_model().init(rngs, *init_args(example), **init_kwargs(example))'):
         model = port.legacy_model()
         if not isinstance(model, nn.Module):
             raise fail(port, 'legacy_model', f'returned {kind(model)}; expected a linen Module')
-        return dict(jax.eval_shape(lambda: model.init({'params': key, 'dropout': key}, *args)))
+        return dict(jax.eval_shape(lambda: model.init({'params': key, 'dropout': key}, *args, **kwargs)))
+
+
+def init_kwargs(port: Port, example: Any) -> dict:
+    """``init_kwargs(example)``, checked: a dict of keyword arguments (``{}`` when the port gives none)."""
+    if port.init_kwargs is None:
+        return {}
+    with blamed(port, 'init_kwargs', 'init_kwargs(batch_of_one_example) -> dict of the linen init keyword arguments'):
+        kwargs = port.init_kwargs(example)
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise fail(
+            port,
+            'init_kwargs',
+            f"returned {kind(kwargs)}, not a dict of names: return the linen init's keyword arguments, "
+            "e.g. init_kwargs=lambda batch: {'train': False}",
+        )
+    return kwargs

@@ -17,7 +17,7 @@ from flax import nnx
 
 from equivalence.core.port import convert, naming
 from equivalence.core.port.config import RunConfig
-from equivalence.core.port.ports import LoopPort, ModelPort, Port
+from equivalence.core.port.ports import LoopPort, ModelPort, Port, init_inputs
 from equivalence.core.run import randomness
 from equivalence.distributed import gather, rows
 from legacy_pmap import train as legacy
@@ -32,7 +32,8 @@ def make_inputs(port: Port, config: RunConfig) -> tuple[dict, list, jax.Array]:
     calls = [rows.local_batch(batch_KxG, config.devices, input_rows(config)) for batch_KxG in whole]
     rng, init_rng = jax.random.split(jax.random.PRNGKey(config.seed))
     example = jax.tree.map(lambda v: v[0, :1], whole[0])
-    variables = port.legacy_model().init({'params': init_rng, 'dropout': init_rng}, *port.init_args(example))
+    args, kwargs = init_inputs(port, example)
+    variables = port.legacy_model().init({'params': init_rng, 'dropout': init_rng}, *args, **kwargs)
     return dict(variables), calls, rng
 
 

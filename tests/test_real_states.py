@@ -1,0 +1,143 @@
+"""Train states as teams write them: a ``flax.struct`` state with no step counter is read (its
+counter "not compared", as for a tuple), and a state the comparison cannot read is refused by the
+pre-flight, before anything trains (exit 2)."""
+
+import dataclasses
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from conftest import require_devices
+from flax import nnx
+from test_step_forms import BASE, LinenMLP, tx
+
+from equivalence import LoopPort
+from equivalence.core import harness, preflight
+from equivalence.core.run import adapters
+
+QUICK = {'steps_per_call': 2, 'calls': 2}
+SCREEN = {**QUICK, 'verdict': 'screen'}  # the fixed screen: what is checked here is the reading, not the floor
+KEY0 = jax.random.PRNGKey(11)
+
+
+@flax.struct.dataclass
+class State:
+    """A research group's state: parameters, optimizer state and the dropout key; no step."""
+
+    params: Any
+    opt_state: Any
+    rng: jax.Array
+
+
+def legacy_state(variables: dict) -> State:
+    return State(params=variables['params'], opt_state=tx().init(variables['params']), rng=KEY0)
+
+
+def legacy_step(state: State, batch):
+    rng, dropout_rng = jax.random.split(state.rng)
+
+    def loss_fn(params):
+        pred = LinenMLP().apply({'params': params}, batch['x'], True, rngs={'dropout': dropout_rng})
+        return jnp.mean((pred - batch['y']) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    updates, opt_state = tx().update(jax.lax.pmean(grads, 'batch'), state.opt_state, state.params)
+    new = State(params=optax.apply_updates(state.params, updates), opt_state=opt_state, rng=rng)
+    return new, {'loss': jax.lax.pmean(loss, 'batch')}
+
+
+def nnx_state(model, lr: float = 0.05):
+    return model, nnx.Optimizer(model, tx(lr), wrt=nnx.Param), nnx.Variable(KEY0)
+
+
+def one_step(ts, batch):
+    model, optimizer, rng = ts
+    rng[...], dropout_rng = jax.random.split(rng[...])
+    nnx.reseed(model, dropout=dropout_rng)
+    loss_fn = lambda m: jnp.mean((m(batch['x']) - batch['y']) ** 2)  # noqa: E731
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return {'loss': loss}
+
+
+nnx_step = nnx.jit(one_step)
+STRUCT = LoopPort(**{**BASE, 'name': 'struct state', 'legacy_state': legacy_state, 'nnx_state': nnx_state},
+                  legacy_step=legacy_step, step_form='state', loss='loss', nnx_step=nnx_step)  # fmt: skip
+
+
+def test_a_struct_state_without_a_step_is_read_and_its_counter_not_compared():
+    """Was exit 3 ('State' object has no attribute 'step') after the pmap side had trained."""
+    require_devices(2)
+    result = harness.check(STRUCT, devices=2, **SCREEN)
+    assert result.report.match, [leaf for leaf in result.report.leaves if not leaf.ok]
+    groups = {leaf.group for leaf in result.report.leaves}
+    assert {'params', 'opt_state', 'losses'} <= groups and 'step' not in groups, groups
+    assert any(n.startswith('not compared: step: the pmap train state holds no step counter') for n in result.notes)
+    assert any(n.startswith('not compared: rng: a random key') for n in result.notes), result.notes
+    slipped = dataclasses.replace(STRUCT, nnx_state=lambda m: nnx_state(m, lr=0.0505))  # negative control
+    assert not harness.check(slipped, devices=2, **SCREEN).report.match
+
+
+@flax.struct.dataclass
+class Renamed:
+    """A state whose fields the comparison cannot read by name: no ``params``, no ``opt_state``."""
+
+    weights: Any
+    moments: Any
+    rng: jax.Array
+
+
+def renamed_state(variables: dict) -> Renamed:
+    return Renamed(weights=variables['params'], moments=tx().init(variables['params']), rng=KEY0)
+
+
+def renamed_step(state: Renamed, batch):
+    new, out = legacy_step(State(state.weights, state.moments, state.rng), batch)
+    return Renamed(new.params, new.opt_state, new.rng), out
+
+
+def test_a_state_the_comparison_cannot_read_is_refused_before_training(monkeypatch):
+    require_devices(2)
+
+    def trained(*args, **kwargs):
+        raise AssertionError('a training step ran before the unreadable state was reported')
+
+    monkeypatch.setattr(adapters.StepLegacySetup, 'call', trained)
+    monkeypatch.setattr(adapters.StepNnxSetup, 'call', trained)
+    port = dataclasses.replace(STRUCT, legacy_state=renamed_state, legacy_step=renamed_step)
+    with pytest.raises(preflight.PreflightError) as e:
+        harness.check(port, devices=2, **QUICK)
+    text = str(e.value)
+    assert 'legacy_state returns a Renamed, which the comparison cannot read' in text and '\n' not in text, text
+    assert 'legacy_groups=' in text, text
+    # Given legacy_groups=, the same state is read and trains (positive control of the refusal).
+    read = dataclasses.replace(port, legacy_groups=lambda s: {'params': s.weights, 'opt_state': s.moments})
+    preflight.check(read, harness_config(read))
+
+
+def harness_config(port: LoopPort):
+    from equivalence.core.port.config import RunConfig
+
+    return RunConfig(workload=port.name, devices=2, batch_size=port.default_batch, rng_mode='global', **QUICK)
+
+
+class Holder(nnx.Module):
+    """An NNX train state under names the suite does not look for (no .model, no .optimizer)."""
+
+    def __init__(self, model):
+        self.net, self.opt, self.key = nnx_state(model)
+
+
+@nnx.jit
+def holder_step(ts: Holder, batch):
+    return one_step((ts.net, ts.opt, ts.key), batch)
+
+
+def test_an_nnx_train_state_the_comparison_cannot_read_is_refused_before_training():
+    require_devices(2)
+    port = dataclasses.replace(STRUCT, nnx_state=Holder, nnx_step=holder_step)
+    with pytest.raises(preflight.PreflightError, match="port 'struct state': nnx_state returns what the comparison"):
+        preflight.check(port, harness_config(port))
