@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from equivalence.core import compare, convert, hints, randomness, states
+from equivalence.core import compare, convert, hints, new_side, randomness, states
 from equivalence.core.config import ConfigError, RunConfig
 from equivalence.core.ports import LoopPort, Port
 from equivalence.core.setups import (  # noqa: F401 -- the setups, part of this module's API
@@ -126,7 +126,7 @@ def run_nnx(
     result.placement, result.mesh = getattr(setup, 'decisions', []), dict(setup.mesh.shape)
     result.metrics = loop_metrics(setup)
     if isinstance(port, LoopPort):
-        result.notes = states.nnx_not_compared(setup.train_state)
+        result.notes = new_side.not_compared(setup.train_state)
     if getattr(port, 'eval_data', None) is not None:
         data = port.eval_data()
         logits = port.nnx_predict(setup.model, data['x'])

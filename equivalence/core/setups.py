@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from equivalence.core import convert, naming, randomness, states
+from equivalence.core import convert, naming, new_side, randomness, states
 from equivalence.core.config import RunConfig
 from equivalence.core.ports import LoopPort, ModelPort, Port
 from equivalence.distributed import gather, rows
@@ -59,26 +59,34 @@ def input_rows(config: RunConfig) -> rows.Rows:
     return rows.hull(rows.pmap_rows(config.devices, g), held)
 
 
-def abstract_model(port: Port) -> nnx.Module:
-    """The port's NNX model with shapes and dtypes only: what checks read, nothing allocated."""
+def abstract_model(port: Port) -> nnx.Module | None:
+    """The port's NNX model with shapes and dtypes only: what checks read, nothing allocated. None
+    for a loop port without one (its new side is built from linen's variables)."""
+    if port.nnx_model is None:
+        return None
     return nnx.eval_shape(lambda: port.nnx_model(nnx.Rngs(0)))
 
 
 def check_names(port: Port, variables: dict) -> dict[str, str]:
     """``{linen path: NNX path}`` for every variable, from an abstract NNX model (nothing is
-    allocated); ``naming.PortError`` (exit 2) when the two sides do not pair."""
+    allocated); ``naming.PortError`` (exit 2) when the two sides do not pair. Without an NNX
+    model the new side keeps linen's names: ``{}``."""
     abstract = abstract_model(port)
+    if abstract is None:
+        return {}
     return naming.resolve(naming.linen_spec(variables), naming.nnx_spec(abstract), port.names)
 
 
 def has_batch_stats(port: Port) -> bool:
     abstract = abstract_model(port)
-    return any(isinstance(node, nnx.BatchStat) for _, node in nnx.iter_graph(abstract))
+    return abstract is not None and any(isinstance(node, nnx.BatchStat) for _, node in nnx.iter_graph(abstract))
 
 
 def uses_dropout(port: Port) -> bool:
     """Whether the NNX model has Dropout or attention layers (then the suite hands both sides dropout keys)."""
     abstract = abstract_model(port)
+    if abstract is None:
+        return False
     return any(isinstance(node, nnx.Dropout | nnx.MultiHeadAttention) for _, node in nnx.iter_graph(abstract))
 
 
@@ -215,7 +223,7 @@ class NnxLoopSetup:
     """A loop port's NNX side: the user's fused call over the user's train state."""
 
     port: LoopPort
-    train_state: Any  # whatever port.nnx_state returned, placed on the mesh
+    train_state: Any  # whatever port.new_state returned, placed on the mesh
     mesh: Any
     config: RunConfig
 
@@ -224,24 +232,31 @@ class NnxLoopSetup:
 
     def call(self, args: tuple) -> np.ndarray:
         with randomness.bridged(self.config.rng_mode):
-            self.train_state, losses_K = self.port.nnx_call(self.train_state, *args)
+            self.train_state, losses_K = self.port.new_call(self.train_state, *args)
         return np.asarray(losses_K)
 
     def neutral(self) -> convert.Neutral:
-        groups = self.port.nnx_groups or convert.find_nnx_groups
+        groups = self.port.new_groups or new_side.read_groups
         return convert.groups_to_neutral(gather.to_host(groups(self.train_state)))
 
     def as_pure_call(self) -> tuple[Callable, Any]:
         """``(jax.jit(call over split state), typed state)``: the user's call as one program whose
-        inputs are arrays, so that explain can lower it and name every input."""
+        inputs are arrays, so that explain can lower it and name every input. A pytree train state
+        (``new_side``) is such an input as it is."""
+        if new_side.form(self.train_state) == new_side.PYTREE:
+            return jax.jit(self._pure_pytree_call, keep_unused=True), self.train_state
         graphdef, state = nnx.split(self.train_state)
 
         def pure(state, keys, batch_KxG):
             with randomness.bridged(self.config.rng_mode):
-                ts, losses_K = self.port.nnx_call(nnx.merge(graphdef, state), keys, batch_KxG)
+                ts, losses_K = self.port.new_call(nnx.merge(graphdef, state), keys, batch_KxG)
             return nnx.state(ts), losses_K
 
         return jax.jit(pure, keep_unused=True), state  # a key the call ignores is an input too (FACTS.md)
+
+    def _pure_pytree_call(self, train_state, keys, batch_KxG):
+        with randomness.bridged(self.config.rng_mode):
+            return self.port.new_call(train_state, keys, batch_KxG)
 
 
 def legacy_setup(port: Port, config: RunConfig, variables: dict) -> LegacySetup:
@@ -270,6 +285,24 @@ def step_adapters():
     return adapters
 
 
+def new_source(port: LoopPort, variables: dict) -> Any:
+    """What a loop port's ``new_state`` takes: its NNX model holding linen's weights, or, for a port
+    without an NNX model, linen's variables (``new_side``)."""
+    if port.nnx_model is None:
+        return variables
+    model = port.nnx_model(nnx.Rngs(0))
+    convert.load_linen_variables(model, variables, check_names(port, variables))
+    return model
+
+
+def loop_new_side(port: LoopPort, config: RunConfig, variables: dict, mesh) -> Any:
+    """A loop port's new side on ``mesh``, whatever the form of its train state: its setup."""
+    source = new_source(port, variables)
+    if step_adapters().adapted(port):
+        return step_adapters().nnx_setup(port, config, source, mesh)
+    return NnxLoopSetup(port, sharding.place_objects(port.new_state(source), mesh), mesh, config)
+
+
 def nnx_mesh(config: RunConfig):
     return sharding.make_mesh(config.devices, sharding.mesh_shape(config.strategy, config.devices, config.mesh_axes))
 
@@ -280,12 +313,10 @@ def nnx_setup(port: Port, config: RunConfig, variables: dict) -> NnxSetup | NnxG
     The step is the same for every strategy: only the annotations on the parameters change.
     """
     mesh = nnx_mesh(config)
+    if isinstance(port, LoopPort):
+        return loop_new_side(port, config, variables, mesh)
     model = port.nnx_model(nnx.Rngs(0))
     convert.load_linen_variables(model, variables, check_names(port, variables))
-    if isinstance(port, LoopPort) and step_adapters().adapted(port):
-        return step_adapters().nnx_setup(port, config, model, mesh)
-    if isinstance(port, LoopPort):
-        return NnxLoopSetup(port, sharding.place_objects(port.nnx_state(model), mesh), mesh, config)
     decisions = sharding.decide(model, config.strategy, mesh)
     sharding.annotate(model, decisions)
     graphdef, state = sharded.create_state(model, port.make_tx(1.0 + config.perturb), port.ema_rate)

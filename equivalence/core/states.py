@@ -44,11 +44,11 @@ def legacy_not_compared(state: Any) -> list[str]:
         if field.name in READ:
             continue
         value = getattr(state, field.name)
-        lines.append(f'not compared: {field.name}: {_why(field, value)}')
+        lines.append(f'not compared: {field.name}: {why_not_compared(field, value)}')
     return lines
 
 
-def _why(field: dataclasses.Field, value: Any) -> str:
+def why_not_compared(field: dataclasses.Field, value: Any) -> str:
     if field.name in WHY:
         return WHY[field.name]
     if not field.metadata.get('pytree_node', True):
@@ -62,7 +62,7 @@ def _why(field: dataclasses.Field, value: Any) -> str:
     if 'rng' in field.name or 'key' in field.name:
         return 'a random key, not trained state: the masks drawn from it are bridged, not its bits'
     n = len(jax.tree.leaves(value))
-    return f'{type(value).__name__} ({n} arrays): no NNX counterpart the suite reads (give legacy_groups=, nnx_groups=)'
+    return f'{type(value).__name__} ({n} arrays): no NNX counterpart the suite reads (give legacy_groups=, new_groups=)'
 
 
 def nnx_not_compared(train_state: Any) -> list[str]:

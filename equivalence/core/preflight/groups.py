@@ -3,40 +3,47 @@
 from typing import Any
 
 import jax
-from flax import nnx
 
-from equivalence.core import convert, naming
+from equivalence.core import convert, naming, new_side
 from equivalence.core.ports import LoopPort, Port
 from equivalence.core.preflight.data import check_names
 from equivalence.core.preflight.errors import HOST_ONLY, PreflightError, fail, line
+from equivalence.core.preflight.trace import as_traced
 
 
 def check_groups(port: LoopPort, legacy_state: Any, nnx_ts: Any, variables: dict) -> None:
     """Both train states grouped as the comparison reads them, with the parameters where expected."""
-    mapping = check_names(port, variables)
     groups = legacy_groups(port, legacy_state)
     expect = {p for p, (c, _, _) in naming.linen_spec(variables).items() if c == 'params'}
     if groups is not None:
         _check_params(port, 'legacy_groups' if port.legacy_groups else 'legacy_state', groups, expect)
-    graphdef, state = nnx.split(nnx_ts)
-    fn = port.nnx_groups or convert.find_nnx_groups
-    field = 'nnx_groups' if port.nnx_groups else 'nnx_state'
+    check_new_groups(port, nnx_ts, variables)
+
+
+def check_new_groups(port: LoopPort, ts: Any, variables: dict) -> None:
+    """The new train state (abstract), in whatever form (``new_side``), grouped as the comparison reads
+    it, with the model's parameters under the paths the names pair them with."""
+    mapping = check_names(port, variables)
+    expect = {p for p, (c, _, _) in naming.linen_spec(variables).items() if c == 'params'}
+    state, rebuild = as_traced(ts)
+    fn = port.new_groups or new_side.read_groups
+    field = 'new_groups' if port.new_groups else 'new_state'
     try:
-        nnx_groups = jax.eval_shape(lambda s: fn(nnx.merge(graphdef, s)), state)
+        groups = jax.eval_shape(lambda s: fn(rebuild(s)), state)
     except HOST_ONLY:  # reads values on the host: only the run can check it
         return
     except TypeError as e:
-        if port.nnx_groups is not None or 'nnx_groups=' not in str(e):
-            raise PreflightError(line(port, field, e, 'nnx_groups(train_state) -> {group: tree}')) from None
+        if port.new_groups is not None or 'new_groups=' not in str(e):
+            raise PreflightError(line(port, field, e, 'new_groups(train_state) -> {group: tree}')) from None
         raise fail(
             port,
-            'nnx_state',
+            'new_state',
             f'returns what the comparison cannot read: {e} (a function of the train state returning {{"params": ..., '
             '"opt_state": ..., "step": {"step": ...}})',
         ) from None
     except Exception as e:  # noqa: BLE001
-        raise PreflightError(line(port, field, e, 'nnx_groups(train_state) -> {group: tree}')) from None
-    _check_params(port, field, nnx_groups, {mapping.get(p, p) for p in expect})
+        raise PreflightError(line(port, field, e, 'new_groups(train_state) -> {group: tree}')) from None
+    _check_params(port, field, groups, {mapping.get(p, p) for p in expect})
 
 
 def legacy_groups(port: LoopPort, state: Any) -> dict:
