@@ -16,6 +16,7 @@ COMMANDS = (
 )
 GUIDES = (
     ('docs/port.md', 'check your own port: ModelPort, LoopPort, names, randomness, the pytest plugin'),
+    ('docs/ladder.md', 'the migration as rungs: pmap linen -> jit linen -> NNX, each checked the same way'),
     ('docs/verdict.md', 'what MATCH proves, the tolerance and why, run flags, the JSON report'),
     ('docs/commands.md', 'what every command shares: validation, exit codes 0 to 4, reports'),
     ('docs/strategies.md', 'FSDP, TP, 2-D meshes and shard_map, each checked against pmap'),

@@ -167,29 +167,29 @@ def legacy_step_not_callable():
     return loop(legacy_step='old.train_step')
 
 
-# -- the user's own NNX call (nnx_call, nnx_state) -----------------------------------------------
+# -- the user's own new side (new_call, new_state; built here by their old names, nnx_call=, nnx_state=) --
 
 
 def _losses(train_state, key, batch_KxG):
     return new.train_calls(*train_state, key, batch_KxG)
 
 
-@case('nnx_call', EVERY)
+@case('new_call', EVERY)
 def nnx_call_returns_none():
     return loop(nnx_call=lambda ts, key, batch: None)
 
 
-@case('nnx_call')
+@case('new_call')
 def nnx_call_returns_mean_loss():
     return loop(nnx_call=lambda ts, key, batch: (ts, jnp.mean(_losses(ts, key, batch))))
 
 
-@case('nnx_call', EVERY)
+@case('new_call', EVERY)
 def nnx_call_losses_Kx2():
     return loop(nnx_call=lambda ts, key, batch: (ts, jnp.stack([_losses(ts, key, batch)] * 2, axis=1)))
 
 
-@case('nnx_call')
+@case('new_call')
 def nnx_call_raises():
     def call(ts, key, batch):
         model, optimizer = ts
@@ -198,53 +198,53 @@ def nnx_call_raises():
     return loop(nnx_call=call)
 
 
-@case('nnx_call')
+@case('new_call')
 def nnx_call_returns_only_losses():
     return loop(nnx_call=_losses)
 
 
-@case('nnx_call')
+@case('new_call')
 def nnx_call_returns_metrics_too():
     return loop(nnx_call=lambda ts, key, batch: (ts, _losses(ts, key, batch), {'lr': 0.1}))
 
 
-@case('nnx_call')
+@case('new_call')
 def nnx_call_is_the_jitted_function():
     return loop(nnx_call=new.train_calls)  # (model, optimizer, key, batch): four arguments
 
 
-@case('nnx_call')
+@case('new_call')
 def nnx_call_returns_another_state():
     return loop(nnx_call=lambda ts, key, batch: (ts[0], _losses(ts, key, batch)))
 
 
-@case('nnx_call')
+@case('new_call')
 def nnx_call_not_callable():
     return loop(nnx_call=None)
 
 
-@case('nnx_state', (*EVERY, 'migrate'))
+@case('new_state', (*EVERY, 'migrate'))
 def nnx_state_model_only():
     return loop(nnx_state=lambda m: m, nnx_call=lambda m, key, batch: (m, jnp.zeros(batch[0].shape[0])))
 
 
-@case('nnx_state', STATES)
+@case('new_state', STATES)
 def nnx_state_a_dict():
     state = lambda m: {'model': m, 'opt': nnx.Optimizer(m, new.make_tx(), wrt=nnx.Param)}  # noqa: E731
     return loop(nnx_state=state, nnx_call=lambda ts, k, b: (ts, new.train_calls(ts['model'], ts['opt'], k, b)))
 
 
-@case('nnx_state', STATES)
+@case('new_state', STATES)
 def nnx_state_raises():
     return loop(nnx_state=lambda m: (m, nnx.Optimizer(m, new.make_tx())))  # wrt= is required
 
 
-@case('nnx_groups', STATES)
+@case('new_groups', STATES)
 def nnx_groups_returns_a_list():
     return loop(nnx_groups=lambda ts: [ts[0]])
 
 
-@case('nnx_groups', STATES)
+@case('new_groups', STATES)
 def nnx_groups_without_params():
     return loop(nnx_groups=lambda ts: {'weights': nnx.to_pure_dict(nnx.state(ts[0], nnx.Param))})
 
@@ -541,7 +541,7 @@ class _FlakyLogger:
         return ts, _losses(ts, key, batch_KxG)
 
 
-@case('nnx_call', ('run',))
+@case('new_call', ('run',))
 def nnx_call_fails_while_training():
     return loop(nnx_call=functools.partial(_FlakyLogger.__call__, _FlakyLogger()))
 

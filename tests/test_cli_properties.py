@@ -256,7 +256,7 @@ NOT_CALLABLE = st.sampled_from([0, 'text', [1, 2], {'a': 1}, 2.5]) | st.just(np.
 RETURNS = st.sampled_from([None, 0, 'x', (1, 2, 3)]) | st.just(np.zeros((2, 3)))
 PORT_FIELDS = {  # field -> (arity the suite calls it with, the good ports that have it)
     'make_data': 3, 'init_args': 1, 'legacy_model': 0, 'nnx_model': 1, 'legacy_state': 1, 'legacy_step': 2,
-    'nnx_state': 1, 'nnx_call': 3, 'legacy_groups': 1, 'nnx_groups': 1, 'legacy_loss': 5, 'nnx_loss': 3,
+    'new_state': 1, 'new_call': 3, 'legacy_groups': 1, 'new_groups': 1, 'legacy_loss': 5, 'nnx_loss': 3,
     'make_tx': 1,
 }  # fmt: skip
 OTHER_FIELDS = {  # wrong values of fields that are not callables

@@ -2,7 +2,8 @@
 
 - Every ``python -m equivalence...`` line of a fenced shell block goes through that command's
   own validation, with no training: it must be accepted, or, marked ``# exit 2`` or
-  ``# refused`` in its comment, refused with one ``error:`` line.
+  ``# refused`` in its comment, refused with one ``error:`` line. A line that starts with
+  ``cd FOLDER &&`` names its port from that folder (``examples/mlp_port`` otherwise).
 - Every Python block marked ``<!-- complete example: FOLDER/FILE -->`` is written over a fresh
   copy of FOLDER, and that folder's tests run there.
 - Every relative link resolves, to a file and, with ``#anchor``, to a heading (GitHub's rules).
@@ -10,6 +11,7 @@
   commands and every guide, and imports no JAX.
 """
 
+import contextlib
 import dataclasses
 import glob
 import importlib
@@ -59,6 +61,7 @@ class Command:
     argv: tuple[str, ...]
     env: tuple[tuple[str, str], ...]  # NAME=value words before `python`
     refused: bool
+    folder: str = ''  # `cd FOLDER && python -m ...`: where its `my_port:NAME` is imported from
 
     def __str__(self) -> str:
         return f'{self.page}:{self.line}: python -m {self.module} {shlex.join(self.argv)}'
@@ -112,7 +115,8 @@ def parse_line(page: str, n: int, line: str) -> list[Command]:
             current.append(token)
     segments.append(current)
     refused = bool(REFUSED.search(line))
-    return [c for words in segments if (c := command(page, n, words, refused))]
+    folder = next((words[1] for words in segments if len(words) == 2 and words[0] == 'cd'), '')
+    return [dataclasses.replace(c, folder=folder) for words in segments if (c := command(page, n, words, refused))]
 
 
 def command(page: str, n: int, words: list[str], refused: bool) -> Command | None:
@@ -169,11 +173,27 @@ def _accept():
     raise Accepted
 
 
+@contextlib.contextmanager
+def own_modules(folder: str):
+    """The folder's modules (``my_port``, ``legacy_code``, ...) imported afresh from it, and the ones
+    another example folder imported under the same names put back after."""
+    names = [f[:-3] for f in os.listdir(folder) if f.endswith('.py')]
+    saved = {name: sys.modules.pop(name) for name in names if name in sys.modules}
+    try:
+        yield
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
+        sys.modules.update(saved)
+
+
 @pytest.mark.parametrize('cmd', DOCUMENTED, ids=str)
 def test_documented_command_line_passes_its_commands_validation(cmd, monkeypatch, tmp_path, capsys):
     monkeypatch.chdir(tmp_path)  # relative report and checkpoint paths name nothing that exists
-    monkeypatch.syspath_prepend(EXAMPLE)
-    code = validate(cmd, monkeypatch)
+    folder = os.path.join(ROOT, cmd.folder) if cmd.folder else EXAMPLE
+    monkeypatch.syspath_prepend(folder)
+    with own_modules(folder):
+        code = validate(cmd, monkeypatch)
     err = capsys.readouterr().err
     if cmd.refused:
         assert code == 2, f'{cmd}\nis marked as refused input, but exit {code}'

@@ -262,7 +262,7 @@ def test_forms_that_do_not_fit_together_exit_2_before_any_work():
     port = FORMS['state, steps, no key']
     for bad, message in [
         (dict(step_form='scan'), "step_form 'scan' is not one of"),
-        (dict(nnx_call=nnx_fused), 'exactly one of nnx_call'),
+        (dict(nnx_call=nnx_fused), 'exactly one of new_call'),
         (dict(step_form='carry', legacy_loop='steps'), "a 'carry' step returns its key chain"),
     ]:
         with pytest.raises(ConfigError, match=message):
@@ -299,10 +299,10 @@ def _nnx_no_opt(ts, batch):
         (dict(legacy_step=_other_axis), 'legacy_step raised NameError'),
         (dict(loss='los'), "loss 'los' is not in what legacy_step returns (metrics ['denominator', 'loss', 'mae'])"),
         (dict(loss=lambda m: m['loss'][:, None] * jnp.ones(3)), 'legacy_step gives an array of shape [2, 3]'),
-        (dict(nnx_step=nnx.jit(_nnx_no_opt)), 'nnx_step returned a train state of another structure'),
+        (dict(nnx_step=nnx.jit(_nnx_no_opt)), 'new_step returned a train state of another structure'),
         (
             dict(nnx_groups=_bare_step),
-            "nnx_groups gives step as an array of shape []; expected the step group as {'step': counter}",
+            "new_groups gives step as an array of shape []; expected the step group as {'step': counter}",
         ),
         (
             dict(legacy_groups=lambda s: {'params': s.params, 'opt_state': s.opt_state, 'step': s.step}),

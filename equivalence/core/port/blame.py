@@ -4,7 +4,7 @@ or this suite (exit 3, a bug to fix).
 An exception's traceback is read from the innermost frame outwards, skipping the libraries
 (JAX, Flax, optax, NumPy, Orbax, the standard library): the first frame left is where the
 mistake was made. In the suite's own packages it is the suite's bug. Outside them, and when
-the traceback passes through one of the port's callables (``legacy_step``, ``nnx_call``,
+the traceback passes through one of the port's callables (``legacy_step``, ``new_call``,
 ``make_data``, ...; the outermost such frame names the field), it is the port's.
 """
 

@@ -120,6 +120,6 @@ def find_nnx_objects(train_state: Any) -> tuple[nnx.Module, nnx.Optimizer, nnx.M
     if len(optimizers) != 1 or len(models) != 1:
         raise TypeError(
             'the NNX train state must be (model, optimizer) or have .model and .optimizer; '
-            f'got {type(train_state).__name__}: give the port nnx_groups='
+            f'got {type(train_state).__name__}: give the port new_groups='
         )
     return models[0], optimizers[0], getattr(train_state, 'ema', None)

@@ -25,11 +25,12 @@ CALLS = {
     'legacy_predict?': (4, 'legacy_predict(model, params, model_state, x)'),
     'nnx_predict?': (2, 'nnx_predict(model, x)'),
     'legacy_state': (1, 'legacy_state(linen_variables)'),
-    'nnx_state': (1, 'nnx_state(nnx_model)'),
-    'nnx_call?': (3, 'nnx_call(train_state, keys, batch_KxG)'),
+    'new_state': (1, 'new_state(nnx_model or, without one, linen_variables)'),
+    'new_call?': (3, 'new_call(train_state, keys, batch_KxG)'),
     'legacy_groups?': (1, 'legacy_groups(train_state)'),
-    'nnx_groups?': (1, 'nnx_groups(train_state)'),
+    'new_groups?': (1, 'new_groups(train_state)'),
 }
+KEYWORDS = ('rng_arg', 'new_rng_arg')  # a keyword a step takes its key by, or None
 
 
 def check(port: Any) -> None:
@@ -57,6 +58,12 @@ def check(port: Any) -> None:
     if ema is not None and (isinstance(ema, bool) or not isinstance(ema, float | int) or not 0 <= ema < 1):
         raise _error(port, 'ema_rate', f'must be None or a number in [0, 1), got {ema!r}')
     check_skip(port)
+    for field in KEYWORDS:
+        value = getattr(port, field, None)
+        if value is not None and not (isinstance(value, str) and value.isidentifier()):
+            raise _error(
+                port, field, f"must be None or the keyword a step takes its key by ('dropout_rng'), got {value!r}"
+            )
 
 
 def _step_call(port: Any) -> tuple[int, str]:
@@ -120,6 +127,10 @@ def check_nnx_model(port: Any) -> None:
     from flax import nnx
 
     model = port.nnx_model
+    if model is None and 'new_state' in vars(port):  # a loop port's new side built from linen's variables
+        if port.names is not None:
+            raise _error(port, 'names', 'pairs linen with NNX names: a port without nnx_model keeps linen names')
+        return
     if isinstance(model, nnx.Module):
         raise _error(
             port,
@@ -151,6 +162,8 @@ def check_callable(port: Any, field: str, n: int, form: str, optional: bool) -> 
     fn = getattr(port, field)
     if fn is None and optional:
         return
+    if fn is None:
+        raise _error(port, field, f'is missing: give the function the suite calls as {form}')
     if not callable(fn):
         raise _error(port, field, f'is {_what(fn)}, not a function: the suite calls {form}')
     _arity(port, field, fn, n, form)

@@ -4,10 +4,10 @@
   optax transformation and a data source. The suite's own loops (``legacy_pmap/train.py``
   and ``nnx_sharded/train.py``) train both and compare. The built-in workloads are ports
   of this kind (``equivalence.core.port.workloads``): they take no path a user port cannot.
-- ``LoopPort`` (level 2): your own step, the one you ``pmap(scan(...))`` with its
-  ``lax.pmean``, and your own NNX fused call (``jax.jit(lax.scan)`` over split state, or
-  ``nnx.jit(nnx.scan)`` over the objects). The suite lays out one data stream both ways,
-  hands both sides the same keys, places the inputs and compares every leaf.
+- ``LoopPort`` (level 2): your own pmap step, with its ``lax.pmean``, and your own new side:
+  an NNX step or fused call over the objects or over a functional ``TrainState``, or a linen
+  step under ``jax.jit``. The suite lays out one data stream both ways, hands both sides the
+  same keys, places the inputs and compares every leaf.
 
 A batch is any pytree of arrays whose leaves lead with the batch axis; no key is required.
 Both levels go through ``equivalence.core.harness`` and the same comparison and report.
@@ -15,8 +15,10 @@ Both levels go through ``equivalence.core.harness`` and the same comparison and 
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import logging
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -70,35 +72,45 @@ class ModelPort:
 
 @dataclasses.dataclass(frozen=True)
 class LoopPort:
-    """Level 2: your own pmap step and your own NNX fused call; the suite only feeds and compares.
+    """Level 2: your own pmap step and your own new side's step; the suite only feeds and compares.
 
-    The suite initialises ``legacy_model`` once and copies the weights into ``nnx_model``
-    (through ``names``), so both sides start equal; ``legacy_state`` and ``nnx_state`` build
-    your train states from those. Each call gets keys from one host chain: per-device
-    ``[D, 2]`` (pmap: row d on device d; NNX: the same array placed ``P('data')``) or one
-    global key, as ``--rng`` says.
+    The suite initialises ``legacy_model`` once; ``legacy_state`` builds your pmap train state from
+    those variables. The new side is your train state and your step, in any of the forms real code
+    has (``equivalence.core.port.new_side``): the NNX objects ``(model, optimizer)``; a flax ``TrainState``
+    holding ``graphdef`` and an ``nnx.State`` of parameters (functional NNX under ``jax.jit``); or a
+    plain pytree of linen parameters and optax state (linen under ``jax.jit``). With ``nnx_model``
+    the suite copies linen's weights into it (through ``names``) and ``new_state`` builds your train
+    state from that model; without ``nnx_model``, ``new_state`` builds it from linen's variables, as
+    ``legacy_state`` does. Each call gets keys from one host chain: per-device ``[D, 2]`` (pmap: row
+    d on device d; the new side: the same array placed ``P('data')``) or one global key, as
+    ``--rng`` says.
 
     Real steps come as they are written (``equivalence.core.run.adapters``): ``step_form='state'``
     for ``train_step(state, batch) -> (state, metrics)`` (no key, or the key inside the state),
     ``'state_rng'`` for ``train_step(state, batch, rng)`` (a fresh key per step from the host
-    chain), extra arguments bound with ``functools.partial``; ``loss='loss'`` or a function of
-    the metrics reads the loss, and the other metrics are compared as a group of their own.
+    chain; by keyword with ``rng_arg=`` / ``new_rng_arg=``), extra arguments bound with
+    ``functools.partial``; ``loss='loss'`` or a function of the metrics reads the loss, and the
+    other metrics are compared as a group of their own.
+
+    The new side's fields were named ``nnx_state``, ``nnx_call``, ``nnx_step`` and ``nnx_groups``
+    when it had to be NNX; those names still work, as arguments and as attributes (``ALIASES``).
     """
 
     name: str
     legacy_model: Callable[[], Any]  # () -> linen Module, initialised by the suite
-    nnx_model: Callable[[Any], Any]  # (nnx.Rngs) -> nnx Module, then given linen's weights
-    make_data: Callable  # (np.random.Generator, n_steps, global_batch) -> pytree of [n_steps, global_batch, ...]
-    legacy_state: Callable[[dict], Any]  # linen variables -> your train state (one replica; the suite replicates)
-    legacy_step: Callable  # ((rng, state), batch) -> ((rng, state), loss); your pmean over axis_name inside
-    nnx_state: Callable[[Any], Any]  # the NNX model, holding linen's weights -> what your fused call takes
-    nnx_call: Callable | None = None  # (train_state, keys, batch_KxG) -> (train_state, out_K): K steps, one call
+    nnx_model: Callable[[Any], Any] | None = None  # (nnx.Rngs) -> nnx Module given linen's weights; None: no NNX model
+    make_data: Callable = None  # (np.random.Generator, n_steps, global_batch) -> pytree of [n_steps, global_batch, ...]
+    legacy_state: Callable[[dict], Any] = None  # linen variables -> your train state (one replica; replicated)
+    legacy_step: Callable = None  # ((rng, state), batch) -> ((rng, state), loss); your pmean over axis_name inside
+    new_state: Callable[[Any], Any] = None  # the NNX model holding linen's weights (or, without nnx_model, linen's
+    # variables) -> your new train state: NNX objects, a TrainState of graphdef + nnx.State, or a pytree
+    new_call: Callable | None = None  # (train_state, keys, batch_KxG) -> (train_state, out_K): K steps, one call
     init_args: Callable = _batch_only  # (batch of one example) -> positional args of the linen init
     init_kwargs: Callable | None = None  # (batch of one example) -> keyword args of the linen init, as for ModelPort
     axis_name: str = 'batch'  # the pmap axis your step's lax.pmean names
     names: Names = None  # linen -> NNX paths, as for ModelPort
     legacy_groups: Callable | None = None  # your train state -> {group: tree}; None: read its fields by name
-    nnx_groups: Callable | None = None  # your NNX train state -> {group: tree}; None: find model and optimizer
+    new_groups: Callable | None = None  # your new train state -> {group: tree}; None: read it by its form
     default_batch: int = 64
     rng_modes: tuple[str, ...] = ('per-device', 'global')  # what your loops support; the first is the default
     summary: str = ''
@@ -108,11 +120,34 @@ class LoopPort:
     step_form: str = 'carry'  # 'carry' (above); 'state': (state, batch) -> (state, out); 'state_rng': + key
     legacy_loop: str | None = None  # 'steps': pmap(step) K times per call; 'scan': pmap(scan(step)); None: carry->scan
     loss: str | Callable | None = None  # a metrics key, or a function metrics -> loss; None: out is the loss
-    nnx_step: Callable | None = None  # instead of nnx_call: (train_state, batch_G[, key]) -> out or (train_state, out)
+    new_step: Callable | None = None  # instead of new_call: (train_state, batch_G[, key]) -> out or (train_state, out)
     rng_arg: str | None = None  # 'state_rng': the keyword the pmap step takes its key by (dropout_rng=); None: 3rd
+    new_rng_arg: str | None = None  # the same for new_step; None: rng_arg where new_step has it, else the 3rd
 
     def __post_init__(self):
         port_fields.check(self)
+
+
+# The new side's fields under the names they had when it had to be NNX: accepted as arguments (the
+# one given wins over its new name, so ``dataclasses.replace(port, nnx_state=...)`` works) and read as
+# attributes. ``dataclasses.replace`` copies only the fields, so the old names never shadow a new value.
+ALIASES = {'nnx_state': 'new_state', 'nnx_call': 'new_call', 'nnx_groups': 'new_groups', 'nnx_step': 'new_step'}
+
+
+def _accepting_aliases(init: Callable) -> Callable:
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        for old, new in ALIASES.items():
+            if old in kwargs:
+                kwargs[new] = kwargs.pop(old)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+LoopPort.__init__ = _accepting_aliases(LoopPort.__init__)
+for _old, _new in ALIASES.items():
+    setattr(LoopPort, _old, property(operator.attrgetter(_new), doc=f'{_new}, under its former name'))
 
 
 Port = ModelPort | LoopPort

@@ -68,7 +68,7 @@ def _why(name: str, value: Any, metadata: Mapping = MappingProxyType({})) -> str
     if 'rng' in name or 'key' in name:
         return 'a random key, not trained state: the masks drawn from it are bridged, not its bits'
     n = len(jax.tree.leaves(value))
-    return f'{type(value).__name__} ({n} arrays): no NNX counterpart the suite reads (give legacy_groups=, nnx_groups=)'
+    return f'{type(value).__name__} ({n} arrays): no NNX counterpart the suite reads (give legacy_groups=, new_groups=)'
 
 
 def nnx_not_compared(train_state: Any) -> list[str]:
@@ -103,3 +103,8 @@ def align(ref: convert.Neutral, other: convert.Neutral) -> tuple[convert.Neutral
 
 def without(neutral: convert.Neutral, group: str) -> convert.Neutral:
     return {g: t for g, t in neutral.items() if g != group}
+
+
+def why_not_compared(field: dataclasses.Field, value: Any) -> str:
+    """Why a dataclass field of a train state is not compared (``new_side`` reads the new side's by it)."""
+    return _why(field.name, value, field.metadata)

@@ -10,14 +10,16 @@ against given and the fix where one is known:
 - ``make_data``: a generator, non-array or object leaves, leading axes other than
   ``[n_steps, global_batch]`` (``[batch, steps]`` named as such), ragged leaves;
 - ``init_args``, ``init_kwargs``, ``legacy_model``, ``nnx_model``: what building and initialising them raises;
-- a loop port's step in a real form (``step_form``, ``nnx_step``, ``loss``): one step of each side
+- a loop port's step in a real form (``step_form``, ``new_step``, ``loss``): one step of each side
   as ``adapters`` calls it (``preflight/steps.py``): ``(state, out)``, the ``loss`` reader;
-- ``legacy_step`` / ``nnx_call`` (a loop port) or ``legacy_loss`` / ``nnx_loss`` / ``noise`` /
+- ``legacy_step`` / ``new_call`` (a loop port) or ``legacy_loss`` / ``nnx_loss`` / ``noise`` /
   ``make_tx`` (a model port): signatures, return structures, carries that change structure,
   unbound axis names, loss shapes;
-- ``legacy_state`` / ``nnx_state`` and their groups: train states the comparison cannot read
-  (a plain tuple without ``legacy_groups=`` in the carry form, NNX objects without ``nnx_groups=``),
-  and groups of another shape than it reads (``preflight/shapes.py``: ``step`` is ``{'step': x}``).
+- ``legacy_state`` / ``new_state`` and their groups: train states the comparison cannot read
+  (no ``params`` and ``opt_state`` found by name without ``legacy_groups=``, a new train state of
+  no known form without ``new_groups=``), and groups of another shape than it reads
+  (``preflight/shapes.py``: ``step`` is ``{'step': x}``). A pytree train state (``new_side``) is
+  traced as it is, never split.
 """
 
 import jax
@@ -49,7 +51,7 @@ def check(port: Port, config: RunConfig, n_steps: int | None = None) -> None:
         _check_adapted_groups(port, variables)
         return
     old_state = trace_legacy(port, config, variables, batch_KxG)
-    nnx_state = trace_nnx(port, config, batch_KxG)
+    nnx_state = trace_nnx(port, config, batch_KxG, variables)
     if isinstance(port, LoopPort):
         check_groups(port, old_state, nnx_state, variables)
 
@@ -62,7 +64,7 @@ def check_states(port: Port) -> None:
     variables = abstract_variables(port, data)
     check_names(port, variables)
     if isinstance(port, LoopPort) and not _adapted(port):
-        check_groups(port, legacy_state(port, variables), nnx_train_state(port), variables)
+        check_groups(port, legacy_state(port, variables), nnx_train_state(port, variables), variables)
 
 
 def _check_adapted_groups(port: LoopPort, variables: dict) -> None:

@@ -15,7 +15,7 @@ from legacy_pmap import train as legacy
 
 EXPECTED = {
     'legacy_step': 'legacy_step((rng, state), batch) -> ((rng, state), loss)',
-    'nnx_call': 'nnx_call(train_state, keys, batch_KxG) -> (train_state, losses_K)',
+    'new_call': 'new_call(train_state, keys, batch_KxG) -> (train_state, losses_K)',
     'legacy_loss': 'legacy_loss(model, params, model_state, batch, noise) -> losses_B or (losses_B, model_state)',
     'nnx_loss': 'nnx_loss(model, batch, noise) -> losses_B',
 }

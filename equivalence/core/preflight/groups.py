@@ -3,13 +3,13 @@
 from typing import Any
 
 import jax
-from flax import nnx
 
-from equivalence.core.port import convert, naming
+from equivalence.core.port import convert, naming, new_side
 from equivalence.core.port.ports import LoopPort, Port
 from equivalence.core.preflight.data import check_names
 from equivalence.core.preflight.errors import HOST_ONLY, fail, raised
 from equivalence.core.preflight.shapes import check_shapes
+from equivalence.core.preflight.trace import as_traced
 
 
 def check_groups(port: LoopPort, legacy_state: Any, nnx_ts: Any, variables: dict, reader=convert.legacy_groups) -> None:
@@ -23,32 +23,43 @@ def check_groups(port: LoopPort, legacy_state: Any, nnx_ts: Any, variables: dict
         field = 'legacy_groups' if port.legacy_groups else 'legacy_state'
         _check_params(port, field, groups, expect)
         check_shapes(port, field, groups, collections)
-    field = 'nnx_groups' if port.nnx_groups else 'nnx_state'
-    groups = nnx_groups(port, nnx_ts, field)
+    field = 'new_groups' if port.new_groups else 'new_state'
+    groups = new_groups(port, nnx_ts, field)
     if groups is not None:
         _check_params(port, field, groups, {mapping.get(p, p) for p in expect})
         check_shapes(port, field, groups, collections)
 
 
-def nnx_groups(port: LoopPort, nnx_ts: Any, field: str) -> dict | None:
-    """The NNX train state's groups, shapes only; None when reading them runs host code."""
-    graphdef, state = nnx.split(nnx_ts)
-    fn = port.nnx_groups or convert.find_nnx_groups
+def check_new_groups(port: LoopPort, ts: Any, variables: dict) -> None:
+    """The new train state alone (a step form traces it as the adapter builds it)."""
+    mapping = check_names(port, variables)
+    expect = {p for p, (c, _, _) in naming.linen_spec(variables).items() if c == 'params'}
+    field = 'new_groups' if port.new_groups else 'new_state'
+    groups = new_groups(port, ts, field)
+    if groups is not None:
+        _check_params(port, field, groups, {mapping.get(p, p) for p in expect})
+
+
+def new_groups(port: LoopPort, ts: Any, field: str) -> dict | None:
+    """The new train state's groups (abstract), in whatever form (``new_side``), shapes only; None when
+    reading them runs host code."""
+    state, rebuild = as_traced(ts)
+    fn = port.new_groups or new_side.read_groups
     try:
-        return jax.eval_shape(lambda s: fn(nnx.merge(graphdef, s)), state)
+        return jax.eval_shape(lambda s: fn(rebuild(s)), state)
     except HOST_ONLY:  # reads values on the host: only the run can check it
         return None
     except TypeError as e:
-        if port.nnx_groups is not None or 'nnx_groups=' not in str(e):
-            raise raised(port, field, e, 'nnx_groups(train_state) -> {group: tree}') from None
+        if port.new_groups is not None or 'new_groups=' not in str(e):
+            raise raised(port, field, e, 'new_groups(train_state) -> {group: tree}') from None
         raise fail(
             port,
-            'nnx_state',
+            'new_state',
             f'returns what the comparison cannot read: {e} (a function of the train state returning {{"params": ..., '
             '"opt_state": ..., "step": {"step": ...}})',
         ) from None
     except Exception as e:  # noqa: BLE001
-        raise raised(port, field, e, 'nnx_groups(train_state) -> {group: tree}') from None
+        raise raised(port, field, e, 'new_groups(train_state) -> {group: tree}') from None
 
 
 def legacy_groups(port: LoopPort, state: Any, reader=convert.legacy_groups) -> dict:

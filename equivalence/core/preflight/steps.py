@@ -3,23 +3,25 @@ of each side traced with ``jax.eval_shape`` before anything trains.
 
 The pmap side's step is traced under ``jax.vmap`` with the port's ``axis_name`` bound, one row per
 device of this process, exactly the arguments the adapter will hand it (state, one step's batch
-rows, the step's key). The NNX side is traced as the adapter calls it: ``nnx_step`` once on one
-step's global batch, or ``nnx_call`` on K steps. What each returns is then read as the run will
-read it: ``(state, out)``, the state unchanged in structure, and ``loss`` (None, a key or a
-function) giving one loss per step. A step that runs host code (``np.asarray`` of a result) cannot
-be traced: it is left to the run, whose errors are blamed on the port's frame (exit 2).
+rows, the step's key). The new side is traced as the adapter calls it (``adapters.new_step_call``:
+the key by keyword where the step takes it so): ``new_step`` once on one step's global batch, or
+``new_call`` on K steps, over the train state as it is (``trace.as_traced``). What each returns
+is then read as the run will read it: ``(state, out)``, the state unchanged in structure, and
+``loss`` (None, a key or a function) giving one loss per step. A step that runs host code
+(``np.asarray`` of a result) cannot be traced: it is left to the run, whose errors are blamed on
+the port's frame (exit 2).
 """
 
 from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort
 from equivalence.core.preflight.errors import HOST_ONLY, blamed, fail, kind
-from equivalence.core.preflight.trace import legacy_state, nnx_train_state, pair, same_nnx_state
+from equivalence.core.preflight.groups import check_new_groups
+from equivalence.core.preflight.trace import as_traced, legacy_state, nnx_train_state, pair, same_nnx_state
 from equivalence.core.run import randomness
 from equivalence.distributed import rows
 
@@ -37,7 +39,9 @@ def trace_steps(port: LoopPort, config: RunConfig, variables: dict, batch_KxG: A
     from equivalence.core.run import adapters  # adapters builds on the harness, which imports this package
 
     trace_legacy_step(port, config, variables, batch_KxG, adapters)
-    trace_nnx_side(port, config, batch_KxG, adapters)
+    ts = nnx_train_state(port, variables)
+    trace_nnx_side(port, config, batch_KxG, adapters, ts)
+    check_new_groups(port, ts, variables)
 
 
 def trace_legacy_step(port: LoopPort, config: RunConfig, variables: dict, batch_KxG: Any, adapters) -> None:
@@ -65,37 +69,48 @@ def trace_legacy_step(port: LoopPort, config: RunConfig, variables: dict, batch_
     check_loss(port, 'legacy_step', jax.tree.map(lambda s: SDS((k, *s.shape[1:]), s.dtype), out_n), k)
 
 
-def trace_nnx_side(port: LoopPort, config: RunConfig, batch_KxG: Any, adapters) -> None:
-    ts = nnx_train_state(port)
-    graphdef, state = nnx.split(ts)
+def trace_nnx_side(port: LoopPort, config: RunConfig, batch_KxG: Any, adapters, ts: Any) -> None:
+    """One step (or fused call) of the new side over ``ts``, the abstract train state ``nnx_train_state`` built."""
+    state, rebuild = as_traced(ts)  # a pytree train state as it is: its leaves keep their real types
     d, k, mode = config.devices, config.steps_per_call, config.rng_mode
     key = SDS((d, 2) if mode == 'per-device' else (2,), np.uint32)
-    field = 'nnx_step' if port.nnx_step is not None else 'nnx_call'
+    field = 'new_step' if port.new_step is not None else 'new_call'
+    step = adapters.new_step_call(port) if port.new_step is not None else None
 
     def pure(state, keys, batch):
-        ts = nnx.merge(graphdef, state)
-        if port.nnx_step is not None:
-            out = port.nnx_step(ts, batch) if port.step_form == 'state' else port.nnx_step(ts, batch, keys)
+        ts = rebuild(state)
+        if step is not None:
+            out = step(ts, batch, keys)
             new_ts, out = out if adapters.returns_state(out, ts) else (ts, out)
         else:
-            new_ts, out = pair(port, field, port.nnx_call(ts, keys, batch), '(train_state, out_K)')
+            new_ts, out = pair(port, field, port.new_call(ts, keys, batch), '(train_state, out_K)')
         same_nnx_state(port, field, new_ts, state)
         return out
 
-    if port.nnx_step is not None:  # one step, its global batch
+    if step is not None:  # one step, its global batch
         batch, keys = jax.tree.map(lambda v: SDS(v.shape[1:], v.dtype), batch_KxG), key
     elif port.step_form == 'state_rng':  # the fused call: one key per step, stacked
         batch, keys = batch_KxG, SDS((k, *key.shape), key.dtype)
     else:
         batch, keys = batch_KxG, (key if port.step_form == 'carry' else None)
-    with blamed(port, field), randomness.bridged(mode):
+    with blamed(port, field, _new_step_form(port, adapters)), randomness.bridged(mode):
         try:
             out = jax.eval_shape(pure, state, keys, batch)
         except HOST_ONLY:
             return
-    if port.nnx_step is not None:
+    if step is not None:
         out = jax.tree.map(lambda s: SDS((k, *s.shape), s.dtype), out)
     check_loss(port, field, out, k)
+
+
+def _new_step_form(port: LoopPort, adapters) -> str:
+    """How the new step is called, for its one line: ``new_step(train_state, batch, dropout_rng=key)``."""
+    if port.new_step is None:
+        return ''
+    keyword = adapters.new_rng_keyword(port)
+    key = {'state': '', 'state_rng': f', {keyword}=key' if keyword else ', key'}[port.step_form]
+    hint = '' if keyword or port.step_form == 'state' else " (new_rng_arg='dropout_rng' passes it by keyword)"
+    return f'new_step(train_state, batch{key}) -> (train_state, out){hint}'
 
 
 def check_loss(port: LoopPort, field: str, out_K: Any, k: int) -> None:

@@ -6,6 +6,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from equivalence.core.port import new_side
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort, Port
 from equivalence.core.preflight.errors import HOST_ONLY, blamed, fail, kind
@@ -96,12 +97,12 @@ def _check_per_example(port: Port, field: str, losses: Any, b: int, part: str) -
         )
 
 
-def trace_nnx(port: Port, config: RunConfig, batch_KxG: Any) -> Any:
+def trace_nnx(port: Port, config: RunConfig, batch_KxG: Any, variables: dict) -> Any:
     """The NNX call of ``sides.nnx_setup`` in split form, traced once; the abstract train state."""
     d, mode = config.devices, config.rng_mode
     keys = jax.ShapeDtypeStruct((d, 2) if mode == 'per-device' else (2,), np.uint32)
     if isinstance(port, LoopPort):
-        return trace_nnx_loop(port, config, keys, batch_KxG)
+        return trace_nnx_loop(port, config, keys, batch_KxG, variables)
     tx = make_tx(port)
     with blamed(port, 'nnx_model', 'nnx_model(rngs) -> nnx.Module'):
         ts = nnx.eval_shape(lambda: sharded.TrainState(port.nnx_model(nnx.Rngs(0)), tx, port.ema_rate))
@@ -114,31 +115,44 @@ def trace_nnx(port: Port, config: RunConfig, batch_KxG: Any) -> Any:
     return ts
 
 
-def nnx_train_state(port: LoopPort) -> Any:
-    with blamed(port, 'nnx_state', 'nnx_state(nnx_model) -> your NNX train state'):
-        ts = nnx.eval_shape(lambda: port.nnx_state(port.nnx_model(nnx.Rngs(0))))
-        variables = jax.tree.leaves(nnx.state(ts))
-    if not variables:
-        raise fail(port, 'nnx_state', f'returned {kind(ts)} holding no NNX variables; expected your NNX train state')
+def nnx_train_state(port: LoopPort, variables: dict) -> Any:
+    """The port's new train state, shapes only, built as the run builds it (``setups.new_source``):
+    from the abstract NNX model holding linen's weights, or from linen's abstract variables."""
+    with blamed(port, 'new_state', 'new_state(nnx_model or, without one, linen_variables) -> your new train state'):
+        if port.nnx_model is None:
+            ts = jax.eval_shape(port.new_state, variables)
+        else:
+            ts = nnx.eval_shape(lambda: port.new_state(port.nnx_model(nnx.Rngs(0))))
+        arrays = jax.tree.leaves(nnx.state(ts) if new_side.form(ts) == new_side.OBJECTS else ts)
+    if not arrays:
+        raise fail(port, 'new_state', f'returned {kind(ts)} holding no arrays; expected your new train state')
     return ts
 
 
-def trace_nnx_loop(port: LoopPort, config: RunConfig, keys: Any, batch_KxG: Any) -> Any:
-    ts = nnx_train_state(port)
+def as_traced(ts: Any) -> tuple[Any, Any]:
+    """``(what a trace takes, rebuild)``: NNX objects split into their state (merged back inside the
+    trace); a pytree train state as it is, so that every leaf reaches the user's code with its real
+    type (a ``TrainState``'s plain-array ``step`` stays an array: ``jax.eval_shape`` over the pytree)."""
+    if new_side.form(ts) == new_side.PYTREE:
+        return ts, lambda state: state
     graphdef, state = nnx.split(ts)
+    return state, lambda state: nnx.merge(graphdef, state)
+
+
+def trace_nnx_loop(port: LoopPort, config: RunConfig, keys: Any, batch_KxG: Any, variables: dict) -> Any:
+    ts = nnx_train_state(port, variables)
+    state, rebuild = as_traced(ts)
 
     def pure(state, keys, batch):
-        new_ts, losses_K = pair(
-            port, 'nnx_call', port.nnx_call(nnx.merge(graphdef, state), keys, batch), '(train_state, losses_K)'
-        )
-        return same_nnx_state(port, 'nnx_call', new_ts, state), losses_K
+        new_ts, losses_K = pair(port, 'new_call', port.new_call(rebuild(state), keys, batch), '(train_state, losses_K)')
+        return same_nnx_state(port, 'new_call', new_ts, state), losses_K
 
-    with blamed(port, 'nnx_call'), randomness.bridged(config.rng_mode):
+    with blamed(port, 'new_call'), randomness.bridged(config.rng_mode):
         try:
             _, losses_K = jax.eval_shape(pure, state, keys, batch_KxG)
         except HOST_ONLY:  # host-side code in the call: it runs eagerly, and only the run can check it
             return ts
-    check_losses(port, 'nnx_call', losses_K, (config.steps_per_call,), 'one mean loss per step, shape [K]')
+    check_losses(port, 'new_call', losses_K, (config.steps_per_call,), 'one mean loss per step, shape [K]')
     return ts
 
 
@@ -151,16 +165,20 @@ def pair(port: Port, field: str, out: Any, expected: str) -> tuple[Any, Any]:
 
 
 def same_nnx_state(port: Port, field: str, new_ts: Any, state: Any) -> Any:
-    """The NNX state of the train state ``field`` returned, which must have the structure of ``state``."""
-    try:
-        new_state = nnx.state(new_ts)
-    except Exception:  # noqa: BLE001 -- not NNX objects at all
-        raise fail(
-            port,
-            field,
-            f'returned a train state of type {type(new_ts).__name__}; expected the '
-            'train state it was given (its NNX objects)',
-        ) from None
+    """What ``as_traced`` makes of the train state ``field`` returned, which must have the structure of
+    ``state`` (the one it was given): its NNX state, or the pytree itself."""
+    if new_side.form(state) == new_side.PYTREE and new_side.form(new_ts) == new_side.PYTREE:
+        new_state = new_ts
+    else:
+        try:
+            new_state = nnx.state(new_ts)
+        except Exception:  # noqa: BLE001 -- not NNX objects at all
+            raise fail(
+                port,
+                field,
+                f'returned a train state of type {type(new_ts).__name__}; expected the '
+                'train state it was given (its NNX objects)',
+            ) from None
     if jax.tree.structure(new_state) != jax.tree.structure(state):
         raise fail(port, field, 'returned a train state of another structure than the one it was given')
     return new_state

@@ -4,7 +4,7 @@ pmap-era code rarely pmaps a scan. It pmaps one step, ``jax.pmap(train_step, axi
 with ``train_step(state, batch[, rng]) -> (state, metrics)``, binds extra arguments with
 ``functools.partial`` and calls it once per step from a host loop. The loss is one entry of the
 metrics, or a function of them (``metrics['loss'] / metrics['denominator']``). A ``LoopPort``
-takes such a step as it is (``step_form``, ``loss``, ``legacy_loop``, ``nnx_step``); this
+takes such a step as it is (``step_form``, ``loss``, ``legacy_loop``, ``new_step``); this
 module turns it into the setups the harness drives, so nothing of it leaks into the harness:
 
 - ``step_form='state'``: ``step(state, batch) -> (state, out)``: no key, or the key inside the state;
@@ -23,6 +23,7 @@ not the global value on the pmap side: it is listed as not compared, with that r
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -50,7 +51,7 @@ def adapted(port: Any) -> bool:
     """Whether a port needs this module: a loop port with a step form, a loss reader or a one-step NNX side."""
     if not isinstance(port, LoopPort):
         return False
-    return port.step_form != 'carry' or port.loss is not None or port.nnx_step is not None
+    return port.step_form != 'carry' or port.loss is not None or port.new_step is not None
 
 
 def legacy_loop(port: LoopPort) -> str:
@@ -66,34 +67,34 @@ def check(port: LoopPort) -> None:
         raise ConfigError(f'{where}: legacy_loop {port.legacy_loop!r} is not one of {", ".join(LOOPS)}')
     if port.step_form == 'carry' and legacy_loop(port) != 'scan':
         raise ConfigError(f"{where}: a 'carry' step returns its key chain: it runs under scan (legacy_loop='scan')")
-    if (port.nnx_call is None) == (port.nnx_step is None):
-        raise ConfigError(f'{where}: give exactly one of nnx_call (K steps per call) and nnx_step (one step)')
-    if port.nnx_step is not None and port.step_form == 'carry':
-        raise ConfigError(f"{where}: nnx_step takes step_form 'state' or 'state_rng'; a 'carry' port gives nnx_call")
+    if (port.new_call is None) == (port.new_step is None):
+        raise ConfigError(f'{where}: give exactly one of new_call (K steps per call) and new_step (one step)')
+    if port.new_step is not None and port.step_form == 'carry':
+        raise ConfigError(f"{where}: new_step takes step_form 'state' or 'state_rng'; a 'carry' port gives new_call")
     if port.loss is not None and not (isinstance(port.loss, str) or callable(port.loss)):
         raise ConfigError(f'{where}: loss must be a metrics key or a function of the metrics, got {port.loss!r}')
 
 
 def one_program_each(port: Any, command: str) -> None:
     """explain and bench read one compiled call per side: a step run once per step has none (exit 2)."""
-    if adapted(port) and (legacy_loop(port) == 'steps' or port.nnx_step is not None):
+    if adapted(port) and (legacy_loop(port) == 'steps' or port.new_step is not None):
         raise ConfigError(
             f'{command} reads one compiled call per side; port {port.name!r} runs its step once per step: '
-            "give it legacy_loop='scan' and nnx_call= (K steps in one call) to use it here"
+            "give it legacy_loop='scan' and new_call= (K steps in one call) to use it here"
         )
 
 
 def programs(port: LoopPort) -> tuple[str, str]:
     """How each side's K steps ran, for the report's header: ``('pmap(step) x K', 'sharded scan')``."""
     legacy_run = 'pmap(step) x K' if legacy_loop(port) == 'steps' else 'pmap(scan)'
-    return legacy_run, 'nnx_step x K' if port.nnx_step is not None else 'sharded scan'
+    return legacy_run, 'new_step x K' if port.new_step is not None else 'sharded scan'
 
 
 def describe(port: LoopPort) -> str:
     """One line for the report: how the team's step ran on each side."""
     form = {'carry': '((rng, state), batch)', 'state': '(state, batch)', 'state_rng': '(state, batch, rng)'}
     run = 'pmap(step) called K times per call' if legacy_loop(port) == 'steps' else 'pmap(scan(step))'
-    nnx_run = 'nnx_step called K times per call' if port.nnx_step is not None else 'nnx_call, K steps per call'
+    nnx_run = 'new_step called K times per call' if port.new_step is not None else 'new_call, K steps per call'
     loss = 'the output' if port.loss is None else (repr(port.loss) if isinstance(port.loss, str) else 'loss=function')
     return f'loop port: step{form[port.step_form]} as {run}; NNX {nnx_run}; loss read from {loss}'
 
@@ -218,6 +219,43 @@ def _carry_step(step: Callable, state, batch, key):
     return state, out
 
 
+def new_rng_keyword(port: LoopPort) -> str | None:
+    """The keyword ``new_step`` takes its key by: ``new_rng_arg``; else ``rng_arg`` where the new step
+    has a parameter of that name that is not its third positional one (upstream calls it
+    ``dropout_rng`` on both sides, and ``functools.partial`` binding the arguments before it leaves
+    it keyword-only); else None, the third positional argument (a ``jax.jit`` with ``in_shardings``
+    takes no keyword arguments)."""
+    if port.step_form != 'state_rng' or port.new_step is None:
+        return None
+    if port.new_rng_arg:
+        return port.new_rng_arg
+    positional, names = _parameters(port.new_step)
+    if port.rng_arg and port.rng_arg in names and positional[2:3] != [port.rng_arg]:
+        return port.rng_arg
+    return None
+
+
+def _parameters(fn: Callable) -> tuple[list[str], set[str]]:
+    """``(positional parameter names, all parameter names)`` of ``fn``'s signature; none when it has none."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a callable with no signature to read: it takes the key positionally
+        return [], set()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in params if p.kind in kinds], {p.name for p in params}
+
+
+def new_step_call(port: LoopPort) -> Callable:
+    """``(train_state, batch, key) -> whatever new_step returns``, as the new step is called: no key
+    (``'state'``), the key by keyword (``new_rng_keyword``) or third."""
+    if port.step_form == 'state':
+        return lambda ts, batch, key: port.new_step(ts, batch)
+    keyword = new_rng_keyword(port)
+    if keyword:
+        return lambda ts, batch, key: port.new_step(ts, batch, **{keyword: key})
+    return lambda ts, batch, key: port.new_step(ts, batch, key)
+
+
 def legacy_program(port: LoopPort, devices) -> Callable:
     """``run(pstate, batch_nxK, keys) -> (pstate, out_nxK)``: pmap(step) K times, or pmap(scan(step))."""
     one = one_step(port)
@@ -303,7 +341,7 @@ class StepNnxSetup(setups.NnxLoopSetup):
         keys = None
         if self.port.step_form == 'state_rng':
             rng, keys = step_keys(sharded.next_call_keys, rng, n, mode, k)
-        if self.port.nnx_step is None:  # the user's fused call: one key per step, stacked
+        if self.port.new_step is None:  # the user's fused call: one key per step, stacked
             stacked = None if keys is None else sharding.put(jnp.stack(keys), sharding.replicated(self.mesh))
             return rng, (stacked, sharding.place_batch(batch_KxG, self.mesh))
         rows_ = NamedSharding(self.mesh, P(sharding.DATA))
@@ -313,24 +351,44 @@ class StepNnxSetup(setups.NnxLoopSetup):
 
     def call(self, args: tuple) -> np.ndarray:
         with randomness.bridged(self.config.rng_mode):
-            out_K = self._fused(*args) if self.port.nnx_step is None else self._steps(*args)
+            try:
+                out_K = self._fused(*args) if self.port.new_step is None else self._steps(*args)
+            except ValueError as e:
+                if PINNED not in str(e):
+                    raise
+                raise pinned(self.port, self.mesh, e) from None
         losses_K, metrics = read_output(self.port, jax.tree.map(np.asarray, out_K))
         self.metrics.append(metrics)
         return losses_K
 
     def _fused(self, keys, batch_KxG):
-        self.train_state, out_K = self.port.nnx_call(self.train_state, keys, batch_KxG)
+        self.train_state, out_K = self.port.new_call(self.train_state, keys, batch_KxG)
         return out_K
 
     def _steps(self, keys: list, batches: list):
-        outs = []
+        outs, step = [], new_step_call(self.port)
         for key, batch in zip(keys, batches, strict=True):
-            args = (batch,) if self.port.step_form == 'state' else (batch, key)
-            out = self.port.nnx_step(self.train_state, *args)
+            out = step(self.train_state, batch, key)
             if returns_state(out, self.train_state):
                 self.train_state, out = out
             outs.append(jax.tree.map(np.asarray, jax.block_until_ready(out)))
         return jax.tree.map(lambda *a: np.stack(a), *outs)
+
+
+PINNED = 'does not match the sharding on the respective arg'  # jax.jit's in_shardings against placed inputs
+
+
+def pinned(port: LoopPort, mesh, error: ValueError) -> ConfigError:
+    """A new step whose ``jax.jit`` names its own shardings (a mesh built from ``jax.devices()`` at import)
+    run on a mesh of other devices: the port's, exit 2, with the two ways to run it."""
+    field = 'new_step' if port.new_step is not None else 'new_call'
+    n, seen = mesh.size, len(jax.devices())
+    clause = str(error).split('. Got ', 1)[-1].splitlines()[0][:200]
+    return ConfigError(
+        f'port {port.name!r}: {field} is a jax.jit pinned to its own shardings ({clause}); the suite placed its '
+        f'inputs on {n} of the {seen} devices this process sees: run it with --devices {seen}, or in a process '
+        f'that sees {n} devices (JAX_NUM_CPU_DEVICES={n} on CPU)'
+    )
 
 
 def returns_state(out: Any, train_state: Any) -> bool:
@@ -347,5 +405,6 @@ def _is_object(x) -> bool:
     return isinstance(x, nnx.Pytree)
 
 
-def nnx_setup(port: LoopPort, config: RunConfig, model: nnx.Module, mesh) -> StepNnxSetup:
-    return StepNnxSetup(port, sharding.place_objects(port.nnx_state(model), mesh), mesh, config)
+def nnx_setup(port: LoopPort, config: RunConfig, source: Any, mesh) -> StepNnxSetup:
+    """``source``: what ``new_state`` takes (``setups.new_source``: the NNX model, or linen's variables)."""
+    return StepNnxSetup(port, sharding.place_objects(port.new_state(source), mesh), mesh, config)

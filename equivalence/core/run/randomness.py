@@ -83,7 +83,8 @@ def _linen_interceptor(next_fun, args, kwargs, context):
             raise PortError(f'the linen {module.name} draws from the {stream!r} stream, but no key was given')
         return module.scope.rngs[module.rng_collection].rng  # the root key given to apply(rngs=...)
 
-    return _apply(x, module.rate, module.broadcast_dims, deterministic, key, legacy_side=True)
+    # linen under pmap, or linen under jax.jit as a loop port's new side: the bridge knows which (its axis)
+    return _apply(x, module.rate, module.broadcast_dims, deterministic, key, legacy_side=bridge.axis_name is not None)
 
 
 def _nnx_dropout_call(self, inputs, *, deterministic=None, rngs=None):

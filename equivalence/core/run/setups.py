@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from equivalence.core.port import convert, naming
+from equivalence.core.port import convert, naming, new_side
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort, ModelPort, Port, init_inputs
 from equivalence.core.run import randomness
@@ -61,26 +61,34 @@ def input_rows(config: RunConfig) -> rows.Rows:
     return rows.hull(rows.pmap_rows(config.devices, g), held)
 
 
-def abstract_model(port: Port) -> nnx.Module:
-    """The port's NNX model with shapes and dtypes only: what checks read, nothing allocated."""
+def abstract_model(port: Port) -> nnx.Module | None:
+    """The port's NNX model with shapes and dtypes only: what checks read, nothing allocated. None
+    for a loop port without one (its new side is built from linen's variables)."""
+    if port.nnx_model is None:
+        return None
     return nnx.eval_shape(lambda: port.nnx_model(nnx.Rngs(0)))
 
 
 def check_names(port: Port, variables: dict) -> dict[str, str]:
     """``{linen path: NNX path}`` for every variable, from an abstract NNX model (nothing is
-    allocated); ``naming.PortError`` (exit 2) when the two sides do not pair."""
+    allocated); ``naming.PortError`` (exit 2) when the two sides do not pair. Without an NNX
+    model the new side keeps linen's names: ``{}``."""
     abstract = abstract_model(port)
+    if abstract is None:
+        return {}
     return naming.resolve(naming.linen_spec(variables), naming.nnx_spec(abstract), port.names)
 
 
 def has_batch_stats(port: Port) -> bool:
     abstract = abstract_model(port)
-    return any(isinstance(node, nnx.BatchStat) for _, node in nnx.iter_graph(abstract))
+    return abstract is not None and any(isinstance(node, nnx.BatchStat) for _, node in nnx.iter_graph(abstract))
 
 
 def uses_dropout(port: Port) -> bool:
     """Whether the NNX model has Dropout or attention layers (then the suite hands both sides dropout keys)."""
     abstract = abstract_model(port)
+    if abstract is None:
+        return False
     return any(isinstance(node, nnx.Dropout | nnx.MultiHeadAttention) for _, node in nnx.iter_graph(abstract))
 
 
@@ -217,7 +225,7 @@ class NnxLoopSetup:
     """A loop port's NNX side: the user's fused call over the user's train state."""
 
     port: LoopPort
-    train_state: Any  # whatever port.nnx_state returned, placed on the mesh
+    train_state: Any  # whatever port.new_state returned, placed on the mesh
     mesh: Any
     config: RunConfig
 
@@ -226,24 +234,31 @@ class NnxLoopSetup:
 
     def call(self, args: tuple) -> np.ndarray:
         with randomness.bridged(self.config.rng_mode):
-            self.train_state, losses_K = self.port.nnx_call(self.train_state, *args)
+            self.train_state, losses_K = self.port.new_call(self.train_state, *args)
         return np.asarray(losses_K)
 
     def neutral(self) -> convert.Neutral:
-        groups = self.port.nnx_groups or convert.find_nnx_groups
+        groups = self.port.new_groups or new_side.read_groups
         return convert.groups_to_neutral(gather.to_host(groups(self.train_state)))
 
     def as_pure_call(self) -> tuple[Callable, Any]:
         """``(jax.jit(call over split state), typed state)``: the user's call as one program whose
-        inputs are arrays, so that explain can lower it and name every input."""
+        inputs are arrays, so that explain can lower it and name every input. A pytree train state
+        (``new_side``) is such an input as it is."""
+        if new_side.form(self.train_state) == new_side.PYTREE:
+            return jax.jit(self._pure_pytree_call, keep_unused=True), self.train_state
         graphdef, state = nnx.split(self.train_state)
 
         def pure(state, keys, batch_KxG):
             with randomness.bridged(self.config.rng_mode):
-                ts, losses_K = self.port.nnx_call(nnx.merge(graphdef, state), keys, batch_KxG)
+                ts, losses_K = self.port.new_call(nnx.merge(graphdef, state), keys, batch_KxG)
             return nnx.state(ts), losses_K
 
         return jax.jit(pure, keep_unused=True), state  # a key the call ignores is an input too (FACTS.md)
+
+    def _pure_pytree_call(self, train_state, keys, batch_KxG):
+        with randomness.bridged(self.config.rng_mode):
+            return self.port.new_call(train_state, keys, batch_KxG)
 
 
 def nnx_mesh(config: RunConfig):

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from equivalence.core.port import convert, states
+from equivalence.core.port import convert, new_side, states
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort, Port
 from equivalence.core.run import adapters, randomness
@@ -107,7 +107,7 @@ def run_nnx(
     result.placement, result.mesh = getattr(setup, 'decisions', []), dict(setup.mesh.shape)
     result.metrics = loop_metrics(setup)
     if isinstance(port, LoopPort):
-        result.notes = states.nnx_not_compared(setup.train_state)
+        result.notes = new_side.not_compared(setup.train_state)
     if getattr(port, 'eval_data', None) is not None:
         data = port.eval_data()
         logits = port.nnx_predict(setup.model, data['x'])
@@ -180,18 +180,34 @@ def legacy_setup(port: Port, config: RunConfig, variables: dict) -> LegacySetup:
     return LegacySetup(legacy.make_fused_call(step, devices), pstate, config)
 
 
+def new_source(port: LoopPort, variables: dict) -> Any:
+    """What a loop port's ``new_state`` takes: its NNX model holding linen's weights, or, for a port
+    without an NNX model, linen's variables (``new_side``)."""
+    if port.nnx_model is None:
+        return variables
+    model = port.nnx_model(nnx.Rngs(0))
+    convert.load_linen_variables(model, variables, check_names(port, variables))
+    return model
+
+
+def loop_new_side(port: LoopPort, config: RunConfig, variables: dict, mesh) -> Any:
+    """A loop port's new side on ``mesh``, whatever the form of its train state: its setup."""
+    source = new_source(port, variables)
+    if adapters.adapted(port):
+        return adapters.nnx_setup(port, config, source, mesh)
+    return NnxLoopSetup(port, sharding.place_objects(port.new_state(source), mesh), mesh, config)
+
+
 def nnx_setup(port: Port, config: RunConfig, variables: dict) -> NnxSetup | NnxGraphSetup | NnxLoopSetup:
     """The NNX side placed by ``config.strategy`` (``nnx_sharded/sharding.py``), in ``config.nnx_form``.
 
     The step is the same for every strategy: only the annotations on the parameters change.
     """
     mesh = nnx_mesh(config)
+    if isinstance(port, LoopPort):
+        return loop_new_side(port, config, variables, mesh)
     model = port.nnx_model(nnx.Rngs(0))
     convert.load_linen_variables(model, variables, check_names(port, variables))
-    if isinstance(port, LoopPort) and adapters.adapted(port):
-        return adapters.nnx_setup(port, config, model, mesh)
-    if isinstance(port, LoopPort):
-        return NnxLoopSetup(port, sharding.place_objects(port.nnx_state(model), mesh), mesh, config)
     decisions = sharding.decide(model, config.strategy, mesh)
     sharding.annotate(model, decisions)
     graphdef, state = sharded.create_state(model, port.make_tx(1.0 + config.perturb), port.ema_rate)

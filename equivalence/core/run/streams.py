@@ -37,7 +37,7 @@ from equivalence.core.port.naming import PortError
 from equivalence.core.run import masks
 
 
-def _weights(original: Callable, legacy_side: bool) -> Callable:
+def _weights(original: Callable, legacy_side: bool | None) -> Callable:
     """``dot_product_attention_weights`` with the layer's softmax and the bridge's dropout mask."""
     signature = inspect.signature(original)
 
@@ -54,7 +54,8 @@ def _weights(original: Callable, legacy_side: bool) -> Callable:
         broadcast = given.get('broadcast_dropout', True)
         shape = [1] * (w.ndim - 2) + list(w.shape[-2:]) if broadcast else list(w.shape)
         key_fn = bridge.attention_key if bridge.attention_key is not None else (lambda: given['dropout_rng'])
-        keep_mask = masks.mask(shape, keep, key_fn, legacy_side, w.shape[0], shared=broadcast)
+        side = bridge.axis_name is not None if legacy_side is None else legacy_side  # linen: pmap or jax.jit
+        keep_mask = masks.mask(shape, keep, key_fn, side, w.shape[0], shared=broadcast)
         return w * (keep_mask.astype(w.dtype) / jnp.asarray(keep, dtype=w.dtype))
 
     return weights
@@ -145,7 +146,7 @@ def patched() -> Iterator[None]:
     ]
     originals = [getattr(owner, name) for owner, name in saved]
     replacements = [
-        _weights(originals[0], legacy_side=True),
+        _weights(originals[0], legacy_side=None),
         _weights(originals[1], legacy_side=False),
         _nnx_attention_call(originals[2]),
         _make_rng(originals[3]),

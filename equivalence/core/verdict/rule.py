@@ -204,7 +204,7 @@ def details(leaves: list[LeafDiff], n: int = 3) -> str:
 def bookkeeping_line(sided: list[LeafDiff]) -> str:
     fields = ', '.join(f'{leaf.name} only on the {leaf.one_sided} side' for leaf in sided)
     return (
-        f"{fields}: nothing numeric differs here; map the field (the port's legacy_groups / nnx_groups), "
+        f"{fields}: nothing numeric differs here; map the field (the port's legacy_groups / new_groups), "
         'or keep it on both sides'
     )
 
