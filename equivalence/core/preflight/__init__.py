@@ -69,7 +69,7 @@ def check_states(port: Port) -> None:
 
 def _check_adapted_groups(port: LoopPort, variables: dict) -> None:
     """A step form's train states read as its run reads them (``states.legacy_groups``: tuples too)."""
-    check_groups(port, legacy_state(port, variables), nnx_train_state(port), variables, states.legacy_groups)
+    check_groups(port, legacy_state(port, variables), nnx_train_state(port, variables), variables, states.legacy_groups)
 
 
 def _adapted(port: Port) -> bool:
