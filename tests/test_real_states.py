@@ -139,5 +139,5 @@ def holder_step(ts: Holder, batch):
 def test_an_nnx_train_state_the_comparison_cannot_read_is_refused_before_training():
     require_devices(2)
     port = dataclasses.replace(STRUCT, nnx_state=Holder, nnx_step=holder_step)
-    with pytest.raises(preflight.PreflightError, match="port 'struct state': nnx_state returns what the comparison"):
+    with pytest.raises(preflight.PreflightError, match="port 'struct state': new_state returns what the comparison"):
         preflight.check(port, harness_config(port))
