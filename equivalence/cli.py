@@ -22,6 +22,7 @@ from equivalence.core.port.config import ConfigError
 
 EXIT_MATCH, EXIT_MISMATCH, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 EXIT_WORKER_DIED = 4  # several processes: a worker died or could not join (equivalence.distributed)
+EXIT_NOT_VERIFIED = 5  # run: every leaf compares, but where a slip would hide is noise (verdict.not_verified)
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports it
 INJECT_INTERNAL_ERROR = 'EQUIVALENCE_INJECT_INTERNAL_ERROR'  # tests only: '1' raises once the flags are valid
 INTERNAL = 'internal error: a bug in this suite, not a verdict on the port'
@@ -29,7 +30,7 @@ INTERNAL = 'internal error: a bug in this suite, not a verdict on the port'
 Inputs = TypeVar('Inputs')
 
 
-def exit_codes(ok: str, mismatch: str | None = None, workers: bool = True) -> str:
+def exit_codes(ok: str, mismatch: str | None = None, workers: bool = True, unverified: str | None = None) -> str:
     """The exit-code paragraph of a command's ``--help``."""
     lines = ['exit codes:', f'  0  {ok}']
     lines += [f'  1  {mismatch}'] if mismatch else []
@@ -40,6 +41,7 @@ def exit_codes(ok: str, mismatch: str | None = None, workers: bool = True) -> st
         '     file holding the traceback',
     ]
     lines += ['  4  several processes: a worker died or could not join (one line naming it)'] if workers else []
+    lines += [f'  5  {unverified}'] if unverified else []
     return '\n'.join(lines)
 
 

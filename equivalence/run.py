@@ -6,7 +6,12 @@ import warnings
 from equivalence import cli, distributed
 from equivalence.checkpoint import options as checkpoint_options
 
-EXIT_CODES = cli.exit_codes('every leaf and loss matches', 'a leaf or loss is outside tolerance (MISMATCH)')
+EXIT_CODES = cli.exit_codes(
+    'every leaf and loss matches',
+    'a leaf or loss is outside tolerance (MISMATCH)',
+    unverified='NOT VERIFIED: every leaf is within its floor, but more than 10% of the parameters, the output\n'
+    '     layer or the losses are noise-dominated: a slip there would pass unseen (docs/verdict.md)',
+)
 
 
 def parse(argv: list[str] | None):
@@ -75,14 +80,21 @@ def work(validated) -> int:
         bar.close()
     print(render.text(result, jax.default_backend()))
     if not distributed.reports():  # several processes: process 0 writes the files
-        return cli.EXIT_MATCH if result.report.match else cli.EXIT_MISMATCH
+        return exit_code(result.report)
     if args.json is not None:
         output.write_json(args.json, render.to_json(result, render.versions()))
     if args.plot is not None:
         from equivalence.core.report import plots
 
         print('wrote ' + ', '.join(plots.write(result, args.plot)))
-    return cli.EXIT_MATCH if result.report.match else cli.EXIT_MISMATCH
+    return exit_code(result.report)
+
+
+def exit_code(report) -> int:
+    """0 MATCH, 5 NOT VERIFIED (every leaf compares, too much of it is noise), 1 MISMATCH."""
+    if report.match:
+        return cli.EXIT_MATCH
+    return cli.EXIT_NOT_VERIFIED if report.unverified else cli.EXIT_MISMATCH
 
 
 def main(argv: list[str] | None = None) -> int:

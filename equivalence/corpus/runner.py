@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from equivalence.corpus.entry import Entry
 from equivalence.devices import release_compiled_programs
 
-VERDICTS = ('MATCH', 'MISMATCH', 'ERROR')
+VERDICTS = ('MATCH', 'MISMATCH', 'NOT VERIFIED', 'ERROR')
 LADDER = (1e-3, 3e-4, 1e-4, 3e-5, 1e-5, 3e-6, 1e-6, 3e-7, 1e-7)  # --perturb levels, walked down to the first miss
 SENSITIVITY_DEVICES = 8  # issue 16: the smallest --perturb detected at D=8 on mlp
 
@@ -37,7 +37,7 @@ class Case:
     expected_kind: str | None  # slips: the diagnosis kind the verdict should name
     devices: int
     seed: int
-    verdict: str  # 'MATCH', 'MISMATCH' or 'ERROR'
+    verdict: str  # 'MATCH', 'MISMATCH', 'NOT VERIFIED' or 'ERROR'
     kind: str | None  # the diagnosis kind the verdict named; None: it named none
     seconds: float
     detail: str = ''  # the worst leaf, or the error
@@ -56,8 +56,9 @@ class Case:
 
     @property
     def wrong(self) -> bool:
-        """A correct port that MISMATCHes, a slip that MATCHes or is misdiagnosed, or an error."""
-        if self.verdict == 'ERROR':
+        """A correct port that does not MATCH, a slip that does not MISMATCH or is misdiagnosed, or an
+        error: NOT VERIFIED is never the right verdict on an entry whose truth is known."""
+        if self.verdict in ('ERROR', 'NOT VERIFIED'):
             return True
         if self.truth == 'correct':
             return self.verdict == 'MISMATCH'
@@ -110,7 +111,7 @@ def run_case(entry: Entry, devices: int, seed: int, **overrides) -> Case:
     start = time.perf_counter()
     try:
         result = equivalence.check(entry.port, devices=devices, seed=seed, **{**entry.flags, **overrides})
-        verdict = 'MATCH' if result.report.match else 'MISMATCH'
+        verdict = 'MATCH' if result.report.match else ('NOT VERIFIED' if result.report.unverified else 'MISMATCH')
         kind, detail = diagnosis_kind(result), worst_leaf(result.report)
         judged = getattr(result, 'verdict', None)
         said = {'twin': getattr(judged, 'twin', '') or '', 'done': '; '.join(getattr(judged, 'done', ()))}

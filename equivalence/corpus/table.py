@@ -11,9 +11,9 @@ from equivalence.corpus.sensitivity import Sensitivity
 def matrix(cases: list[Case]) -> list[str]:
     counts = confusion(cases)
     lines = ['confusion matrix (one case = one port, one device count, one seed)', '', f'{"":<16}{"verdict:":>9}']
-    lines[-1] += ''.join(f'{v:>10}' for v in VERDICTS)
+    lines[-1] += ''.join(f'{v:>14}' for v in VERDICTS)
     for truth in ('correct', 'slip'):
-        lines.append(f'{"truth " + truth:<25}' + ''.join(f'{counts[truth, v]:>10}' for v in VERDICTS))
+        lines.append(f'{"truth " + truth:<25}' + ''.join(f'{counts[truth, v]:>14}' for v in VERDICTS))
     return lines
 
 
@@ -28,14 +28,15 @@ def entry_row(entry: Entry, cases: list[Case]) -> str:
     first = f'  D={wrong[0].devices} seed {wrong[0].seed}: {wrong[0].detail}' if wrong else ''
     return (
         f'{entry.name:<18} {entry.truth:<8} {entry.kind or "-":<10} {len(runs):>4} {n["MATCH"]:>5} {n["MISMATCH"]:>8}'
-        f' {n["ERROR"]:>5} {len(wrong):>5}  {kinds:<10} {statistics.median(seconds):>6.1f} {sum(seconds):>7.0f}{first}'
+        f' {n["NOT VERIFIED"]:>7} {n["ERROR"]:>5} {len(wrong):>5}  {kinds:<10} {statistics.median(seconds):>6.1f}'
+        f' {sum(seconds):>7.0f}{first}'
     )
 
 
 def entry_rows(entries: list[Entry], cases: list[Case]) -> list[str]:
     head = (
-        f'{"entry":<18} {"truth":<8} {"expect":<10} {"runs":>4} {"MATCH":>5} {"MISMATCH":>8} {"ERROR":>5} '
-        f'{"wrong":>5}  {"kinds":<10} {"med s":>6} {"total s":>7}  first wrong run'
+        f'{"entry":<18} {"truth":<8} {"expect":<10} {"runs":>4} {"MATCH":>5} {"MISMATCH":>8} {"UNVERIF":>7} '
+        f'{"ERROR":>5} {"wrong":>5}  {"kinds":<10} {"med s":>6} {"total s":>7}  first wrong run'
     )
     return [head, *(entry_row(e, cases) for e in entries)]
 
@@ -61,6 +62,7 @@ def summary(cases: list[Case], s: Sensitivity | None) -> str:
         'correct -> MISMATCH': sum(c.truth == 'correct' and c.verdict == 'MISMATCH' for c in wrong),
         'slip -> MATCH': sum(c.verdict == 'MATCH' for c in wrong),
         'slip -> wrong kind': sum(c.wrong_kind for c in wrong),
+        'NOT VERIFIED': sum(c.verdict == 'NOT VERIFIED' for c in wrong),
         'ERROR': sum(c.verdict == 'ERROR' for c in wrong),
     }
     named = sum(c.kind is not None for c in cases if c.verdict == 'MISMATCH')

@@ -30,7 +30,7 @@ from equivalence.core.port.config import ConfigError
 
 POLL_S = 0.1  # how often the launcher looks at its workers
 ENDING_TOGETHER_S = 20  # workers that finished normally leave within a shutdown barrier of each other
-EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_WORKER_DIED = 2, 3, 4  # as cli and worker
+EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_WORKER_DIED, EXIT_NOT_VERIFIED = 2, 3, 4, 5  # as cli and worker
 PROCESS_FLAGS = {'--processes': 1, '--worker-logs': 1}  # launcher-only flags -> values they take
 
 
@@ -95,7 +95,7 @@ def supervise(procs: list[subprocess.Popen], logs: str) -> tuple[int, str | None
     t0, finished_at = time.monotonic(), None
     while True:
         codes = [p.poll() for p in procs]
-        bad = [i for i, c in enumerate(codes) if c is not None and c not in (0, 1)]
+        bad = [i for i, c in enumerate(codes) if c is not None and c not in (0, 1, EXIT_NOT_VERIFIED)]
         if bad:
             return failure(procs, codes, min(bad, key=lambda i: _rank(codes[i])), logs, time.monotonic() - t0)
         if None not in codes:

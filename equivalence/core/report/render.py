@@ -59,7 +59,8 @@ def floor_table(result: RunResult, n: int) -> list[str]:
     floor = 'the larger of max |nnx - twin| and max |legacy - legacy twin|' if result.report.legacy_twin else None
     rows = [
         f'worst leaves of {len(result.report.leaves)} (ok when max |nnx - legacy| <= max({rule.safety:g} x floor, '
-        f'{rule.min_ulps:g} float32 spacings of max |legacy|); floor = {floor or "max |nnx - twin|"})',
+        f'{rule.min_ulps:g} spacings of max |legacy| in its precision, {rule.flips:g} x moved where narrower state '
+        f'feeds it); floor = {floor or "max |nnx - twin|"})',
         f'{"leaf":<40}  {"max abs":>9}  {"floor":>9}  {"allowed":>9}  ok',
     ]
     # failing parameters first, then the rest of the final state, then the first step's leaves (the
@@ -98,6 +99,10 @@ def verdict(result: RunResult) -> str:
     sums = ', '.join(f'{g} {_abs(result.report.max_abs(g))}' for g in GROUPS)
     noisy = sum(leaf.noise_dominated for leaf in result.report.leaves)
     noisy_text = f', {noisy} noise-dominated (not verified by value)' if noisy else ''
+    if not bad and result.report.unverified:
+        why = result.report.unverified.partition(': reordering')[0]
+        n = len(result.report.leaves)
+        return f'NOT VERIFIED: all {n} leaves within their floor, {noisy} noise-dominated: {why}'
     if not bad:
         return f'MATCH: all {len(result.report.leaves)} leaves within tolerance{noisy_text} (max abs: {sums})'
     return f'MISMATCH: {len(bad)} of {len(result.report.leaves)} leaves outside tolerance (max abs: {sums})'
@@ -114,10 +119,12 @@ def verdict_json(result: RunResult) -> dict | None:
         return None
     noisy = [{'name': leaf.name, 'floor': leaf.floor, 'max_abs': leaf.max_abs} for leaf in v.noise_dominated]
     rule = result.report.floor
-    floor = None if rule is None else {'safety': rule.safety, 'min_ulps': rule.min_ulps, 'noise_rel': rule.noise_rel,
+    floor = None if rule is None else {'safety': rule.safety, 'min_ulps': rule.min_ulps, 'flips': rule.flips,
+                                       'noise_rel': rule.noise_rel,
                                        'legacy_twin': result.report.legacy_twin}  # fmt: skip
     return {'mode': v.mode, 'done': list(v.done), 'twin': v.twin, 'kind': v.kind, 'diagnosis': v.diagnosis,
-            'floor_rule': floor, 'noise_dominated': noisy, 'errors': list(v.errors)}  # fmt: skip
+            'floor_rule': floor, 'noise_dominated': noisy, 'errors': list(v.errors),
+            'not_verified': v.unverified}  # fmt: skip
 
 
 def text(result: RunResult, backend: str) -> str:

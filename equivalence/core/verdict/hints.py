@@ -30,7 +30,7 @@ def padded(batch_KxG: Any) -> bool:
 def masked_loss(devices: int, batch_KxG: Any, report: compare.Report, matches_on_one: Callable[[], bool]) -> list[str]:
     """The masked-loss pitfall's line, when a padded port mismatches at D > 1 and matches on one
     device (``matches_on_one`` runs both sides again on 1 device: only on this failure path)."""
-    if report.match or devices == 1 or not padded(batch_KxG) or not matches_on_one():
+    if report.match or report.unverified or devices == 1 or not padded(batch_KxG) or not matches_on_one():
         return []
     return [
         f'hint: on a padded batch this port mismatches at {devices} devices and matches on 1: the masked-loss '

@@ -25,10 +25,11 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import flax.linen as nn
 import jax
 import numpy as np
 
-from equivalence.core.port import blame
+from equivalence.core.port import blame, convert
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import ModelPort, Port
 from equivalence.core.run import randomness, setups, sides
@@ -83,7 +84,8 @@ def judge(port: Port, config: RunConfig, old, new, inputs: Inputs, tree) -> tupl
     floor = twin.farthest(
         trees(new, first[1]), [trees(tw, rule.first_step_tree(float(tw.losses[0]))) for tw in twins.values()]
     )
-    report = compare.compare_to_floor(trees(old, first[0]), trees(new, first[1]), floor, MEASURED_FLOOR)
+    start = start_params(port, inputs.variables)
+    report = compare.compare_to_floor(trees(old, first[0]), trees(new, first[1]), floor, MEASURED_FLOOR, None, start)
     on = f'on {" and ".join(map(str, twins))} device(s)'
     on += f' in each of {jax.process_count()} processes' if jax.process_count() > 1 else ''
     done.append(f'every leaf and the first loss held to the floor of {"twins" if len(twins) > 1 else "a twin"} {on}')
@@ -93,11 +95,45 @@ def judge(port: Port, config: RunConfig, old, new, inputs: Inputs, tree) -> tupl
         if other is not None:
             ref_twin = trees(other, rule.first_step_tree(float(other.losses[0])))
             report = compare.compare_to_floor(
-                trees(old, first[0]), trees(new, first[1]), floor, MEASURED_FLOOR, ref_twin
+                trees(old, first[0]), trees(new, first[1]), floor, MEASURED_FLOOR, ref_twin, start
             )
         if grads is not None:
             report.leaves.extend(grads.leaves)
-    return report, finish(port, config, report, old, new, inputs, done, on, next(iter(twins)), grads)
+    judged = finish(port, config, report, old, new, inputs, done, on, next(iter(twins)), grads)
+    return unverified(port, inputs, report, judged)
+
+
+def unverified(port: Port, inputs: Inputs, report: compare.Report, judged: Verdict) -> tuple[compare.Report, Verdict]:
+    """A MATCH whose noise-dominated leaves are where a slip would hide made NOT VERIFIED
+    (``rule.not_verified``); any other verdict as it is."""
+    head = output_layer(port, inputs.variables, inputs.calls[0]) if judged.match else set()
+    why = rule.not_verified(report, head) if judged.match else ''
+    if not why:
+        return report, judged
+    return dataclasses.replace(report, unverified=why), dataclasses.replace(judged, match=False, unverified=why)
+
+
+def output_layer(port: Port, variables: dict, batch_KxG) -> set[str]:
+    """The paths, as compared (NNX's), of the parameters of the layer the model applies last: the last
+    linen module to be called, in an abstract ``init`` on one example of ``batch_KxG``, that holds
+    parameters of its own (``head``, ``Dense_1``). Call order, not the order of the variables: a
+    pytree operation sorts dict keys."""
+    entered: list[str] = []
+
+    def record(next_fun, args, kwargs, context):
+        if context.method_name == '__call__':
+            entered.append('/'.join(context.module.path))
+        return next_fun(*args, **kwargs)
+
+    example = jax.tree.map(lambda v: v[0, :1], batch_KxG)
+    key = jax.random.PRNGKey(0)
+    with nn.intercept_methods(record):
+        jax.eval_shape(lambda: port.legacy_model().init({'params': key, 'dropout': key}, *port.init_args(example)))
+    paths = list(convert.flatten(variables.get('params', {})))
+    owner = lambda p: p.rpartition('/')[0]  # noqa: E731
+    last = next((m for m in reversed(entered) if any(owner(p) == m for p in paths)), None)
+    mapping = setups.check_names(port, variables) or {}
+    return {mapping.get(p, p) for p in paths if owner(p) == last}
 
 
 def measured_twins(port: Port, config: RunConfig, new, inputs: Inputs, counts: tuple[int, ...]) -> tuple[dict, str]:
@@ -180,7 +216,8 @@ def legacy_twin(port: Port, config: RunConfig, old, new, twins: dict, inputs: In
         return None, 'legacy twin not run: with per-device keys the port draws other random numbers on another count'
     first = [{'params': tw.params_per_call[0]} for tw in twins.values()]
     twin_first = twin.farthest({'params': new.params_per_call[0]}, first).get('params', {})
-    first_call = (new.params_per_call[0], twin_first, MEASURED_FLOOR)
+    fed, start = compare.feeding_dtypes(old.final), start_params(port, inputs.variables)
+    first_call = (new.params_per_call[0], twin_first, MEASURED_FLOOR, fed, start)
     excess = rule.early_excess(old.params_per_call[0], new.params_per_call[0], *first_call)
     if excess:
         why = f'NNX is off after the first call, {excess}: not chaos, which grows from rounding'
@@ -200,6 +237,13 @@ def legacy_twin(port: Port, config: RunConfig, old, new, twins: dict, inputs: In
     if refusal:
         return None, f'legacy twin on {n} device(s) {refusal}'
     return other, f"a legacy twin on {n} device(s) measured the pmap side's own floor"
+
+
+def start_params(port: Port, variables: dict) -> dict[str, np.ndarray]:
+    """The parameters both runs started from, named as the comparison names them (NNX's paths)."""
+    start = {'params': convert.flatten(variables.get('params', {}))}
+    mapping = setups.check_names(port, variables)
+    return (convert.rename(start, mapping) if mapping else start)['params']
 
 
 def draws_random_numbers(port: Port) -> bool | None:

@@ -65,7 +65,7 @@ def farthest(nnx: compare.Neutral, twins: list[compare.Neutral]) -> compare.Neut
     for g, tree in nnx.items():
         for p, a in tree.items():
             have = [t[g][p] for t in twins if p in t.get(g, {}) and t[g][p].shape == a.shape]
-            if have and np.issubdtype(a.dtype, np.floating):
+            if have and compare.is_float(a.dtype):  # bfloat16 too, which numpy does not call floating
                 diff = lambda b, a=a: float(np.abs(a.astype(np.float64) - b).max(initial=0.0))  # noqa: E731
                 out.setdefault(g, {})[p] = max(have, key=diff)
     return out

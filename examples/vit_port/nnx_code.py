@@ -1,0 +1,95 @@
+"""The same Vision Transformer ported to NNX, as a team would write it (not part of the suite).
+
+Modules own their submodules by attribute (``embedding``, ``encoder/blocks/0``, ``head``); the
+head is zero-initialised as before; the dropout key is handed to the model by ``nnx.reseed``; one
+``nnx.jit`` step over the model and its ``nnx.Optimizer`` on the global batch, no ``pmean``. The
+optimizer is the same optax chain, momentum in bfloat16 unless told otherwise.
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+NUM_CLASSES, PATCH, HIDDEN, HEADS, MLP_DIM, LAYERS, DROPOUT = 10, 4, 16, 2, 32, 2, 0.1
+BASE_LR, WARMUP_STEPS, TOTAL_STEPS, GRAD_NORM_CLIP = 0.03, 2, 20, 1.0
+TOKENS = 1 + (8 // PATCH) ** 2  # the class token and 2x2 patches of an 8x8 image
+
+
+class MlpBlock(nnx.Module):
+    def __init__(self, dim: int, mlp_dim: int, *, rngs: nnx.Rngs, approximate_gelu: bool = True):
+        init = dict(kernel_init=nnx.initializers.xavier_uniform(), bias_init=nnx.initializers.normal(1e-6))
+        self.fc1, self.fc2 = nnx.Linear(dim, mlp_dim, **init, rngs=rngs), nnx.Linear(mlp_dim, dim, **init, rngs=rngs)
+        self.drop = nnx.Dropout(DROPOUT, rngs=rngs)
+        self.approximate_gelu = approximate_gelu
+
+    def __call__(self, x):
+        return self.drop(self.fc2(self.drop(nnx.gelu(self.fc1(x), approximate=self.approximate_gelu))))
+
+
+class EncoderBlock(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs, approximate_gelu: bool = True):
+        self.norm1, self.norm2 = nnx.LayerNorm(HIDDEN, rngs=rngs), nnx.LayerNorm(HIDDEN, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(num_heads=HEADS, in_features=HIDDEN, decode=False, dropout_rate=0.0,
+                                           kernel_init=nnx.initializers.xavier_uniform(), rngs=rngs)  # fmt: skip
+        self.drop = nnx.Dropout(DROPOUT, rngs=rngs)
+        self.mlp = MlpBlock(HIDDEN, MLP_DIM, rngs=rngs, approximate_gelu=approximate_gelu)
+
+    def __call__(self, x):
+        x = x + self.drop(self.attn(self.norm1(x)))
+        return x + self.mlp(self.norm2(x))
+
+
+class Encoder(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs, slip_in_block: int | None = None):
+        self.pos_embedding = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (1, TOKENS, HIDDEN)))
+        self.drop = nnx.Dropout(DROPOUT, rngs=rngs)
+        self.blocks = nnx.List([EncoderBlock(rngs=rngs, approximate_gelu=i != slip_in_block) for i in range(LAYERS)])
+        self.encoder_norm = nnx.LayerNorm(HIDDEN, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.drop(x + self.pos_embedding[...])
+        for block in self.blocks:
+            x = block(x)
+        return self.encoder_norm(x)
+
+
+class VisionTransformer(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs, slip_in_block: int | None = None):
+        self.embedding = nnx.Conv(3, HIDDEN, (PATCH, PATCH), strides=(PATCH, PATCH), padding='VALID', rngs=rngs)
+        self.cls = nnx.Param(jnp.zeros((1, 1, HIDDEN)))
+        self.encoder = Encoder(rngs=rngs, slip_in_block=slip_in_block)
+        self.head = nnx.Linear(HIDDEN, NUM_CLASSES, kernel_init=nnx.initializers.zeros, rngs=rngs)
+
+    def __call__(self, images):
+        x = self.embedding(images)
+        n, h, w, c = x.shape
+        x = x.reshape(n, h * w, c)
+        x = jnp.concatenate([jnp.tile(self.cls[...], (n, 1, 1)), x], axis=1)
+        return self.head(self.encoder(x)[:, 0])
+
+
+def learning_rate_fn(step):
+    progress = jnp.clip((step - WARMUP_STEPS) / float(TOTAL_STEPS - WARMUP_STEPS), 0.0, 1.0)
+    return BASE_LR * 0.5 * (1.0 + jnp.cos(jnp.pi * progress)) * jnp.minimum(1.0, step / WARMUP_STEPS)
+
+
+def create_optimizer(model: VisionTransformer, accumulator_dtype='bfloat16') -> nnx.Optimizer:
+    tx = optax.chain(
+        optax.clip_by_global_norm(GRAD_NORM_CLIP),
+        optax.sgd(learning_rate=learning_rate_fn, momentum=0.9, accumulator_dtype=accumulator_dtype),
+    )
+    return nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+@nnx.jit
+def train_step(model: VisionTransformer, optimizer: nnx.Optimizer, batch, rng):
+    nnx.reseed(model, dropout=rng)
+
+    def loss_fn(model):
+        logits = model(batch['image'])
+        return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits) * batch['label'], axis=1))
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss

@@ -1,0 +1,35 @@
+"""The port checked from the team's own test suite: `python -m pytest` in this folder.
+
+SGD momentum in bfloat16 (as upstream) and in float32, at D = 1, 2, 4, 8 (16 runs, minutes on
+2 cores); the slip in one encoder block; and the form that draws other random numbers, which must
+never read as a MATCH."""
+
+import my_port
+import pytest
+
+from equivalence import check
+from equivalence.testing import assert_port_matches
+
+
+@pytest.mark.parametrize('devices', [1, 2, 4, 8])
+@pytest.mark.parametrize('port', [my_port.LOOP, my_port.LOOP_FLOAT32], ids=['loop', 'float32'])
+def test_port_matches(port, devices):
+    """The whole 20-step schedule: in the first steps the momentum has barely moved (the learning rate
+    is 0 at step 1), and bfloat16 rounds the two sides' moments apart only later."""
+    assert_port_matches(port, devices=devices, steps_per_call=5, calls=4)
+
+
+def test_a_slip_in_one_encoder_block_is_caught():
+    """Block 1's MLP with the exact gelu where linen's is the tanh approximation, under bfloat16 momentum:
+    the parameters move by less than a bfloat16 step of their change, the per-step losses (float32)
+    catch it. Not in the first step: the zero-initialised head makes every logit 0 whatever the encoder
+    computes; nor in 4 steps, where the encoder has barely trained."""
+    result = check(my_port.LOOP_GELU_SLIP, devices=2, steps_per_call=5, calls=4)
+    assert not result.report.match and not result.report.unverified
+    assert [leaf.name for leaf in result.report.leaves if not leaf.ok] == ['losses/per_step']
+
+
+def test_other_random_numbers_are_not_verified():
+    """The NNX step folds the device count into its dropout key: no MATCH, NOT VERIFIED."""
+    result = check(my_port.LOOP_DEVICE_KEYS, devices=2, steps_per_call=2, calls=2)
+    assert not result.report.match and result.report.unverified

@@ -1,0 +1,170 @@
+"""Each leaf judged in its own precision (bfloat16 optimizer state, bfloat16 parameters), and the
+NOT VERIFIED verdict: every leaf within its floor, but the noise is where a slip would hide.
+
+On numbers, framework-free: the rules, built from spacings of the dtypes involved, never a figure
+of this CPU. The runs behind the rules (the ViT example at D = 1, 2, 4, 8 in both precisions) are
+in docs/verdict.md; ``examples/vit_port/test_port.py`` and ``test_real_examples.py`` run it.
+"""
+
+import os
+import sys
+
+import jax
+import ml_dtypes
+import numpy as np
+from conftest import ROOT
+
+from equivalence import cli, run
+from equivalence.core.verdict import compare, judge, rule
+from equivalence.core.verdict.rule import MEASURED_FLOOR
+
+sys.path.insert(0, os.path.join(ROOT, 'examples', 'mlp_port'))
+import my_port  # noqa: E402  (the example, imported as a user's module)
+
+BF16 = ml_dtypes.bfloat16
+
+
+def bf16_spacing(x: float) -> float:
+    return compare.spacing(x, BF16)
+
+
+def momentum_run(flips: float, dtype=BF16, start: bool = True) -> compare.Report:
+    """A parameter that moved by 0.1 (from 1.0 to 0.9) under momentum kept in ``dtype``; NNX ends
+    ``flips`` bfloat16 spacings of that movement from legacy, and the twin rounds exactly as NNX (floor 0)."""
+    begin = np.array([1.0, -0.5], np.float32)
+    final = begin - np.float32(0.1)
+    trace = np.array([0.05, 0.04], np.float32).astype(dtype)
+    legacy = {'params': {'w': final}, 'opt_state': {'1/0/trace/w': trace}}
+    nnx_ = {'params': {'w': final + np.float32(flips * bf16_spacing(0.1))}, 'opt_state': {'1/0/trace/w': trace}}
+    return compare.compare_to_floor(legacy, nnx_, nnx_, MEASURED_FLOOR, None, {'w': begin} if start else None)
+
+
+def test_a_bfloat16_leaf_is_compared_as_a_float_not_as_a_counter():
+    """numpy does not call bfloat16 floating: such a leaf was compared as an integer counter, truncated,
+    so 0.25 and 0.75 were 'equal'."""
+    a, b = np.array([0.25, 0.5], BF16), np.array([0.25, 0.75], BF16)
+    leaf = compare.compare_leaf('opt_state', '1/0/trace/w', a, b, compare.FLOAT32_REDUCTION_ORDER)
+    assert not leaf.ok and leaf.max_abs == 0.25
+    assert compare.is_float(BF16) and compare.is_float(np.float16) and not compare.is_float(np.int32)
+
+
+def test_a_parameter_fed_by_bfloat16_momentum_is_held_to_bfloat16_steps_of_its_movement():
+    """One element of a bfloat16 moment rounded the other way moves the parameter by a bfloat16-relative
+    part of its update: half a bfloat16 spacing of its movement is noise there, thousands of float32
+    spacings. A slip of 20 such spacings still fails, and so does the same difference under float32
+    momentum (the float32 rule unchanged)."""
+    assert momentum_run(0.5).match
+    assert not momentum_run(0.5, start=False).match  # no start values: the float32 rule
+    assert not momentum_run(0.5, dtype=np.float32).match  # float32 momentum: the float32 rule
+    assert not momentum_run(2 * MEASURED_FLOOR.flips).match
+    assert not momentum_run(20.0).match
+    leaf = next(x for x in momentum_run(0.5).leaves if x.name == 'params/w')
+    assert leaf.limit == MEASURED_FLOOR.flips * bf16_spacing(0.1)
+
+
+def test_float32_ports_are_judged_as_before():
+    """With float32 state, start values change nothing: the limit is max(10 x floor, 8 float32 spacings
+    of the largest value, here 0.9)."""
+    report = momentum_run(0.5, dtype=np.float32)
+    leaf = next(x for x in report.leaves if x.name == 'params/w')
+    assert leaf.limit == MEASURED_FLOOR.limit(0.0, 0.9) == MEASURED_FLOOR.min_ulps * compare.spacing32(0.9)
+
+
+def test_a_bfloat16_leaf_is_held_to_its_own_spacing():
+    """A bfloat16 parameter or moment rounds every update to bfloat16: 2 of its spacings are noise,
+    20 (beyond the 8 allowed) are not."""
+    ref = {'params': {'w': np.array([0.5, 1.5], BF16)}}
+    off = lambda n: {'params': {'w': (ref['params']['w'].astype(np.float32) + n * bf16_spacing(1.5)).astype(BF16)}}  # noqa: E731
+    assert compare.compare_to_floor(ref, off(2), off(2), MEASURED_FLOOR).match
+    assert not compare.compare_to_floor(ref, off(20), off(20), MEASURED_FLOOR).match
+
+
+def test_the_state_feeding_a_parameter_is_found_by_its_path():
+    tree = {
+        'params': {'w': np.zeros(2, np.float32), 'u': np.zeros(2, np.float32), 'v': np.zeros(2, np.float32)},
+        'opt_state': {
+            '1/0/trace/w': np.zeros(2, BF16),
+            '0/mu/u': np.zeros(2, np.float16),
+            '0/nu/u': np.zeros(2, np.float32),
+            '1/0/trace/v': np.zeros(2, np.float32),
+            '1/1/count': np.zeros((), np.int32),
+        },
+    }
+    assert compare.feeding_dtypes(tree) == {'w': np.dtype(BF16), 'u': np.dtype(np.float16)}
+
+
+def test_the_legacy_twin_is_admitted_in_its_own_precision():
+    """The issue's refusal: after the first call a parameter fed by bfloat16 momentum was 'off by 7e-5,
+    allowed 2e-10' (8 float32 spacings of a small value). Held to bfloat16 steps of its movement since
+    the start, a flip's worth is admitted, and a difference 20 times that is still refused."""
+    begin, nnx_ = {'b': np.zeros(4, np.float32)}, {'b': np.full(4, 2e-4, np.float32)}
+    flip = lambda n: {'b': nnx_['b'] + np.float32(n * bf16_spacing(2e-4))}  # noqa: E731
+    fed = {'b': np.dtype(BF16)}
+    assert rule.early_excess(nnx_, flip(0.5), nnx_, nnx_, MEASURED_FLOOR)  # float32 rule: refused
+    assert not rule.early_excess(nnx_, flip(0.5), nnx_, nnx_, MEASURED_FLOOR, fed, begin)
+    assert rule.early_excess(nnx_, flip(20), nnx_, nnx_, MEASURED_FLOOR, fed, begin)
+
+
+# -- NOT VERIFIED ------------------------------------------------------------------------------
+
+
+def noisy_run(noisy: tuple[str, ...]) -> compare.Report:
+    """Legacy and NNX within float32 rounding of each other on every leaf; the twin 1% away on the
+    leaves named ``noisy``, as a twin that draws other random numbers is: each of those a floor as
+    large as the leaf's own changes, NOISE-DOMINATED, and ok."""
+    sizes = {'embed/kernel': 900, 'block/kernel': 80, 'block/bias': 8, 'head/kernel': 10, 'head/bias': 2}
+    ref = {'params': {p: np.linspace(0.5, 1.0, n, dtype=np.float32) for p, n in sizes.items()}}
+    nnx_ = {'params': {p: a + np.float32(1e-7) for p, a in ref['params'].items()}}
+    twin_ = {'params': {p: a * np.float32(1.01 if p in noisy else 1.0) for p, a in nnx_['params'].items()}}
+    return compare.compare_to_floor(ref, nnx_, twin_, MEASURED_FLOOR)
+
+
+HEAD = {'head/kernel', 'head/bias'}
+
+
+def test_most_parameters_noise_dominated_is_not_verified():
+    report = noisy_run(('embed/kernel', 'block/kernel'))
+    assert all(leaf.ok for leaf in report.leaves) and report.match  # every leaf 'within its floor'
+    why = rule.not_verified(report, HEAD)
+    assert why.startswith('98.0% of the parameters are noise-dominated (params/block/kernel, params/embed/kernel)')
+    assert run.exit_code(report) == cli.EXIT_MATCH
+    unverified = compare.Report(report.leaves, report.tolerance, report.floor, why)
+    assert not unverified.match and run.exit_code(unverified) == cli.EXIT_NOT_VERIFIED == 5
+
+
+def test_a_noise_dominated_output_layer_is_not_verified():
+    why = rule.not_verified(noisy_run(('head/bias',)), HEAD)
+    assert why.startswith('the output layer is noise-dominated (params/head/bias)')
+
+
+def test_a_few_noise_dominated_leaves_away_from_the_output_still_match():
+    """The negative control: a bias of 8 of 1000 elements (a bias before BatchNorm) is verified
+    through what lies downstream of it."""
+    assert rule.not_verified(noisy_run(('block/bias',)), HEAD) == ''
+    assert rule.not_verified(noisy_run(()), HEAD) == ''
+
+
+def test_the_output_layer_is_the_last_module_linen_calls():
+    """The last linen module called that holds parameters of its own, named as compared (the mlp
+    example's Dense_1 is NNX's fc2), whatever order the variables come in (eval_shape sorts them)."""
+    port = my_port.LOOP
+    batch_KxG = port.make_data(np.random.default_rng(0), 1, 1)
+    example = jax.tree.map(lambda v: v[0, :1], batch_KxG)
+    variables = jax.eval_shape(lambda: port.legacy_model().init(jax.random.PRNGKey(0), *port.init_args(example)))
+    assert list(variables['params'])[-1] == 'LayerNorm_0'  # sorted: not the order linen created them in
+    assert judge.output_layer(port, variables, batch_KxG) == {'fc2/kernel', 'fc2/bias'}
+
+
+def test_workers_that_all_end_not_verified_end_the_run_with_5(tmp_path):
+    """Several processes: 5 is a verdict every worker reaches together, as 0 and 1, not a dead worker."""
+    from equivalence.distributed import launch
+
+    class Ended:  # a worker process that exited with ``code``
+        def __init__(self, code: int):
+            self.code, self.pid, self.args = code, 0, ['worker']
+
+        def poll(self) -> int:
+            return self.code
+
+    assert launch.supervise([Ended(5), Ended(5)], str(tmp_path)) == (cli.EXIT_NOT_VERIFIED, None)
+    assert launch.supervise([Ended(5), Ended(0)], str(tmp_path))[0] == cli.EXIT_WORKER_DIED  # they disagree
