@@ -199,8 +199,13 @@ def place_batch(batch_KxG: Any, mesh: Mesh) -> Any:
 
 
 def place_keys(keys: jax.Array, mesh: Mesh, rng_mode: str) -> jax.Array:
-    """Every process holds the same keys (one host key chain); each device takes its row."""
-    return put(keys, key_sharding(mesh, rng_mode))
+    """Every process holds the same keys (one host key chain); each device takes its row. Rows that
+    do not split over the mesh (a twin on 2 devices given the ``[1, 2]`` keys of a run on 1) are
+    copied to every device instead: the per-device draw needs only their values."""
+    sharding = key_sharding(mesh, rng_mode)
+    if sharding.spec and keys.shape[0] % mesh.shape[DATA]:
+        sharding = replicated(mesh)
+    return put(keys, sharding)
 
 
 # -- where data parallelism's gradient all-reduce goes ------------------------------------------

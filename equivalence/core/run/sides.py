@@ -17,7 +17,7 @@ from flax import nnx
 from equivalence.core.port import convert, new_side, states
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort, Port
-from equivalence.core.run import adapters, randomness
+from equivalence.core.run import adapters, footprint, randomness
 from equivalence.core.run.setups import (
     LegacySetup,
     NnxGraphSetup,
@@ -49,6 +49,7 @@ class PathResult:
     metrics: dict = dataclasses.field(default_factory=dict)  # a loop port's step metrics: path -> [C * K, ...]
     notes: list = dataclasses.field(default_factory=list)  # what this path could not compare, and why
     left_out: set = dataclasses.field(default_factory=set)  # metric paths not compared (named in notes)
+    memory: dict | None = None  # NNX: bytes per device of one call (footprint.per_device); None: not measured
 
 
 Progress = Callable[[str], None]  # called with 'legacy' or 'nnx' after each compiled call
@@ -105,6 +106,7 @@ def run_nnx(
     raw = {NnxSetup: lambda: (setup.graphdef, setup.state), NnxGraphSetup: lambda: setup.ts}
     result = PathResult(setup.neutral(), losses, per_call, raw.get(type(setup), lambda: setup.train_state)())
     result.placement, result.mesh = getattr(setup, 'decisions', []), dict(setup.mesh.shape)
+    result.memory = footprint.per_device(setup, calls[0], rng)
     result.metrics = loop_metrics(setup)
     if isinstance(port, LoopPort):
         result.notes = new_side.not_compared(setup.train_state)

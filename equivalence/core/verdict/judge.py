@@ -18,7 +18,10 @@ probe, the legacy twin and the deterministic re-run stay single-process (they ru
 again, over every process's devices), as does the masked-loss hint. After ``--resume-at`` the
 twin restores the same checkpoint; the probe, the legacy twin and the re-run, which start from
 the initial state, are not run.
-Where no other mesh fits, the fixed screen decides, and the report says so.
+A twin that cannot run in this process (code pinned to a mesh built from ``jax.devices()``, or a
+count this process does not see) runs in a fresh process that sees its count (``distributed.fresh``);
+a loop port's twin must draw the random numbers the run draws (``draws``). Where no twin measures,
+the fixed screen decides, and the report says why.
 """
 
 import dataclasses
@@ -31,10 +34,10 @@ import numpy as np
 
 from equivalence.core.port import blame, convert
 from equivalence.core.port.config import RunConfig
-from equivalence.core.port.ports import ModelPort, Port
-from equivalence.core.run import randomness, setups, sides
+from equivalence.core.port.ports import LoopPort, ModelPort, Port
+from equivalence.core.run import draws, footprint, randomness, setups, sides
 from equivalence.core.run.sides import PathResult
-from equivalence.core.verdict import compare, probe, rule, twin
+from equivalence.core.verdict import compare, fresh, legacy_rows, probe, rule, twin
 from equivalence.core.verdict.rule import MEASURED_FLOOR, Verdict
 from legacy_pmap import losses as legacy_losses
 
@@ -72,23 +75,31 @@ def judge(port: Port, config: RunConfig, old, new, inputs: Inputs, tree) -> tupl
     trees = lambda path, first=None: {**tree(path), **(first or {})}  # noqa: E731
     screen = compare.compare(trees(old), trees(new), port.tolerance)
     done = [f'fixed screen {"passed" if screen.match else "failed"}']
-    local = len(jax.local_devices())
-    counts = tuple(n for n in twin.twin_counts(config, local) if n <= local)  # a twin stays in its process
+    local, cannot = len(jax.local_devices()), fresh.why_not(config, inputs.restore is not None)
+    kinds = twin.twin_kinds(config, local if cannot else max(local, 2))
+    counts = tuple(n for n in kinds if twin.devices_of(n, config) <= local or not cannot)
     if not counts or (config.verdict == 'screen' and screen.match):
-        text = f'not run: {"--verdict screen, and the screen passed" if counts else "no second mesh fits"}'
+        none = f'no second mesh fits ({cannot or "an odd batch"})' if not counts else ''
+        text = f'not run: {none or "--verdict screen, and the screen passed"}'
         return screen, finish(port, config, screen, old, new, inputs, done + [f'twin {text}'], text, None)
-    twins, why = measured_twins(port, config, new, inputs, counts)
+    twins, why, fresh_ones = measured_twins(port, config, new, inputs, counts)
     if not twins:
-        return screen, finish(port, config, screen, old, new, inputs, done + [f'twin {why}'], why, None)
+        return screen, finish(port, config, screen, old, new, inputs, done + [f'twin {why[0]}'], why[0], None)
     first = [rule.first_step_tree(float(p.losses[0])) for p in (old, new)]
     floor = twin.farthest(
         trees(new, first[1]), [trees(tw, rule.first_step_tree(float(tw.losses[0]))) for tw in twins.values()]
     )
     start = start_params(port, inputs.variables)
     report = compare.compare_to_floor(trees(old, first[0]), trees(new, first[1]), floor, MEASURED_FLOOR, None, start)
-    on = f'on {" and ".join(map(str, twins))} device(s)'
+    on = twin.describe(list(twins))
     on += f' in each of {jax.process_count()} processes' if jax.process_count() > 1 else ''
+    if fresh_ones:
+        some = f' ({" and ".join(map(str, fresh_ones))} of them)' if len(fresh_ones) < len(twins) else ''
+        on += f' in a fresh process{some}'
     done.append(f'every leaf and the first loss held to the floor of {"twins" if len(twins) > 1 else "a twin"} {on}')
+    memory = {'run': new.memory, 'twins': {twin.label(k): tw.memory for k, tw in twins.items()}}
+    said = footprint.line(memory['run'], memory['twins'])
+    done += ([said] if said else []) + [f'twin {reason}' for reason in why]  # those not run, or refused
     grads = None
     if wants_legacy_twin(report, old, new):
         grads, other = legacy_floor(port, config, old, new, inputs, twins, done)
@@ -100,7 +111,8 @@ def judge(port: Port, config: RunConfig, old, new, inputs: Inputs, tree) -> tupl
         if grads is not None:
             report.leaves.extend(grads.leaves)
     judged = finish(port, config, report, old, new, inputs, done, on, next(iter(twins)), grads)
-    return unverified(port, inputs, report, judged)
+    report, judged = unverified(port, inputs, report, judged)
+    return report, dataclasses.replace(judged, memory=memory)
 
 
 def unverified(port: Port, inputs: Inputs, report: compare.Report, judged: Verdict) -> tuple[compare.Report, Verdict]:
@@ -136,26 +148,97 @@ def output_layer(port: Port, variables: dict, batch_KxG) -> set[str]:
     return {mapping.get(p, p) for p in paths if owner(p) == last}
 
 
-def measured_twins(port: Port, config: RunConfig, new, inputs: Inputs, counts: tuple[int, ...]) -> tuple[dict, str]:
-    """``{D': the twin's PathResult}`` for each count it ran and computed what NNX computes, and, when
-    none did, why (the first reason)."""
-    twins, why = {}, []
+def measured_twins(port: Port, config: RunConfig, new, inputs: Inputs, counts: tuple[int, ...]):
+    """``({D': the twin's PathResult}, why not, counts run in a fresh process)``: each twin (up to
+    ``twin.TWINS``) that ran and computed what NNX computes, its losses and (a loop port's) random draws,
+    and why each other did not run or was refused."""
+    twins, why, fresh_ones, drawn_by_run = {}, [], [], []
     calls = inputs.whole_calls(port, config)
-    for n in counts:
+    fit = new.memory if twin.must_fit(config) else None
+    # Where fewer than two candidates fit, data parallel on D runs all the same (it rounds as the pmap run
+    # does; the reordered placements alone measured too small a floor: wide under fsdp-tp, seed 0, 11x).
+    tries = [(n, fit) for n in counts] + ([(config.devices, None)] if fit is not None else [])
+    for n, limit in tries:
+        if len(twins) == twin.TWINS or n in twins:
+            continue
         try:
-            tw = twin.run_twin(port, config, inputs.variables, calls, inputs.rng, n, restore=inputs.restore)
-        except Exception as e:  # noqa: BLE001 -- NNX code pinned to its own mesh cannot run on the twin's
-            why.append(f'not run: on {n} device(s) it raised {blame.first_line(e)}')
-            inputs.errors.append(f'twin on {n} device(s): {type(e).__name__}: {e}')
+            tw, drawn, in_fresh = one_twin(port, config, inputs, calls, n, limit)
+        except TwinNotRun as e:
+            why.append((n, str(e)))
             continue
         refusal = rule.twin_refusal(new.losses, tw.losses)
-        if not refusal and n == config.devices:
+        if not refusal and twin.devices_of(n, config) == config.devices:
             refusal = rule.twin_reordered_nothing(new.final, tw.final)
+        if not refusal and drawn is not None:
+            drawn_by_run = drawn_by_run or [run_draws(port, config, inputs)]  # once, when a twin needs it
+            refusal = draws.refusal(drawn_by_run[0], drawn)
         if refusal:
-            why.append(refusal)
+            why.append((n, f'{refusal} ({twin.describe([n])}{" in a fresh process" if in_fresh else ""})'))
         else:
             twins[n] = tw
-    return twins, (why[0] if why else '')
+            fresh_ones += [n] if in_fresh else []
+    return twins, [reason for n, reason in why if n not in twins], fresh_ones  # a fallback that ran: its bytes said
+
+
+class TwinNotRun(Exception):
+    """Why a twin did not run, as the verdict line says it."""
+
+
+def one_twin(port: Port, config: RunConfig, inputs: Inputs, calls: list, n, fit: dict | None = None):
+    """``(the twin's PathResult, its first call's draws or None, whether it ran in a fresh process)``: in
+    this process when its devices suffice and the code runs there, else in a fresh process that sees ``n``
+    devices (code pinned to a mesh of its own, built from ``jax.devices()``); ``TwinNotRun`` saying why not.
+    ``fit``: the run's bytes per device, which a candidate twin must not exceed ``twin.FIT`` times."""
+    check = checks_draws(port)
+    raised = f'{n} device(s) are more than this process sees'
+    if twin.devices_of(n, config) <= len(jax.local_devices()):
+        drawn = draws.FirstCall() if check else None
+        try:
+            setup = twin.twin_setup(port, config, inputs.variables, n)
+            too_big(setup, calls[0], inputs.rng, fit, n)
+            tw = twin.run_twin(
+                port, config, inputs.variables, calls, inputs.rng, n, restore=inputs.restore, record=drawn, setup=setup
+            )
+            return tw, drawn and drawn.draws, False
+        except TwinNotRun:
+            raise
+        except Exception as e:  # noqa: BLE001 -- NNX code pinned to its own mesh cannot run on the twin's
+            inputs.errors.append(f'twin on {n} device(s): {type(e).__name__}: {e}')
+            raised = f'{twin.describe([n])} it raised {blame.first_line(e)}'
+    cannot = fresh.why_not(config, inputs.restore is not None)
+    if cannot:
+        raise TwinNotRun(f'not run: {raised}; and no fresh process: {cannot}')
+    try:
+        tw, drawn = fresh.run_twin(port, config, inputs.variables, calls, inputs.rng, n, check)
+    except Exception as e:  # noqa: BLE001 -- the fresh process failed too: both reasons
+        inputs.errors.append(f'twin on {n} device(s) in a fresh process: {type(e).__name__}: {e}')
+        raise TwinNotRun(f'not run: {raised}; {blame.first_line(e)}') from None
+    return tw, drawn, True
+
+
+def too_big(setup, batch_KxG, rng, fit: dict | None, n) -> None:
+    """``TwinNotRun`` when the twin would hold more than ``twin.FIT`` times the run's bytes per device."""
+    if fit is None:
+        return
+    held = footprint.per_device(setup, batch_KxG, rng)
+    if held is not None and held['held'] > twin.FIT * fit['held']:
+        ratio = held['held'] / fit['held']
+        raise TwinNotRun(f"not run {twin.describe([n])}: it would hold {ratio:.2f}x the run's bytes per device")
+
+
+def checks_draws(port: Port) -> bool:
+    """Whether a twin's random draws are checked against the run's: a loop port's, whose step draws as
+    its code says (a model port's are drawn by the suite from the run's keys, the same by construction),
+    in one process (the run's first call is run again, recording, which across processes is collective)."""
+    return isinstance(port, LoopPort) and jax.process_count() == 1
+
+
+def run_draws(port: Port, config: RunConfig, inputs: Inputs) -> draws.Draws:
+    """What the NNX run's first call draws: a fresh setup of it (restored from the checkpoint after
+    ``--resume-at``), its first call run again while recording (``draws.first_call``)."""
+    setup = sides.nnx_setup(port, config, inputs.variables)
+    rng = inputs.restore(setup) if inputs.restore is not None else inputs.rng
+    return draws.first_call(setup, inputs.calls[0], rng)
 
 
 def wants_legacy_twin(report: compare.Report, old, new) -> bool:
@@ -196,8 +279,9 @@ def legacy_twin(port: Port, config: RunConfig, old, new, twins: dict, inputs: In
     from legacy on 1, 2 and 4 and from every NNX run, all within 1.5e-6 of each other).
 
     Refused, like an NNX twin, when it does not compute what the pmap run computes: its losses at
-    steps 1 and 2 more than TWIN_ULPS apart (with per-device keys a random port draws other numbers
-    on another count: not run at all when the port is known to), or, after the first call, a spread
+    steps 1 and 2 more than TWIN_ULPS apart (with per-device keys a model port that draws random
+    numbers draws them as the run's D devices do: ``legacy_rows``; a loop port's own step draws on the
+    n devices' keys, and is judged by these losses), or, after the first call, a spread
     already beyond what the NNX twin allows there (``rule.early_excess``): chaos starts at
     rounding level and grows (seed 4: 5.7e-7 after call 1, NNX's twin 5.5e-7; 1.8e-4 after call 4),
     a pmap program whose math depends on its device count (a gradient psum for pmean under Adam acts
@@ -212,8 +296,7 @@ def legacy_twin(port: Port, config: RunConfig, old, new, twins: dict, inputs: In
     n = counts[0]
     if config.calls < 2:
         return None, 'legacy twin not run: with one call there is no early state to tell chaos from a real difference'
-    if config.rng_mode == 'per-device' and draws_random_numbers(port):
-        return None, 'legacy twin not run: with per-device keys the port draws other random numbers on another count'
+    rows = config.rng_mode == 'per-device' and draws_random_numbers(port)  # drawn as the run's D devices draw
     first = [{'params': tw.params_per_call[0]} for tw in twins.values()]
     twin_first = twin.farthest({'params': new.params_per_call[0]}, first).get('params', {})
     fed, start = compare.feeding_dtypes(old.final), start_params(port, inputs.variables)
@@ -224,7 +307,10 @@ def legacy_twin(port: Port, config: RunConfig, old, new, twins: dict, inputs: In
         return None, f'legacy twin not run: {why}'
     try:
         on_n = dataclasses.replace(config, devices=n, strategy='dp', mesh=None, nnx_form='split')
-        other = sides.run_legacy(port, on_n, inputs.variables, inputs.calls, inputs.rng)
+        if rows:
+            other = legacy_rows.run(port, config, n, inputs.variables, inputs.calls, inputs.rng)
+        else:
+            other = sides.run_legacy(port, on_n, inputs.variables, inputs.calls, inputs.rng)
     except Exception as e:  # noqa: BLE001 -- pmap code written for one device count
         inputs.errors.append(f'legacy twin on {n} device(s): {type(e).__name__}: {e}')
         return None, f'legacy twin on {n} device(s) not run: it raised {blame.first_line(e)}'
@@ -236,7 +322,8 @@ def legacy_twin(port: Port, config: RunConfig, old, new, twins: dict, inputs: In
         refusal = excess and f'refused: after the first call, {excess}: on another count it computes something else'
     if refusal:
         return None, f'legacy twin on {n} device(s) {refusal}'
-    return other, f"a legacy twin on {n} device(s) measured the pmap side's own floor"
+    keys = f", drawing with the run's {config.devices} per-device keys" if rows else ''
+    return other, f"a legacy twin on {n} device(s){keys} measured the pmap side's own floor"
 
 
 def start_params(port: Port, variables: dict) -> dict[str, np.ndarray]:
@@ -282,12 +369,15 @@ def finish(port, config, report, old, new, inputs, done, twin_text, n_twin, grad
         {'legacy': old.final, 'nnx': new.final},
         data_nonfinite(inputs.whole_calls(port, config)),
     )
-    kind, line = rule.diagnose(report, nonfinite, rerun, grads is not None)
+    no_floor = twin_text if report.floor is None else ''
+    kind, line = rule.diagnose(report, nonfinite, rerun, grads is not None, no_floor)
     return Verdict(False, config.verdict, tuple(done), kind, line, twin_text, noisy, errors)
 
 
 def first_step_grads(port: ModelPort, config: RunConfig, inputs: Inputs, n_twin: int | None) -> compare.Report:
     """The first step's gradients of both sides, held to the floor of the twin's (0 without one)."""
+    if n_twin and twin.devices_of(n_twin, config) > len(jax.local_devices()):
+        n_twin = None  # it ran in a fresh process
     twin_setup = twin.twin_setup(port, config, inputs.variables, n_twin) if n_twin else None
     steps = probe.first_steps(port, config, inputs.variables, inputs.calls, inputs.rng, twin_setup)
     ref, other, floor = (rule.first_step_tree(grads=steps[s].grads) for s in ('legacy', 'nnx', 'twin'))

@@ -23,6 +23,7 @@ from equivalence.core.port import convert
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import ModelPort
 from equivalence.core.run import setups, sides
+from equivalence.core.verdict import twin
 from legacy_pmap import train as legacy
 from nnx_sharded import sharding
 from nnx_sharded import train as sharded
@@ -73,6 +74,9 @@ def nnx_first_step(setup: setups.NnxSetup, port: ModelPort, batch_KxG, rng) -> F
     """The NNX step's first step (``nnx_sharded.train.make_update_fn``) on ``setup``'s mesh and state."""
     mode, graphdef = setup.config.rng_mode, setup.graphdef
     noise_fn, loss = setups.port_noise(port, setups.uses_dropout(port)), setups.nnx_loss(port, setup.config)
+    rows = getattr(setup, 'rows', None)  # a twin that takes the batch's rows in another order
+    if rows is not None:
+        loss, batch_KxG = twin.reordered_loss(loss, rows), jax.tree.map(lambda v: np.asarray(v)[:, rows], batch_KxG)
 
     def step(keys, state, batch_KxG):
         ts, batch = nnx.merge(graphdef, state), jax.tree.map(lambda v: v[0], batch_KxG)

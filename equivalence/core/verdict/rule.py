@@ -86,6 +86,7 @@ class Verdict:
     noise_dominated: tuple[LeafDiff, ...] = ()
     errors: tuple[str, ...] = ()  # the whole text of what a twin raised; its line in done/twin is shortened
     unverified: str = ''  # NOT VERIFIED: why (not_verified); match is then False, and kind ''
+    memory: dict | None = None  # bytes per device of one call: {'run': ..., 'twins': {twin: ...}} (footprint)
 
     def lines(self) -> list[str]:
         out = [f'verdict: {self.mode}; ' + '; '.join(self.done)]
@@ -197,8 +198,11 @@ def names(leaves: list[LeafDiff], n: int = 3) -> str:
     return shown + (f' and {len(leaves) - n} more' if len(leaves) > n else '')
 
 
-def diagnose(report: Report, nonfinite: str, rerun_matched: bool | None, grads_checked: bool) -> tuple[str, str]:
-    """``(kind, line)`` for a report that does not match; the first kind that explains it wins."""
+def diagnose(
+    report: Report, nonfinite: str, rerun_matched: bool | None, grads_checked: bool, no_floor: str = ''
+) -> tuple[str, str]:
+    """``(kind, line)`` for a report that does not match; the first kind that explains it wins.
+    ``no_floor``: why no twin measured a floor (the verdict's ``twin``), for the ``unmeasured`` line."""
     bad = failed(report)
     if nonfinite:
         return 'non-finite', nonfinite
@@ -218,7 +222,7 @@ def diagnose(report: Report, nonfinite: str, rerun_matched: bool | None, grads_c
     if report.floor is None:
         return 'unmeasured', (
             f'outside the fixed tolerance, and no floor was measured to tell noise from a slip: {details(later)}; '
-            'the verdict line says why no twin measured one (on 1 device, a twin needs 2 and an even batch)' + also
+            f'no twin measured one: {no_floor or "see the verdict line"}' + also
         )
     if all(leaf.group == 'model_state' for leaf in later):
         return 'state', (

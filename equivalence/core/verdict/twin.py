@@ -7,16 +7,18 @@ size: a twin on D' devices given the same ``[D, 2]`` keys draws bitwise the same
 In global mode the keys do not depend on D at all. So ``|nnx - twin|`` is, leaf by leaf,
 what reordering the sums alone does to this port: its noise floor.
 
-The twin is unsharded data parallelism (``dp``, split form) whatever the checked run's
-strategy or form. It must sum in another order than the checked run, as the pmap run does,
-and no one layout does that for every strategy, so a sharded strategy gets two twins and each
-leaf the larger of their floors (``farthest``):
+A dp or shard_map run's twin is unsharded data parallelism (``dp``, split form) on another count. A
+sharded strategy's twins (fsdp, tp, fsdp-tp on D > 1, one process) are on the run's own D devices,
+holding no more per device than the run (``Reordered``, ``CANDIDATES``, ``FIT``): a model that fits
+only sharded has no room for a twin on one device. Each leaf gets the larger of two twins' floors
+(``farthest``). What those twins were before, and why two (the candidates' data-parallel one on D
+is the second of these):
 
 - On 1 device (every D > 1): NNX on 8 devices against NNX on 1 reproduces the 4.95e-6 that the
   cnn workload's ``conv1/kernel`` differs by under dp (``--rng global --seed 3``); NNX on 2
   against 1 differs by 1.2e-7 and would miss it. The only twin of dp and shard_map, whose
   per-device sums are the pmap run's.
-- Data parallel on D devices, the pmap run's split (fsdp, tp, fsdp-tp on D > 1): tp's mesh is
+- Data parallel on D devices, the pmap run's split (fsdp, tp, fsdp-tp on D > 1; several processes): tp's mesh is
   all model axis and sums the batch as one device does, so the 1-device twin rounds like it.
   Measured (cnn, Adam eps 1e-8, global keys, seed 6): ``params/hidden/kernel`` of NNX tp on 8
   is 4.5e-8 from NNX on 1 but 7.3e-7 from legacy on 8 and from NNX dp on 8: with the 1-device
@@ -34,6 +36,7 @@ workers' exit codes must agree). A twin that raises in one process raises in all
 (``gather.together``), before any process waits for it to be shared.
 """
 
+import contextlib
 import dataclasses
 
 import jax
@@ -43,7 +46,7 @@ from flax import nnx
 from equivalence.core.port import convert
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort, Port
-from equivalence.core.run import adapters, setups, sides
+from equivalence.core.run import adapters, draws, footprint, setups, sides
 from equivalence.core.verdict import compare
 from equivalence.distributed import gather
 from nnx_sharded import sharding
@@ -56,6 +59,69 @@ def twin_counts(config: RunConfig, available: int) -> tuple[int, ...]:
     if config.devices > 1:
         return (1,) if config.strategy in ('dp', 'shard_map') else (1, config.devices)
     return (2,) if available >= 2 and config.batch_size % 2 == 0 else ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Reordered:
+    """A twin on the checked run's own D devices, placed by ``strategy``, whose global batch holds its
+    rows interleaved (``rows``): every device sums other examples, in another order. The twin of a
+    sharded strategy, whose model may fit only sharded: it holds about what a device of the run holds
+    (``footprint``)."""
+
+    strategy: str  # the run's own (its mesh too), or another placement of the same devices
+
+    def rows(self, g: int, data: int) -> np.ndarray:
+        """Position i of the twin's batch holds example ``rows[i]``: with k groups (the mesh's data axis,
+        else 2), the examples of group c are spread over positions c, c + k, c + 2k, ..."""
+        k = next((k for k in (data, 2) if k > 1 and g % k == 0), 1)
+        return np.arange(g).reshape(k, g // k).T.ravel()
+
+    def __str__(self) -> str:
+        return f'{self.strategy}, batch rows interleaved'
+
+
+Kind = int | Reordered  # a twin: data parallel on that many devices, or the run's devices placed and reordered
+
+# A sharded strategy's twin candidates, in order: placements of the run's own devices, the batch rows
+# interleaved, then data parallel on D (which rounds as the pmap run does). The first two that hold at
+# most FIT times the run's bytes per device are run (wide under fsdp at D = 8: fsdp 1.00x, fsdp-tp 0.82x;
+# under tp: fsdp-tp and fsdp); where only one fits, data parallel on D runs as the second all the same, its
+# bytes said (cnn under fsdp: fsdp-tp 1.58x, dp 1.46x; wide under fsdp-tp: fsdp 1.22x, dp 5.84x), since
+# the reordered placements alone measured too small a floor there (wide fsdp-tp, seed 0: a correct run
+# 11x its floor). Not tp's own placement: its mesh has no data axis, and cnn ended bitwise equal (seed 6).
+CANDIDATES = {'fsdp': ('fsdp', 'fsdp-tp', 'dp'), 'tp': ('fsdp-tp', 'dp', 'fsdp'), 'fsdp-tp': ('fsdp-tp', 'fsdp', 'dp')}
+FIT = 1.1  # a sharded run's twin may hold at most this many times the run's bytes per device
+TWINS = 2  # a sharded run's twins: each leaf the larger of their floors
+
+
+def must_fit(config: RunConfig) -> bool:
+    """Whether the twins are a sharded strategy's candidates, each held to fit (fsdp, tp, fsdp-tp on
+    D > 1, in one process: across processes each runs its twin on its own devices, ``twin_counts``)."""
+    return config.devices > 1 and config.strategy in CANDIDATES and jax.process_count() == 1
+
+
+def twin_kinds(config: RunConfig, available: int) -> tuple[Kind, ...]:
+    """The twins of a run: a sharded strategy's ``CANDIDATES`` (the judge runs the first ``TWINS`` that
+    fit), otherwise ``twin_counts``."""
+    if must_fit(config):
+        return tuple(config.devices if s == 'dp' else Reordered(s) for s in CANDIDATES[config.strategy])
+    return twin_counts(config, available)
+
+
+def devices_of(kind: Kind, config: RunConfig) -> int:
+    return config.devices if isinstance(kind, Reordered) else kind
+
+
+def label(kind: Kind) -> str:
+    """'8 device(s)' (data parallel), or 'fsdp, batch rows interleaved' (the run's devices, placed so)."""
+    return str(kind) if isinstance(kind, Reordered) else f'{kind} device(s)'
+
+
+def describe(kinds: list[Kind]) -> str:
+    """'on 1 device(s)', 'on 1 and 8 device(s)', or the run's devices and each twin's placement."""
+    if all(isinstance(k, int) for k in kinds):
+        return f'on {" and ".join(map(str, kinds))} device(s)'
+    return "on the run's devices: " + ' and '.join(map(label, kinds))
 
 
 def farthest(nnx: compare.Neutral, twins: list[compare.Neutral]) -> compare.Neutral:
@@ -95,10 +161,52 @@ class TwinLoopSetup(setups.NnxLoopSetup):
         return twin_placed_inputs(self, rng, batch_KxG)
 
 
-def twin_setup(port: Port, config: RunConfig, variables: dict, n_twin: int, lr_scale: float | None = None):
-    """The NNX side on a 1-D data mesh of ``n_twin`` devices, with the checked run's config (and so
-    its keys and ``--perturb``). ``lr_scale`` replaces ``1 + perturb``: tests only, a twin whose
-    math differs, which the verdict must refuse."""
+@dataclasses.dataclass
+class ReorderedSetup(TwinSetup):
+    """A ``Reordered`` twin: the batch's rows taken in ``rows`` order, the noise drawn for them too."""
+
+    rows: np.ndarray | None = None
+
+    def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
+        return super().call_args(rng, jax.tree.map(lambda v: np.asarray(v)[:, self.rows], batch_KxG))
+
+
+def reordered_loss(loss, rows: np.ndarray):
+    """The port's NNX loss given the noise of each example it holds: the step draws the noise by position
+    (``draw_noise``), and the twin's position i holds example ``rows[i]``. (Taking it costs temporaries:
+    cnn under fsdp at D = 8, global keys, 1.10x the run's bytes per device; per-device keys 1.00x.)"""
+    g = len(rows)
+
+    def loss_of_rows(model, batch, noise):
+        return loss(model, batch, jax.tree.map(lambda a: a[rows] if a.ndim and a.shape[0] == g else a, noise))
+
+    return loss_of_rows
+
+
+def reordered_setup(port: Port, config: RunConfig, variables: dict, kind: Reordered, scale: float) -> ReorderedSetup:
+    """The NNX side on the checked run's devices placed by ``kind.strategy``, its batch rows interleaved."""
+    if kind.strategy != config.strategy:  # another placement of the same devices, its default mesh
+        config = dataclasses.replace(config, strategy=kind.strategy, mesh=None)
+    mesh = sides.nnx_mesh(config)
+    model = port.nnx_model(nnx.Rngs(0))
+    convert.load_linen_variables(model, variables, setups.check_names(port, variables))
+    sharding.annotate(model, sharding.decide(model, config.strategy, mesh))
+    graphdef, state = sharded.create_state(model, port.make_tx(scale), port.ema_rate)
+    shardings = sharding.state_shardings(graphdef, state, mesh)
+    rows = kind.rows(config.batch_size, mesh.shape.get(sharding.DATA, 1))
+    loss = reordered_loss(setups.nnx_loss(port, config), rows)
+    step = sharded.make_step_fn(graphdef, loss, setups.port_noise(port, setups.uses_dropout(port)), port.ema_rate,
+                                config.rng_mode)  # fmt: skip
+    fused = sharded.make_fused_call(step, (sharding.replicated(mesh), shardings))
+    return ReorderedSetup(fused, graphdef, sharding.place_state(state, shardings), mesh, config, rows=rows)
+
+
+def twin_setup(port: Port, config: RunConfig, variables: dict, n_twin: Kind, lr_scale: float | None = None):
+    """The NNX side on a 1-D data mesh of ``n_twin`` devices (or ``Reordered``: on the run's own), with
+    the checked run's config (and so its keys and ``--perturb``). ``lr_scale`` replaces ``1 + perturb``:
+    tests only, a twin whose math differs, which the verdict must refuse."""
+    if isinstance(n_twin, Reordered):
+        return reordered_setup(port, config, variables, n_twin, 1.0 + config.perturb if lr_scale is None else lr_scale)
     mesh = sharding.make_mesh(n_twin, devices=jax.local_devices())  # this process's own: no collective
     model = port.nnx_model(nnx.Rngs(0))
     convert.load_linen_variables(model, variables, setups.check_names(port, variables))
@@ -116,24 +224,36 @@ def twin_setup(port: Port, config: RunConfig, variables: dict, n_twin: int, lr_s
 
 
 def run_twin(
-    port: Port, config: RunConfig, variables: dict, calls: list, rng, n_twin: int, lr_scale=None, restore=None
+    port: Port,
+    config: RunConfig,
+    variables: dict,
+    calls: list,
+    rng,
+    n_twin: int,
+    lr_scale=None,
+    restore=None,
+    record: draws.FirstCall | None = None,
+    setup=None,
 ):
     """The twin's ``PathResult``: its final state, per-step losses and parameters after each call.
     ``calls`` hold the whole batch; ``restore(setup) -> rng``, if given, loads the checkpoint the
-    checked run resumed from (``--resume-at``) onto the twin's mesh, and ``calls`` follow it.
-    With several processes, every process's result is process 0's (``gather.from_process_0``), and
-    an exception in one process's twin is raised in every process (``gather.together``): none waits
-    for a twin that will never be shared."""
-    setup = gather.together(twin_setup, port, config, variables, n_twin, lr_scale)
+    checked run resumed from (``--resume-at``) onto the twin's mesh, and ``calls`` follow it;
+    ``record``, if given, keeps the random numbers its first call draws (the twin's setup, which draws
+    initial values, before it). With several processes, every process's result is process 0's
+    (``gather.from_process_0``), and an exception in one process's twin is raised in every process
+    (``gather.together``): none waits for a twin that will never be shared."""
+    setup = setup or gather.together(twin_setup, port, config, variables, n_twin, lr_scale)  # built: memory read
     if restore is not None:
         rng = gather.together(restore, setup)
 
     def run():
-        losses, per_call = sides.run_calls(setup, calls, rng, None, sides.silent, 'twin')
+        with draws.recording(record.log) if record else contextlib.nullcontext():
+            after_call = record.after_call if record else None
+            losses, per_call = sides.run_calls(setup, calls, rng, None, sides.silent, 'twin', after_call)
         return setup.neutral(), losses, sides.loop_metrics(setup), per_call
 
     final, losses, metrics, per_call = gather.together(run)
     final, losses, metrics = gather.from_process_0((final, losses, metrics))
     result = sides.PathResult(final, losses, per_call, None, mesh=dict(setup.mesh.shape))
-    result.metrics = metrics
+    result.metrics, result.memory = metrics, footprint.per_device(setup, calls[0], rng)
     return result

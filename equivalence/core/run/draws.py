@@ -1,0 +1,106 @@
+"""The random numbers a run draws, recorded, so that a twin that draws others is refused.
+
+A twin measures noise only if it computes what the checked run computes, random numbers
+included. Its first two losses can agree while its draws do not: a zero-initialised head gives
+the same loss whatever the dropout masks, and a warmup whose first learning rate is 0 keeps the
+second too (issue 29's ViT: an NNX step that derived its dropout keys from the mesh size drew
+other masks on the twin's mesh, whose floors then rose to 9e-2 and excused nearly every leaf).
+So the twin's draws are compared with the run's themselves.
+
+Every sampler of ``jax.random`` takes its bits from one function, ``prng.random_bits``
+(jax 0.10). While ``recording`` is active it is replaced by one that also hands a digest of
+the bits to the host (``jax.debug.callback``): their shape, their sum and a position-weighted
+sum, both in uint32 with wraparound, so exact whatever order the reduction runs in and
+whatever the sharding. A first call is run under a ``jax.make_user_context`` of its own, so
+every jitted function is traced afresh (with the callbacks) and the run's own compiled
+programs are left as they are: the checked run's first call is run again so, while a twin records
+its own run (recording may change its rounding, never its arithmetic; it is a reordering twin
+still). Two runs draw the same numbers when the multisets of their digests are equal (the order
+of callbacks is not fixed).
+"""
+
+import collections
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+from jax._src.random import prng  # the one function every jax.random sampler draws its bits from
+
+Draws = collections.Counter  # (shape, sum, weighted sum) -> times drawn
+_RECORDING = jax.make_user_context(default_value=False)  # a jit cache key: traces made while recording are their own
+_GOLDEN = 2654435761  # Knuth's multiplicative hash: position weights that differ for every position
+
+
+def _digest(bits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    flat = bits.astype(jnp.uint32).ravel()
+    weights = jnp.arange(flat.size, dtype=jnp.uint32) * jnp.uint32(_GOLDEN) + jnp.uint32(1)
+    return jnp.sum(flat, dtype=jnp.uint32), jnp.sum(flat * weights, dtype=jnp.uint32)
+
+
+_log: list | None = None  # where the callbacks of the recording under way append; traces made while recording
+# are cached under their own jit key and reused by later recordings, so the callbacks read it when they run
+
+
+@contextlib.contextmanager
+def recording(log: list) -> Iterator[None]:
+    """Every random draw traced or run eagerly in this block appends ``(shape, sum, weighted sum)`` to
+    ``log`` when it runs (``jax.effects_barrier()`` waits for them)."""
+    global _log
+    original, _log = prng.random_bits, log
+
+    def random_bits(keys, bit_width, shape):
+        bits = original(keys, bit_width, shape)
+        jax.debug.callback(functools.partial(_record, tuple(bits.shape)), *_digest(bits))
+        return bits
+
+    prng.random_bits = random_bits
+    try:
+        with _RECORDING(True):
+            yield
+        jax.effects_barrier()
+    finally:
+        prng.random_bits, _log = original, None
+
+
+def _record(shape: tuple, total, weighted) -> None:
+    if _log is not None:
+        _log.append((shape, int(total), int(weighted)))
+
+
+class FirstCall:
+    """The draws of a run's first call, kept by ``after_call`` (``sides.run_calls``'s hook) while its
+    calls run under ``recording(self.log)`` (``twin.run_twin``): a twin records its own run, compiled once."""
+
+    def __init__(self) -> None:
+        self.log: list = []
+        self.draws: Draws | None = None
+
+    def after_call(self, setup, calls_done: int, rng) -> None:
+        if calls_done == 1:
+            jax.effects_barrier()
+            self.draws = Draws(self.log)
+
+
+def first_call(setup, batch_KxG, rng) -> Draws:
+    """What ``setup``'s first call (``call_args`` then ``call``, as ``sides.run_calls`` runs it) draws.
+    ``setup`` is consumed: build one for this alone."""
+    log: list = []
+    with recording(log):
+        _, args = setup.call_args(rng, batch_KxG)
+        setup.call(args)
+        jax.effects_barrier()
+    return Draws(log)
+
+
+def refusal(run: Draws, twin: Draws) -> str:
+    """'' when the twin drew the run's random numbers; else why it is refused as a floor."""
+    if run == twin:
+        return ''
+    missing, extra = sum((run - twin).values()), sum((twin - run).values())
+    return (
+        f'refused: it draws other random numbers than the NNX run ({missing} of {sum(run.values())} draws of the '
+        f'first call not drawn by the twin, {extra} drawn only by it): its spread would be randomness, not the '
+        'order of sums (a step that derives its keys from the mesh size or the device count does this)'
+    )

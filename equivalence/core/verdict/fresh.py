@@ -1,0 +1,142 @@
+"""A twin in a fresh process that sees another device count: for code pinned to its own mesh.
+
+Real linen + ``jax.jit`` code builds its mesh from ``jax.devices()`` when its module is imported
+and names it in the step's ``in_shardings``/``out_shardings``. Such a step runs on every device
+its process sees and on nothing else, so a twin on another device count in the same process
+raises (a jit sharding error), and at D = 1 a process that sees one device has no second mesh.
+This module runs the twin (``twin.run_twin``) in a child process that sees ``n`` devices: the
+port's module is imported afresh there, so its mesh is built from those ``n`` devices.
+
+The child is ``python -m equivalence.distributed.fresh SPEC N REQUEST RESULT``. It is given the
+checked run's config (its keys are the run's: ``[D, 2]`` in per-device mode), the linen
+variables, every call's whole batch and the key chain, in ``REQUEST`` (a pickle this process
+wrote); it writes the twin's final state, losses, parameters after each call, metrics and, for a
+loop port, the random numbers its first call draws (``draws``) to ``RESULT``. A failure is its
+last stderr line. Only where a fresh process can see another count: the CPU backend
+(``JAX_NUM_CPU_DEVICES``), one process (a multi-process run's twins stay in each process), and a
+port the child can import by name (``module:NAME``, or a built-in workload).
+"""
+
+import dataclasses
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+TIMEOUT_S = 900  # a twin is one more run of the new side: minutes at most for what the suite runs
+
+
+def why_not(config: Any, resumed: bool) -> str:
+    """'' when a twin can run in a fresh process; else why not."""
+    import jax
+
+    if resumed:
+        return 'after --resume-at the twin restores the checkpoint in this process'
+    if jax.process_count() > 1:
+        return 'several processes: each runs its twin on its own devices'
+    if jax.default_backend() != 'cpu':
+        return f'a fresh process sees another device count on the CPU backend only, not {jax.default_backend()}'
+    return ''
+
+
+def locate(port: Any, config: Any) -> str:
+    """What a fresh process loads the port by: a built-in's name or ``module:NAME``; '' when none names it."""
+    from equivalence.core.port import workloads
+
+    if config.workload in workloads.WORKLOADS and workloads.WORKLOADS[config.workload] == port:
+        return config.workload
+    found = [
+        (name, attr)
+        for name, module in list(sys.modules.items())
+        if name != '__main__' and module is not None
+        for attr, value in list(vars(module).items())
+        if value is port
+    ]
+    own = {getattr(f, '__module__', None) for f in vars(port).values() if callable(f)}  # where its code lives
+    found.sort(key=lambda pair: pair[0] not in own)
+    return f'{found[0][0]}:{found[0][1]}' if found else ''
+
+
+def env(n: int) -> dict[str, str]:
+    """CPU with ``n`` simulated devices, and this process's import path (the port's folder on it)."""
+    environ = dict(os.environ)
+    flags = [f for f in environ.get('XLA_FLAGS', '').split() if 'xla_force_host_platform_device_count' not in f]
+    path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+    environ.update(JAX_PLATFORMS='cpu', JAX_NUM_CPU_DEVICES=str(n), XLA_FLAGS=' '.join(flags), PYTHONPATH=path)
+    return environ
+
+
+def run_twin(port: Any, config: Any, variables: dict, calls: list, rng: Any, n: int, draws: bool):
+    """``(the twin's PathResult, its first call's draws or None)`` from a fresh process on ``n`` devices;
+    raises ``RuntimeError`` with one line saying why when it cannot run or failed."""
+    import jax
+
+    from equivalence.core.run import sides
+
+    spec = locate(port, config)
+    if not spec:
+        raise RuntimeError('the port is not importable by name (module:NAME), so no fresh process can load it')
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    request = {'config': fields, 'variables': jax.device_get(variables), 'calls': jax.device_get(calls),
+               'rng': jax.device_get(jax.random.key_data(rng) if _typed(rng) else rng), 'draws': draws}  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix='equivalence-twin-') as folder:
+        ask, answer = os.path.join(folder, 'request.pkl'), os.path.join(folder, 'result.pkl')
+        with open(ask, 'wb') as f:
+            pickle.dump(request, f)
+        command = [sys.executable, '-m', 'equivalence.core.verdict.fresh', spec, str(n), ask, answer]
+        proc = subprocess.run(command, env=env(n), capture_output=True, text=True, timeout=TIMEOUT_S)
+        if proc.returncode != 0:
+            lines = proc.stderr.strip().splitlines() or [f'exit {proc.returncode}']
+            raise RuntimeError(f'in a fresh process on {n} device(s): {lines[-1]}')
+        with open(answer, 'rb') as f:
+            out = pickle.load(f)
+    result = sides.PathResult(out['final'], out['losses'], out['params_per_call'], None, mesh=out['mesh'])
+    result.metrics, result.memory = out['metrics'], out['memory']
+    return result, out['draws']
+
+
+def _typed(rng: Any) -> bool:
+    import jax
+
+    return jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)
+
+
+def child(spec: str, n: int, ask: str, answer: str) -> None:
+    """The fresh process: the twin on this process's ``n`` devices, its results to ``answer``."""
+    import jax
+
+    from equivalence.core.port import workloads
+    from equivalence.core.port.config import RunConfig
+    from equivalence.core.run import draws
+    from equivalence.core.verdict import twin
+
+    if len(jax.devices()) != n:
+        raise RuntimeError(f'the fresh process sees {len(jax.devices())} devices, not {n}')
+    with open(ask, 'rb') as f:
+        request = pickle.load(f)
+    port, config = workloads.get(spec), RunConfig(**request['config'])
+    variables, calls, rng = request['variables'], request['calls'], jax.numpy.asarray(request['rng'])
+    drawn = draws.FirstCall() if request['draws'] else None
+    result = twin.run_twin(port, config, variables, calls, rng, n, record=drawn)
+    out = {'final': result.final, 'losses': result.losses, 'params_per_call': result.params_per_call,
+           'metrics': result.metrics, 'mesh': result.mesh, 'draws': drawn and drawn.draws,
+           'memory': result.memory}  # fmt: skip
+    with open(answer, 'wb') as f:
+        pickle.dump(out, f)
+
+
+def main(argv: list[str]) -> int:
+    spec, n, ask, answer = argv
+    try:
+        child(spec, int(n), ask, answer)
+    except Exception as e:  # noqa: BLE001 -- the parent reports the last line as why the twin did not run
+        line = (str(e).splitlines() or [''])[0][:400]
+        print(f'{type(e).__name__}: {line}', file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,205 @@
+"""A twin measures a floor wherever the run could be measured, and never one it cannot vouch for.
+
+- At D = 1 with per-device keys the twin on 2 devices keeps the run's ``[1, 2]`` keys.
+- A twin whose random draws are not the run's is refused, even where its first two losses agree.
+- A new side pinned to a mesh built from ``jax.devices()`` at import gets its twin in a fresh process.
+"""
+
+import dataclasses
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pinned_port
+import pytest
+from conftest import require_devices
+from flax import nnx
+from flax.training import train_state
+
+from equivalence import LoopPort
+from equivalence.core import harness
+from equivalence.core.port import workloads
+from equivalence.core.port.config import RunConfig
+from equivalence.core.report import render as report
+from equivalence.core.run import setups, sides
+from equivalence.core.verdict import compare, legacy_rows, twin
+from equivalence.core.verdict import rule as verdict
+
+AXIS, FEATURES, HIDDEN, NOISE = 'batch', 4, 8, 0.3
+QUICK = {'steps_per_call': 2, 'calls': 2}
+
+
+class LinenNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = jnp.tanh(nn.Dense(HIDDEN)(x))
+        return nn.Dense(1, kernel_init=nn.initializers.zeros)(h)  # a zero-initialised head
+
+
+class NnxNet(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.Dense_0, self.Dense_1 = nnx.Linear(FEATURES, HIDDEN, rngs=rngs), nnx.Linear(HIDDEN, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.Dense_1(jnp.tanh(self.Dense_0(x)))
+
+
+def make_data(rng, n_steps, batch):
+    x = rng.normal(size=(n_steps, batch, FEATURES)).astype(np.float32)
+    return {'x': x, 'y': np.cos(x.sum(-1, keepdims=True)).astype(np.float32)}
+
+
+def tx():
+    """The first update's learning rate is 0 (warmup): with the zero head, the first two losses are the
+    same whatever noise the step draws."""
+    return optax.sgd(optax.linear_schedule(0.0, 0.1, 10), momentum=0.9)
+
+
+def pmap_step(state, batch, rng):
+    """Noisy inputs drawn from this device's key."""
+    x = batch['x'] + NOISE * jax.random.normal(rng, batch['x'].shape)
+    loss_fn = lambda p: jnp.mean((state.apply_fn({'params': p}, x) - batch['y']) ** 2)  # noqa: E731
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=jax.lax.pmean(grads, AXIS)), jax.lax.pmean(loss, AXIS)
+
+
+@nnx.jit
+def nnx_step(ts, batch, keys):
+    """The same noise from the ``[D, 2]`` keys: device row d's rows from key d."""
+    model, optimizer = ts
+    x = batch['x']
+    noise = jax.vmap(lambda k: jax.random.normal(k, (x.shape[0] // keys.shape[0], *x.shape[1:])))(keys)
+    x = x + NOISE * noise.reshape(x.shape)
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - batch['y']) ** 2))(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+def mesh_sized_step(ts, batch, keys):
+    """One key per device of the mesh the batch lives on: the run's keys on the run's mesh, others on a twin's."""
+    x = batch['x']
+    n = keys.shape[0] if isinstance(x, jax.core.Tracer) else len(x.sharding.device_set)  # traced: as given
+    return nnx_step(ts, batch, keys[:n])
+
+
+PER_DEVICE = LoopPort(
+    name='per-device-noise',
+    legacy_model=LinenNet,
+    nnx_model=lambda rngs: NnxNet(rngs),
+    make_data=make_data,
+    legacy_state=lambda v: train_state.TrainState.create(apply_fn=LinenNet().apply, params=v['params'], tx=tx()),
+    legacy_step=pmap_step,
+    step_form='state_rng',
+    nnx_state=lambda model: (model, nnx.Optimizer(model, tx(), wrt=nnx.Param)),
+    nnx_step=nnx_step,
+    init_args=lambda batch: (batch['x'],),
+    axis_name=AXIS,
+    default_batch=16,
+    rng_modes=('per-device',),
+)
+MESH_SIZED = dataclasses.replace(PER_DEVICE, name='mesh-sized-noise', nnx_step=mesh_sized_step)
+
+
+def test_a_twin_at_one_device_keeps_the_per_device_keys():
+    """D = 1, per-device keys: the twin on 2 devices is given the run's ``[1, 2]`` keys, which do not split
+    over 2 devices (it raised IndivisibleError, and the verdict fell back on the fixed screen)."""
+    require_devices(2)
+    result = harness.check(PER_DEVICE, devices=1, **QUICK)
+    assert result.verdict.twin == 'on 2 device(s)', result.verdict.lines()
+    assert result.report.match and result.report.floor is not None
+
+
+def test_a_twin_that_draws_other_random_numbers_is_refused():
+    """The twin's draws are compared with the run's, not only its first two losses: with a zero head
+    and a first learning rate of 0 those agree whatever noise is drawn. A step that takes one key per
+    device of its mesh draws other noise on the twin's: refused, its spread never a floor. The same
+    step with the keys as given draws the run's numbers on any mesh: its twin measures (the control,
+    the test above)."""
+    require_devices(2)
+    refused = harness.check(MESH_SIZED, devices=2, **QUICK)
+    assert refused.verdict.twin.startswith('refused: it draws other random numbers than the NNX run'), (
+        refused.verdict.lines()
+    )
+    assert refused.report.floor is None
+
+
+def test_with_no_floor_the_diagnosis_says_why_no_twin_measured_one():
+    """The ``unmeasured`` line gives the twin's own reason, not a guess about device counts."""
+    ref = {'params': {'w': np.array([1.0], np.float32)}}
+    off = compare.compare(ref, {'params': {'w': np.array([1.1], np.float32)}}, compare.FLOAT32_REDUCTION_ORDER)
+    why = 'refused: it draws other random numbers than the NNX run'
+    kind, line = verdict.diagnose(off, '', None, False, why)
+    assert kind == 'unmeasured' and line.endswith(f'no twin measured one: {why}'), line
+    assert 'even batch' not in line
+
+
+@pytest.fixture(scope='module')
+def pinned():
+    require_devices(8)
+    return {p.name: harness.check(p, devices=len(jax.devices()), **QUICK) for p in (pinned_port.PORT, pinned_port.SLIP)}
+
+
+def test_a_new_side_pinned_to_its_own_mesh_gets_its_floor_from_a_fresh_process(pinned):
+    """linen + jax.jit with shardings on a mesh built from jax.devices() at import runs on every device of
+    its process and nowhere else: the twin on 1 device raises in this process (the verdict was the fixed
+    screen, 'unmeasured' on MISMATCH). A fresh process that sees 1 device imports the port afresh and
+    runs it: a measured floor, and the slip is a MISMATCH judged by it."""
+    result = pinned[pinned_port.PORT.name]
+    assert result.verdict.twin == 'on 1 device(s) in a fresh process', result.verdict.lines()
+    assert result.report.match
+    assert report.to_json(result, {})['verdict']['floor_rule'] is not None
+    text = report.text(result, 'cpu')
+    assert 'unmeasured' not in text and 'in a fresh process' in text
+    slipped = pinned[pinned_port.SLIP.name]
+    assert not slipped.report.match and slipped.report.floor is not None
+    assert slipped.verdict.kind != 'unmeasured' and slipped.verdict.twin == 'on 1 device(s) in a fresh process'
+    json.dumps(report.to_json(slipped, {}))  # the report of a twin that ran elsewhere is plain data
+
+
+def test_a_sharded_runs_twins_hold_no_more_per_device_than_the_run():
+    """fsdp on 8 devices (wide): a twin on 1 device, or data parallel on 8, holds the whole state per
+    device (5.0x and 4.8x the run's bytes per device, XLA's memory analysis), which a model that fits
+    only sharded cannot. Its twins are the run's own devices, placed as fsdp and as fsdp-tp, the batch
+    rows interleaved: at most 1.1x, in the report and the JSON, and the verdict is still a MATCH."""
+    require_devices(8)
+    result = harness.check(workloads.get('wide'), devices=8, strategy='fsdp', **QUICK)
+    assert result.report.match, verdict.details(verdict.failed(result.report))
+    placed = ('fsdp, batch rows interleaved', 'fsdp-tp, batch rows interleaved')
+    assert result.verdict.twin == f"on the run's devices: {placed[0]} and {placed[1]}"
+    memory = report.to_json(result, {})['verdict']['memory']
+    run = memory['run']['held']
+    assert set(memory['twins']) == set(placed)
+    assert all(0 < twin_['held'] <= 1.1 * run for twin_ in memory['twins'].values()), memory
+    said = 'bytes per device (XLA memory analysis of one call): run '
+    assert any(line.startswith(said) for line in result.verdict.done)
+
+
+def test_a_reordered_twin_gives_every_example_its_own_noise():
+    """The twin takes the batch's rows interleaved; the step draws noise by position, so the loss is handed
+    each example's own noise (a loss that reads both sees the run's pairs, in the twin's order)."""
+    rows = twin.Reordered('fsdp').rows(8, 2)
+    assert sorted(rows) == list(range(8)) and list(rows[:4]) == [0, 4, 1, 5]
+    x = np.arange(8.0)
+    loss = twin.reordered_loss(lambda model, batch, noise: batch * 10 + noise['n'], rows)
+    assert np.array_equal(loss(None, x[rows], {'n': x}), (x * 11)[rows])
+
+
+def test_the_legacy_twin_with_per_device_keys_draws_what_the_run_draws():
+    """cnn (Dropout) with per-device keys: the pmap side on another count gave each device one key of its
+    own and drew other masks, so no legacy twin could run (cnn, Adam eps 1e-8, seed 5, D = 8 was a false
+    MISMATCH). Drawing each of the run's D key rows for its examples, it is the run itself on D devices
+    (bitwise) and agrees on its first losses on 1; the plain pmap step on 1 device does not (the control)."""
+    require_devices(2)
+    cnn = workloads.get('cnn')
+    config = RunConfig(workload='cnn', devices=2, rng_mode='per-device', batch_size=cnn.default_batch, **QUICK)
+    variables, calls, rng = setups.make_inputs(cnn, config)
+    run = sides.run_legacy(cnn, config, variables, calls, rng)
+    same = legacy_rows.run(cnn, config, 2, variables, calls, rng)
+    assert all(np.array_equal(run.final[g][p], same.final[g][p]) for g in run.final for p in run.final[g])
+    on_one = legacy_rows.run(cnn, config, 1, variables, calls, rng)
+    assert verdict.twin_refusal(run.losses, on_one.losses, 'legacy') == ''
+    plain = sides.run_legacy(cnn, dataclasses.replace(config, devices=1), variables, calls, rng)
+    assert verdict.twin_refusal(run.losses, plain.losses, 'legacy').startswith('refused: its loss at step 1')
