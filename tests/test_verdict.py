@@ -17,7 +17,7 @@ from equivalence.core import harness
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.run import setups, sides
-from equivalence.core.verdict import compare, judge, rule, twin
+from equivalence.core.verdict import compare, fresh, judge, rule, twin
 
 sys.path.insert(0, os.path.join(ROOT, 'examples', 'mlp_port'))
 import my_port  # noqa: E402  (the example, imported as a user's module)
@@ -114,27 +114,39 @@ def test_a_twin_that_changes_the_math_is_refused():
 
 def test_a_twin_that_raises_is_named_by_its_culprit_and_its_whole_text_goes_to_the_report(monkeypatch):
     """A twin of code pinned to its own mesh raises JAX's sharding error, whose last clause names the
-    argument at fault after a line break: the verdict's line keeps that clause, the JSON the whole text."""
+    argument at fault after a line break; the fresh process it is then tried in fails too. The verdict's
+    line keeps both culprits' clauses, the JSON both whole texts."""
     text = ("Sharding passed to jit does not match the sharding on the respective arg. Got jit sharding: "
             "NamedSharding(mesh=Mesh('data': 2, axis_types=(Auto,)), spec=P('data',), memory_kind=device),\n"
             "arg sharding: NamedSharding(mesh=Mesh('data': 1, axis_types=(Auto,)), spec=P('data',), "
             "memory_kind=device) for arg type: uint32[2,2]")  # fmt: skip
+    fresh_text = 'the fresh process exited 1:\nModuleNotFoundError: No module named my_port'
 
     def pinned(*args, **kwargs):
         raise ValueError(text)
 
+    def fresh_fails(*args, **kwargs):
+        raise RuntimeError(fresh_text)
+
+    monkeypatch.setattr(twin, 'twin_setup', lambda *args, **kwargs: None)  # the twin's own setup is not tested here
     monkeypatch.setattr(twin, 'run_twin', pinned)
+    monkeypatch.setattr(fresh, 'run_twin', fresh_fails)
     port, config = workloads.get('mlp'), RunConfig(workload='mlp', devices=2, steps_per_call=2, calls=1)
-    inputs = judge.Inputs({}, [], None)
-    twins, why = judge.measured_twins(port, config, None, inputs, (1,))
-    assert twins == {} and why.startswith('not run: on 1 device(s) it raised ValueError: Sharding passed'), why
-    assert why.endswith('for arg type: uint32[2,2]') and '\n' not in why, why
+    inputs = judge.Inputs({}, [None], None)  # one call, never run: both twins raise
+    twins, why, in_fresh = judge.measured_twins(port, config, None, inputs, (1,))
+    assert twins == {} and in_fresh == [] and len(why) == 1, why
+    assert why[0].startswith('not run: on 1 device(s) it raised ValueError: Sharding passed'), why
+    assert 'for arg type: uint32[2,2]; RuntimeError: ' in why[0] and '\n' not in why[0], why
+    assert why[0].endswith('No module named my_port'), why
     report = compare.Report([], port.tolerance)
     result = judge.RunResult(config, None, None, report, verdict=judge.finish(port, config, report, None, None,
-                                                                              inputs, [why], why, None))  # fmt: skip
+                                                                              inputs, why, why[0], None))  # fmt: skip
     from equivalence.core.report import render as report_module
 
-    assert report_module.verdict_json(result)['errors'] == [f'twin on 1 device(s): ValueError: {text}']
+    assert report_module.verdict_json(result)['errors'] == [
+        f'twin on 1 device(s): ValueError: {text}',
+        f'twin on 1 device(s) in a fresh process: RuntimeError: {fresh_text}',
+    ]
 
 
 def test_chaos_on_the_pmap_side_is_measured_by_the_legacy_twin():
