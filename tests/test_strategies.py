@@ -200,11 +200,11 @@ def test_negative_control_hand_written_per_device_code_without_its_collective(st
     mesh_flag = tuple(mesh_axes.items()) if strategy == 'fsdp-tp' else None
     config = RunConfig('wide', 8, strategy=strategy, mesh=mesh_flag, **QUICK)
     results = {}
-    # Hand-written code pinned to this 8-device mesh cannot run on the verdict's twin mesh (tp's twin,
-    # on 8 devices too, runs it unchanged: it reorders no sum and is refused), so no floor is
-    # measured and the fixed screen decides; with wide's Adam eps 1e-8 that screen sees
-    # Adam amplify reduction-order rounding (docs/verdict.md). This control is of the collectives,
-    # so its optimizer is Adam eps 1e-5, where the correct code is inside the screen (measured).
+    # Hand-written code pinned to this 8-device mesh runs on the verdict's twins, which are on the run's
+    # own 8 devices with the batch rows interleaved (docs/verdict.md); before them a twin on 1 device
+    # could not run it and one on 8 reordered no sum (refused), so the fixed screen decided, and with
+    # wide's Adam eps 1e-8 that screen sees Adam amplify reduction-order rounding. This control is of
+    # the collectives, so its optimizer is Adam eps 1e-5, where the correct code is inside the screen.
     tx = lambda lr_scale=1.0: optax.adam(1e-3 * lr_scale, eps=1e-5)  # noqa: E731
     for reduce in (True, False):
         port = dataclasses.replace(WIDE, nnx_loss=_wide_loss(mesh, specs, forward(reduce)), make_tx=tx)

@@ -158,11 +158,12 @@ def measured_twins(port: Port, config: RunConfig, new, inputs: Inputs, counts: t
     # Where fewer than two candidates fit, data parallel on D runs all the same (it rounds as the pmap run
     # does; the reordered placements alone measured too small a floor: wide under fsdp-tp, seed 0, 11x).
     tries = [(n, fit) for n in counts] + ([(config.devices, None)] if fit is not None else [])
+    built: dict = {}  # a candidate's setup, compiled to read its bytes: the fallback runs it as it is
     for n, limit in tries:
         if len(twins) == twin.TWINS or n in twins:
             continue
         try:
-            tw, drawn, in_fresh = one_twin(port, config, inputs, calls, n, limit)
+            tw, drawn, in_fresh = one_twin(port, config, inputs, calls, n, limit, built)
         except TwinNotRun as e:
             why.append((n, str(e)))
             continue
@@ -184,17 +185,19 @@ class TwinNotRun(Exception):
     """Why a twin did not run, as the verdict line says it."""
 
 
-def one_twin(port: Port, config: RunConfig, inputs: Inputs, calls: list, n, fit: dict | None = None):
+def one_twin(port: Port, config: RunConfig, inputs: Inputs, calls: list, n, fit: dict | None = None, built=None):
     """``(the twin's PathResult, its first call's draws or None, whether it ran in a fresh process)``: in
     this process when its devices suffice and the code runs there, else in a fresh process that sees ``n``
     devices (code pinned to a mesh of its own, built from ``jax.devices()``); ``TwinNotRun`` saying why not.
-    ``fit``: the run's bytes per device, which a candidate twin must not exceed ``twin.FIT`` times."""
+    ``fit``: the run's bytes per device, which a candidate twin must not exceed ``twin.FIT`` times;
+    ``built``: setups built already, by twin (one that did not fit may run later as the fallback)."""
     check = checks_draws(port)
     raised = f'{n} device(s) are more than this process sees'
     if twin.devices_of(n, config) <= len(jax.local_devices()):
         drawn = draws.FirstCall() if check else None
         try:
-            setup = twin.twin_setup(port, config, inputs.variables, n)
+            built = {} if built is None else built
+            setup = built[n] = built.get(n) or twin.twin_setup(port, config, inputs.variables, n)
             too_big(setup, calls[0], inputs.rng, fit, n)
             tw = twin.run_twin(
                 port, config, inputs.variables, calls, inputs.rng, n, restore=inputs.restore, record=drawn, setup=setup
