@@ -7,7 +7,7 @@ raises (a jit sharding error), and at D = 1 a process that sees one device has n
 This module runs the twin (``twin.run_twin``) in a child process that sees ``n`` devices: the
 port's module is imported afresh there, so its mesh is built from those ``n`` devices.
 
-The child is ``python -m equivalence.distributed.fresh SPEC N REQUEST RESULT``. It is given the
+The child is ``python -m equivalence.core.verdict.fresh SPEC N REQUEST RESULT``. It is given the
 checked run's config (its keys are the run's: ``[D, 2]`` in per-device mode), the linen
 variables, every call's whole batch and the key chain, in ``REQUEST`` (a pickle this process
 wrote); it writes the twin's final state, losses, parameters after each call, metrics and, for a

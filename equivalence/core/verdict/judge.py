@@ -19,7 +19,7 @@ again, over every process's devices), as does the masked-loss hint. After ``--re
 twin restores the same checkpoint; the probe, the legacy twin and the re-run, which start from
 the initial state, are not run.
 A twin that cannot run in this process (code pinned to a mesh built from ``jax.devices()``, or a
-count this process does not see) runs in a fresh process that sees its count (``distributed.fresh``);
+count this process does not see) runs in a fresh process that sees its count (``verdict.fresh``);
 a loop port's twin must draw the random numbers the run draws (``draws``). Where no twin measures,
 the fixed screen decides, and the report says why.
 """
