@@ -11,15 +11,18 @@ and optimizer are wrapped as well: the per-example losses (``LOSS``) and the gra
 optimizer is given (``GRADS``, the pmap side's after its pmean) are recorded the same way.
 
 On the pmap side each device's rows are recorded (``lax.axis_index``) and joined into the global
-batch (``value``); on the NNX side a value is gathered onto the run's mesh before it leaves. What
-a callback is handed is kept, not read, until the run is over: JAX puts it on CPU device 0, whose
-program is waiting for the callback, and reading it there waits on a collective that waits on
-that device (a deadlock seen at 8 devices). ``equivalence.core.verdict.locate`` judges the records.
+batch (``value``); on the NNX side a value is gathered onto the run's mesh before it leaves. A
+sharded run's twin (``twin.Reordered``) holds the batch's rows interleaved: its values are put back
+in the run's row order once read (``_in_order``). What a callback is handed is kept, not read,
+until the run is over: JAX puts it on CPU device 0, whose program is waiting for the callback, and
+reading it there waits on a collective that waits on that device (a deadlock seen at 8 devices).
+``equivalence.core.verdict.locate`` judges the records.
 """
 
 import contextlib
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -37,7 +40,6 @@ from equivalence.core.port.ports import LoopPort, ModelPort, Port
 from equivalence.core.run import adapters, randomness, setups, sides
 from equivalence.core.verdict import probe, twin
 from legacy_pmap import train as legacy
-from nnx_sharded import sharding
 
 LOSS, GRADS = '<loss>', '<grads>'  # recorded values that are no module's
 
@@ -66,6 +68,8 @@ class _Session:
 
 
 _SESSION = _Session()
+_RECORDINGS = jax.make_user_context(None)  # a jit cache key: each recording's traces are its own
+_SESSIONS = itertools.count(1)
 
 
 def _store(label: str, cls: str, order: int, names, device, inputs, outputs) -> None:
@@ -212,12 +216,12 @@ def _recording_port(port: Port) -> Port:
     return dataclasses.replace(port, legacy_loss=legacy_loss, nnx_loss=nnx_loss, make_tx=make_tx, eval_data=None)
 
 
-def first_steps(port: Port, config: RunConfig, variables: dict, calls: list, rng, n_twin: int | None):
+def first_steps(port: Port, config: RunConfig, variables: dict, calls: list, rng, n_twin: twin.Kind | None):
     """``({side: PathResult after one step}, {side: {label: Record}})``: the first step of each
-    side (legacy, nnx, and twin when ``n_twin``), every module call recorded. A loop port's own jitted
-    functions keep their traces: JAX's caches are cleared before (a cached trace would not be
-    intercepted) and after (no later run may reuse a recording trace); a model port's loops are
-    built afresh for these runs, and nothing else is cleared."""
+    side (legacy, nnx, and twin when ``n_twin``: a count, or a sharded run's ``twin.Reordered``),
+    every module call recorded. Every trace is made afresh, keyed apart by a user context of this
+    recording's own (``_RECORDINGS``): a loop port's jitted functions trace again with the recording in
+    them, and no other run takes a recording trace, nor does this one take theirs; nothing is cleared."""
     one = dataclasses.replace(probe.probe_config(config), steps_per_call=1, calls=1)
     first, recording = [probe.first_batch(calls[0])], _recording_port(port)
     adapted = adapters.adapted(port) if isinstance(port, LoopPort) else False
@@ -226,17 +230,22 @@ def first_steps(port: Port, config: RunConfig, variables: dict, calls: list, rng
         'legacy': (axis, None, lambda: sides.run_legacy(recording, one, variables, first, rng)),
         'nnx': (None, setups.nnx_mesh(one), lambda: sides.run_nnx(recording, one, variables, first, rng)),
     }
+    rows = None
     if n_twin:
-        mesh = sharding.make_mesh(n_twin, devices=jax.local_devices())
-        runs['twin'] = (None, mesh, lambda: twin.run_twin(recording, one, variables, first, rng, n_twin))
-    abstract = setups.abstract_model(port)
-    classes = {type(m) for _, m in nnx.iter_graph(abstract) if isinstance(m, nnx.Module)}
+        built = twin.twin_setup(recording, one, variables, n_twin)
+        rows = getattr(built, 'rows', None)  # a Reordered twin holds the batch's rows in this order
+        runs['twin'] = (
+            None,
+            built.mesh,
+            lambda: twin.run_twin(recording, one, variables, first, rng, n_twin, setup=built),
+        )
+    abstract = setups.abstract_model(port)  # None: a new side of linen alone, whose calls nn.intercept_methods sees
+    graph = nnx.iter_graph(abstract) if abstract is not None else ()
+    classes = {type(m) for _, m in graph if isinstance(m, nnx.Module)}
     results, s = {}, _SESSION
     s.raw, s.counts, s.order = {}, [], 0
-    clear = jax.clear_caches if isinstance(port, LoopPort) else lambda: None
-    clear()
     try:
-        with _patched(classes):
+        with _patched(classes), _RECORDINGS(next(_SESSIONS)):
             for side, (s.axis, mesh, run) in runs.items():
                 s.side, s.mesh = side, None if adapted else mesh
                 results[side] = run()
@@ -245,9 +254,27 @@ def first_steps(port: Port, config: RunConfig, variables: dict, calls: list, rng
                 s.raw[side] = _host(s.raw.get(side, {}))
     finally:
         s.side, s.mesh, s.axis = None, None, None
-        clear()
         randomness.take_unbridged()  # the checked runs' lines were taken; these are the same layers'
+    if rows is not None:
+        s.raw['twin'] = {label: _in_order(record, rows) for label, record in s.raw['twin'].items()}
     return results, s.raw
+
+
+def _in_order(record: Record, rows: np.ndarray) -> Record:
+    """A ``Reordered`` twin's record with the batch's rows put back in the run's order: its position i
+    held example ``rows[i]`` (every value whose leading axis is the batch's; the gradients are sums)."""
+    if record.cls == 'grads':
+        return record
+
+    def back(a: np.ndarray) -> np.ndarray:
+        if a.ndim == 0 or a.shape[0] != len(rows):
+            return a
+        out = np.empty_like(a)
+        out[rows] = a
+        return out
+
+    values = {d: ([back(a) for a in ins], [back(a) for a in outs]) for d, (ins, outs) in record.values.items()}
+    return record._replace(values=values)
 
 
 def value(record: Record, index: int, which: int, like: np.ndarray | None = None) -> np.ndarray:

@@ -28,6 +28,7 @@ It runs on MISMATCH, and on MATCH when ``RunConfig.locate`` asks (``attach``, ca
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from equivalence.core.port import convert
@@ -380,26 +381,34 @@ def _notes(port: Port, raw: dict, paired: dict, twin_ran: bool) -> list[str]:
         notes.append(f'{len(paired)} of {len(calls["legacy"])} linen module calls paired with NNX ones '
                      f'({len(calls["nnx"])} recorded); not paired: {shown}')  # fmt: skip
     if not twin_ran:
-        notes.append('no twin ran: each value is held to 8 float32 spacings of its largest value')
+        notes.append('no twin in this process: each value is held to 8 float32 spacings of its largest value')
     if isinstance(port, LoopPort):
         notes.append("a loop port's gradients are its own step's: not observed (a first moment that parts may be one)")
     return notes
 
 
-def first_steps(port: Port, config: RunConfig, inputs, n_twin: int | None) -> tuple[dict, dict]:
+def here(n_twin: twin.Kind | None, config: RunConfig) -> twin.Kind | None:
+    """The twin the first steps run in this process: None where it needs more devices than this
+    process sees (it ran in a fresh process, ``judge.one_twin``)."""
+    return None if n_twin and twin.devices_of(n_twin, config) > len(jax.local_devices()) else n_twin
+
+
+def first_steps(port: Port, config: RunConfig, inputs, n_twin: twin.Kind | None) -> tuple[dict, dict]:
     """``intercept.first_steps`` once per verdict, kept on ``inputs`` (``judge.Inputs``): the gradient
-    probe and the location share one more first step per side and the twin's (of ``n_twin`` devices;
-    None: no twin, each value then held to 8 float32 spacings)."""
+    probe and the location share one more first step per side and the twin's (``n_twin``, as ``here``
+    keeps it; None: no twin, each value then held to 8 float32 spacings)."""
+    n_twin = here(n_twin, config)
     if inputs.first_steps is None or inputs.first_steps[0] != n_twin:
         runs = intercept.first_steps(port, config, inputs.variables, inputs.calls, inputs.rng, n_twin)
         inputs.first_steps = (n_twin, *runs)
     return inputs.first_steps[1:]
 
 
-def first_step_grads(port: ModelPort, config: RunConfig, inputs, n_twin: int | None) -> dict[str, dict]:
+def first_step_grads(port: ModelPort, config: RunConfig, inputs, n_twin: twin.Kind | None) -> dict[str, dict]:
     """``{'legacy', 'nnx', 'twin'}`` -> the first gradient by NNX path (the twin's: NNX's without a
     twin). Where the recorded steps cannot run, the plain probe's (``probe.first_steps``): the
     location then says why it has none, and the verdict is as it was without it."""
+    n_twin = here(n_twin, config)
     mapping = setups.check_names(port, inputs.variables)
     try:
         raw = first_steps(port, config, inputs, n_twin)[1]
@@ -411,13 +420,13 @@ def first_step_grads(port: ModelPort, config: RunConfig, inputs, n_twin: int | N
     return {**grads, 'twin': grads['twin'] or grads['nnx']}
 
 
-def locate(port: Port, config: RunConfig, inputs, n_twin: int | None) -> Location:
+def locate(port: Port, config: RunConfig, inputs, n_twin: twin.Kind | None) -> Location:
     """Where the first step parts (``inputs``: a ``judge.Inputs``, the checked runs' inputs)."""
     mapping = setups.check_names(port, inputs.variables)
     return judge_step(port, *first_steps(port, config, inputs, n_twin), mapping, inputs.variables)
 
 
-def attach(verdict, port: Port, config: RunConfig, inputs, n_twin: int | None):
+def attach(verdict, port: Port, config: RunConfig, inputs, n_twin: twin.Kind | None):
     """``verdict`` (``rule.Verdict``) with its ``location``: on MISMATCH, or on MATCH when
     ``config.locate`` asks (never when it is False); where it cannot run (several processes, after
     --resume-at) or raises, the location says so and the verdict stands."""
