@@ -13,7 +13,7 @@ from matplotlib.ticker import MaxNLocator
 
 from equivalence.core.report.output import atomic_write
 
-FILES = ('losses.png', 'divergence.png')
+FILES = ('losses.png', 'divergence.png', 'location.png')  # location.png: when the verdict located where they part
 
 
 def losses_figure(legacy_S: np.ndarray, nnx_S: np.ndarray, steps_per_call: int, title: str, first: int = 1) -> Figure:
@@ -98,7 +98,7 @@ def location_figure(location, title: str) -> Figure:
 
 
 def write(result, directory: str) -> list[str]:
-    """Both figures of a ``judge.RunResult`` into ``directory`` (created if missing), each written atomically."""
+    """The figures of a ``judge.RunResult`` into ``directory`` (created if missing), each written atomically."""
     c, tol = result.config, result.report.tolerance
     os.makedirs(directory, exist_ok=True)
     where = f'{c.workload}, {c.devices} devices'
@@ -111,6 +111,9 @@ def write(result, directory: str) -> list[str]:
             result.param_divergence(), c.steps_per_call, tol.atol, tol.rtol, f'Parameter divergence ({where})', first
         ),
     }
+    location = getattr(result.verdict, 'location', None)
+    if location is not None and location.modules:
+        figures['location.png'] = location_figure(location, f'Where the first step parts ({where})')
     paths = []
     for name, fig in figures.items():
         paths.append(os.path.join(directory, name))
