@@ -59,6 +59,7 @@ class Inputs:
     whole: list | None = dataclasses.field(default=None, repr=False)  # whole_calls, drawn once
     errors: list = dataclasses.field(default_factory=list)  # the whole text of what a re-run raised (the JSON report)
     first_steps: tuple | None = dataclasses.field(default=None, repr=False)  # locate's, for the probe and location
+    fresh_twins: tuple = ()  # the twins that ran in a fresh process: not run again here (locate.here)
 
     def whole_calls(self, port: Port, config: RunConfig) -> list:
         """The calls with every row of the global batch: the twin runs on this process's devices alone."""
@@ -89,6 +90,7 @@ def judge(port: Port, config: RunConfig, old, new, inputs: Inputs, tree) -> tupl
         text = f'not run: {none or "--verdict screen, and the screen passed"}'
         return screen, finish(port, config, screen, old, new, inputs, done + [f'twin {text}'], text, None)
     twins, why, fresh_ones = measured_twins(port, config, new, inputs, counts)
+    inputs.fresh_twins = tuple(fresh_ones)
     if not twins:
         return screen, finish(port, config, screen, old, new, inputs, done + [f'twin {why[0]}'], why[0], None)
     first = [rule.first_step_tree(float(p.losses[0])) for p in (old, new)]

@@ -387,17 +387,20 @@ def _notes(port: Port, raw: dict, paired: dict, twin_ran: bool) -> list[str]:
     return notes
 
 
-def here(n_twin: twin.Kind | None, config: RunConfig) -> twin.Kind | None:
-    """The twin the first steps run in this process: None where it needs more devices than this
-    process sees (it ran in a fresh process, ``judge.one_twin``)."""
-    return None if n_twin and twin.devices_of(n_twin, config) > len(jax.local_devices()) else n_twin
+def here(n_twin: twin.Kind | None, config: RunConfig, inputs) -> twin.Kind | None:
+    """The twin the first steps run in this process: None where it ran in a fresh process
+    (``judge.one_twin``: it needs more devices than this process sees, or it raised here, as code
+    pinned to a mesh of its own does), or needs more devices than this process sees."""
+    if n_twin is None or n_twin in inputs.fresh_twins:
+        return None
+    return None if twin.devices_of(n_twin, config) > len(jax.local_devices()) else n_twin
 
 
 def first_steps(port: Port, config: RunConfig, inputs, n_twin: twin.Kind | None) -> tuple[dict, dict]:
     """``intercept.first_steps`` once per verdict, kept on ``inputs`` (``judge.Inputs``): the gradient
     probe and the location share one more first step per side and the twin's (``n_twin``, as ``here``
     keeps it; None: no twin, each value then held to 8 float32 spacings)."""
-    n_twin = here(n_twin, config)
+    n_twin = here(n_twin, config, inputs)
     if inputs.first_steps is None or inputs.first_steps[0] != n_twin:
         runs = intercept.first_steps(port, config, inputs.variables, inputs.calls, inputs.rng, n_twin)
         inputs.first_steps = (n_twin, *runs)
@@ -408,7 +411,7 @@ def first_step_grads(port: ModelPort, config: RunConfig, inputs, n_twin: twin.Ki
     """``{'legacy', 'nnx', 'twin'}`` -> the first gradient by NNX path (the twin's: NNX's without a
     twin). Where the recorded steps cannot run, the plain probe's (``probe.first_steps``): the
     location then says why it has none, and the verdict is as it was without it."""
-    n_twin = here(n_twin, config)
+    n_twin = here(n_twin, config, inputs)
     mapping = setups.check_names(port, inputs.variables)
     try:
         raw = first_steps(port, config, inputs, n_twin)[1]
