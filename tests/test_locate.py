@@ -28,7 +28,7 @@ from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.report import plots, render
 from equivalence.core.run import setups
-from equivalence.core.verdict import implied, intercept, judge, locate, probe, rule
+from equivalence.core.verdict import implied, intercept, judge, locate, probe, rule, twin
 from equivalence.corpus import batchnorm
 
 sys.path.insert(0, os.path.join(ROOT, 'examples', 'mlp_port'))
@@ -284,3 +284,34 @@ def test_where_the_recording_cannot_run_the_probe_and_the_verdict_are_as_before(
     assert (
         mismatch.location.kind == 'unlocated' and 'raised RuntimeError: recording refused' in mismatch.location.figures
     )
+
+
+# -- on twins2: the sharded run's twin, and one that ran in a fresh process ---------------------------
+
+
+def test_under_fsdp_the_twins_rows_are_put_back_before_they_are_compared():
+    """A sharded run's twin (``twin.Reordered``) holds the batch's rows interleaved: its recorded values,
+    put back in the run's row order, measure floors of rounding size, and the gelu slip is located where
+    it is at D = 2. Left as the twin held them (checked by hand, at D = 2 and 4), the floors are of the
+    activations' size and the same slip is misnamed 'loss'."""
+    require_devices(DEVICES)
+    port = my_port.MODEL_GELU_SLIP
+    config = RunConfig(workload='gelu', devices=DEVICES, steps_per_call=1, calls=1, batch_size=port.default_batch,
+                       strategy='fsdp')  # fmt: skip
+    inputs = judge.Inputs(*setups.make_inputs(port, config))
+    loc = locate.locate(port, config, inputs, n_twin=twin.Reordered('fsdp'))
+    assert (loc.kind, loc.legacy, loc.nnx) == ('between', 'LayerNorm_0 → Dropout_0', 'norm → drop'), loc.line()
+    first(loc)
+    assert all(m.output_floor is not None and m.output_floor < 1e-5 for m in loc.modules), loc.modules
+    assert 'twin' in inputs.first_steps[2]
+
+
+def test_a_twin_that_ran_in_a_fresh_process_is_not_run_again_for_the_location():
+    """Code pinned to its own mesh raises on the twin's; the verdict ran that twin in a fresh process
+    (``judge.Inputs.fresh_twins``), and the recorded first steps run without it (no JAX program here)."""
+    config = RunConfig(devices=DEVICES, batch_size=64)
+    inputs = judge.Inputs({}, [], None)
+    assert locate.here(1, config, inputs) == 1 and locate.here(None, config, inputs) is None
+    inputs.fresh_twins = (1,)
+    assert locate.here(1, config, inputs) is None
+    assert locate.here(10**6, config, judge.Inputs({}, [], None)) is None  # more devices than this process sees
