@@ -109,7 +109,12 @@ def add_output_flags(parser: argparse.ArgumentParser, json_help: str, plot: bool
     """``--json`` (and ``--plot``): checked by ``parse`` before anything runs, written atomically."""
     parser.add_argument('--json', default=None, metavar='PATH', help=json_help)
     if plot:
-        parser.add_argument('--plot', default=None, metavar='DIR', help='write losses.png and divergence.png into DIR')
+        parser.add_argument(
+            '--plot',
+            default=None,
+            metavar='DIR',
+            help='write losses.png and divergence.png (and location.png when located) into DIR',
+        )
     parser.add_argument('--overwrite', action='store_true', help='replace an existing report')
 
 

@@ -34,6 +34,12 @@ def parse(argv: list[str] | None):
         "twin only when the NNX one fails after a first step that agrees); strict: and the first step's "
         'gradients always; screen: a fixed tolerance, the twins only when it fails',
     )
+    parser.add_argument(
+        '--locate',
+        action='store_true',
+        help='say where the first step parts (module, loss, gradient, statistic, optimizer slot) on MATCH too; '
+        'a MISMATCH always says it (one more first step on each side)',
+    )
     cli.add_output_flags(parser, 'write a machine-readable report', plot=True)
     distributed.add_flags(parser)
     checkpoint_options.add_flags(parser)
@@ -44,7 +50,8 @@ def inputs(argv: list[str] | None, n_available: int | None = None):
     """Every flag parsed and checked, nothing run: ``(args, workload, RunConfig, CheckpointOptions)``;
     raises ``ConfigError``."""
     args = parse(argv)
-    wl, config = cli.run_config(args, n_available, perturb=args.perturb, nnx_form=args.nnx_form, verdict=args.verdict)
+    extra = {'perturb': args.perturb, 'nnx_form': args.nnx_form, 'verdict': args.verdict, 'locate': args.locate or None}
+    wl, config = cli.run_config(args, n_available, **extra)
     checkpoints = checkpoint_options.from_args(args)
     checkpoints.check(config, several=args.processes > 1 or distributed.worker.is_worker(args))
     return args, wl, config, checkpoints

@@ -60,7 +60,7 @@ def _matches_on_one(port: Port, config: RunConfig) -> bool:
     if jax.process_count() != 1 or config.strategy != 'dp':
         return False
     try:
-        return run(port, dataclasses.replace(config, devices=1)).report.match
+        return run(port, dataclasses.replace(config, devices=1, locate=False)).report.match  # only its match is read
     except ConfigError:
         return False
 

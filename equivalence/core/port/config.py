@@ -35,6 +35,7 @@ class RunConfig:
     mesh: tuple[tuple[str, int], ...] | None = None  # fsdp-tp's mesh, e.g. (('data', 4), ('model', 2))
     nnx_form: str = 'split'  # 'split': jax.jit(lax.scan) over split state; 'graph': nnx.jit(nnx.scan) over objects
     verdict: str = 'measured'  # measured: twin floor always; strict: + first-step gradients; screen: twin if it fails
+    locate: bool | None = None  # where the first step parts (verdict.locate): None: on MISMATCH; True: MATCH too
     available: dataclasses.InitVar[int | None] = None  # devices JAX sees; None: not checked (library use)
     data_k: dataclasses.InitVar[int] = 1  # bench: each call's data covers max(K, data_k) steps
 

@@ -1,4 +1,5 @@
-"""The figures of ``python -m equivalence.run --plot DIR``: losses, and parameter divergence.
+"""The figures of ``python -m equivalence.run --plot DIR``: losses, parameter divergence, and, when
+the verdict located where the sides part (``verdict.locate``), each module call's difference.
 
 Built on ``matplotlib.figure.Figure`` directly (no pyplot, no global backend switch):
 saving a PNG renders with Agg whatever the machine's display.
@@ -12,7 +13,7 @@ from matplotlib.ticker import MaxNLocator
 
 from equivalence.core.report.output import atomic_write
 
-FILES = ('losses.png', 'divergence.png')
+FILES = ('losses.png', 'divergence.png', 'location.png')  # location.png: when the verdict located where they part
 
 
 def losses_figure(legacy_S: np.ndarray, nnx_S: np.ndarray, steps_per_call: int, title: str, first: int = 1) -> Figure:
@@ -59,8 +60,45 @@ def divergence_figure(
     return fig
 
 
+def location_figure(location, title: str) -> Figure:
+    """Per module call of a ``locate.Location`` in the pmap side's order, its output's difference over
+    what it was allowed (log scale, 1 drawn as a line; an exact 0 drawn at the bottom with its own
+    marker); the first call that parts is marked, and the ``where:`` line's place is said under the title."""
+    modules = location.modules
+    ratio = np.array([m.ratio for m in modules], np.float64)
+    finite = ratio[np.isfinite(ratio) & (ratio > 0)]
+    low, high = min(finite.min(initial=1.0), 1.0) / 10, max(finite.max(initial=1.0), 1.0) * 10
+    shown, x = np.clip(np.where(ratio > 0, ratio, low), low, high), np.arange(len(modules))
+    fig = Figure(figsize=(max(6, 0.3 * len(modules) + 2), 4.5), dpi=100, layout='constrained')
+    ax = fig.add_subplot()
+    ax.semilogy(x, shown, '-', color='tab:blue', lw=1)
+    ax.semilogy(
+        x[ratio > 0], shown[ratio > 0], 'o', color='tab:blue', label='max |nnx - legacy| of its output / allowed'
+    )
+    if (ratio == 0).any():
+        ax.semilogy(
+            x[ratio == 0], shown[ratio == 0], 'v', mfc='none', color='tab:blue', label=f'exactly equal (at {low:.0e})'
+        )
+    ax.axhline(1.0, color='black', ls='--', label='allowed: max(10 x twin floor, 8 float32 spacings)')
+    if location.first is not None:
+        i = location.first
+        ax.semilogy(
+            [i], [shown[i]], 'o', ms=14, mfc='none', color='tab:red', label=f'first that parts: {modules[i].legacy}'
+        )
+    ax.set_xticks(x, [m.legacy for m in modules], rotation=60, ha='right', fontsize=7)
+    place = f'where: {location.kind}' + (f' at {location.legacy} ↔ {location.nnx}' if location.legacy else '')
+    ax.set(
+        title=f'{title}\n{place}',
+        ylabel='output difference / allowed',
+        xlabel='module calls, in the order they finished (pmap)',
+    )
+    ax.set_ylim(low / 3, high * 3)
+    ax.legend(loc='upper left', fontsize=8)
+    return fig
+
+
 def write(result, directory: str) -> list[str]:
-    """Both figures of a ``judge.RunResult`` into ``directory`` (created if missing), each written atomically."""
+    """The figures of a ``judge.RunResult`` into ``directory`` (created if missing), each written atomically."""
     c, tol = result.config, result.report.tolerance
     os.makedirs(directory, exist_ok=True)
     where = f'{c.workload}, {c.devices} devices'
@@ -73,6 +111,9 @@ def write(result, directory: str) -> list[str]:
             result.param_divergence(), c.steps_per_call, tol.atol, tol.rtol, f'Parameter divergence ({where})', first
         ),
     }
+    location = getattr(result.verdict, 'location', None)
+    if location is not None and location.modules:
+        figures['location.png'] = location_figure(location, f'Where the first step parts ({where})')
     paths = []
     for name, fig in figures.items():
         paths.append(os.path.join(directory, name))

@@ -124,7 +124,8 @@ def verdict_json(result: RunResult) -> dict | None:
                                        'legacy_twin': result.report.legacy_twin}  # fmt: skip
     return {'mode': v.mode, 'done': list(v.done), 'twin': v.twin, 'kind': v.kind, 'diagnosis': v.diagnosis,
             'floor_rule': floor, 'noise_dominated': noisy, 'errors': list(v.errors),
-            'not_verified': v.unverified, 'memory': v.memory}  # fmt: skip
+            'not_verified': v.unverified, 'memory': v.memory,
+            'location': v.location.to_json() if v.location is not None else None}  # fmt: skip
 
 
 def text(result: RunResult, backend: str) -> str:

@@ -3,10 +3,11 @@
 What runs, by ``RunConfig.verdict``:
 
 - ``measured`` (default): the twin (``twin.run_twin``), then every leaf and the first step's
-  loss against its floor. On MISMATCH only: the first step's gradients (``probe``, model
-  ports); when the first step agrees, the legacy twin (``legacy_twin``: the pmap side on another
-  device count), whose spread can widen each leaf's floor; when the first step differs and the
-  port has Dropout, a deterministic re-run.
+  loss against its floor. On MISMATCH only: the first step's gradients (model ports: those each
+  optimizer was given in ``locate``'s recorded first steps, ``probe``'s where those cannot run);
+  when the first step agrees, the legacy twin (``legacy_twin``: the pmap side on another device
+  count), whose spread can widen each leaf's floor; when the first step differs and the port has
+  Dropout, a deterministic re-run.
 - ``strict``: as measured, and the first step's gradients always (a model port), so that a
   backward-pass slip fails even when the loss and the final state hide it.
 - ``screen``: the fixed tolerance of ``compare.FLOAT32_REDUCTION_ORDER``; the twin runs only
@@ -22,6 +23,10 @@ A twin that cannot run in this process (code pinned to a mesh built from ``jax.d
 count this process does not see) runs in a fresh process that sees its count (``verdict.fresh``);
 a loop port's twin must draw the random numbers the run draws (``draws``). Where no twin measures,
 the fixed screen decides, and the report says why.
+
+A MISMATCH also says where the sides part on the first step (``locate.attach``: the first module,
+loss, gradient, statistic or optimizer slot that leaves its floor), and so does a MATCH when
+``RunConfig.locate`` asks.
 """
 
 import dataclasses
@@ -37,7 +42,7 @@ from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort, ModelPort, Port
 from equivalence.core.run import draws, footprint, randomness, setups, sides
 from equivalence.core.run.sides import PathResult
-from equivalence.core.verdict import compare, fresh, legacy_rows, probe, rule, twin
+from equivalence.core.verdict import compare, fresh, legacy_rows, locate, rule, twin
 from equivalence.core.verdict.rule import MEASURED_FLOOR, Verdict
 from legacy_pmap import losses as legacy_losses
 
@@ -53,6 +58,8 @@ class Inputs:
     first_call: int = 0  # --resume-at: the calls are those from this one on
     whole: list | None = dataclasses.field(default=None, repr=False)  # whole_calls, drawn once
     errors: list = dataclasses.field(default_factory=list)  # the whole text of what a re-run raised (the JSON report)
+    first_steps: tuple | None = dataclasses.field(default=None, repr=False)  # locate's, for the probe and location
+    fresh_twins: tuple = ()  # the twins that ran in a fresh process: not run again here (locate.here)
 
     def whole_calls(self, port: Port, config: RunConfig) -> list:
         """The calls with every row of the global batch: the twin runs on this process's devices alone."""
@@ -83,6 +90,7 @@ def judge(port: Port, config: RunConfig, old, new, inputs: Inputs, tree) -> tupl
         text = f'not run: {none or "--verdict screen, and the screen passed"}'
         return screen, finish(port, config, screen, old, new, inputs, done + [f'twin {text}'], text, None)
     twins, why, fresh_ones = measured_twins(port, config, new, inputs, counts)
+    inputs.fresh_twins = tuple(fresh_ones)
     if not twins:
         return screen, finish(port, config, screen, old, new, inputs, done + [f'twin {why[0]}'], why[0], None)
     first = [rule.first_step_tree(float(p.losses[0])) for p in (old, new)]
@@ -357,7 +365,8 @@ def finish(port, config, report, old, new, inputs, done, twin_text, n_twin, grad
             done.append(f'first-step gradients {"agree" if grads.match else "differ"}')
     noisy, errors = tuple(leaf for leaf in report.leaves if leaf.noise_dominated), tuple(inputs.errors)
     if report.match:
-        return Verdict(True, config.verdict, tuple(done), twin=twin_text, noise_dominated=noisy, errors=errors)
+        matched = Verdict(True, config.verdict, tuple(done), twin=twin_text, noise_dominated=noisy, errors=errors)
+        return locate.attach(matched, port, config, inputs, n_twin)  # only when --locate asks
     rerun = None
     # Only a first *loss* that differs can be re-checked with dropout off (the re-run compares
     # losses): a slip seen only in the first gradients is math, whatever dropout does.
@@ -374,16 +383,16 @@ def finish(port, config, report, old, new, inputs, done, twin_text, n_twin, grad
     )
     no_floor = twin_text if report.floor is None else ''
     kind, line = rule.diagnose(report, nonfinite, rerun, grads is not None, no_floor)
-    return Verdict(False, config.verdict, tuple(done), kind, line, twin_text, noisy, errors)
+    mismatch = Verdict(False, config.verdict, tuple(done), kind, line, twin_text, noisy, errors)
+    return locate.attach(mismatch, port, config, inputs, n_twin)
 
 
-def first_step_grads(port: ModelPort, config: RunConfig, inputs: Inputs, n_twin: int | None) -> compare.Report:
-    """The first step's gradients of both sides, held to the floor of the twin's (0 without one)."""
-    if n_twin and twin.devices_of(n_twin, config) > len(jax.local_devices()):
-        n_twin = None  # it ran in a fresh process
-    twin_setup = twin.twin_setup(port, config, inputs.variables, n_twin) if n_twin else None
-    steps = probe.first_steps(port, config, inputs.variables, inputs.calls, inputs.rng, twin_setup)
-    ref, other, floor = (rule.first_step_tree(grads=steps[s].grads) for s in ('legacy', 'nnx', 'twin'))
+def first_step_grads(port: ModelPort, config: RunConfig, inputs: Inputs, n_twin) -> compare.Report:
+    """The first step's gradients of both sides, held to the floor of the twin's (0 without one; none
+    where the twin ran in a fresh process, ``locate.here``): the gradients each optimizer was given in
+    the first steps that also locate a MISMATCH (``locate``)."""
+    grads = locate.first_step_grads(port, config, inputs, n_twin)
+    ref, other, floor = (rule.first_step_tree(grads=grads[s]) for s in ('legacy', 'nnx', 'twin'))
     return compare.compare_to_floor(ref, other, floor, MEASURED_FLOOR)
 
 

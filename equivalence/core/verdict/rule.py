@@ -23,6 +23,7 @@ a difference that grew over the updates, the legacy run is done again on another
 """
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -87,6 +88,7 @@ class Verdict:
     errors: tuple[str, ...] = ()  # the whole text of what a twin raised; its line in done/twin is shortened
     unverified: str = ''  # NOT VERIFIED: why (not_verified); match is then False, and kind ''
     memory: dict | None = None  # bytes per device of one call: {'run': ..., 'twins': {twin: ...}} (footprint)
+    location: Any = None  # locate.Location: where the first step parts (on MISMATCH, or asked for on MATCH)
 
     def lines(self) -> list[str]:
         out = [f'verdict: {self.mode}; ' + '; '.join(self.done)]
@@ -96,7 +98,8 @@ class Verdict:
                 f'(legacy differs by {leaf.max_abs:.2e}); its final value cannot verify it'
             )
         out += [f'not verified: {self.unverified}'] if self.unverified else []
-        return out + ([f'diagnosis ({self.kind}): {self.diagnosis}'] if self.diagnosis else [])
+        out += [f'diagnosis ({self.kind}): {self.diagnosis}'] if self.diagnosis else []
+        return out + (self.location.lines() if self.location is not None else [])
 
 
 def whose(leaf: LeafDiff) -> str:

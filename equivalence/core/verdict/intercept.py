@@ -1,0 +1,288 @@
+"""Every module call of the first step, recorded on both sides: what went in, what came out.
+
+The first step runs once more on each side (the pmap side, NNX, and the NNX twin), through the
+same loops (``run.sides``, ``twin``) for one step, from the inputs the checked runs got: the first
+step's batch and the first call's keys. While they run, every linen module call is intercepted
+(``nn.intercept_methods``) and every NNX module class's ``__call__`` is wrapped for the duration
+(the randomness bridge's Dropout too, which replaces ``nnx.Dropout.__call__`` while it is active).
+A recorded value leaves the compiled program through ``jax.debug.callback``, so it works inside
+pmap, scan, jit and grad, in the suite's loops and in a loop port's own. A model port's losses
+and optimizer are wrapped as well: the per-example losses (``LOSS``) and the gradients its
+optimizer is given (``GRADS``, the pmap side's after its pmean) are recorded the same way.
+
+On the pmap side each device's rows are recorded (``lax.axis_index``) and joined into the global
+batch (``value``); on the NNX side a value is gathered onto the run's mesh before it leaves. A
+sharded run's twin (``twin.Reordered``) holds the batch's rows interleaved: its values are put back
+in the run's row order once read (``_in_order``). What a callback is handed is kept, not read,
+until the run is over: JAX puts it on CPU device 0, whose program is waiting for the callback, and
+reading it there waits on a collective that waits on that device (a deadlock seen at 8 devices).
+``equivalence.core.verdict.locate`` judges the records.
+"""
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.extend.core import get_opaque_trace_state
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from equivalence.core.port.config import RunConfig
+from equivalence.core.port.paths import key_name
+from equivalence.core.port.ports import LoopPort, ModelPort, Port
+from equivalence.core.run import adapters, randomness, setups, sides
+from equivalence.core.verdict import probe, twin
+from legacy_pmap import train as legacy
+
+LOSS, GRADS = '<loss>', '<grads>'  # recorded values that are no module's
+
+
+class Record(NamedTuple):
+    """One call on one side (a module's, or ``LOSS`` / ``GRADS``), read back onto the host."""
+
+    cls: str  # the module's class name
+    order: int  # when the call finished, in its trace
+    names: tuple | None  # GRADS: each value's parameter path
+    values: dict  # device index -> (inputs, outputs): lists of host arrays
+
+
+class _Session:
+    """What is being recorded: one side at a time; the values arrive on JAX's callback threads."""
+
+    def __init__(self):
+        self.side: str | None = None  # 'legacy', 'nnx' or 'twin' while a run is recorded; None: nothing
+        self.axis: str | None = None  # the legacy side's pmap axis: each device's rows are recorded
+        self.mesh = None  # NNX: values are gathered onto this mesh before they leave
+        self.raw: dict = {}  # side -> label -> (class, order, names, [(device, inputs, outputs)]), then Record
+        self.counts: list = []  # [trace state, {path: calls so far}] per trace seen
+        self.order = 0
+        self.paths: dict[int, str] = {}  # NNX: id(module) -> its path under the outermost module called
+        self.active: set[int] = set()  # NNX: modules whose __call__ is running
+
+
+_SESSION = _Session()
+_RECORDINGS = jax.make_user_context(None)  # a jit cache key: each recording's traces are its own
+_SESSIONS = itertools.count(1)
+
+
+def _store(label: str, cls: str, order: int, names, device, inputs, outputs) -> None:
+    """Keep what a callback was handed, unread (see the module docstring); ``_host`` reads it."""
+    side = _SESSION.side
+    if side is not None:
+        entry = _SESSION.raw.setdefault(side, {}).setdefault(label, (cls, order, names, []))
+        entry[3].append((device, list(inputs), list(outputs)))
+
+
+def _host(raw: dict) -> dict[str, Record]:
+    """Every kept value read onto the host, keyed by device index."""
+    read = lambda arrays: [np.asarray(a) for a in arrays]  # noqa: E731
+    return {
+        label: Record(cls, order, names, {int(np.asarray(d)): (read(i), read(o)) for d, i, o in values})
+        for label, (cls, order, names, values) in raw.items()
+    }
+
+
+def _arrays(tree: Any) -> list:
+    """The array leaves of a call's arguments or result (no keys, no NNX objects)."""
+    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Pytree | nnx.Variable))
+    return [
+        x
+        for x in leaves
+        if isinstance(x, jax.Array | np.ndarray) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    ]
+
+
+def _whole(x: jax.Array, mesh) -> jax.Array:
+    """``x`` replicated: resharded where its axes are explicit (the NNX step's data-parallel gradient
+    traces the loss in explicit mode, where a sharding constraint is an assertion), else constrained."""
+    axes = jax.typeof(x).sharding.mesh
+    if not axes.empty and AxisType.Explicit in axes.axis_types:
+        return jax.reshard(x, PartitionSpec())
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec()))
+
+
+def _label(path: str) -> str:
+    """``path``, with ``#n`` for the module's (n+1)-th call in this trace."""
+    trace = get_opaque_trace_state(convention='flax')
+    entry = next((e for e in _SESSION.counts if e[0] == trace), None)
+    if entry is None:
+        entry = [trace, {}]
+        _SESSION.counts.append(entry)
+    n = entry[1].get(path, 0)
+    entry[1][path] = n + 1
+    return path if n == 0 else f'{path}#{n}'
+
+
+def _emit(label: str, cls: str, inputs: Any, outputs: Any, names: tuple | None = None) -> None:
+    """Send one call's inputs and outputs to the host when the program runs (at trace time)."""
+    s = _SESSION
+    s.order += 1
+    ins, outs = _arrays(inputs), _arrays(outputs)
+    if s.mesh is not None:  # gathered here: a callback on a sharded value would make XLA do it, loudly
+        ins, outs = ([_whole(a, s.mesh) for a in xs] for xs in (ins, outs))
+    try:
+        device = jax.lax.axis_index(s.axis) if s.axis else 0
+    except NameError:  # outside the pmap: one value
+        device = 0
+    jax.debug.callback(functools.partial(_store, label, cls, s.order, names), device, ins, outs)
+
+
+def _linen_call(next_fun, args, kwargs, context):
+    out = next_fun(*args, **kwargs)
+    if _SESSION.side is not None and context.method_name == '__call__':
+        _emit(_label('/'.join(context.module.path)), type(context.module).__name__, (args, kwargs), out)
+    return out
+
+
+def _nnx_call(method: Callable) -> Callable:
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        s = _SESSION
+        if s.side is None or id(self) in s.active:  # a subclass's __call__ calling its parent's: once
+            return method(self, *args, **kwargs)
+        if not s.active:  # the outermost call: every module under it by path
+            s.paths = {id(m): '/'.join(map(str, p)) for p, m in nnx.iter_graph(self) if isinstance(m, nnx.Module)}
+        path = s.paths.get(id(self))
+        if path is None:
+            return method(self, *args, **kwargs)
+        s.active.add(id(self))
+        try:
+            out = method(self, *args, **kwargs)
+        finally:
+            s.active.discard(id(self))
+        _emit(_label(path), type(self).__name__, (args, kwargs), out)
+        return out
+
+    return call
+
+
+@contextlib.contextmanager
+def _patched(classes: set[type]) -> Iterator[None]:
+    """Every linen call intercepted, and every NNX class's ``__call__`` (the randomness bridge's
+    Dropout too, which replaces ``nnx.Dropout.__call__`` while it is active) wrapped."""
+    owners = {next((c for c in cls.__mro__ if '__call__' in vars(c)), None) for cls in classes}
+    saved = {c: vars(c)['__call__'] for c in owners - {None}}  # containers (nnx.List) are not called
+    bridge_dropout = randomness._nnx_dropout_call
+    try:
+        for c, method in saved.items():
+            c.__call__ = _nnx_call(method)
+        randomness._nnx_dropout_call = _nnx_call(bridge_dropout)
+        with nn.intercept_methods(_linen_call):
+            yield
+    finally:
+        for c, method in saved.items():
+            c.__call__ = method
+        randomness._nnx_dropout_call = bridge_dropout
+
+
+def _recording_tx(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``tx``, recording the gradients it is given (the pmap side's after its pmean)."""
+
+    def update(grads, state, params=None, **extra):
+        flat, _ = jax.tree_util.tree_flatten_with_path(grads)
+        names = tuple('/'.join(key_name(k) for k in path) for path, _ in flat)
+        _emit(GRADS, 'grads', (), [leaf for _, leaf in flat], names)
+        return tx.update(grads, state, params, **extra)
+
+    return optax.GradientTransformationExtraArgs(tx.init, update)
+
+
+def _recording_port(port: Port) -> Port:
+    """A model port whose losses and optimizer record what they compute; a loop port as it is (its
+    step is its own: only its modules are seen)."""
+    if not isinstance(port, ModelPort):
+        return port
+
+    def legacy_loss(model, params, model_state, batch, noise):
+        out = port.legacy_loss(model, params, model_state, batch, noise)
+        _emit(LOSS, 'loss', (), out[0] if isinstance(out, tuple) else out)
+        return out
+
+    def nnx_loss(model, batch, noise):
+        out = port.nnx_loss(model, batch, noise)
+        _emit(LOSS, 'loss', (), out)
+        return out
+
+    def make_tx(lr_scale):
+        return _recording_tx(port.make_tx(lr_scale))
+
+    return dataclasses.replace(port, legacy_loss=legacy_loss, nnx_loss=nnx_loss, make_tx=make_tx, eval_data=None)
+
+
+def first_steps(port: Port, config: RunConfig, variables: dict, calls: list, rng, n_twin: twin.Kind | None):
+    """``({side: PathResult after one step}, {side: {label: Record}})``: the first step of each
+    side (legacy, nnx, and twin when ``n_twin``: a count, or a sharded run's ``twin.Reordered``),
+    every module call recorded. Every trace is made afresh, keyed apart by a user context of this
+    recording's own (``_RECORDINGS``): a loop port's jitted functions trace again with the recording in
+    them, and no other run takes a recording trace, nor does this one take theirs; nothing is cleared."""
+    one = dataclasses.replace(probe.probe_config(config), steps_per_call=1, calls=1)
+    first, recording = [probe.first_batch(calls[0])], _recording_port(port)
+    adapted = adapters.adapted(port) if isinstance(port, LoopPort) else False
+    axis = port.axis_name if isinstance(port, LoopPort) else legacy.AXIS
+    runs = {
+        'legacy': (axis, None, lambda: sides.run_legacy(recording, one, variables, first, rng)),
+        'nnx': (None, setups.nnx_mesh(one), lambda: sides.run_nnx(recording, one, variables, first, rng)),
+    }
+    rows = None
+    if n_twin:
+        built = twin.twin_setup(recording, one, variables, n_twin)
+        rows = getattr(built, 'rows', None)  # a Reordered twin holds the batch's rows in this order
+        runs['twin'] = (
+            None,
+            built.mesh,
+            lambda: twin.run_twin(recording, one, variables, first, rng, n_twin, setup=built),
+        )
+    abstract = setups.abstract_model(port)  # None: a new side of linen alone, whose calls nn.intercept_methods sees
+    graph = nnx.iter_graph(abstract) if abstract is not None else ()
+    classes = {type(m) for _, m in graph if isinstance(m, nnx.Module)}
+    results, s = {}, _SESSION
+    s.raw, s.counts, s.order = {}, [], 0
+    try:
+        with _patched(classes), _RECORDINGS(next(_SESSIONS)):
+            for side, (s.axis, mesh, run) in runs.items():
+                s.side, s.mesh = side, None if adapted else mesh
+                results[side] = run()
+                jax.effects_barrier()
+                s.side = None
+                s.raw[side] = _host(s.raw.get(side, {}))
+    finally:
+        s.side, s.mesh, s.axis = None, None, None
+        randomness.take_unbridged()  # the checked runs' lines were taken; these are the same layers'
+    if rows is not None:
+        s.raw['twin'] = {label: _in_order(record, rows) for label, record in s.raw['twin'].items()}
+    return results, s.raw
+
+
+def _in_order(record: Record, rows: np.ndarray) -> Record:
+    """A ``Reordered`` twin's record with the batch's rows put back in the run's order: its position i
+    held example ``rows[i]`` (every value whose leading axis is the batch's; the gradients are sums)."""
+    if record.cls == 'grads':
+        return record
+
+    def back(a: np.ndarray) -> np.ndarray:
+        if a.ndim == 0 or a.shape[0] != len(rows):
+            return a
+        out = np.empty_like(a)
+        out[rows] = a
+        return out
+
+    values = {d: ([back(a) for a in ins], [back(a) for a in outs]) for d, (ins, outs) in record.values.items()}
+    return record._replace(values=values)
+
+
+def value(record: Record, index: int, which: int, like: np.ndarray | None = None) -> np.ndarray:
+    """Input (``which`` 0) or output (1) ``index`` of a call as the global batch: each device's rows
+    in order, unless device 0's value alone has the other side's shape ``like`` (a value every
+    device holds: the gradients after their pmean)."""
+    per_device = [record.values[d][which][index] for d in sorted(record.values)]
+    joined = np.concatenate(per_device) if len(per_device) > 1 and per_device[0].ndim else per_device[0]
+    if like is not None and joined.shape != like.shape and per_device[0].shape == like.shape:
+        return per_device[0]
+    return joined

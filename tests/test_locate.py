@@ -1,0 +1,317 @@
+"""A MISMATCH says where (issue 27): planted one-module slips, each located at the right module, loss,
+statistic or optimizer update, with every module call before it agreeing; and a correct port,
+located nowhere (the negative control).
+
+Each port's location is computed once (``located``): one more first step on each side and on the
+twin, D = 2, the suite's tiny ports (the example MLP, the corpus's bias-before-BatchNorm).
+"""
+
+import dataclasses
+import functools
+import os
+import sys
+import types
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import ROOT, require_devices
+from flax import nnx
+
+from equivalence import ModelPort
+from equivalence import run as run_command
+from equivalence.core import harness
+from equivalence.core.port import workloads
+from equivalence.core.port.config import RunConfig
+from equivalence.core.report import plots, render
+from equivalence.core.run import setups
+from equivalence.core.verdict import implied, intercept, judge, locate, probe, rule, twin
+from equivalence.corpus import batchnorm
+
+sys.path.insert(0, os.path.join(ROOT, 'examples', 'mlp_port'))
+import my_port  # noqa: E402  (the example, imported as a user's module)
+import nnx_code  # noqa: E402
+
+DEVICES = 2
+
+
+# -- the planted slips, each one constant of one module on the NNX side ---------------------------
+
+
+class BatchNormEps(batchnorm.NnxBiasBN):
+    def __init__(self, *, rngs: nnx.Rngs):
+        super().__init__(rngs=rngs)
+        self.norm = nnx.BatchNorm(batchnorm.HIDDEN, momentum=batchnorm.MOMENTUM, epsilon=1e-3, rngs=rngs)  # linen 1e-5
+
+
+class DropoutRate(nnx_code.MLP):
+    def __init__(self, *, rngs: nnx.Rngs):
+        super().__init__(rngs=rngs)
+        self.drop = nnx.Dropout(0.2, rngs=rngs)  # linen 0.1
+
+
+def loop_with(tx: optax.GradientTransformation):
+    """The example's loop port whose NNX optimizer is ``tx`` (linen: AdamW 3e-3, weight decay 1e-4)."""
+    return dataclasses.replace(my_port.LOOP, nnx_state=lambda model: (model, nnx.Optimizer(model, tx, wrt=nnx.Param)))
+
+
+class LinenClassifier(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4, name='head')(nn.relu(nn.Dense(16, name='fc')(x)))
+
+
+class NnxClassifier(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.fc, self.head = nnx.Linear(20, 16, rngs=rngs), nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(nnx.relu(self.fc(x)))
+
+
+def classes(rng: np.random.Generator, n_steps: int, batch: int) -> dict:
+    data = workloads.mlp_data(rng, n_steps, batch)
+    return {'x': data['x'], 'y': (np.argmax(data['x'][..., :4], axis=-1)).astype(np.int32)}
+
+
+def smoothed(logits, y, smoothing: float):
+    return optax.softmax_cross_entropy(logits, optax.smooth_labels(jax.nn.one_hot(y, 4), smoothing))
+
+
+SMOOTHING = ModelPort(
+    name='smoothing',
+    legacy_model=LinenClassifier,
+    nnx_model=lambda rngs: NnxClassifier(rngs=rngs),
+    legacy_loss=lambda model, params, state, batch, noise: smoothed(
+        model.apply({'params': params}, batch['x']), batch['y'], 0.1
+    ),
+    nnx_loss=lambda model, batch, noise: smoothed(model(batch['x']), batch['y'], 0.0),  # label smoothing left out
+    make_data=classes,
+    make_tx=lambda lr_scale=1.0: optax.adam(1e-3 * lr_scale),
+    init_args=lambda batch: (batch['x'],),
+)
+
+
+@jax.jit
+def opaque_forward(params: dict, x):
+    """The NNX forward as a precompiled function would be: no module is called (and its LayerNorm left out)."""
+    h = jax.nn.gelu(x @ params['fc1']['kernel'] + params['fc1']['bias'])
+    return h @ params['fc2']['kernel'] + params['fc2']['bias']
+
+
+def opaque_call(train_state, key, batch_KxG):
+    model, optimizer = train_state
+
+    def step(carry, batch):
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        return carry, jnp.mean((opaque_forward(params, batch[0]) - batch[1]) ** 2)
+
+    return train_state, jax.lax.scan(step, 0, batch_KxG)[1]
+
+
+PORTS = {
+    'correct': my_port.LOOP,
+    'layernorm-eps': my_port.LOOP_EPSILON_SLIP,  # NNX LayerNorm epsilon 1e-5, linen 1e-6
+    'gelu': my_port.MODEL_GELU_SLIP,  # exact gelu after the LayerNorm, linen approximate
+    'dropout-rate': dataclasses.replace(my_port.MODEL, nnx_model=lambda rngs: DropoutRate(rngs=rngs)),
+    'batchnorm-eps': dataclasses.replace(batchnorm.PORT, nnx_model=lambda rngs: BatchNormEps(rngs=rngs)),
+    'smoothing': SMOOTHING,
+    'weight-decay': loop_with(optax.adamw(3e-3, weight_decay=1e-2)),  # PyTorch's default AdamW decay
+    'eps': loop_with(optax.adamw(3e-3, weight_decay=1e-4, eps=1e-7)),  # Keras's default Adam epsilon
+    'opaque': dataclasses.replace(my_port.LOOP, nnx_call=opaque_call),
+}
+
+
+@functools.cache
+def located(name: str) -> locate.Location:
+    require_devices(DEVICES)
+    port = PORTS[name]
+    config = RunConfig(workload=name, devices=DEVICES, steps_per_call=1, calls=1, batch_size=port.default_batch,
+                       rng_mode=port.rng_modes[0])  # fmt: skip
+    return locate.locate(port, config, judge.Inputs(*setups.make_inputs(port, config)), n_twin=1)
+
+
+def first(loc: locate.Location) -> locate.Module:
+    """The call the location names, after asserting that every call before it agrees."""
+    assert loc.first is not None, loc.line()
+    before = loc.modules[: loc.first]
+    assert before and all(m.input_ok and m.output_ok for m in before), loc.lines()
+    return loc.modules[loc.first]
+
+
+def agree(loc: locate.Location) -> None:
+    assert loc.modules and all(m.input_ok and m.output_ok for m in loc.modules), [vars(m) for m in loc.modules]
+
+
+# -- forward -----------------------------------------------------------------------------------
+
+
+def test_a_layernorm_epsilon_is_located_at_that_layernorm():
+    loc = located('layernorm-eps')
+    assert (loc.kind, loc.legacy, loc.nnx) == ('module', 'LayerNorm_0', 'norm'), loc.line()
+    m = first(loc)  # Dense_0 (fc1) before it agrees
+    assert m.input_ok and not m.output_ok
+    assert [c.legacy for c in loc.modules[: loc.first]] == ['Dense_0']
+
+
+def test_a_batchnorm_epsilon_is_located_at_that_batchnorm():
+    loc = located('batchnorm-eps')
+    assert (loc.kind, loc.legacy, loc.nnx) == ('module', 'BatchNorm_0', 'norm'), loc.line()
+    m = first(loc)
+    assert m.input_ok and not m.output_ok and loc.modules[0].legacy == 'fc1'
+
+
+def test_a_swapped_activation_is_the_code_between_two_agreeing_modules():
+    """gelu(approximate=False) between the LayerNorm and the Dropout (names='structure')."""
+    loc = located('gelu')
+    assert (loc.kind, loc.legacy, loc.nnx) == ('between', 'LayerNorm_0 → Dropout_0', 'norm → drop'), loc.line()
+    m = first(loc)
+    assert not m.input_ok and loc.modules[loc.first - 1].legacy == 'LayerNorm_0'
+
+
+def test_a_dropout_that_draws_otherwise_is_randomness_at_that_dropout():
+    loc = located('dropout-rate')
+    assert (loc.kind, loc.legacy, loc.nnx) == ('randomness', 'Dropout_0', 'drop'), loc.line()
+    m = first(loc)
+    assert m.input_ok and not m.output_ok
+
+
+# -- loss, statistics, update --------------------------------------------------------------------
+
+
+def test_label_smoothing_left_out_is_the_loss_while_every_module_agrees():
+    loc = located('smoothing')
+    assert loc.kind == 'loss' and 'label smoothing' in loc.figures, loc.line()
+    agree(loc)
+
+
+@pytest.mark.parametrize(
+    'name, implies',
+    [('weight-decay', 'a decoupled weight decay'), ('eps', "an adaptive optimizer's eps")],  # nesterov: below
+)
+def test_an_optimizer_only_change_is_the_update_and_says_what_its_size_implies(name, implies):
+    loc = located(name)
+    assert (loc.kind, loc.legacy) == ('update', 'the update rule'), loc.line()
+    assert implies in loc.figures, loc.line()
+    agree(loc)  # the forward pass is untouched
+
+
+def test_a_batchnorm_momentum_is_its_statistics_located_through_the_verdict(tmp_path):
+    """End to end: ``check`` on the corpus's momentum slip (0.1, PyTorch's convention, for linen's 0.9)
+    MISMATCHes, and its verdict, report, JSON and figure say where."""
+    require_devices(DEVICES)
+    result = harness.check(batchnorm.MOMENTUM_SLIP, devices=DEVICES, steps_per_call=1, calls=1)
+    loc = result.verdict.location
+    assert result.verdict.kind == 'state' and loc is not None
+    assert (loc.kind, loc.legacy, loc.nnx) == ('statistics', 'BatchNorm_0', 'norm'), loc.line()
+    assert 'legacy 0.9' in loc.figures and 'nnx 0.1' in loc.figures, loc.line()
+    agree(loc)
+    text = render.text(result, 'cpu').splitlines()
+    assert text[text.index(f'diagnosis (state): {result.verdict.diagnosis}') + 1].startswith(
+        'where: statistics at BatchNorm_0 ↔ norm: '
+    )
+    assert render.to_json(result, {})['verdict']['location']['nnx'] == 'norm'
+    written = plots.write(result, str(tmp_path))
+    assert os.path.basename(written[-1]) == 'location.png' and os.path.getsize(written[-1]) > 0
+
+
+# -- controls ------------------------------------------------------------------------------------
+
+
+def test_a_correct_port_is_located_nowhere_and_every_module_agrees():
+    loc = located('correct')
+    assert loc.kind == 'none' and loc.first is None, loc.line()
+    agree(loc)
+    assert {m.legacy for m in loc.modules} == {'Dense_0', 'LayerNorm_0', 'Dropout_0', 'Dense_1', locate.ROOT}
+
+
+def test_a_forward_it_cannot_see_is_said_and_not_guessed():
+    """The NNX step calls a jitted function, no module: the loss parts, and the location says it
+    cannot say where (never a module it did not observe)."""
+    loc = located('opaque')
+    assert loc.kind == 'unlocated' and 'not localised' in loc.figures, loc.line()
+    assert any(n.startswith('not observed: the NNX step called no NNX module') for n in loc.notes)
+    assert not loc.modules
+
+
+def test_a_match_gets_no_location_unless_asked():
+    """Nothing is run or added on MATCH by default; --locate asks (its flag, validated only); a run whose
+    verdict only feeds another (the masked-loss hint's run on 1 device) is never located."""
+    matched = rule.Verdict(True, 'measured', ('twin',))
+    config = RunConfig(devices=DEVICES, batch_size=64)
+    assert locate.attach(matched, my_port.MODEL, config, None, 1) is matched
+    args = ['--workload', 'mlp', '--devices', str(DEVICES), '--locate']
+    assert run_command.inputs(args, n_available=DEVICES)[2].locate is True
+    assert run_command.inputs(args[:-1], n_available=DEVICES)[2].locate is None  # on MISMATCH only
+    assert locate.attach(dataclasses.replace(matched, match=False), my_port.MODEL,
+                         dataclasses.replace(config, locate=False), None, 1).location is None  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    'eps, decay, nesterov, says',
+    [
+        (1e-8, 1e-2, False, 'a difference of -2.97e-05 x the parameter'),  # lr x (1e-4 - 1e-2)
+        (1e-6, 1e-4, False, "an adaptive optimizer's eps, about 1e-08 on the pmap side, 1e-06 in NNX"),
+        (1e-8, 1e-4, True, 'what nesterov gives Adam'),
+    ],
+)
+def test_what_an_adam_first_update_implies(eps, decay, nesterov, says):
+    """``implied.update`` on Adam's first step written out (``lr (g s / (|g| + eps) + decay p)``)."""
+    rng = np.random.default_rng(0)
+    g, p0, lr = rng.normal(size=1000) * np.logspace(-4, -1, 1000), rng.normal(size=1000), 3e-3
+    step = lambda e, wd, s=1.0: -lr * (g * s / (np.abs(g) + e) + wd * p0)  # noqa: E731
+    first = (1 + 2 * 0.9) / (1 + 0.9) if nesterov else 1.0
+    assert says in implied.update(p0, step(1e-8, 1e-4), step(eps, decay, first), g, False)
+
+
+def test_where_the_recording_cannot_run_the_probe_and_the_verdict_are_as_before(monkeypatch):
+    """A port the recorded first steps cannot run: the gradient probe falls back on its plain
+    programs, and the location says why there is none (no JAX program runs here)."""
+
+    def cannot(*args):
+        raise RuntimeError('recording refused')
+
+    port, config = workloads.get('mlp'), RunConfig(devices=DEVICES, batch_size=64)
+    inputs = judge.Inputs(*setups.make_inputs(port, config))
+    probed = {side: types.SimpleNamespace(grads={'hidden/bias': np.zeros(3)}) for side in ('legacy', 'nnx', 'twin')}
+    monkeypatch.setattr(intercept, 'first_steps', cannot)
+    monkeypatch.setattr(probe, 'first_steps', lambda *args: probed)
+    assert locate.first_step_grads(port, config, inputs, None) == {s: p.grads for s, p in probed.items()}
+    mismatch = locate.attach(rule.Verdict(False, 'measured', ()), port, config, inputs, None)
+    assert (
+        mismatch.location.kind == 'unlocated' and 'raised RuntimeError: recording refused' in mismatch.location.figures
+    )
+
+
+# -- on twins2: the sharded run's twin, and one that ran in a fresh process ---------------------------
+
+
+def test_under_fsdp_the_twins_rows_are_put_back_before_they_are_compared():
+    """A sharded run's twin (``twin.Reordered``) holds the batch's rows interleaved: its recorded values,
+    put back in the run's row order, measure floors of rounding size, and the gelu slip is located where
+    it is at D = 2. Left as the twin held them (checked by hand, at D = 2 and 4), the floors are of the
+    activations' size and the same slip is misnamed 'loss'."""
+    require_devices(DEVICES)
+    port = my_port.MODEL_GELU_SLIP
+    config = RunConfig(workload='gelu', devices=DEVICES, steps_per_call=1, calls=1, batch_size=port.default_batch,
+                       strategy='fsdp')  # fmt: skip
+    inputs = judge.Inputs(*setups.make_inputs(port, config))
+    loc = locate.locate(port, config, inputs, n_twin=twin.Reordered('fsdp'))
+    assert (loc.kind, loc.legacy, loc.nnx) == ('between', 'LayerNorm_0 → Dropout_0', 'norm → drop'), loc.line()
+    first(loc)
+    assert all(m.output_floor is not None and m.output_floor < 1e-5 for m in loc.modules), loc.modules
+    assert 'twin' in inputs.first_steps[2]
+
+
+def test_a_twin_that_ran_in_a_fresh_process_is_not_run_again_for_the_location():
+    """Code pinned to its own mesh raises on the twin's; the verdict ran that twin in a fresh process
+    (``judge.Inputs.fresh_twins``), and the recorded first steps run without it (no JAX program here)."""
+    config = RunConfig(devices=DEVICES, batch_size=64)
+    inputs = judge.Inputs({}, [], None)
+    assert locate.here(1, config, inputs) == 1 and locate.here(None, config, inputs) is None
+    inputs.fresh_twins = (1,)
+    assert locate.here(1, config, inputs) is None
+    assert locate.here(10**6, config, judge.Inputs({}, [], None)) is None  # more devices than this process sees
