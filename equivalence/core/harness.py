@@ -31,12 +31,13 @@ def validate(port: Port, config: RunConfig) -> None:
         adapters.check(port)
 
 
-def run(port: Port, config: RunConfig, progress: Progress | None = None) -> RunResult:
+def run(port: Port, config: RunConfig, progress: Progress | None = None, diagnose: bool = True) -> RunResult:
     """Both paths, then the comparison of parameters, optimizer state, EMA, stats, losses.
 
     The two sides' variable names are paired first: a port whose names do not pair stops
     here, before any training (``naming.PortError``). ``progress``, if given, is called
-    after each of the 2 * C compiled calls.
+    after each of the 2 * C compiled calls. ``diagnose=False``: a MISMATCH is neither diagnosed nor
+    located (a run whose match alone is read, as the masked-loss hint's on 1 device).
     """
     validate(port, config)
     preflight.check(port, config)  # every port traced abstractly: a mistake in it is exit 2, before training
@@ -46,7 +47,7 @@ def run(port: Port, config: RunConfig, progress: Progress | None = None) -> RunR
     old = run_legacy(port, config, variables, calls, rng, progress or silent)
     new = run_nnx(port, config, variables, calls, rng, progress or silent)
     tree, notes = compared(port, old, new)
-    result = judged(port, config, old, new, variables, calls, rng, tree)
+    result = judged(port, config, old, new, variables, calls, rng, tree, diagnose)
     if adapters.adapted(port):
         result.programs = adapters.programs(port)
     result.notes += notes + hints.masked_loss(
@@ -60,7 +61,7 @@ def _matches_on_one(port: Port, config: RunConfig) -> bool:
     if jax.process_count() != 1 or config.strategy != 'dp':
         return False
     try:
-        return run(port, dataclasses.replace(config, devices=1, locate=False)).report.match  # only its match is read
+        return run(port, dataclasses.replace(config, devices=1), diagnose=False).report.match  # only its match is read
     except ConfigError:
         return False
 

@@ -60,6 +60,7 @@ class Inputs:
     errors: list = dataclasses.field(default_factory=list)  # the whole text of what a re-run raised (the JSON report)
     first_steps: tuple | None = dataclasses.field(default=None, repr=False)  # locate's, for the probe and location
     fresh_twins: tuple = ()  # the twins that ran in a fresh process: not run again here (locate.here)
+    diagnose: bool = True  # False: a MISMATCH is not diagnosed nor located (a nested run whose match alone is read)
 
     def whole_calls(self, port: Port, config: RunConfig) -> list:
         """The calls with every row of the global batch: the twin runs on this process's devices alone."""
@@ -356,7 +357,8 @@ def finish(port, config, report, old, new, inputs, done, twin_text, n_twin, grad
     """Gradients (strict, or to diagnose; ``grads`` if already probed), the diagnosis on MISMATCH, and
     the verdict."""
     cannot = inputs.single_process_probes()
-    if grads is None and isinstance(port, ModelPort) and (config.verdict == 'strict' or not report.match):
+    to_diagnose = not report.match and inputs.diagnose
+    if grads is None and isinstance(port, ModelPort) and (config.verdict == 'strict' or to_diagnose):
         if cannot:
             done.append(f'first-step gradients not probed: {cannot}')
         else:
@@ -367,6 +369,8 @@ def finish(port, config, report, old, new, inputs, done, twin_text, n_twin, grad
     if report.match:
         matched = Verdict(True, config.verdict, tuple(done), twin=twin_text, noise_dominated=noisy, errors=errors)
         return locate.attach(matched, port, config, inputs, n_twin)  # only when --locate asks
+    if not inputs.diagnose:  # only its match is read: no gradients probed, no re-run, not located
+        return Verdict(False, config.verdict, tuple(done), twin=twin_text, noise_dominated=noisy, errors=errors)
     rerun = None
     # Only a first *loss* that differs can be re-checked with dropout off (the re-run compares
     # losses): a slip seen only in the first gradients is math, whatever dropout does.
@@ -451,10 +455,12 @@ def judged(
     calls,
     rng,
     tree=None,
+    diagnose: bool = True,
     **resumed,
 ) -> RunResult:
     """The two runs judged against their measured noise floor (``judge``);
-    ``resumed``: ``restore`` and ``first_call`` of a run NNX resumed from a checkpoint."""
-    inputs = Inputs(variables, calls, rng, **resumed)
+    ``resumed``: ``restore`` and ``first_call`` of a run NNX resumed from a checkpoint; ``diagnose``:
+    False where only the match is read (no diagnosis nor location on MISMATCH)."""
+    inputs = Inputs(variables, calls, rng, diagnose=diagnose, **resumed)
     report, verdict = judge(port, config, old, new, inputs, tree or sides.compared(port, old, new)[0])
     return RunResult(config, old, new, report, verdict=verdict)
