@@ -163,6 +163,9 @@ def test_each_new_side_matches_as_written_and_its_slip_does_not(results, name):
     assert not any(n.endswith('/value') for n in names), names  # nnx.Variables read as their arrays
     slipped = harness.check(SLIPS[name], devices=2, **QUICK)
     assert not slipped.report.match
+    # judged by a measured floor: the twin builds the new side as the run does (linen's variables
+    # where the port has no NNX model), not the fixed screen's 'unmeasured'
+    assert slipped.report.floor is not None and slipped.verdict.twin == 'on 1 device(s)', slipped.verdict.lines()
     assert any(leaf.name.startswith('opt_state/0/nu/') and not leaf.ok for leaf in slipped.report.leaves)
 
 

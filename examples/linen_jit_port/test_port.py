@@ -27,10 +27,15 @@ def run(name: str, devices: int, tmp_path) -> tuple[int, dict]:
 def test_port_matches(devices, tmp_path):
     code, report = run('PORT', devices, tmp_path)
     assert code == 0 and report['match'], [leaf for leaf in report['leaves'] if not leaf['ok']]
+    # a twin on another device count, in a fresh process (the mesh is built from jax.devices() at import),
+    # measured this port's own noise floor: not the fixed screen
+    assert report['verdict']['floor_rule'] is not None, report['verdict']['done']
+    assert 'in a fresh process' in report['verdict']['twin'], report['verdict']['twin']
 
 
 def test_a_slip_is_caught(tmp_path):
     """The jit side's warmup over 5 steps where the pmap side's took 4: other learning rates from step 2."""
     code, report = run('PORT_WARMUP_SLIP', 2, tmp_path)
     assert code == 1 and not report['match']
+    assert report['verdict']['floor_rule'] is not None and report['verdict']['kind'] != 'unmeasured', report['verdict']
     assert any(leaf['name'].startswith('params/') and not leaf['ok'] for leaf in report['leaves'])

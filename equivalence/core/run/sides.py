@@ -192,12 +192,13 @@ def new_source(port: LoopPort, variables: dict) -> Any:
     return model
 
 
-def loop_new_side(port: LoopPort, config: RunConfig, variables: dict, mesh) -> Any:
-    """A loop port's new side on ``mesh``, whatever the form of its train state: its setup."""
+def loop_new_side(port: LoopPort, config: RunConfig, variables: dict, mesh, fused=NnxLoopSetup) -> Any:
+    """A loop port's new side on ``mesh``, whatever the form of its train state: its setup. ``fused``:
+    the setup of a port's own fused call (no step form), the twin's where it places the run's keys."""
     source = new_source(port, variables)
     if adapters.adapted(port):
         return adapters.nnx_setup(port, config, source, mesh)
-    return NnxLoopSetup(port, sharding.place_objects(port.new_state(source), mesh), mesh, config)
+    return fused(port, sharding.place_objects(port.new_state(source), mesh), mesh, config)
 
 
 def nnx_setup(port: Port, config: RunConfig, variables: dict) -> NnxSetup | NnxGraphSetup | NnxLoopSetup:

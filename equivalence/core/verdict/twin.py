@@ -46,7 +46,7 @@ from flax import nnx
 from equivalence.core.port import convert
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort, Port
-from equivalence.core.run import adapters, draws, footprint, setups, sides
+from equivalence.core.run import draws, footprint, setups, sides
 from equivalence.core.verdict import compare
 from equivalence.distributed import gather
 from nnx_sharded import sharding
@@ -208,12 +208,10 @@ def twin_setup(port: Port, config: RunConfig, variables: dict, n_twin: Kind, lr_
     if isinstance(n_twin, Reordered):
         return reordered_setup(port, config, variables, n_twin, 1.0 + config.perturb if lr_scale is None else lr_scale)
     mesh = sharding.make_mesh(n_twin, devices=jax.local_devices())  # this process's own: no collective
+    if isinstance(port, LoopPort):  # the run's own new side, from its NNX model or, without one, linen's variables
+        return sides.loop_new_side(port, config, variables, mesh, fused=TwinLoopSetup)
     model = port.nnx_model(nnx.Rngs(0))
     convert.load_linen_variables(model, variables, setups.check_names(port, variables))
-    if isinstance(port, LoopPort) and adapters.adapted(port):  # a real step: its own setup
-        return adapters.nnx_setup(port, config, model, mesh)
-    if isinstance(port, LoopPort):
-        return TwinLoopSetup(port, sharding.place_objects(port.nnx_state(model), mesh), mesh, config)
     scale = 1.0 + config.perturb if lr_scale is None else lr_scale
     graphdef, state = sharded.create_state(model, port.make_tx(scale), port.ema_rate)
     shardings = sharding.state_shardings(graphdef, state, mesh)
