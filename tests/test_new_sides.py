@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from equivalence import LoopPort
 from equivalence.core import harness, preflight
 from equivalence.core.port import new_side
+from equivalence.core.report import render
 from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.run import adapters, setups, sides
 
@@ -161,6 +162,9 @@ def test_each_new_side_matches_as_written_and_its_slip_does_not(results, name):
     names = {leaf.name for leaf in result.report.leaves}
     assert {'params/Dense_0/kernel', 'opt_state/0/nu/Dense_1/bias', 'metrics/learning_rate'} <= names, names
     assert not any(n.endswith('/value') for n in names), names  # nnx.Variables read as their arrays
+    said = render.header(result, 'cpu')  # a new side with no NNX model is not called NNX
+    assert (' vs NNX new_step x K on ' in said) == (name == 'functional-nnx'), said
+    assert (' vs new_step x K (no NNX model) on ' in said) == (name == 'linen-jit'), said
     slipped = harness.check(SLIPS[name], devices=2, **QUICK)
     assert not slipped.report.match
     # judged by a measured floor: the twin builds the new side as the run does (linen's variables

@@ -85,9 +85,11 @@ def one_program_each(port: Any, command: str) -> None:
 
 
 def programs(port: LoopPort) -> tuple[str, str]:
-    """How each side's K steps ran, for the report's header: ``('pmap(step) x K', 'sharded scan')``."""
+    """How each side's K steps ran, for the report's header: ``('pmap(step) x K', 'NNX sharded scan')``;
+    a new side with no NNX model (linen under ``jax.jit``) is not called NNX."""
     legacy_run = 'pmap(step) x K' if legacy_loop(port) == 'steps' else 'pmap(scan)'
-    return legacy_run, 'new_step x K' if port.new_step is not None else 'sharded scan'
+    new_run = 'new_step x K' if port.new_step is not None else 'sharded scan'
+    return legacy_run, f'NNX {new_run}' if port.nnx_model is not None else f'{new_run} (no NNX model)'
 
 
 def describe(port: LoopPort) -> str:

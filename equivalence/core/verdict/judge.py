@@ -438,7 +438,7 @@ class RunResult:
     resumed_at: int = 0  # NNX resumed from a checkpoint of this step: losses and divergence cover the steps after it
     notes: list[str] = dataclasses.field(default_factory=list)  # lines the report prints under its header
     verdict: Any = None  # rule.Verdict: what was measured and, on MISMATCH, the diagnosis (judge)
-    programs: tuple[str, str] = ('pmap(scan)', 'sharded scan')  # how each side ran its K steps (header)
+    programs: tuple[str, str] = ('pmap(scan)', 'NNX sharded scan')  # how each side ran its K steps (header)
 
     def param_divergence(self) -> list[float]:
         """Max |nnx - legacy| over all parameters, after each call."""
