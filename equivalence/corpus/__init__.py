@@ -16,7 +16,7 @@ Importing this package imports no JAX: ``entries()`` loads the families on first
 
 import importlib
 
-FAMILIES = ('transformer', 'transformer_loop', 'batchnorm', 'builtin')
+FAMILIES = ('transformer', 'transformer_loop', 'batchnorm', 'builtin', 'precision')
 
 
 def entries() -> list:
