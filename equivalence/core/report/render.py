@@ -99,9 +99,12 @@ def verdict(result: RunResult) -> str:
     sums = ', '.join(f'{g} {_abs(result.report.max_abs(g))}' for g in GROUPS)
     noisy = sum(leaf.noise_dominated for leaf in result.report.leaves)
     noisy_text = f', {noisy} noise-dominated (not verified by value)' if noisy else ''
+    n = len(result.report.leaves)
+    if result.report.unverified and result.report.floor is None:  # no twin measured (judge.unmeasured)
+        screen = f'{len(bad)} of {n} leaves outside the fixed screen' if bad else f'all {n} leaves within the fixed screen'
+        return f'NOT VERIFIED: {screen}; {result.report.unverified}'
     if not bad and result.report.unverified:
         why = result.report.unverified.partition(': reordering')[0]
-        n = len(result.report.leaves)
         return f'NOT VERIFIED: all {n} leaves within their floor, {noisy} noise-dominated: {why}'
     if not bad:
         return f'MATCH: all {len(result.report.leaves)} leaves within tolerance{noisy_text} (max abs: {sums})'

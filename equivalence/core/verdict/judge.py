@@ -89,11 +89,13 @@ def judge(port: Port, config: RunConfig, old, new, inputs: Inputs, tree) -> tupl
     if not counts or (config.verdict == 'screen' and screen.match):
         none = f'no second mesh fits ({cannot or "an odd batch"})' if not counts else ''
         text = f'not run: {none or "--verdict screen, and the screen passed"}'
-        return screen, finish(port, config, screen, old, new, inputs, done + [f'twin {text}'], text, None)
+        judged = finish(port, config, screen, old, new, inputs, done + [f'twin {text}'], text, None)
+        return unmeasured(screen, judged) if none else (screen, judged)  # --verdict screen: the user's choice
     twins, why, fresh_ones = measured_twins(port, config, new, inputs, counts)
     inputs.fresh_twins = tuple(fresh_ones)
     if not twins:
-        return screen, finish(port, config, screen, old, new, inputs, done + [f'twin {why[0]}'], why[0], None)
+        judged = finish(port, config, screen, old, new, inputs, done + [f'twin {why[0]}'], why[0], None)
+        return unmeasured(screen, judged)
     first = [rule.first_step_tree(float(p.losses[0])) for p in (old, new)]
     floor = twin.farthest(
         trees(new, first[1]), [trees(tw, rule.first_step_tree(float(tw.losses[0]))) for tw in twins.values()]
@@ -122,6 +124,23 @@ def judge(port: Port, config: RunConfig, old, new, inputs: Inputs, tree) -> tupl
     judged = finish(port, config, report, old, new, inputs, done, on, next(iter(twins)), grads)
     report, judged = unverified(port, inputs, report, judged)
     return report, dataclasses.replace(judged, memory=memory)
+
+
+def unmeasured(report: compare.Report, judged: Verdict) -> tuple[compare.Report, Verdict]:
+    """A run whose noise floor no twin could measure (none fits, each raised or was refused; not the
+    user's ``--verdict screen``) is NOT VERIFIED where the floor would decide: a pass of the fixed screen,
+    which is no measure of this port's own noise, or a failure of it that nothing tells from noise. A
+    MISMATCH decided without a floor (the first step, the bookkeeping, NaNs) stays a MISMATCH."""
+    if judged.match:
+        screen = "the fixed screen passed, which is not a measure of this port's own noise"
+    elif judged.kind == 'unmeasured':
+        screen = f'outside the fixed screen, and nothing tells noise from a slip: {rule.details(rule.failed(report))}'
+    else:
+        return report, judged
+    why = f"no twin measured this port's noise floor ({judged.twin}); {screen}"
+    return dataclasses.replace(report, unverified=why), dataclasses.replace(
+        judged, match=False, kind='', diagnosis='', unverified=why
+    )
 
 
 def unverified(port: Port, inputs: Inputs, report: compare.Report, judged: Verdict) -> tuple[compare.Report, Verdict]:
