@@ -81,8 +81,12 @@ def assert_same_run(multi: dict, single: dict) -> None:
         assert value <= TOL.atol, (group, value)
 
 
-@pytest.mark.parametrize('workload', ['mlp', 'score'])
+@pytest.mark.parametrize('workload', ['score'])
 def test_two_processes_of_4_devices_match_one_process_of_8(tmp_path, workload):
+    """The launcher's default split (8 devices, 4 a process) on score, whose noise, EMA and warmup
+    give the processes the most to agree on. mlp across processes against one process is
+    ``test_two_processes_of_2_devices_match_and_each_feeds_only_its_rows`` (2 processes of 2
+    devices), so it is not run again here at 8."""
     out = tmp_path / 'report.json'
     proc = start('equivalence.run', '--processes', '2', '--workload', workload, *TINY, '--json', str(out))
     single = one_process(workload, 8)  # while the workers run

@@ -59,25 +59,27 @@ def test_swapping_rng_modes_between_the_sides_is_a_mismatch():
     assert not next(x for x in report.leaves if x.group == 'losses').ok
 
 
-def _final(name: str, devices: int, rng_mode: str) -> tuple[dict, dict]:
-    """Both paths' final states and losses; no verdict (this test compares runs across D itself)."""
+def _final(name: str, devices: int, rng_mode: str, runs=(sides.run_legacy, sides.run_nnx)) -> list[dict]:
+    """The final states and losses of the paths in ``runs`` (both by default); no verdict (this
+    test compares runs across D itself)."""
     wl, cfg = workloads.get(name), config(name, devices=devices, rng_mode=rng_mode, calls=1)
     variables, calls, rng = setups.make_inputs(wl, cfg)
-    paths = (run(wl, cfg, variables, calls, rng) for run in (sides.run_legacy, sides.run_nnx))
-    return (sides.with_losses(p.final, p.losses) for p in paths)
+    return [sides.with_losses(p.final, p.losses) for p in (run(wl, cfg, variables, calls, rng) for run in runs)]
 
 
 @pytest.mark.parametrize('name', RANDOM)
 def test_global_mode_is_invariant_to_the_device_count(name):
+    """Global keys: each path at D=8 ends where it ends at D=1 (two counts are enough for
+    invariance; 8, the batch split the most ways, is the most informative). The negative
+    control runs the legacy path alone: per-device keys at D=1 and D=8 draw other numbers."""
     tol = workloads.get(name).tolerance
     legacy_1, nnx_1 = _final(name, 1, 'global')
-    for devices in (2, 8):
-        legacy_d, nnx_d = _final(name, devices, 'global')
-        assert compare.compare(legacy_1, legacy_d, tol).match, f'legacy, D=1 vs D={devices}'
-        assert compare.compare(nnx_1, nnx_d, tol).match, f'nnx, D=1 vs D={devices}'
+    legacy_8, nnx_8 = _final(name, 8, 'global')
+    assert compare.compare(legacy_1, legacy_8, tol).match, 'legacy, D=1 vs D=8'
+    assert compare.compare(nnx_1, nnx_8, tol).match, 'nnx, D=1 vs D=8'
     # Negative control: per-device keys depend on D, so D=1 and D=8 draw other numbers.
-    per_device_1, _ = _final(name, 1, 'per-device')
-    per_device_8, _ = _final(name, 8, 'per-device')
+    [per_device_1] = _final(name, 1, 'per-device', runs=(sides.run_legacy,))
+    [per_device_8] = _final(name, 8, 'per-device', runs=(sides.run_legacy,))
     assert not compare.compare(per_device_1, per_device_8, tol).match
 
 
