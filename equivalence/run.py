@@ -11,7 +11,7 @@ EXIT_CODES = cli.exit_codes(
     'a leaf or loss is outside tolerance (MISMATCH)',
     unverified='NOT VERIFIED: every leaf is within its floor, but more than 10% of the parameters, the output\n'
     '     layer or the losses are noise-dominated: a slip there would pass unseen; or no twin could\n'
-    '     measure the port\'s noise floor, and the fixed screen would have decided (docs/verdict.md)',
+    "     measure the port's noise floor, and the fixed screen would have decided (docs/verdict.md)",
 )
 
 

@@ -22,8 +22,8 @@ from jax.sharding import PartitionSpec as P
 from equivalence import LoopPort
 from equivalence.core import harness, preflight
 from equivalence.core.port import new_side
-from equivalence.core.report import render
 from equivalence.core.port.config import ConfigError, RunConfig
+from equivalence.core.report import render
 from equivalence.core.run import adapters, setups, sides
 
 AXIS, FEATURES, HIDDEN, RATE = 'batch', 4, 8, 0.2

@@ -125,7 +125,9 @@ def test_a_twin_that_draws_other_random_numbers_is_refused():
     )
     assert refused.report.floor is None
     # no floor measured, so the verdict is NOT VERIFIED in its own words (exit 5), never the fixed screen's MATCH
-    assert not refused.report.match and refused.verdict.unverified.startswith("no twin measured this port's noise floor")
+    assert not refused.report.match and refused.verdict.unverified.startswith(
+        "no twin measured this port's noise floor"
+    )
 
 
 def test_with_no_floor_the_diagnosis_says_why_no_twin_measured_one():

@@ -101,7 +101,8 @@ def verdict(result: RunResult) -> str:
     noisy_text = f', {noisy} noise-dominated (not verified by value)' if noisy else ''
     n = len(result.report.leaves)
     if result.report.unverified and result.report.floor is None:  # no twin measured (judge.unmeasured)
-        screen = f'{len(bad)} of {n} leaves outside the fixed screen' if bad else f'all {n} leaves within the fixed screen'
+        screen = f'{len(bad)} of {n} leaves outside' if bad else f'all {n} leaves within'
+        screen += ' the fixed screen'
         return f'NOT VERIFIED: {screen}; {result.report.unverified}'
     if not bad and result.report.unverified:
         why = result.report.unverified.partition(': reordering')[0]

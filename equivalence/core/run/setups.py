@@ -8,6 +8,7 @@ for the suite's loops, and the setups that hold each path's compiled call and st
 import contextlib
 import dataclasses
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -69,27 +70,57 @@ def abstract_model(port: Port) -> nnx.Module | None:
     return nnx.eval_shape(lambda: port.nnx_model(nnx.Rngs(0)))
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """What the checks read of a port's abstract NNX model (None where it has none)."""
+
+    spec: Any  # naming.nnx_spec of it
+    batch_stats: bool  # it holds nnx.BatchStat
+    dropout: bool  # it holds Dropout or attention layers
+
+
+_FACTS: dict[int, tuple[weakref.ref, ModelFacts | None]] = {}
+
+
+def model_facts(port: Port) -> ModelFacts | None:
+    """``ModelFacts`` of the port's NNX model, built once per port object (a run asks a dozen times;
+    each abstract model is an ``nnx.eval_shape`` of the whole model); None without a model."""
+    held = _FACTS.get(id(port))
+    if held is not None and held[0]() is port:
+        return held[1]
+    abstract = abstract_model(port)
+    facts = None
+    if abstract is not None:
+        nodes = [node for _, node in nnx.iter_graph(abstract)]
+        facts = ModelFacts(
+            naming.nnx_spec(abstract),
+            any(isinstance(node, nnx.BatchStat) for node in nodes),
+            any(isinstance(node, nnx.Dropout | nnx.MultiHeadAttention) for node in nodes),
+        )
+    key = id(port)
+    _FACTS[key] = (weakref.ref(port, lambda _, key=key: _FACTS.pop(key, None)), facts)
+    return facts
+
+
 def check_names(port: Port, variables: dict) -> dict[str, str]:
     """``{linen path: NNX path}`` for every variable, from an abstract NNX model (nothing is
     allocated); ``naming.PortError`` (exit 2) when the two sides do not pair. Without an NNX
     model the new side keeps linen's names: ``{}``."""
-    abstract = abstract_model(port)
-    if abstract is None:
+    facts = model_facts(port)
+    if facts is None:
         return {}
-    return naming.resolve(naming.linen_spec(variables), naming.nnx_spec(abstract), port.names)
+    return naming.resolve(naming.linen_spec(variables), facts.spec, port.names)
 
 
 def has_batch_stats(port: Port) -> bool:
-    abstract = abstract_model(port)
-    return abstract is not None and any(isinstance(node, nnx.BatchStat) for _, node in nnx.iter_graph(abstract))
+    facts = model_facts(port)
+    return facts is not None and facts.batch_stats
 
 
 def uses_dropout(port: Port) -> bool:
     """Whether the NNX model has Dropout or attention layers (then the suite hands both sides dropout keys)."""
-    abstract = abstract_model(port)
-    if abstract is None:
-        return False
-    return any(isinstance(node, nnx.Dropout | nnx.MultiHeadAttention) for _, node in nnx.iter_graph(abstract))
+    facts = model_facts(port)
+    return facts is not None and facts.dropout
 
 
 def port_noise(port: ModelPort, dropout: bool) -> Callable:
