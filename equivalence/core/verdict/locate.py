@@ -377,7 +377,7 @@ def _notes(port: Port, raw: dict, paired: dict, twin_ran: bool) -> list[str]:
                          'function, or no flax module): its forward pass is not localised')  # fmt: skip
     left = [label for label in calls['legacy'] if label not in paired]
     if calls['legacy'] and calls['nnx'] and left:
-        shown = ', '.join(left[:4]) + (f' and {len(left) - 4} more' if len(left) > 4 else '')
+        shown = ', '.join(label or ROOT for label in left[:4]) + (f' and {len(left) - 4} more' if len(left) > 4 else '')
         notes.append(f'{len(paired)} of {len(calls["legacy"])} linen module calls paired with NNX ones '
                      f'({len(calls["nnx"])} recorded); not paired: {shown}')  # fmt: skip
     if not twin_ran:
