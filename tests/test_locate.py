@@ -112,6 +112,32 @@ def opaque_call(train_state, key, batch_KxG):
     return train_state, jax.lax.scan(step, 0, batch_KxG)[1]
 
 
+PENALTY = 1e-3  # an L2 term the NNX step trains on and does not report
+
+
+@nnx.jit
+def penalised_calls(model, optimizer, key, batch_KxG):
+    """The example's NNX loop, its training loss with an L2 term on the kernels; the loss it reports
+    is the plain one, as the pmap step's (which has no such term)."""
+
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+    def step(carry, batch):
+        model, optimizer, key = carry
+        key, step_key = jax.random.split(key)
+        nnx.reseed(model, dropout=step_key)
+
+        def train_loss(m):
+            loss = jnp.mean(nnx_code.per_example_loss(m, batch))
+            l2 = sum(jnp.sum(x**2) for x in jax.tree.leaves(nnx.state(m, nnx.Param)) if x.ndim > 1)
+            return loss + PENALTY * l2, loss
+
+        (_, loss), grads = nnx.value_and_grad(train_loss, has_aux=True)(model)
+        optimizer.update(model, grads)
+        return (model, optimizer, key), loss
+
+    return step((model, optimizer, key), batch_KxG)[1]
+
+
 PORTS = {
     'correct': my_port.LOOP,
     'layernorm-eps': my_port.LOOP_EPSILON_SLIP,  # NNX LayerNorm epsilon 1e-5, linen 1e-6
@@ -122,6 +148,10 @@ PORTS = {
     'weight-decay': loop_with(optax.adamw(3e-3, weight_decay=1e-2)),  # PyTorch's default AdamW decay
     'eps': loop_with(optax.adamw(3e-3, weight_decay=1e-4, eps=1e-7)),  # Keras's default Adam epsilon
     'opaque': dataclasses.replace(my_port.LOOP, nnx_call=opaque_call),
+    'b1': loop_with(optax.adamw(3e-3, b1=0.95, weight_decay=1e-4)),  # (1 - b1) half the pmap side's
+    'train-loss': dataclasses.replace(
+        my_port.LOOP, nnx_call=lambda ts, key, batch: (ts, penalised_calls(*ts, key, batch))
+    ),
 }
 
 
@@ -185,6 +215,31 @@ def test_a_dropout_that_draws_otherwise_is_randomness_at_that_dropout():
 def test_label_smoothing_left_out_is_the_loss_while_every_module_agrees():
     loc = located('smoothing')
     assert loc.kind == 'loss' and 'label smoothing' in loc.figures, loc.line()
+    agree(loc)
+
+
+def test_a_training_loss_the_loop_does_not_report_is_the_gradients_not_the_optimizer():
+    """A loop port's NNX step trains on an L2 term its reported loss leaves out: the forward pass and
+    the reported loss agree, the gradients are the port's own (not observed), and Adam's first moment
+    is the first thing that parts. Its elements part by no common factor, as a b1, a momentum or a
+    clip would make them (the control below): the location is the gradients, not the optimizer, named
+    at the leaf that parts most, and the difference read as a multiple of the parameters."""
+    loc = located('train-loss')
+    assert loc.kind == 'backward', loc.line()
+    assert 'the first moments part unevenly' in loc.figures and 'one factor would scale them all' in loc.figures
+    assert loc.nnx in ('fc1/kernel', 'fc2/kernel'), loc.line()  # the penalised leaves, not fc1/bias
+    assert f'{2 * PENALTY * 0.1:.3g} x the parameter (r² ' in loc.figures, loc.line()  # mu = 0.1 (g + 2e-3 p)
+    assert f'differ by {2 * PENALTY:.3g} x the parameter if b1 is 0.9' in loc.figures, loc.line()
+    agree(loc)
+
+
+def test_a_b1_change_parts_the_first_moments_by_one_factor_and_stays_the_optimizer():
+    """The negative control of the one above: NNX b1 0.95 for 0.9 halves every element of the first
+    moment (Adam's first update is unchanged): one factor, the update, and the b1 it implies."""
+    loc = located('b1')
+    assert loc.kind == 'update' and loc.legacy.startswith('opt_state 0/mu/'), loc.line()
+    assert 'one factor on every element of every leaf: NNX = 0.5 x pmap' in loc.figures, loc.line()
+    assert 'NNX b1 0.95 if' in loc.figures, loc.line()
     agree(loc)
 
 

@@ -15,6 +15,8 @@ and the form that explains it (r² >= 0.9) is said. A running mean updated as
 ``new = m old + (1 - m) batch mean`` gives each side's momentum ``m`` by least squares.
 """
 
+import dataclasses
+
 import numpy as np
 
 NESTEROV_B1 = 0.9  # Adam's default b1
@@ -79,3 +81,128 @@ def momentum(old: np.ndarray, new: np.ndarray, batch_mean: np.ndarray) -> float 
     a = np.asarray(old, np.float64).ravel() - batch_mean
     b = np.asarray(new, np.float64).ravel() - batch_mean
     return float(a @ b / (a @ a)) if a @ a > 0 else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Moments:
+    """What the first-step optimizer slots of one kind (``mu``, ``nu``, ``trace``) say: ``even`` when
+    one factor ``factor`` scales every leaf (None: not one factor), the leaf that parts most over its
+    allowed difference, and the sentence."""
+
+    even: bool
+    factor: float | None
+    leaf: str
+    text: str
+
+
+def _ratios(a: np.ndarray, b: np.ndarray, allowed: float) -> tuple[float, float]:
+    """The 5th and 95th percentile of ``b / a`` where ``|a|`` is above what a leaf may differ by."""
+    ok = np.abs(a) > allowed
+    if ok.sum() < 2:
+        ok = a != 0
+    r = b[ok] / a[ok] if ok.any() else np.array([np.nan])
+    return float(np.percentile(r, 5)), float(np.percentile(r, 95))
+
+
+def moments(
+    slot: str, leaves: dict[str, tuple[np.ndarray, np.ndarray, float]], p0: dict[str, np.ndarray] | None = None
+) -> Moments | None:
+    """Slot ``slot`` (``mu``: Adam's first moment, ``(1 - b1) g`` after one step from 0; ``trace``:
+    SGD's momentum, ``g``; ``nu``: Adam's second moment, ``(1 - b2) g²``) on each side, by leaf:
+    ``(pmap, NNX, allowed difference)``; None when no leaf parts.
+
+    A change of b1, b2 or of one gradient scale (a clip by global norm, a loss scale or reduction)
+    multiplies every element of every leaf by ONE factor; gradients that differ (a training loss, a
+    backward pass) do not. The factor is fitted through 0 over all leaves, and every leaf's residual
+    held to its allowed difference (times the factor where it is above 1); failing that, one factor
+    per leaf; failing that, it is uneven: the gradients differ. Where their difference is a multiple of
+    the parameters ``p0`` (by leaf, before the step) over the leaves that part, it is said: an L2 term
+    in the training loss and a coupled weight decay (added to the gradient before the moment) give
+    the same numbers."""
+    leaves = {
+        k: (np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel(), lim)
+        for k, (a, b, lim) in leaves.items()
+    }
+    over = {
+        k: float(np.max(np.abs(b - a), initial=0) / lim) if lim > 0 else np.inf for k, (a, b, lim) in leaves.items()
+    }
+    if not over or max(over.values()) <= 1:
+        return None
+    worst = max(over, key=over.get)
+    a_all = np.concatenate([a for a, _, _ in leaves.values()])
+    b_all = np.concatenate([b for _, b, _ in leaves.values()])
+    if a_all @ a_all == 0:
+        return Moments(
+            False, None, worst, f"the pmap side's {slot} is 0 everywhere, the NNX side's is not: no factor relates them"
+        )
+    c = float(a_all @ b_all / (a_all @ a_all))
+
+    def fits(a, b, lim, c):
+        return np.max(np.abs(b - c * a), initial=0) <= lim * max(1.0, abs(c))
+
+    if all(fits(a, b, lim, c) for a, b, lim in leaves.values()):
+        return Moments(
+            True,
+            c,
+            worst,
+            f'the {slot} slots part by one factor on every element of every leaf: '
+            f'NNX = {c:.6g} x pmap; ' + _factor(slot, c),
+        )
+    apart = [k for k in leaves if over[k] > 1]
+    lo, hi = _ratios(*(np.concatenate([leaves[k][i] for k in apart]) for i in (0, 1)), max(leaves[k][2] for k in apart))
+    per_leaf = {k: float(a @ b / (a @ a)) if a @ a > 0 else 1.0 for k, (a, b, _) in leaves.items()}
+    if all(fits(a, b, lim, per_leaf[k]) for k, (a, b, lim) in leaves.items()):
+        cs = [per_leaf[k] for k, (a, _, _) in leaves.items() if a @ a > 0]
+        return Moments(
+            False,
+            None,
+            worst,
+            f"each leaf's {slot} is one factor of the other side's, but the factor "
+            f'differs from leaf to leaf ({min(cs):.4g} to {max(cs):.4g}; {worst}: {per_leaf[worst]:.4g}): '
+            'a per-parameter scale (a per-leaf clip, a layer-wise rate) or a loss term that scales whole '
+            "parameters' gradients; the numbers do not tell which",
+        )
+    what = 'first moments' if slot in ('mu', 'trace') else f'{slot} slots'
+    text = (
+        f'the {what} part unevenly (ratio NNX/pmap from {lo:.4g} to {hi:.4g}, 5th to 95th percentile over the '
+        f'{len(apart)} leaves that part; most over its floor: {worst}): '
+    )
+    parted = [k for k in leaves if over[k] > 1 and p0 is not None and k in p0]
+    if slot in ('mu', 'trace') and parted:
+        d = np.concatenate([leaves[k][1] - leaves[k][0] for k in parted])
+        c, r2 = fit(d, np.concatenate([np.asarray(p0[k], np.float64).ravel() for k in parted]))
+        if r2 >= EXPLAINED:
+            g = f'{c / (1 - NESTEROV_B1):.3g}' if slot == 'mu' else f'{c:.3g}'
+            b1 = f' if b1 is {NESTEROV_B1}' if slot == 'mu' else ''
+            return Moments(
+                False,
+                None,
+                worst,
+                text + f'over the {len(parted)} leaves that part, the difference is {c:.3g} x the parameter (r² '
+                f'{r2:.3f}): the gradients the moment is given differ by {g} x the parameter{b1}, an L2 term in the '
+                'training loss (NNX - pmap) or a coupled weight decay (added to the gradient before the moment); '
+                'the numbers do not tell which. Not b1, a momentum or a clip by global norm (one factor would scale '
+                'them all)',
+            )
+    text += (
+        "the gradients differ, the training loss or the backward pass; not the optimizer's settings (one factor "
+        'would scale them all)'
+    )
+    return Moments(False, None, worst, text)
+
+
+def _factor(slot: str, c: float) -> str:
+    if slot == 'mu':
+        return (
+            f"(1 - b1) differs by that factor (NNX b1 {1 - c * (1 - NESTEROV_B1):.4g} if the pmap side's is "
+            f'{NESTEROV_B1}), or every gradient is scaled by it (a clip by global norm, a loss scale or reduction)'
+        )
+    if slot == 'nu':
+        return (
+            f'(1 - b2) differs by that factor, or every gradient by its square root {np.sqrt(abs(c)):.4g} '
+            '(a clip by global norm, a loss scale or reduction)'
+        )
+    return (
+        'every gradient is scaled by it (a clip by global norm, a loss scale or reduction); '
+        "SGD's momentum does not show in its first trace, which is the gradient"
+    )

@@ -296,10 +296,36 @@ def _update(step: _Step) -> Location | None:
     if bad_slot is None and bad_param is None:
         return None
     grads = 'the gradients agree' if step.grads('legacy') else "the gradients are not observed (the port's own step)"
-    said = f'; the update implies: {_implied(step)}'
+    said = _implied(step)
+    said = f'; the update implies: {said}' if bad_param is not None or implied.NO_UPDATE in said else (
+        '; the parameters after one step agree')  # fmt: skip
+    read = _moments(step, params, slots)
+    uneven = next(((s, m) for s, m in read.items() if s.rpartition('/')[2] in FIRST and m.factor is None), None)
+    if uneven is not None and 'unevenly' in uneven[1].text:
+        slot, m = uneven
+        param = m.leaf[len(slot) + 1 :]
+        leaf = slots[m.leaf]
+        return Location(
+            'backward', step.inverse.get(param, param), param,
+            f'the forward pass, the loss and the statistics agree, {grads}; {m.text}. The first moment of this '
+            f"parameter, opt_state {m.leaf}, is {_e(leaf.max_abs)} apart (allowed {_e(leaf.limit)}); the update's "
+            'size is not read (what it implies assumes the same gradients)',
+        )  # fmt: skip
     if bad_slot is not None:
-        param = next((p for p in sorted(params, key=len, reverse=True) if bad_slot.path.endswith('/' + p)), '')
+        param = _param_of(bad_slot.path, params)
         slot = bad_slot.path[: -len(param) - 1] if param else bad_slot.path
+        first = next((m for s, m in read.items() if s.rpartition('/')[2] in FIRST), None)
+        read_here = read.get(slot)
+        if (
+            read_here is not None
+            and read_here.even
+            and slot.endswith('nu')
+            and first is None
+            and any(s.rpartition('/')[2] == 'mu' for s in _slot_names(slots, params))
+        ):
+            said = '; the first moments agree, so the gradients do: (1 - b2) differs' + said
+        if read_here is not None:
+            said = f'; {read_here.text}{said}'
         return Location(
             'update', f'opt_state {slot}/{step.inverse.get(param, param)}' if param else f'opt_state {slot}',
             f'opt_state {bad_slot.path}',
@@ -311,6 +337,40 @@ def _update(step: _Step) -> Location | None:
         f'the forward pass, the loss, the statistics and every optimizer slot agree, {grads}; the parameters after '
         f'one step do not ({bad_param.path} {_e(bad_param.max_abs)} apart, allowed {_e(bad_param.limit)}){said}',
     )  # fmt: skip
+
+
+FIRST = ('mu', 'trace')  # a first moment's slot: Adam's (1 - b1) g, SGD momentum's g, after one step from 0
+
+
+def _param_of(path: str, params: dict) -> str:
+    """The parameter an optimizer-state leaf ``path`` (``0/mu/block/fc1/kernel``) holds a slot of ('' none)."""
+    return next((p for p in sorted(params, key=len, reverse=True) if path.endswith('/' + p)), '')
+
+
+def _slot_names(slots: dict, params: dict) -> dict[str, list[str]]:
+    """Slot (``0/mu``) -> its leaves' paths, for every leaf that holds a slot of a parameter."""
+    out: dict[str, list[str]] = {}
+    for path in slots:
+        param = _param_of(path, params)
+        if param:
+            out.setdefault(path[: -len(param) - 1], []).append(path)
+    return out
+
+
+def _moments(step: _Step, params: dict, slots: dict) -> dict:
+    """Slot -> ``implied.moments`` for each first or second moment (``mu``, ``trace``, ``nu``) that parts."""
+    p0 = {step.mapping.get(p, p): a for p, a in convert.flatten(step.variables.get('params', {})).items()}
+    ends = [step.final(side, 'opt_state') for side in ('legacy', 'nnx')]
+    read = {}
+    for slot, paths in _slot_names(slots, params).items():
+        kind = slot.rpartition('/')[2]
+        if kind not in (*FIRST, 'nu') or all(slots[p].ok for p in paths):
+            continue
+        leaves = {p: (ends[0][p], ends[1][p], slots[p].limit or 0.0) for p in paths if p in ends[0] and p in ends[1]}
+        found = implied.moments(kind, leaves, {p: p0[p[len(slot) + 1 :]] for p in paths if p[len(slot) + 1 :] in p0})
+        if found is not None:
+            read[slot] = found
+    return read
 
 
 def _implied(step: _Step) -> str:
@@ -383,7 +443,8 @@ def _notes(port: Port, raw: dict, paired: dict, twin_ran: bool) -> list[str]:
     if not twin_ran:
         notes.append('no twin in this process: each value is held to 8 float32 spacings of its largest value')
     if isinstance(port, LoopPort):
-        notes.append("a loop port's gradients are its own step's: not observed (a first moment that parts may be one)")
+        notes.append("a loop port's gradients are its own step's: not observed (its first moment, which holds them "
+                     'after one step, is read for them)')  # fmt: skip
     return notes
 
 
