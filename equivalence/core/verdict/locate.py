@@ -419,6 +419,16 @@ def judge_step(port: Port, results: dict, raw: dict, mapping: dict[str, str], va
         later = (
             'the first update is 0 (a schedule at 0 on step 1, as warmup gives): an optimizer that differs shows later'
         )
+        held = step.held('opt_state')
+        if not step.grads('legacy') and any(
+            s.rpartition('/')[2] in FIRST for s in _slot_names(held, step.held('params'))
+        ):
+            later += " (this loop port's gradients are not observed; its first moments, which hold them, agree)"
+        elif not step.grads('legacy'):
+            later += (
+                ', and so may gradients that differ (a training loss the reported loss does not show, the backward '
+                "pass): this loop port's gradients are not observed, and no first moment holds them"
+            )
     return Location(
         'none', '', '',
         f'nothing parts on the first step: {len(modules)} module calls, {checked}the statistics, the parameters and '
