@@ -67,8 +67,17 @@ def batch_mean(losses_B) -> jax.Array:
     return jnp.sum(losses_B['loss']) / weight * jax.lax.axis_size(AXIS)
 
 
-def make_step_fn(model, per_example_loss: Callable, noise_fn: Callable, tx, ema_rate, rng_mode: str) -> Callable:
-    """``step((rng, state), batch) -> ((rng, state), loss)``, the body of the scan."""
+def make_step_fn(
+    model, per_example_loss: Callable, noise_fn: Callable, tx, ema_rate, rng_mode: str, draw: Callable | None = None
+) -> Callable:
+    """``step((rng, state), batch) -> ((rng, state), loss)``, the body of the scan. ``draw(rng, batch)
+    -> (rng, noise)``: how a step splits its key and draws its numbers, if not as ``rng_mode`` says."""
+
+    def split_and_draw(rng, batch):
+        rng, step_rng = jax.random.split(rng)
+        return rng, draw_noise(noise_fn, step_rng, batch, rng_mode)
+
+    draw = draw or split_and_draw
 
     def loss_fn(params, model_state, batch, noise):
         losses_B, new_model_state = per_example_loss(model, params, model_state, batch, noise)
@@ -76,8 +85,7 @@ def make_step_fn(model, per_example_loss: Callable, noise_fn: Callable, tx, ema_
 
     def step(carry, batch):
         rng, state = carry
-        rng, step_rng = jax.random.split(rng)
-        noise = draw_noise(noise_fn, step_rng, batch, rng_mode)
+        rng, noise = draw(rng, batch)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         (loss, model_state), grads = grad_fn(state.params, state.model_state, batch, noise)
         grads = jax.lax.pmean(grads, axis_name=AXIS)

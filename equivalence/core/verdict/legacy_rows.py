@@ -21,7 +21,6 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from equivalence.core.port import convert
 from equivalence.core.port.config import RunConfig
@@ -41,32 +40,15 @@ def draw_rows(noise_fn: Callable, keys_D: jax.Array, batch) -> dict:
     return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a.reshape(g, *a.shape[2:]), start, b), noise_DxB)
 
 
-def make_step_fn(model, per_example_loss: Callable, noise_fn: Callable, tx, ema_rate) -> Callable:
-    """``legacy_pmap.train.make_step_fn`` in per-device mode, its key chain the run's ``[D, 2]`` on every device."""
+def draw_with_rows(noise_fn: Callable) -> Callable:
+    """``legacy_pmap.train.make_step_fn``'s ``draw`` in per-device mode, its key chain the run's ``[D, 2]``
+    on every device: each row split as the run's device splits it, each row's numbers drawn (``draw_rows``)."""
 
-    def loss_fn(params, model_state, batch, noise):
-        losses_B, new_model_state = per_example_loss(model, params, model_state, batch, noise)
-        return legacy.batch_mean(losses_B), new_model_state
-
-    def step(carry, batch):
-        rng, state = carry
+    def draw(rng, batch):
         pairs = jax.vmap(jax.random.split)(rng)  # rng, step_rng = split(rng), once per key row
-        rng, step_rng = pairs[:, 0], pairs[:, 1]
-        noise = draw_rows(noise_fn, step_rng, batch)
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (loss, model_state), grads = grad_fn(state.params, state.model_state, batch, noise)
-        grads = jax.lax.pmean(grads, axis_name=legacy.AXIS)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        ema = state.params_ema
-        if ema_rate is not None:
-            ema = jax.tree.map(lambda e, p: e * ema_rate + p * (1.0 - ema_rate), ema, params)
-        new_state = state.replace(
-            step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state, params_ema=ema
-        )
-        return (rng, new_state), jax.lax.pmean(loss, axis_name=legacy.AXIS)
+        return pairs[:, 0], draw_rows(noise_fn, pairs[:, 1], batch)
 
-    return step
+    return draw
 
 
 @dataclasses.dataclass
@@ -88,7 +70,8 @@ def run(port: ModelPort, config: RunConfig, n: int, variables: dict, calls: list
     on_n = dataclasses.replace(config, devices=n, strategy='dp', mesh=None, nnx_form='split')
     mapping = setups.check_names(port, variables)
     tx, noise = port.make_tx(1.0), setups.port_noise(port, setups.uses_dropout(port))
-    step = make_step_fn(port.legacy_model(), setups.legacy_loss(port, on_n), noise, tx, port.ema_rate)
+    model, loss = port.legacy_model(), setups.legacy_loss(port, on_n)
+    step = legacy.make_step_fn(model, loss, noise, tx, port.ema_rate, 'per-device', draw=draw_with_rows(noise))
     pstate = legacy.replicate(legacy.create_state(variables, tx, port.ema_rate), rows.local_devices(n))
     setup = RowsSetup(legacy.make_fused_call(step, jax.devices()[:n]), pstate, on_n, run_devices=config.devices)
     losses, per_call = sides.run_calls(setup, calls, rng, mapping, sides.silent, 'legacy twin')
