@@ -135,7 +135,7 @@ def moments(
         return Moments(
             False, None, worst, f"the pmap side's {slot} is 0 everywhere, the NNX side's is not: no factor relates them"
         )
-    c = float(a_all @ b_all / (a_all @ a_all))
+    c, _ = fit(b_all, a_all)  # one factor through 0, over every element
 
     def fits(a, b, lim, c):
         return np.max(np.abs(b - c * a), initial=0) <= lim * max(1.0, abs(c))
@@ -150,7 +150,7 @@ def moments(
         )
     apart = [k for k in leaves if over[k] > 1]
     lo, hi = _ratios(*(np.concatenate([leaves[k][i] for k in apart]) for i in (0, 1)), max(leaves[k][2] for k in apart))
-    per_leaf = {k: float(a @ b / (a @ a)) if a @ a > 0 else 1.0 for k, (a, b, _) in leaves.items()}
+    per_leaf = {k: fit(b, a)[0] if a @ a > 0 else 1.0 for k, (a, b, _) in leaves.items()}
     if all(fits(a, b, lim, per_leaf[k]) for k, (a, b, lim) in leaves.items()):
         cs = [per_leaf[k] for k, (a, _, _) in leaves.items() if a @ a > 0]
         return Moments(

@@ -22,7 +22,7 @@ the initial state, are not run.
 A twin that cannot run in this process (code pinned to a mesh built from ``jax.devices()``, or a
 count this process does not see) runs in a fresh process that sees its count (``verdict.fresh``);
 a loop port's twin must draw the random numbers the run draws (``draws``). Where no twin measures,
-the fixed screen decides, and the report says why.
+the run is NOT VERIFIED with the twin's own reason (``unmeasured``), unless a MISMATCH needs no floor.
 
 A MISMATCH also says where the sides part on the first step (``locate.attach``: the first module,
 loss, gradient, statistic or optimizer slot that leaves its floor), and so does a MATCH when
