@@ -16,7 +16,7 @@ from flax import nnx
 
 from equivalence.core.port import convert, new_side, states
 from equivalence.core.port.config import RunConfig
-from equivalence.core.port.ports import LoopPort, Port
+from equivalence.core.port.ports import LoopPort, ModelPort, Port
 from equivalence.core.run import adapters, footprint, randomness
 from equivalence.core.run.setups import (
     LegacySetup,
@@ -201,6 +201,20 @@ def loop_new_side(port: LoopPort, config: RunConfig, variables: dict, mesh, fuse
     return fused(port, sharding.place_objects(port.new_state(source), mesh), mesh, config)
 
 
+def model_state(port: ModelPort, variables: dict, mesh, lr_scale: float, strategy: str | None = None) -> tuple:
+    """``(graphdef, state, its shardings on mesh, placement decisions)`` of a model port's NNX side:
+    its model holding linen's variables, placed by ``strategy`` (None: nothing annotated, replicated),
+    its optimizer at ``lr_scale`` times the port's learning rate. The state is not placed yet."""
+    model = port.nnx_model(nnx.Rngs(0))
+    convert.load_linen_variables(model, variables, check_names(port, variables))
+    decisions = []
+    if strategy is not None:
+        decisions = sharding.decide(model, strategy, mesh)
+        sharding.annotate(model, decisions)
+    graphdef, state = sharded.create_state(model, port.make_tx(lr_scale), port.ema_rate)
+    return graphdef, state, sharding.state_shardings(graphdef, state, mesh), decisions
+
+
 def nnx_setup(port: Port, config: RunConfig, variables: dict) -> NnxSetup | NnxGraphSetup | NnxLoopSetup:
     """The NNX side placed by ``config.strategy`` (``nnx_sharded/sharding.py``), in ``config.nnx_form``.
 
@@ -209,12 +223,7 @@ def nnx_setup(port: Port, config: RunConfig, variables: dict) -> NnxSetup | NnxG
     mesh = nnx_mesh(config)
     if isinstance(port, LoopPort):
         return loop_new_side(port, config, variables, mesh)
-    model = port.nnx_model(nnx.Rngs(0))
-    convert.load_linen_variables(model, variables, check_names(port, variables))
-    decisions = sharding.decide(model, config.strategy, mesh)
-    sharding.annotate(model, decisions)
-    graphdef, state = sharded.create_state(model, port.make_tx(1.0 + config.perturb), port.ema_rate)
-    shardings = sharding.state_shardings(graphdef, state, mesh)
+    graphdef, state, shardings, decisions = model_state(port, variables, mesh, 1.0 + config.perturb, config.strategy)
     state = sharding.place_state(state, shardings)
     if config.nnx_form == 'graph':
         update = sharded.make_update_fn(nnx_loss(port, config), port_noise(port, uses_dropout(port)), port.ema_rate,

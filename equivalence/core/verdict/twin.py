@@ -41,9 +41,7 @@ import dataclasses
 
 import jax
 import numpy as np
-from flax import nnx
 
-from equivalence.core.port import convert
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort, Port
 from equivalence.core.run import draws, footprint, setups, sides
@@ -188,11 +186,7 @@ def reordered_setup(port: Port, config: RunConfig, variables: dict, kind: Reorde
     if kind.strategy != config.strategy:  # another placement of the same devices, its default mesh
         config = dataclasses.replace(config, strategy=kind.strategy, mesh=None)
     mesh = sides.nnx_mesh(config)
-    model = port.nnx_model(nnx.Rngs(0))
-    convert.load_linen_variables(model, variables, setups.check_names(port, variables))
-    sharding.annotate(model, sharding.decide(model, config.strategy, mesh))
-    graphdef, state = sharded.create_state(model, port.make_tx(scale), port.ema_rate)
-    shardings = sharding.state_shardings(graphdef, state, mesh)
+    graphdef, state, shardings, _ = sides.model_state(port, variables, mesh, scale, config.strategy)
     rows = kind.rows(config.batch_size, mesh.shape.get(sharding.DATA, 1))
     loss = reordered_loss(setups.nnx_loss(port, config), rows)
     step = sharded.make_step_fn(graphdef, loss, setups.port_noise(port, setups.uses_dropout(port)), port.ema_rate,
@@ -210,11 +204,8 @@ def twin_setup(port: Port, config: RunConfig, variables: dict, n_twin: Kind, lr_
     mesh = sharding.make_mesh(n_twin, devices=jax.local_devices())  # this process's own: no collective
     if isinstance(port, LoopPort):  # the run's own new side, from its NNX model or, without one, linen's variables
         return sides.loop_new_side(port, config, variables, mesh, fused=TwinLoopSetup)
-    model = port.nnx_model(nnx.Rngs(0))
-    convert.load_linen_variables(model, variables, setups.check_names(port, variables))
     scale = 1.0 + config.perturb if lr_scale is None else lr_scale
-    graphdef, state = sharded.create_state(model, port.make_tx(scale), port.ema_rate)
-    shardings = sharding.state_shardings(graphdef, state, mesh)
+    graphdef, state, shardings, _ = sides.model_state(port, variables, mesh, scale)  # a data mesh: nothing annotated
     state = sharding.place_state(state, shardings)
     step = setups.nnx_step(port, graphdef, config)
     fused = sharded.make_fused_call(step, (sharding.replicated(mesh), shardings))
