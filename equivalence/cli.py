@@ -19,6 +19,7 @@ from typing import NoReturn, TypeVar
 from equivalence import devices
 from equivalence.core.port import blame
 from equivalence.core.port.config import ConfigError
+from equivalence.distributed import worker
 
 EXIT_MATCH, EXIT_MISMATCH, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 EXIT_WORKER_DIED = 4  # several processes: a worker died or could not join (equivalence.distributed)
@@ -208,6 +209,10 @@ def main(
         print('interrupted', file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001 -- every unexpected failure becomes exit 3, with its traceback kept
+        lost = worker.peer_lost(e)  # several processes: a peer died under a collective, not our bug
+        if lost is not None:
+            print(lost, file=sys.stderr)
+            return EXIT_WORKER_DIED
         line = blame.runtime_line(e)  # raised in the port's own code: the port's mistake, exit 2
         if line is not None:
             fail(line, blame.whole_text(e) if blame.elided(e) else '')

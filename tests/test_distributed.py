@@ -253,7 +253,11 @@ def test_an_exception_in_one_worker_ends_every_process_with_one_line(tmp_path):
 
 
 def test_on_a_cluster_the_survivors_of_a_dead_worker_end_within_the_heartbeat_timeout(tmp_path):
-    """No launcher: JAX's heartbeat (10 s) ends the other workers; measured ~8 s after a SIGKILL."""
+    """No launcher: the survivor ends within JAX's heartbeat (10 s; measured ~8 s after a SIGKILL),
+    and says a peer is gone. Two things can notice first, and which does depends on where the
+    survivor was when its peer died, not on the machine: JAX's heartbeat (an abort naming the
+    silent peer), or the survivor's own collective failing on the closed connection (then exit 4
+    and one line, ``a peer process left the run``, never the internal error of exit 3)."""
     port = launch.free_port()
     env = clean_env(JAX_NUM_CPU_DEVICES='2')
     procs, logs = [], []
@@ -268,11 +272,41 @@ def test_on_a_cluster_the_survivors_of_a_dead_worker_end_within_the_heartbeat_ti
         t0 = time.monotonic()
         code = procs[0].wait(timeout=BOUND_S)
         assert code != 0 and time.monotonic() - t0 < 30, code  # heartbeat 10 s, with margin for a loaded machine
-        assert 'stopped sending heartbeats' in (tmp_path / 'worker-0.log').read_text()
+        log = (tmp_path / 'worker-0.log').read_text()
+        errors = [line for line in log.splitlines() if line.startswith('error: ')]
+        if 'stopped sending heartbeats' not in log:  # the collective noticed first
+            assert code == launch.EXIT_WORKER_DIED and errors, log[-2000:]
+            assert errors[-1].startswith('error: process 0 of 2: a peer process left the run during a collective')
+        assert 'internal error' not in log and 'full traceback in' not in log, log[-2000:]
     finally:
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_a_collective_that_loses_its_peer_is_a_dead_worker_not_our_bug(monkeypatch, capsys):
+    """The other way a survivor learns its peer died (the test above cannot choose which comes
+    first): its own collective fails on the closed connection. That is exit 4 and one line, not
+    exit 3 with a traceback file; the same error in a single process stays an internal error."""
+    import jax
+
+    from equivalence import cli
+    from equivalence.distributed import worker
+
+    gloo = ('INTERNAL: Error dispatching computation: Gloo all-reduce failed: '
+            '[external/gloo/gloo/transport/tcp/pair.cc:547] Connection closed by peer [127.0.0.1]:5310')  # fmt: skip
+
+    def work(_):
+        raise jax.errors.JaxRuntimeError(gloo)
+
+    monkeypatch.setattr(worker, 'several', lambda: True)
+    assert cli.main(lambda argv: None, work, []) == launch.EXIT_WORKER_DIED
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith('error: process 0 of 1: a peer process left the run during a '
+                                                   'collective (JaxRuntimeError: INTERNAL: '), lines  # fmt: skip
+    monkeypatch.setattr(worker, 'several', lambda: False)
+    assert cli.main(lambda argv: None, work, []) == cli.EXIT_INTERNAL
+    assert 'full traceback in' in capsys.readouterr().err
 
 
 def test_a_worker_that_cannot_reach_the_coordinator_fails_within_its_timeout():

@@ -14,6 +14,7 @@ in a collective waiting for it; leaving lets the others' heartbeat see it gone.
 
 import argparse
 import os
+import re
 import socket
 import sys
 import threading
@@ -172,8 +173,33 @@ def run(args: argparse.Namespace, body: Callable[[], int]) -> int:
     return code
 
 
+# What a collective of this process says when a peer's connection is gone (gloo on CPU, NCCL's
+# remote error on GPU): read as "a worker died", not as an internal error. Which of the two
+# notices a SIGKILLed peer first, this or JAX's heartbeat, depends on where the survivor was.
+PEER_LOST = re.compile(r'Connection closed by peer|Connection reset by peer|Broken pipe|remote process exited|'
+                       r'NCCL_ERROR_REMOTE_ERROR', re.IGNORECASE)  # fmt: skip
+
+
+def peer_lost(e: BaseException) -> str | None:
+    """One line, when ``e`` is a collective failing because a peer process left the run; else None."""
+    if 'jax' not in sys.modules or not several():
+        return None
+    text = str(e)
+    if type(e).__name__ != 'JaxRuntimeError' or not PEER_LOST.search(text):
+        return None
+    import jax
+
+    return (f'error: process {jax.process_index()} of {jax.process_count()}: a peer process left the run '
+            f'during a collective ({_first_line(e)})')  # fmt: skip
+
+
 def _internal(e: BaseException) -> int:
     import jax
+
+    line = peer_lost(e)
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)
+        return EXIT_WORKER
 
     print(f'error: process {jax.process_index()}: internal error: {_first_line(e)}', file=sys.stderr, flush=True)
     return EXIT_INTERNAL
