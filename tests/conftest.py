@@ -8,14 +8,16 @@ from equivalence import devices
 
 devices.simulate_cpu_devices()
 
-# XLA's persistent compilation cache is not turned on here: with it, a pytest worker died once in
-# three whole-suite runs (2026-12-02), a segmentation fault inside XLA while it serialised a pmap
-# executable for the cache (jax/_src/compilation_cache.py put_executable_and_time), which no test
-# alone reproduces. Set JAX_COMPILATION_CACHE_DIR yourself to use one (the commands the tests start
-# inherit it).
+# XLA's persistent compilation cache is not turned on here (a segmentation fault inside its
+# serialisation once, and entries some CPUs reject: shared_programs.py). Instead the tests of one
+# pytest worker share the programs they compile, in memory. Set JAX_COMPILATION_CACHE_DIR yourself
+# to use the persistent cache too (the commands the tests start inherit it).
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+import shared_programs  # noqa: E402
+
+shared_programs.install()
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
