@@ -321,7 +321,7 @@ class StepLegacySetup(setups.LegacySetup):
 
 def legacy_setup(port: LoopPort, config: RunConfig, variables: dict) -> StepLegacySetup:
     devices, local = jax.devices()[: config.devices], rows.local_devices(config.devices)
-    pstate = legacy.replicate(port.legacy_state(variables), local)
+    pstate = legacy.replicate(port.legacy_state(variables), local, port.axis_name)
     context = lambda: randomness.bridged(config.rng_mode, port.axis_name)  # noqa: E731
     groups = port.legacy_groups or states.legacy_groups
     return StepLegacySetup(legacy_program(port, devices), pstate, config, groups, context, port)

@@ -169,7 +169,7 @@ def legacy_setup(port: Port, config: RunConfig, variables: dict) -> LegacySetup:
     if isinstance(port, LoopPort) and adapters.adapted(port):
         return adapters.legacy_setup(port, config, variables)
     if isinstance(port, LoopPort):
-        pstate = legacy.replicate(port.legacy_state(variables), local)
+        pstate = legacy.replicate(port.legacy_state(variables), local, port.axis_name)
         call = legacy.make_fused_call(adapters.legacy_step(port), devices, port.axis_name)
         context = functools.partial(randomness.bridged, config.rng_mode, port.axis_name)
         return LegacySetup(call, pstate, config, port.legacy_groups or states.legacy_groups, context)
