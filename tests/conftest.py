@@ -1,6 +1,5 @@
 """Simulated CPU devices are requested here, before any test module imports JAX."""
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -63,17 +62,3 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, expected: str) -> N
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith('error: ') and expected in lines[0], proc.stderr
-
-
-@contextlib.contextmanager
-def own_modules(folder: str):
-    """The folder's modules (``my_port``, ``legacy_code``, ...) imported afresh from it, and the ones
-    another example folder imported under the same names put back after."""
-    names = [f[:-3] for f in os.listdir(folder) if f.endswith('.py')]
-    saved = {name: sys.modules.pop(name) for name in names if name in sys.modules}
-    try:
-        yield
-    finally:
-        for name in names:
-            sys.modules.pop(name, None)
-        sys.modules.update(saved)
