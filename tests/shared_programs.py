@@ -70,7 +70,10 @@ _compile = compiler.compile_or_get_cached
 def compile_or_reuse(backend, computation, devices, compile_options, host_callbacks, executable_devices, *rest):
     if host_callbacks or len({d.process_index for d in devices.flat}) > 1:
         return _compile(backend, computation, devices, compile_options, host_callbacks, executable_devices, *rest)
-    key = compilation_cache.get_cache_key(computation, devices, compile_options, backend)
+    try:
+        key = compilation_cache.get_cache_key(computation, devices, compile_options, backend)
+    except Exception:  # noqa: BLE001 -- JAX's own compile does the same: no key, no cache, compile
+        return _compile(backend, computation, devices, compile_options, host_callbacks, executable_devices, *rest)
     executable = PROGRAMS.get(key)
     STATS['hit' if executable is not None else 'miss'] += 1
     if executable is None:
