@@ -244,7 +244,7 @@ def dispatch(module: str, inputs: Callable, work: Callable, argv: list[str] | No
     ``--processes N`` workers, which checks every flag against the whole run before starting them.
     ``inputs(argv, n_available)`` and ``work(validated)`` are the command's (``main``); the
     runtime is ``equivalence.distributed``."""
-    from equivalence.distributed import launch, worker
+    from equivalence.distributed import launch
 
     args = _process_flags(argv)
     if args.processes != 1:
@@ -263,8 +263,6 @@ class _Quiet(argparse.ArgumentParser):
 
 def _process_flags(argv: list[str] | None) -> argparse.Namespace:
     """The process flags alone (the command's own parser checks everything, in ``inputs``)."""
-    from equivalence.distributed import worker
-
     parser = _Quiet(add_help=False)
     worker.add_flags(parser)
     parser.add_argument('--devices', type=int, default=None)

@@ -174,8 +174,9 @@ def run(args: argparse.Namespace, body: Callable[[], int]) -> int:
 
 
 # What a collective of this process says when a peer's connection is gone (gloo on CPU, NCCL's
-# remote error on GPU): read as "a worker died", not as an internal error. Which of the two
-# notices a SIGKILLed peer first, this or JAX's heartbeat, depends on where the survivor was.
+# remote error on GPU): read by ``cli.main`` (which every worker's command runs in) as "a worker
+# died", exit 4, not as an internal error. Which notices a SIGKILLed peer first, this or JAX's
+# heartbeat, depends on where the survivor was.
 PEER_LOST = re.compile(r'Connection closed by peer|Connection reset by peer|Broken pipe|remote process exited|'
                        r'NCCL_ERROR_REMOTE_ERROR', re.IGNORECASE)  # fmt: skip
 
@@ -184,8 +185,7 @@ def peer_lost(e: BaseException) -> str | None:
     """One line, when ``e`` is a collective failing because a peer process left the run; else None."""
     if 'jax' not in sys.modules or not several():
         return None
-    text = str(e)
-    if type(e).__name__ != 'JaxRuntimeError' or not PEER_LOST.search(text):
+    if type(e).__name__ != 'JaxRuntimeError' or not PEER_LOST.search(str(e)):
         return None
     import jax
 
@@ -195,11 +195,6 @@ def peer_lost(e: BaseException) -> str | None:
 
 def _internal(e: BaseException) -> int:
     import jax
-
-    line = peer_lost(e)
-    if line is not None:
-        print(line, file=sys.stderr, flush=True)
-        return EXIT_WORKER
 
     print(f'error: process {jax.process_index()}: internal error: {_first_line(e)}', file=sys.stderr, flush=True)
     return EXIT_INTERNAL
