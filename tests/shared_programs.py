@@ -33,7 +33,6 @@ import contextlib
 from jax._src import compilation_cache, compiler, util
 
 LIMIT = 256  # executables; ~100 memory maps each (devices.py), well under half the kernel's 65,530
-STATS = collections.Counter()
 
 
 class Programs:
@@ -41,9 +40,11 @@ class Programs:
 
     def __init__(self) -> None:
         self.held: collections.OrderedDict = collections.OrderedDict()
+        self.counts = collections.Counter()  # 'hit', 'miss'
 
     def get(self, key):
         executable = self.held.get(key)
+        self.counts['miss' if executable is None else 'hit'] += 1
         if executable is not None:
             self.held.move_to_end(key)
         return executable
@@ -57,7 +58,7 @@ class Programs:
         self.held.clear()
 
     def cache_info(self) -> str:
-        return f'{len(self.held)} programs, {STATS["hit"]} hits, {STATS["miss"]} misses'
+        return f'{len(self.held)} programs, {self.counts["hit"]} hits, {self.counts["miss"]} misses'
 
     def cache_keys(self) -> list:
         return list(self.held)
@@ -67,18 +68,23 @@ PROGRAMS = Programs()
 _compile = compiler.compile_or_get_cached
 
 
-def compile_or_reuse(backend, computation, devices, compile_options, host_callbacks, executable_devices, *rest):
+def _key(backend, computation, devices, compile_options, host_callbacks) -> str | None:
+    """JAX's persistent-cache key of the program, or None where it is not to be shared."""
     if host_callbacks or len({d.process_index for d in devices.flat}) > 1:
-        return _compile(backend, computation, devices, compile_options, host_callbacks, executable_devices, *rest)
+        return None
     try:
-        key = compilation_cache.get_cache_key(computation, devices, compile_options, backend)
+        return compilation_cache.get_cache_key(computation, devices, compile_options, backend)
     except Exception:  # noqa: BLE001 -- JAX's own compile does the same: no key, no cache, compile
-        return _compile(backend, computation, devices, compile_options, host_callbacks, executable_devices, *rest)
-    executable = PROGRAMS.get(key)
-    STATS['hit' if executable is not None else 'miss'] += 1
+        return None
+
+
+def compile_or_reuse(backend, computation, devices, compile_options, host_callbacks, *rest):
+    key = _key(backend, computation, devices, compile_options, host_callbacks)
+    executable = None if key is None else PROGRAMS.get(key)
     if executable is None:
-        executable = _compile(backend, computation, devices, compile_options, host_callbacks, executable_devices, *rest)
-        PROGRAMS.put(key, executable)
+        executable = _compile(backend, computation, devices, compile_options, host_callbacks, *rest)
+        if key is not None:
+            PROGRAMS.put(key, executable)
     return executable
 
 
