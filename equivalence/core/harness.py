@@ -50,9 +50,9 @@ def run(port: Port, config: RunConfig, progress: Progress | None = None, diagnos
     result = judged(port, config, old, new, variables, calls, rng, tree, diagnose)
     if adapters.adapted(port):
         result.programs = adapters.programs(port)
-    result.notes += notes + hints.masked_loss(
-        config.devices, calls[0], result.report, lambda: _matches_on_one(port, config)
-    )
+    result.notes += notes
+    if diagnose:  # the hint runs both sides again on 1 device: part of a MISMATCH's diagnosis
+        result.notes += hints.masked_loss(config.devices, calls[0], result.report, lambda: _matches_on_one(port, config))
     return result
 
 
@@ -66,12 +66,15 @@ def _matches_on_one(port: Port, config: RunConfig) -> bool:
         return False
 
 
-def check(port: Port, **flags) -> RunResult:
+def check(port: Port, diagnose: bool = True, **flags) -> RunResult:
     """Run both paths of ``port`` on this process's devices and compare them: the library form
     of ``python -m equivalence.run``. ``flags`` are ``RunConfig`` fields (``devices`` defaults
-    to every device JAX sees, ``batch_size`` to the port's); bad values raise ``ConfigError``."""
+    to every device JAX sees, ``batch_size`` to the port's); bad values raise ``ConfigError``.
+    ``diagnose=False``: a MISMATCH is the verdict and its leaves only, with no diagnosis, location or
+    hint, each of which runs both sides' first steps again (about half a MISMATCH's time): for a
+    test that expects a slip to fail."""
     flags.setdefault('devices', len(jax.devices()))
     flags.setdefault('batch_size', port.default_batch)
     flags.setdefault('rng_mode', port.rng_modes[0])
     config = RunConfig(workload=port.name, available=len(jax.devices()), **flags)
-    return run(port, config)
+    return run(port, config, diagnose=diagnose)

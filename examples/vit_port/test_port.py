@@ -24,7 +24,7 @@ def test_a_slip_in_one_encoder_block_is_caught():
     the parameters move by less than a bfloat16 step of their change, the per-step losses (float32)
     catch it. Not in the first step: the zero-initialised head makes every logit 0 whatever the encoder
     computes; nor in 4 steps, where the encoder has barely trained."""
-    result = check(my_port.LOOP_GELU_SLIP, devices=2, steps_per_call=5, calls=4)
+    result = check(my_port.LOOP_GELU_SLIP, devices=2, steps_per_call=5, calls=4, diagnose=False)
     assert not result.report.match and not result.report.unverified
     assert [leaf.name for leaf in result.report.leaves if not leaf.ok] == ['losses/per_step']
 
