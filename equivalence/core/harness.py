@@ -52,7 +52,8 @@ def run(port: Port, config: RunConfig, progress: Progress | None = None, diagnos
         result.programs = adapters.programs(port)
     result.notes += notes
     if diagnose:  # the hint runs both sides again on 1 device: part of a MISMATCH's diagnosis
-        result.notes += hints.masked_loss(config.devices, calls[0], result.report, lambda: _matches_on_one(port, config))
+        on_one = lambda: _matches_on_one(port, config)  # noqa: E731
+        result.notes += hints.masked_loss(config.devices, calls[0], result.report, on_one)
     return result
 
 
