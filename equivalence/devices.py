@@ -28,6 +28,14 @@ def default_count() -> int:
     return int(os.environ.get('JAX_NUM_CPU_DEVICES') or (flag and flag.group(1)) or SIMULATED_CPU_DEVICES)
 
 
+def without_device_count(environ: dict[str, str]) -> dict[str, str]:
+    """``environ`` less its CPU device count (``JAX_NUM_CPU_DEVICES`` and XLA's flag for it), other
+    XLA flags kept: the environment of a process that chooses its own count."""
+    env = {k: v for k, v in environ.items() if k != 'JAX_NUM_CPU_DEVICES'}
+    flags = [f for f in env.pop('XLA_FLAGS', '').split() if 'xla_force_host_platform_device_count' not in f]
+    return {**env, 'XLA_FLAGS': ' '.join(flags)} if flags else env
+
+
 def simulate_cpu_devices(n: int = SIMULATED_CPU_DEVICES) -> None:
     """Ask for ``n`` CPU devices unless the user or the program chose a count. Harmless where
     a GPU exists: JAX's default backend is then the GPU and this only shapes the CPU backend."""

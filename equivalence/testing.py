@@ -105,8 +105,9 @@ def assert_port_matches_across_processes(
 
 
 def _worker_env(module) -> dict[str, str]:
-    """This environment, less the device count (the launcher sets D/N per worker), with the port's
-    root folder and this suite's first on ``PYTHONPATH``: the workers import what this test imported."""
+    """This environment, less the device count (the launcher sets D/N per worker; other XLA flags are
+    kept), with the port's root folder and this suite's first on ``PYTHONPATH``: the workers import
+    what this test imported."""
     import equivalence
 
     depth = module.__name__.count('.') + 1
@@ -114,6 +115,6 @@ def _worker_env(module) -> dict[str, str]:
     for _ in range(depth):
         root = os.path.dirname(root)
     suite = os.path.dirname(os.path.dirname(os.path.abspath(equivalence.__file__)))
-    env = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS')}
+    env = _devices.without_device_count(dict(os.environ))
     env['PYTHONPATH'] = os.pathsep.join(p for p in (root, suite, env.get('PYTHONPATH')) if p)
     return env

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from conftest import ROOT, assert_one_line_error, require_devices, run_module
 
+from equivalence import devices
 from equivalence.checkpoint import migrate
 from equivalence.core import harness
 from equivalence.core.port import workloads
@@ -40,8 +41,7 @@ def one_process(workload: str, devices: int, **flags) -> dict:
 
 def clean_env(**extra: str) -> dict[str, str]:
     """A fresh shell's environment: no device count inherited from this test process."""
-    environ = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS')}
-    return {**environ, **extra}
+    return {**devices.without_device_count(dict(os.environ)), **extra}
 
 
 def start(module: str, *args: str, cwd: str = ROOT, env: dict | None = None) -> subprocess.Popen:

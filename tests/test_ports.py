@@ -19,6 +19,7 @@ from equivalence.core import harness
 from equivalence.core.port import naming, workloads
 from equivalence.core.port.naming import PortError
 from equivalence.core.run import randomness
+from equivalence.devices import without_device_count
 
 EXAMPLE = os.path.join(ROOT, 'examples', 'mlp_port')
 sys.path.insert(0, EXAMPLE)
@@ -102,7 +103,7 @@ def test_from_a_fresh_directory_the_loop_matches_a_slip_exits_1_naming_the_leave
     (tmp_path / 'unnamed.py').write_text(
         'import dataclasses, my_port\nPORT = dataclasses.replace(my_port.MODEL, names=None)\n'
     )
-    environ = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS', 'PYTHONPATH')}
+    environ = {k: v for k, v in without_device_count(dict(os.environ)).items() if k != 'PYTHONPATH'}
 
     def cli(workload: str) -> subprocess.CompletedProcess:
         args = ['--workload', workload, '--steps-per-call', '2', '--calls', '2']
@@ -180,7 +181,7 @@ def test_api_from_a_program_that_already_chose_its_devices():
         'print(r.config.devices, r.report.match)\n'
         'print("exit", run.main(["--workload", "my_port:MODEL", "--steps-per-call", "1", "--calls", "1"]))\n'
     )
-    environ = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS')}
+    environ = without_device_count(dict(os.environ))
     proc = subprocess.run(
         [sys.executable, '-c', code, EXAMPLE], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=300
     )
