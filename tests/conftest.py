@@ -73,19 +73,29 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, expected: str) -> N
     assert len(lines) == 1 and lines[0].startswith('error: ') and expected in lines[0], proc.stderr
 
 
-# Two workers (pyproject's addopts, ``--dist loadgroup``). The tests of one file share what they build
-# (module fixtures, the programs they compile), so a file goes to one worker whole, except where each
-# test starts processes of its own: those go one by one, wherever a worker is free. The longest files
-# are handed out first, so that no worker is left with one at the end.
+# Two workers (pyproject's addopts). The tests of one file share what they build (module fixtures,
+# the programs they compile), so a file goes to one worker whole, except where each test starts
+# processes of its own: those go one by one, wherever a worker is free. The longest files are handed
+# out first (``--no-loadscope-reorder`` keeps this order), so that no worker is left with one at the
+# end. (Not ``--dist loadgroup``: pytest-xdist 3.8 renames a test's nodeid to group it, which pytest 9
+# no longer reads, so its groups are ignored and module fixtures are built on both workers.)
 EACH_TEST_ALONE = ('test_real_examples.py', 'test_distributed.py')
-LONGEST_FIRST = ('test_real_examples.py', 'test_distributed.py', 'test_strategies.py', 'test_ports.py',
-                 'test_equivalence.py', 'test_locate.py', 'test_verdict.py', 'test_corpus.py')  # fmt: skip
+LONGEST_FIRST = ('test_real_examples.py', 'test_distributed.py', 'test_strategies.py', 'test_corpus.py',
+                 'test_equivalence.py', 'test_ports.py', 'test_checkpoint.py', 'test_verdict.py')  # fmt: skip
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
-    for item in items:
-        if item.path.name not in EACH_TEST_ALONE:
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileOrTest(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split('::', 1)[0]
+            return nodeid if os.path.basename(file) in EACH_TEST_ALONE else file
+
+    return FileOrTest(config, log)
