@@ -35,8 +35,8 @@ def create_state(variables: dict, tx: optax.GradientTransformation, ema_rate: fl
     """The single-device train state, before replication."""
     params = variables['params']
     model_state = {k: v for k, v in variables.items() if k != 'params'}
-    ema = jax.tree.map(jnp.copy, params) if ema_rate is not None else None
-    zero = jnp.zeros((), jnp.int32)
+    ema = jax.tree.map(np.array, params) if ema_rate is not None else None  # host copies: nothing to compile
+    zero = np.zeros((), np.int32)
     return TrainState(step=zero, params=params, opt_state=tx.init(params), model_state=model_state, params_ema=ema)
 
 
@@ -144,10 +144,20 @@ def replicate(state: TrainState, devices, axis_name: str = AXIS) -> TrainState:
     (measured: every legacy run compiled its step twice, 3.2 s of a Transformer check's 26 s). Same
     values on the same devices; only the name changes. With several processes the pmap spans
     every process's devices, and the state stays as flax places it."""
-    replicated = flax.jax_utils.replicate(state, devices)
     if jax.process_count() > 1:
-        return replicated
-    return jax.device_put(replicated, NamedSharding(Mesh(np.asarray(devices), (axis_name,)), P(axis_name)))
+        return flax.jax_utils.replicate(state, devices)
+    placed = NamedSharding(Mesh(np.asarray(devices), (axis_name,)), P(axis_name))
+    return jax.tree.map(lambda x: _copies(x, len(devices), placed, devices), state)
+
+
+def _copies(x, n: int, placed: NamedSharding, devices) -> jax.Array:
+    """``n`` copies of ``x`` stacked and placed one per device, sent from the host: flax's stacking on
+    device compiles two small programs per leaf shape (seconds in a fresh process), this none."""
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.device_put(flax.jax_utils.replicate(x, devices), placed)  # a typed key has no host form
+    host = np.asarray(x)
+    host = host.astype(jax.dtypes.canonicalize_dtype(host.dtype), copy=False)  # a Python int: int32, as JAX has it
+    return jax.device_put(np.broadcast_to(host[None], (n, *host.shape)), placed)
 
 
 def unreplicate(tree):
@@ -161,6 +171,15 @@ def unreplicate(tree):
     return jax.tree.map(_replica0, tree)
 
 
+def unreplicate_to_host(tree):
+    """Replica 0 of every leaf as a host array (``unreplicate`` then ``np.asarray``), with no program
+    compiled for it: indexing a shard on device compiles one per leaf shape."""
+    return jax.tree.map(lambda x: np.asarray(_shard0(x))[0], tree)
+
+
+def _shard0(x: jax.Array) -> jax.Array:
+    return next(s for s in x.addressable_shards if s.index[0].start in (0, None)).data
+
+
 def _replica0(x: jax.Array) -> jax.Array:
-    shard = next(s for s in x.addressable_shards if s.index[0].start in (0, None))
-    return shard.data[0]
+    return _shard0(x)[0]

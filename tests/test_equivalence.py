@@ -1,8 +1,11 @@
 """Both paths train the same model: parameters, optimizer state, EMA and losses match."""
 
 import functools
+import logging
 
+import flax
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import require_devices
@@ -12,6 +15,7 @@ from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.run import sides
 from equivalence.core.verdict import compare, judge
+from legacy_pmap import train as legacy
 
 WORKLOADS = list(workloads.WORKLOADS)
 FAST = [name for name in WORKLOADS if name != 'cnn']  # cnn has its own tests: test_stateful.py
@@ -113,3 +117,25 @@ def test_same_seed_gives_bitwise_identical_results(name):
 def test_another_seed_gives_other_numbers():
     other = run('mlp', devices=2, steps_per_call=5, seed=1, verdict='screen').legacy.losses
     assert not np.array_equal(run('mlp', devices=2, steps_per_call=5, verdict='screen').legacy.losses, other)
+
+
+def test_placing_a_legacy_state_and_reading_it_back_compiles_nothing(caplog):
+    """``legacy_pmap.train.replicate`` and ``unreplicate_to_host`` send and read host arrays: flax's
+    stacking on device and a shard's indexing compile programs per leaf shape (seconds of every check
+    in a fresh process). Shapes no other test uses, so that nothing is cached already; the negative
+    control is flax's own ``replicate`` on the same shapes, which does compile."""
+    require_devices(4)
+    params = {'w': jnp.asarray(np.arange(21, dtype=np.float32).reshape(3, 7)), 'b': jnp.ones(7)}  # on device
+    state = legacy.TrainState(np.int32(3), params, {'mu': params}, {}, params)
+    devices = jax.devices()[:4]
+    with jax.log_compiles(), caplog.at_level(logging.WARNING):
+        pstate = legacy.replicate(state, devices)
+        back = legacy.unreplicate_to_host(pstate)
+    assert not [r.getMessage() for r in caplog.records if r.getMessage().startswith('Compiling')]
+    assert pstate.params['w'].shape == (4, 3, 7)
+    assert pstate.params['w'].sharding.spec == jax.sharding.PartitionSpec(legacy.AXIS)
+    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(state), strict=True):
+        np.testing.assert_array_equal(got, want)
+    with jax.log_compiles(), caplog.at_level(logging.WARNING):
+        flax.jax_utils.replicate(state, devices)
+    assert [r for r in caplog.records if r.getMessage().startswith('Compiling')], 'the control compiled nothing'

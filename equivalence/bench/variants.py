@@ -113,7 +113,7 @@ def legacy_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: st
             return fresh.p_train_step.lower((keys_D, fresh.pstate), batch_DxK)
 
     def to_host(loss_DxK: jax.Array) -> np.ndarray:
-        return np.asarray(legacy.unreplicate(loss_DxK))  # replica 0's shard: no compiled gather
+        return legacy.unreplicate_to_host(loss_DxK)  # replica 0's shard: no compiled gather
 
     return Variant(name, label, k, place, call, fresh_lowered, to_host)
 

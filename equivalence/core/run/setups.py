@@ -185,10 +185,10 @@ class LegacySetup:
         """One compiled call; keeps the new state, returns the K losses (blocks: one call in flight)."""
         with self.context():
             (_, self.pstate), loss_DxK = self.p_train_step(*args)
-        return np.asarray(legacy.unreplicate(loss_DxK))
+        return legacy.unreplicate_to_host(loss_DxK)
 
     def neutral(self) -> convert.Neutral:
-        return convert.groups_to_neutral(self.groups(legacy.unreplicate(self.pstate)))
+        return convert.groups_to_neutral(self.groups(legacy.unreplicate_to_host(self.pstate)))
 
 
 def placed_inputs(setup, rng, batch_KxG) -> tuple[jax.Array, tuple]:

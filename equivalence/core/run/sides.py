@@ -86,9 +86,9 @@ def run_legacy(port: Port, config: RunConfig, variables: dict, calls: list, rng,
     result.metrics, result.notes = loop_metrics(setup), [*getattr(setup, 'notes', [])]
     result.left_out = set(getattr(setup, 'uneven', ()))
     if isinstance(port, LoopPort):
-        result.notes += states.legacy_not_compared(legacy.unreplicate(setup.pstate))
+        result.notes += states.legacy_not_compared(legacy.unreplicate_to_host(setup.pstate))
     if getattr(port, 'eval_data', None) is not None:
-        state, data = legacy.unreplicate(setup.pstate), port.eval_data()
+        state, data = legacy.unreplicate_to_host(setup.pstate), port.eval_data()
         logits = port.legacy_predict(port.legacy_model(), state.params, state.model_state, data['x'])
         result.eval_accuracy = accuracy(logits, data['y'])
     return result
@@ -187,9 +187,31 @@ def new_source(port: LoopPort, variables: dict) -> Any:
     without an NNX model, linen's variables (``new_side``)."""
     if port.nnx_model is None:
         return variables
+    return model_holding(port, variables)
+
+
+def model_holding(port: Port, variables: dict) -> nnx.Module:
+    """The port's NNX model holding linen's variables. Built abstractly first (``nnx.eval_shape``: no
+    initializer runs, so none is compiled, about a second of a fresh process's check) and filled with
+    linen's arrays. A model that holds what linen does not give (a Dropout's random stream, an array
+    of its own), or that cannot be built abstractly, is built for real, as before."""
+    mapping = check_names(port, variables)
+    try:
+        model = nnx.eval_shape(lambda: port.nnx_model(nnx.Rngs(0)))
+        convert.load_linen_variables(model, variables, mapping)
+        if not any(_abstract(value) for _, value in nnx.iter_graph(model)):
+            return model
+    except Exception:  # noqa: BLE001 -- built for real below, where the port's own error is raised
+        pass
     model = port.nnx_model(nnx.Rngs(0))
-    convert.load_linen_variables(model, variables, check_names(port, variables))
+    convert.load_linen_variables(model, variables, mapping)
     return model
+
+
+def _abstract(value) -> bool:
+    if isinstance(value, nnx.Variable):
+        value = value.get_value()
+    return isinstance(value, jax.ShapeDtypeStruct | jax.core.Tracer)
 
 
 def loop_new_side(port: LoopPort, config: RunConfig, variables: dict, mesh, fused=NnxLoopSetup) -> Any:
@@ -205,8 +227,7 @@ def model_state(port: ModelPort, variables: dict, mesh, lr_scale: float, strateg
     """``(graphdef, state, its shardings on mesh, placement decisions)`` of a model port's NNX side:
     its model holding linen's variables, placed by ``strategy`` (None: nothing annotated, replicated),
     its optimizer at ``lr_scale`` times the port's learning rate. The state is not placed yet."""
-    model = port.nnx_model(nnx.Rngs(0))
-    convert.load_linen_variables(model, variables, check_names(port, variables))
+    model = model_holding(port, variables)
     decisions = []
     if strategy is not None:
         decisions = sharding.decide(model, strategy, mesh)

@@ -66,8 +66,8 @@ def legacy_first_step(port: ModelPort, config: RunConfig, variables: dict, batch
     _, keys_D = legacy.next_call_keys(rng, config.devices, mode)
     batch = jax.tree.map(lambda v: legacy.shard_batch(v, config.devices), first_batch(batch_KxG))
     value, grads, params = jax.pmap(step, axis_name=legacy.AXIS, devices=devices)(keys_D, pstate, batch)
-    named = lambda tree: convert.rename({'p': convert.flatten(legacy.unreplicate(tree))}, mapping)['p']  # noqa: E731
-    return FirstStep(float(value[0]), named(grads), named(params))
+    named = lambda tree: convert.rename({'p': convert.flatten(legacy.unreplicate_to_host(tree))}, mapping)['p']  # noqa: E731
+    return FirstStep(float(legacy.unreplicate_to_host(value)), named(grads), named(params))
 
 
 def nnx_first_step(setup: setups.NnxSetup, port: ModelPort, batch_KxG, rng) -> FirstStep:
