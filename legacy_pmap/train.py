@@ -35,9 +35,15 @@ def create_state(variables: dict, tx: optax.GradientTransformation, ema_rate: fl
     """The single-device train state, before replication."""
     params = variables['params']
     model_state = {k: v for k, v in variables.items() if k != 'params'}
-    ema = jax.tree.map(np.array, params) if ema_rate is not None else None  # host copies: nothing to compile
+    ema = jax.tree.map(_copy, params) if ema_rate is not None else None
     zero = np.zeros((), np.int32)
     return TrainState(step=zero, params=params, opt_state=tx.init(params), model_state=model_state, params_ema=ema)
+
+
+def _copy(x):
+    """A copy made on the host, which compiles nothing (``jnp.copy`` compiles one program per shape);
+    a traced array (the pre-flight traces this) is copied as JAX does."""
+    return jnp.copy(x) if isinstance(x, jax.core.Tracer) else np.array(x)
 
 
 def batch_spec(batch, n: int):
