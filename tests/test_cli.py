@@ -50,11 +50,7 @@ def test_perturbed_learning_rate_exits_1(tmp_path):
     [
         (['--batch-size', '100'], 'use --batch-size 96 or 104, or --devices in [1, 2, 4, 5]'),
         (['--devices', '16'], 'JAX_NUM_CPU_DEVICES=16'),
-        (['--steps-per-call', '0'], '--steps-per-call must be at least 1'),
-        (['--calls', '0'], '--calls must be at least 1'),
         (['--workload', 'resnet'], "unknown workload 'resnet'"),
-        (['--rng', 'sometimes'], '--rng must be one of'),
-        (['--verdict', 'loose'], '--verdict must be one of measured, strict, screen'),
         (['--devices', 'many'], "invalid int value: 'many'"),
     ],
 )
@@ -94,6 +90,9 @@ ISSUE_TABLE = [
     (['--seed', '-1'], '--seed must be in 0 .. 4294967295'),
     (['--seed', '99999999999999999999'], '--seed must be in 0 .. 4294967295'),
     (['--devices', '9'], 'more devices than the 8 available'),
+    (['--steps-per-call', '0'], '--steps-per-call must be at least 1'),  # these four were run as processes too
+    (['--calls', '0'], '--calls must be at least 1'),  # (test_bad_input_exits_2_with_one_line keeps four that
+    (['--rng', 'sometimes'], '--rng must be one of'),  # are: argparse's, JAX's device count, a workload, a batch)
 ]
 
 
@@ -104,6 +103,12 @@ def test_issue_table_rows_exit_2_with_one_line(command, args, expected, capsys):
         validate(command, args)
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count('\n') == 1 and err.startswith('error: ') and expected in err, err
+
+
+def test_an_unknown_verdict_mode_exits_2_with_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        validate('run', ['--verdict', 'loose'])
+    assert exit_.value.code == 2 and '--verdict must be one of measured, strict, screen' in capsys.readouterr().err
 
 
 @pytest.mark.parametrize('value', ['nan', 'inf', '-inf', '-1', '1e4'])

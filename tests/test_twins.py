@@ -143,7 +143,10 @@ def test_with_no_floor_the_diagnosis_says_why_no_twin_measured_one():
 @pytest.fixture(scope='module')
 def pinned():
     require_devices(8)
-    return {p.name: harness.check(p, devices=len(jax.devices()), **QUICK) for p in (pinned_port.PORT, pinned_port.SLIP)}
+    return {
+        p.name: harness.check(p, devices=len(jax.devices()), locate=False, **QUICK)
+        for p in (pinned_port.PORT, pinned_port.SLIP)
+    }
 
 
 def test_a_new_side_pinned_to_its_own_mesh_gets_its_floor_from_a_fresh_process(pinned):

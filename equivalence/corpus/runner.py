@@ -110,7 +110,10 @@ def run_case(entry: Entry, devices: int, seed: int, **overrides) -> Case:
 
     start = time.perf_counter()
     try:
-        result = equivalence.check(entry.port, devices=devices, seed=seed, **{**entry.flags, **overrides})
+        # the corpus judges the verdict and its kind, not the location: no locating run (RunConfig.locate)
+        result = equivalence.check(
+            entry.port, devices=devices, seed=seed, **{'locate': False, **entry.flags, **overrides}
+        )
         verdict = 'MATCH' if result.report.match else ('NOT VERIFIED' if result.report.unverified else 'MISMATCH')
         kind, detail = diagnosis_kind(result), worst_leaf(result.report)
         judged = getattr(result, 'verdict', None)
