@@ -79,6 +79,7 @@ class ModelFacts:
     spec: Any  # naming.nnx_spec of it
     batch_stats: bool  # it holds nnx.BatchStat
     dropout: bool  # it holds Dropout or attention layers
+    own_state: bool  # it holds what linen's variables cannot give: a random stream, an array not in a Variable
 
 
 _FACTS: dict[int, tuple[weakref.ref, ModelFacts | None]] = {}
@@ -98,6 +99,7 @@ def model_facts(port: Port) -> ModelFacts | None:
             naming.nnx_spec(abstract),
             any(isinstance(node, nnx.BatchStat) for node in nodes),
             any(isinstance(node, nnx.Dropout | nnx.MultiHeadAttention) for node in nodes),
+            any(isinstance(node, nnx.RngState | jax.core.Tracer | jax.ShapeDtypeStruct) for node in nodes),
         )
     key = id(port)
     _FACTS[key] = (weakref.ref(port, lambda _, key=key: _FACTS.pop(key, None)), facts)

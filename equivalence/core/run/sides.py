@@ -25,6 +25,7 @@ from equivalence.core.run.setups import (
     NnxSetup,
     check_names,
     legacy_loss,
+    model_facts,
     nnx_loss,
     nnx_mesh,
     nnx_step,
@@ -197,10 +198,11 @@ def model_holding(port: Port, variables: dict) -> nnx.Module:
     of its own), or that cannot be built abstractly, is built for real, as before."""
     mapping = check_names(port, variables)
     try:
-        model = nnx.eval_shape(lambda: port.nnx_model(nnx.Rngs(0)))
-        convert.load_linen_variables(model, variables, mapping)
-        if not any(_abstract(value) for _, value in nnx.iter_graph(model)):
-            return model
+        if not model_facts(port).own_state:  # else an abstract model is built only to be thrown away
+            model = nnx.eval_shape(lambda: port.nnx_model(nnx.Rngs(0)))
+            convert.load_linen_variables(model, variables, mapping)
+            if not any(_abstract(value) for _, value in nnx.iter_graph(model)):
+                return model
     except Exception:  # noqa: BLE001 -- built for real below, where the port's own error is raised
         pass
     model = port.nnx_model(nnx.Rngs(0))
