@@ -153,17 +153,17 @@ def replicate(state: TrainState, devices, axis_name: str = AXIS) -> TrainState:
     if jax.process_count() > 1:
         return flax.jax_utils.replicate(state, devices)
     placed = NamedSharding(Mesh(np.asarray(devices), (axis_name,)), P(axis_name))
-    return jax.tree.map(lambda x: _copies(x, len(devices), placed, devices), state)
+    return jax.tree.map(lambda x: _copies(x, devices, placed), state)
 
 
-def _copies(x, n: int, placed: NamedSharding, devices) -> jax.Array:
-    """``n`` copies of ``x`` stacked and placed one per device, sent from the host: flax's stacking on
-    device compiles two small programs per leaf shape (seconds in a fresh process), this none."""
+def _copies(x, devices, placed: NamedSharding) -> jax.Array:
+    """Copies of ``x`` stacked and placed one per device of ``devices``, sent from the host: flax's
+    stacking on device compiles two small programs per leaf shape (seconds in a fresh process), this none."""
     if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
         return jax.device_put(flax.jax_utils.replicate(x, devices), placed)  # a typed key has no host form
     host = np.asarray(x)
     host = host.astype(jax.dtypes.canonicalize_dtype(host.dtype), copy=False)  # a Python int: int32, as JAX has it
-    return jax.device_put(np.broadcast_to(host[None], (n, *host.shape)), placed)
+    return jax.device_put(np.broadcast_to(host[None], (len(devices), *host.shape)), placed)
 
 
 def unreplicate(tree):
