@@ -243,6 +243,32 @@ def test_a_b1_change_parts_the_first_moments_by_one_factor_and_stays_the_optimiz
     agree(loc)
 
 
+WARMUP = dataclasses.replace(
+    SMOOTHING,
+    name='warmup',
+    nnx_loss=lambda model, batch, noise: smoothed(model(batch['x']), batch['y'], 0.1),  # as linen's
+    make_tx=lambda lr_scale=1.0: optax.adam(optax.linear_schedule(0.0, 1e-3 * lr_scale, 10)),  # 0 at step 1
+)
+
+
+@pytest.mark.parametrize('steps', [1, 2])
+def test_an_optimizer_slip_that_warmup_hides_on_step_1_is_located_on_step_2(steps):
+    """NNX's learning rate 1.01 times linen's (``perturb``) under a warmup from 0: step 1 updates
+    nothing on either side, so nothing parts on it. With a second step recorded, step 2 is judged
+    and the update rule named, with the factor; with one step only (the control), step 1 says why it
+    cannot see an optimizer, and nothing is guessed."""
+    require_devices(DEVICES)
+    config = RunConfig(workload='warmup', devices=DEVICES, steps_per_call=steps, calls=1, perturb=1e-2,
+                       batch_size=WARMUP.default_batch, rng_mode=WARMUP.rng_modes[0])  # fmt: skip
+    loc = locate.locate(WARMUP, config, judge.Inputs(*setups.make_inputs(WARMUP, config)), n_twin=1)
+    if steps == 1:
+        assert loc.kind == 'none' and locate.WARMUP in loc.figures, loc.line()
+        return
+    assert (loc.kind, loc.legacy) == ('update', 'the update rule'), loc.line()
+    assert loc.figures.startswith("on step 2 (step 1's update is 0") and 'NNX steps 1.01 x' in loc.figures, loc.line()
+    agree(loc)
+
+
 @pytest.mark.parametrize(
     'name, implies',
     [('weight-decay', 'a decoupled weight decay'), ('eps', "an adaptive optimizer's eps")],  # nesterov: below
@@ -370,3 +396,14 @@ def test_a_twin_that_ran_in_a_fresh_process_is_not_run_again_for_the_location():
     inputs.fresh_twins = (1,)
     assert locate.here(1, config, inputs) is None
     assert locate.here(10**6, config, judge.Inputs({}, [], None)) is None  # more devices than this process sees
+
+
+def test_where_the_diagnosis_and_the_location_disagree_the_location_is_trusted():
+    """The diagnosis reads the run's end; the location, step 1 against its floors. A forward slip whose
+    first loss agrees (a zero-initialised head) reads as 'update' to the diagnosis: the location says
+    which to believe. Where both say the same, nothing is added (the control)."""
+    module = locate.Location('module', 'LayerNorm_0', 'norm', 'its output parts')
+    assert 'trust this line' in locate.trust('update', module)[0]
+    assert locate.trust('math', module) == [] and locate.trust('', module) == []
+    assert locate.trust('optimizer', dataclasses.replace(module, kind='update')) == []
+    assert locate.trust('update', dataclasses.replace(module, kind='none')) == []

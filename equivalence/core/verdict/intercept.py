@@ -81,7 +81,7 @@ def _store(label: str, cls: str, order: int, names, device, inputs, outputs) -> 
 
 
 def _host(raw: dict) -> dict[str, Record]:
-    """Every kept value read onto the host, keyed by device index."""
+    """Every kept value read onto the host, keyed by device index: of several steps, the last."""
     read = lambda arrays: [np.asarray(a) for a in arrays]  # noqa: E731
     return {
         label: Record(cls, order, names, {int(np.asarray(d)): (read(i), read(o)) for d, i, o in values})
@@ -216,14 +216,23 @@ def _recording_port(port: Port) -> Port:
     return dataclasses.replace(port, legacy_loss=legacy_loss, nnx_loss=nnx_loss, make_tx=make_tx, eval_data=None)
 
 
-def first_steps(port: Port, config: RunConfig, variables: dict, calls: list, rng, n_twin: twin.Kind | None):
-    """``({side: PathResult after one step}, {side: {label: Record}})``: the first step of each
-    side (legacy, nnx, and twin when ``n_twin``: a count, or a sharded run's ``twin.Reordered``),
-    every module call recorded. Every trace is made afresh, keyed apart by a user context of this
+def step_batch(calls: list, j: int):
+    """Step ``j``'s global batch ``[1, G, ...]`` (0-based, counted over every call's steps)."""
+    k = jax.tree.leaves(calls[0])[0].shape[0]
+    return jax.tree.map(lambda v: v[j % k : j % k + 1], calls[j // k])
+
+
+def first_steps(
+    port: Port, config: RunConfig, variables: dict, calls: list, rng, n_twin: twin.Kind | None, steps: int = 1
+):
+    """``({side: PathResult after ``steps`` steps}, {side: {label: Record}})``: the first ``steps``
+    steps of each side (legacy, nnx, and twin when ``n_twin``: a count, or a sharded run's
+    ``twin.Reordered``), each a call of its own, every module call recorded; a ``Record`` holds the
+    last step's values (a call starts when the one before it has ended, its callbacks with it). Every trace is made afresh, keyed apart by a user context of this
     recording's own (``_RECORDINGS``): a loop port's jitted functions trace again with the recording in
     them, and no other run takes a recording trace, nor does this one take theirs; nothing is cleared."""
-    one = dataclasses.replace(probe.probe_config(config), steps_per_call=1, calls=1)
-    first, recording = [probe.first_batch(calls[0])], _recording_port(port)
+    one = dataclasses.replace(probe.probe_config(config), steps_per_call=1, calls=steps)
+    first, recording = [step_batch(calls, j) for j in range(steps)], _recording_port(port)
     adapted = adapters.adapted(port) if isinstance(port, LoopPort) else False
     axis = port.axis_name if isinstance(port, LoopPort) else legacy.AXIS
     runs = {

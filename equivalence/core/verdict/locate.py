@@ -42,6 +42,7 @@ from equivalence.core.verdict.rule import MEASURED_FLOOR
 
 ROOT = '(the model)'  # how the outermost module call is shown
 BETWEEN = 'the code between them (an activation, a residual, a mask)'
+WARMUP = 'the first update is 0'  # a 'none' that says so is judged again at step 2 (``locate``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +149,11 @@ class _Step:
     variables: dict
     modules: list[Module]
     paired: dict[str, str]
+    step: int = 1  # the step judged (2: step 1's update was 0, as warmup gives)
+
+    @property
+    def after(self) -> str:
+        return 'after one step' if self.step == 1 else f'after step {self.step}'
 
     @property
     def inverse(self) -> dict[str, str]:
@@ -214,7 +220,7 @@ def _parted(step: _Step, i: int, m: Module) -> Location:
 
 def _loss(step: _Step) -> Location | None:
     sides = ('legacy', 'nnx', 'twin')
-    trees = [{'mean': np.float32((step.results.get(s) or step.results['nnx']).losses[0])} for s in sides]
+    trees = [{'mean': np.float32((step.results.get(s) or step.results['nnx']).losses[-1])} for s in sides]
     records = [step.raw.get(s, {}).get(LOSS) for s in sides]
     if records[0] is not None and records[1] is not None:
         like = records[1].values[0][1][0]
@@ -275,7 +281,7 @@ def _momenta(step: _Step, module: str) -> str:
     before = {step.mapping.get(p, p): a for p, a in convert.flatten(step.variables.get('batch_stats', {})).items()}
     source = next((old for old, new in step.paired.items() if new == module), None)
     record = step.raw['nnx'].get(module)
-    if f'{module}/mean' not in before or source is None or record is None or not record.values[0][0]:
+    if step.step > 1 or f'{module}/mean' not in before or source is None or record is None or not record.values[0][0]:
         return ''
     said = []
     for side in ('legacy', 'nnx'):
@@ -330,12 +336,12 @@ def _update(step: _Step) -> Location | None:
             'update', f'opt_state {slot}/{step.inverse.get(param, param)}' if param else f'opt_state {slot}',
             f'opt_state {bad_slot.path}',
             f'the forward pass, the loss and the statistics agree, {grads}; the optimizer slot {slot} is the first '
-            f'that parts after one step ({_e(bad_slot.max_abs)} apart, allowed {_e(bad_slot.limit)}){said}',
+            f'that parts {step.after} ({_e(bad_slot.max_abs)} apart, allowed {_e(bad_slot.limit)}){said}',
         )  # fmt: skip
     return Location(
         'update', 'the update rule', 'the update rule',
-        f'the forward pass, the loss, the statistics and every optimizer slot agree, {grads}; the parameters after '
-        f'one step do not ({bad_param.path} {_e(bad_param.max_abs)} apart, allowed {_e(bad_param.limit)}){said}',
+        f'the forward pass, the loss, the statistics and every optimizer slot agree, {grads}; the parameters '
+        f'{step.after} do not ({bad_param.path} {_e(bad_param.max_abs)} apart, allowed {_e(bad_param.limit)}){said}',
     )  # fmt: skip
 
 
@@ -399,11 +405,15 @@ def _implied(step: _Step) -> str:
 # -- the location ------------------------------------------------------------------------------
 
 
-def judge_step(port: Port, results: dict, raw: dict, mapping: dict[str, str], variables: dict) -> Location:
-    """The first place the recorded first steps part (``results`` and ``raw`` of ``intercept.first_steps``)."""
+def judge_step(
+    port: Port, results: dict, raw: dict, mapping: dict[str, str], variables: dict, at: int = 1
+) -> Location:
+    """The first place the recorded first steps part (``results`` and ``raw`` of ``intercept.first_steps``);
+    ``at`` 2: step 2's records and the state after it, step 1's update having been 0 (``variables``,
+    the parameters before step 1, are then also those before step 2)."""
     paired = pairs(raw.get('legacy', {}), raw.get('nnx', {}), mapping, port.names)
     modules = _modules(raw, paired) if paired else []
-    step = _Step(port, results, raw, mapping, variables, modules, paired)
+    step = _Step(port, results, raw, mapping, variables, modules, paired, at)
     notes = _notes(port, raw, paired, 'twin' in results)
     for stage in (_forward, _loss, _backward, _statistics, _update):
         found = stage(step)
@@ -412,13 +422,14 @@ def judge_step(port: Port, results: dict, raw: dict, mapping: dict[str, str], va
                              'was not observed on both sides: not localised further')  # fmt: skip
         if found is not None:
             said = [n for n in notes if stage is _update or not n.startswith("a loop port's gradients")]
-            return dataclasses.replace(found, modules=tuple(modules), notes=tuple(said))
+            figures = f"on step 2 (step 1's update is 0, as warmup gives): {found.figures}" if at > 1 else found.figures
+            return dataclasses.replace(found, figures=figures, modules=tuple(modules), notes=tuple(said))
     checked = 'the loss, the gradients, ' if step.grads('legacy') else 'the loss, '
     later = 'the sides part later (a schedule, or growth from rounding)'
-    if implied.NO_UPDATE in _implied(step):
-        later = (
-            'the first update is 0 (a schedule at 0 on step 1, as warmup gives): an optimizer that differs shows later'
-        )
+    if implied.NO_UPDATE in _implied(step) and at > 1:
+        later = f'no update on steps 1 to {at} either (a schedule at 0): an optimizer that differs shows later'
+    elif implied.NO_UPDATE in _implied(step):
+        later = f'{WARMUP} (a schedule at 0 on step 1, as warmup gives): an optimizer that differs shows later'
         held = step.held('opt_state')
         if not step.grads('legacy') and any(
             s.rpartition('/')[2] in FIRST for s in _slot_names(held, step.held('params'))
@@ -429,9 +440,10 @@ def judge_step(port: Port, results: dict, raw: dict, mapping: dict[str, str], va
                 ', and so may gradients that differ (a training loss the reported loss does not show, the backward '
                 "pass): this loop port's gradients are not observed, and no first moment holds them"
             )
+    first = 'the first step' if at == 1 else f'steps 1 to {at}'
     return Location(
         'none', '', '',
-        f'nothing parts on the first step: {len(modules)} module calls, {checked}the statistics, the parameters and '
+        f'nothing parts on {first}: {len(modules)} module calls, {checked}the statistics, the parameters and '
         f'the optimizer state are within their floors; {later}',
         tuple(modules), None, tuple(notes),
     )  # fmt: skip
@@ -495,9 +507,17 @@ def first_step_grads(port: ModelPort, config: RunConfig, inputs, n_twin: twin.Ki
 
 
 def locate(port: Port, config: RunConfig, inputs, n_twin: twin.Kind | None) -> Location:
-    """Where the first step parts (``inputs``: a ``judge.Inputs``, the checked runs' inputs)."""
+    """Where the first step parts (``inputs``: a ``judge.Inputs``, the checked runs' inputs). Where
+    nothing parts on step 1 and its update is 0 (warmup), steps 1 and 2 are recorded again and step 2
+    is judged: an optimizer's eps or nesterov changes only the update, which step 1 did not make."""
     mapping = setups.check_names(port, inputs.variables)
-    return judge_step(port, *first_steps(port, config, inputs, n_twin), mapping, inputs.variables)
+    found = judge_step(port, *first_steps(port, config, inputs, n_twin), mapping, inputs.variables)
+    steps = sum(jax.tree.leaves(call)[0].shape[0] for call in inputs.calls)
+    if found.kind != 'none' or WARMUP not in found.figures or steps < 2:
+        return found
+    runs = intercept.first_steps(port, config, inputs.variables, inputs.calls, inputs.rng, here(n_twin, config, inputs), 2)
+    return judge_step(port, *runs, mapping, inputs.variables, at=2)
+
 
 
 def attach(verdict, port: Port, config: RunConfig, inputs, n_twin: twin.Kind | None):
@@ -513,4 +533,28 @@ def attach(verdict, port: Port, config: RunConfig, inputs, n_twin: twin.Kind | N
         found = locate(port, config, inputs, n_twin)
     except Exception as e:  # noqa: BLE001 -- the verdict stands; the location says why there is none
         found = Location('unlocated', '', '', f'the locating run raised {type(e).__name__}: {str(e)[:200]}')
-    return dataclasses.replace(verdict, location=found)
+    said = trust(verdict.kind, found)
+    return dataclasses.replace(verdict, location=dataclasses.replace(found, notes=(*found.notes, *said)))
+
+
+AGREES = {  # a location's kind -> the diagnosis kinds (rule.diagnose) that say the same
+    'module': ('math',),
+    'between': ('math',),
+    'randomness': ('randomness',),
+    'loss': ('math', 'update'),
+    'backward': ('update',),
+    'statistics': ('state',),
+    'update': ('optimizer', 'update'),
+}
+
+
+def trust(kind: str, found: Location) -> list[str]:
+    """A note when the diagnosis's ``kind`` and the location's disagree: which one to believe."""
+    if not kind or found.kind not in AGREES or kind in AGREES[found.kind]:
+        return []
+    return [
+        f'the diagnosis says {kind}, this line says {found.kind}: trust this line. It holds each module call, the '
+        "loss, the gradients and the optimizer's slots of the first step to their own floors; the diagnosis reads "
+        'the leaves after training, when the difference has spread (a first loss that agrees, as a zero-initialised '
+        'head or a warmup gives, hides a forward slip from it)'
+    ]
