@@ -36,6 +36,7 @@ def test_cnn_matches_with_running_statistics_and_accuracy(devices, rng_mode):
     assert {x.path for x in stats} == {f'batch_stats/bn{i}/{s}' for i in (1, 2) for s in ('mean', 'var')}
     assert all(x.ok for x in stats)
     assert result.legacy.eval_accuracy == result.nnx.eval_accuracy > 0.5  # chance is 0.1
+    assert sides.replica_spread(result.legacy.raw) == 0.0  # pmap's replicas, statistics included, stay one
 
 
 def test_legacy_batchnorm_without_axis_name_is_a_mismatch():
