@@ -228,9 +228,10 @@ def first_steps(
     """``({side: PathResult after ``steps`` steps}, {side: {label: Record}})``: the first ``steps``
     steps of each side (legacy, nnx, and twin when ``n_twin``: a count, or a sharded run's
     ``twin.Reordered``), each a call of its own, every module call recorded; a ``Record`` holds the
-    last step's values (a call starts when the one before it has ended, its callbacks with it). Every trace is made afresh, keyed apart by a user context of this
-    recording's own (``_RECORDINGS``): a loop port's jitted functions trace again with the recording in
-    them, and no other run takes a recording trace, nor does this one take theirs; nothing is cleared."""
+    last step's values (a call starts when the one before it has ended, its callbacks with it). Every
+    trace is made afresh, keyed apart by a user context of this recording's own (``_RECORDINGS``): a
+    loop port's jitted functions trace again with the recording in them, and no other run takes a
+    recording trace, nor does this one take theirs; nothing is cleared."""
     one = dataclasses.replace(probe.probe_config(config), steps_per_call=1, calls=steps)
     first, recording = [step_batch(calls, j) for j in range(steps)], _recording_port(port)
     adapted = adapters.adapted(port) if isinstance(port, LoopPort) else False

@@ -405,9 +405,7 @@ def _implied(step: _Step) -> str:
 # -- the location ------------------------------------------------------------------------------
 
 
-def judge_step(
-    port: Port, results: dict, raw: dict, mapping: dict[str, str], variables: dict, at: int = 1
-) -> Location:
+def judge_step(port: Port, results: dict, raw: dict, mapping: dict[str, str], variables: dict, at: int = 1) -> Location:
     """The first place the recorded first steps part (``results`` and ``raw`` of ``intercept.first_steps``);
     ``at`` 2: step 2's records and the state after it, step 1's update having been 0 (``variables``,
     the parameters before step 1, are then also those before step 2)."""
@@ -515,9 +513,10 @@ def locate(port: Port, config: RunConfig, inputs, n_twin: twin.Kind | None) -> L
     steps = sum(jax.tree.leaves(call)[0].shape[0] for call in inputs.calls)
     if found.kind != 'none' or WARMUP not in found.figures or steps < 2:
         return found
-    runs = intercept.first_steps(port, config, inputs.variables, inputs.calls, inputs.rng, here(n_twin, config, inputs), 2)
+    runs = intercept.first_steps(
+        port, config, inputs.variables, inputs.calls, inputs.rng, here(n_twin, config, inputs), 2
+    )
     return judge_step(port, *runs, mapping, inputs.variables, at=2)
-
 
 
 def attach(verdict, port: Port, config: RunConfig, inputs, n_twin: twin.Kind | None):
