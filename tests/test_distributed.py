@@ -81,19 +81,26 @@ def assert_same_run(multi: dict, single: dict) -> None:
         assert value <= TOL.atol, (group, value)
 
 
-@pytest.mark.parametrize('workload', ['score'])
-def test_two_processes_of_4_devices_match_one_process_of_8(tmp_path, workload):
+def test_two_processes_of_4_devices_match_one_process_of_8_and_each_feeds_only_its_rows(tmp_path):
     """The launcher's default split (8 devices, 4 a process) on score, whose noise, EMA and warmup
-    give the processes the most to agree on. mlp across processes against one process is
-    ``test_two_processes_of_2_devices_match_and_each_feeds_only_its_rows`` (2 processes of 2
-    devices), so it is not run again here at 8."""
+    give the processes the most to agree on; and a recorded shape: no process hands the checked runs,
+    or holds, the global batch. The verdict's twin, on each process's first device alone, is given
+    all of it."""
     out = tmp_path / 'report.json'
-    proc = start('equivalence.run', '--processes', '2', '--workload', workload, *TINY, '--json', str(out))
-    single = one_process(workload, 8)  # while the workers run
+    proc = spy(tmp_path, '--processes', '2', '--workload', 'score', *TINY, '--json', str(out))
+    single = one_process('score', 8)  # while the workers run
     stdout, multi = finish(proc, out)
-    assert f'{workload}: legacy pmap(scan) vs NNX sharded scan on 8 cpu device(s)' in stdout
+    assert 'score: legacy pmap(scan) vs NNX sharded scan on 8 cpu device(s)' in stdout
     assert stdout.count('MATCH') == 1 and '[Gloo]' not in stdout  # one report, process 0's
     assert_same_run(multi, single)
+    for i in range(2):  # score's global batch 128 on 8 devices: 16 rows per device, 64 per process
+        seen = json.loads((tmp_path / f'process-{i}.json').read_text())
+        assert seen['read'][:2] == [2, 64]  # [K, rows of this process, ...]: what it kept
+        assert seen['legacy_batch'][:3] == [4, 2, 16] and seen['legacy_keys'][0] == 4  # [its 4 devices, K, rows]
+        assert seen['nnx_global_batch'][:2] == [2, 128] and seen['nnx_held_rows'] == 64
+        shapes = [shape[:2] for shape in seen['local_data']]
+        assert [2, 64] in shapes and [2, 128] not in shapes
+        assert [2, 128] in [shape[:2] for shape in seen['own_devices_data']]  # the twin's whole batch, on its device
 
 
 def test_across_processes_the_measured_floor_fails_a_slip_that_the_fixed_screen_passes(tmp_path):
@@ -118,22 +125,6 @@ def spy(tmp_path, *args: str, **env: str) -> subprocess.Popen:
     path = os.pathsep.join(filter(None, [ROOT, os.environ.get('PYTHONPATH')]))  # this checkout's suite
     env = clean_env(SPY_DIR=str(tmp_path), PYTHONPATH=path, **env)
     return start('spy_worker', *args, cwd=os.path.join(ROOT, 'tests'), env=env)
-
-
-def test_two_processes_of_2_devices_match_and_each_feeds_only_its_rows(tmp_path):
-    """The CI size; and a recorded shape: no process hands the checked runs, or holds, the global
-    batch. The verdict's twin, on each process's first device alone, is given all of it."""
-    out = tmp_path / 'report.json'
-    proc = spy(tmp_path, '--processes', '2', '--devices', '4', *TINY, '--json', str(out))
-    single = one_process('mlp', 4)
-    assert_same_run(finish(proc, out)[1], single)
-    for i in range(2):  # global batch 64 on 4 devices: 16 rows per device, 32 per process
-        seen = json.loads((tmp_path / f'process-{i}.json').read_text())
-        assert seen['read'] == [2, 32, 20]  # [K, rows of this process, features]: what it kept
-        assert seen['legacy_batch'] == [2, 2, 16, 20] and seen['legacy_keys'] == [2, 2]  # its 2 devices
-        assert seen['nnx_global_batch'] == [2, 64, 20] and seen['nnx_held_rows'] == 32
-        assert [2, 32, 20] in seen['local_data'] and [2, 64, 20] not in seen['local_data']
-        assert [2, 64, 20] in seen['own_devices_data']  # the twin's whole batch, on this process's own device
 
 
 def test_tp_in_graph_form_across_processes_feeds_the_batch_whole_to_both(tmp_path):
