@@ -113,29 +113,46 @@ def opaque_call(train_state, key, batch_KxG):
 
 
 PENALTY = 1e-3  # an L2 term the NNX step trains on and does not report
+SHRINK = 0.9  # targets the NNX step trains towards, times the true ones (a regression's label smoothing)
 
 
-@nnx.jit
-def penalised_calls(model, optimizer, key, batch_KxG):
-    """The example's NNX loop, its training loss with an L2 term on the kernels; the loss it reports
-    is the plain one, as the pmap step's (which has no such term)."""
+def penalised(m, batch):
+    """The example's loss with an L2 term on the kernels; the plain loss reported, as the pmap step's."""
+    loss = jnp.mean(nnx_code.per_example_loss(m, batch))
+    l2 = sum(jnp.sum(x**2) for x in jax.tree.leaves(nnx.state(m, nnx.Param)) if x.ndim > 1)
+    return loss + PENALTY * l2, loss
 
-    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
-    def step(carry, batch):
-        model, optimizer, key = carry
-        key, step_key = jax.random.split(key)
-        nnx.reseed(model, dropout=step_key)
 
-        def train_loss(m):
-            loss = jnp.mean(nnx_code.per_example_loss(m, batch))
-            l2 = sum(jnp.sum(x**2) for x in jax.tree.leaves(nnx.state(m, nnx.Param)) if x.ndim > 1)
-            return loss + PENALTY * l2, loss
+def shrunk(m, batch):
+    """The example's loss (``nnx_code.per_example_loss``) towards ``SHRINK`` times the targets; the plain
+    loss reported, of the same forward pass (one draw of its dropout)."""
+    x, y = batch
+    out = m(x)
+    return jnp.mean((out - SHRINK * y) ** 2), jnp.mean((out - y) ** 2)
 
-        (_, loss), grads = nnx.value_and_grad(train_loss, has_aux=True)(model)
-        optimizer.update(model, grads)
-        return (model, optimizer, key), loss
 
-    return step((model, optimizer, key), batch_KxG)[1]
+def calls_training_on(train_loss):
+    """The example's NNX loop, trained on ``train_loss(model, batch) -> (loss, reported loss)``."""
+
+    @nnx.jit
+    def calls(model, optimizer, key, batch_KxG):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+        def step(carry, batch):
+            model, optimizer, key = carry
+            key, step_key = jax.random.split(key)
+            nnx.reseed(model, dropout=step_key)
+            (_, loss), grads = nnx.value_and_grad(lambda m: train_loss(m, batch), has_aux=True)(model)
+            optimizer.update(model, grads)
+            return (model, optimizer, key), loss
+
+        return step((model, optimizer, key), batch_KxG)[1]
+
+    return calls
+
+
+def trained_on(train_loss):
+    calls = calls_training_on(train_loss)
+    return dataclasses.replace(my_port.LOOP, nnx_call=lambda ts, key, batch: (ts, calls(*ts, key, batch)))
 
 
 PORTS = {
@@ -149,9 +166,8 @@ PORTS = {
     'eps': loop_with(optax.adamw(3e-3, weight_decay=1e-4, eps=1e-7)),  # Keras's default Adam epsilon
     'opaque': dataclasses.replace(my_port.LOOP, nnx_call=opaque_call),
     'b1': loop_with(optax.adamw(3e-3, b1=0.95, weight_decay=1e-4)),  # (1 - b1) half the pmap side's
-    'train-loss': dataclasses.replace(
-        my_port.LOOP, nnx_call=lambda ts, key, batch: (ts, penalised_calls(*ts, key, batch))
-    ),
+    'train-loss': trained_on(penalised),
+    'train-targets': trained_on(shrunk),
 }
 
 
@@ -233,6 +249,17 @@ def test_a_training_loss_the_loop_does_not_report_is_the_gradients_not_the_optim
     agree(loc)
 
 
+def test_a_training_loss_on_the_output_that_the_loop_does_not_report_is_the_loss():
+    """The NNX step trains towards 0.9 times the targets and reports the plain loss, as the pmap step
+    does (the wmt example reports its loss without its label smoothing). The forward pass and the
+    reported loss agree; the gradient of the training loss with respect to the model's output does
+    not: the loss. The L2 term above, on the parameters, leaves that gradient equal (its control)."""
+    loc = located('train-targets')
+    assert loc.kind == 'loss', loc.line()
+    assert 'the gradient of the training loss with respect to it' in loc.figures, loc.line()
+    agree(loc)
+
+
 def test_a_b1_change_parts_the_first_moments_by_one_factor_and_stays_the_optimizer():
     """The negative control of the one above: NNX b1 0.95 for 0.9 halves every element of the first
     moment (Adam's first update is unchanged): one factor, the update, and the b1 it implies."""
@@ -265,7 +292,8 @@ def test_an_optimizer_slip_that_warmup_hides_on_step_1_is_located_on_step_2(step
         assert loc.kind == 'none' and locate.WARMUP in loc.figures, loc.line()
         return
     assert (loc.kind, loc.legacy) == ('update', 'the update rule'), loc.line()
-    assert loc.figures.startswith("on step 2 (step 1's update is 0") and 'NNX steps 1.01 x' in loc.figures, loc.line()
+    assert loc.figures.startswith("on step 2 (nothing parts before it; step 1's update is 0"), loc.line()
+    assert 'NNX steps 1.01 x' in loc.figures and 'the parameters after step 2 do not' in loc.figures, loc.line()
     agree(loc)
 
 

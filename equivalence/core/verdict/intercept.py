@@ -42,6 +42,8 @@ from equivalence.core.verdict import probe, twin
 from legacy_pmap import train as legacy
 
 LOSS, GRADS = '<loss>', '<grads>'  # recorded values that are no module's
+DOUT = '<d output>'  # the cotangent of the outermost module's output: d(training loss) / d(output)
+NOT_MODULES = (LOSS, GRADS, DOUT)
 
 
 class Record(NamedTuple):
@@ -134,10 +136,40 @@ def _emit(label: str, cls: str, inputs: Any, outputs: Any, names: tuple | None =
     jax.debug.callback(functools.partial(_store, label, cls, s.order, names), device, ins, outs)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _tap(label: str, x: jax.Array) -> jax.Array:
+    return x
+
+
+def _tap_fwd(label: str, x: jax.Array):
+    return x, None
+
+
+def _tap_bwd(label: str, _, ct: jax.Array):
+    try:
+        _emit(label, 'cotangent', (), [ct])
+    except Exception:  # noqa: BLE001 -- a cotangent that cannot leave the program is not recorded (said by locate)
+        pass
+    return (ct,)
+
+
+_tap.defvjp(_tap_fwd, _tap_bwd)
+
+
+def _tapped(out: Any) -> Any:
+    """The outermost module's output unchanged; where a loss is differentiated through it, its cotangent
+    (the training loss's gradient with respect to it, whatever loss the step computes) recorded as ``DOUT``."""
+    if not isinstance(out, jax.Array) or not jax.dtypes.issubdtype(out.dtype, np.floating):
+        return out
+    return _tap(DOUT, out)
+
+
 def _linen_call(next_fun, args, kwargs, context):
     out = next_fun(*args, **kwargs)
     if _SESSION.side is not None and context.method_name == '__call__':
-        _emit(_label('/'.join(context.module.path)), type(context.module).__name__, (args, kwargs), out)
+        path = '/'.join(context.module.path)
+        _emit(_label(path), type(context.module).__name__, (args, kwargs), out)
+        out = out if path else _tapped(out)
     return out
 
 
@@ -158,7 +190,7 @@ def _nnx_call(method: Callable) -> Callable:
         finally:
             s.active.discard(id(self))
         _emit(_label(path), type(self).__name__, (args, kwargs), out)
-        return out
+        return out if path else _tapped(out)
 
     return call
 

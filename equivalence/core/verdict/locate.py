@@ -36,13 +36,13 @@ from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort, ModelPort, Port
 from equivalence.core.run import setups
 from equivalence.core.verdict import compare, implied, intercept, pairing, probe, twin
-from equivalence.core.verdict.intercept import GRADS, LOSS
+from equivalence.core.verdict.intercept import DOUT, LOSS, NOT_MODULES
 from equivalence.core.verdict.pairing import pairs, recorded_grads
 from equivalence.core.verdict.rule import MEASURED_FLOOR
 
 ROOT = '(the model)'  # how the outermost module call is shown
 BETWEEN = 'the code between them (an activation, a residual, a mask)'
-WARMUP = 'the first update is 0'  # a 'none' that says so is judged again at step 2 (``locate``)
+WARMUP = 'the first update is 0'  # what a 'none' at step 1 says under a warmup from 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +149,14 @@ class _Step:
     variables: dict
     modules: list[Module]
     paired: dict[str, str]
-    step: int = 1  # the step judged (2: step 1's update was 0, as warmup gives)
+    step: int = 1  # the step judged (a later one: nothing parted before it)
+    start: dict | None = None  # the pmap side's parameters before the judged step (NNX paths); None: step 1's
+
+    def before(self) -> dict[str, np.ndarray]:
+        """The parameters before the judged step, by NNX path."""
+        if self.start is not None:
+            return self.start
+        return {self.mapping.get(p, p): a for p, a in convert.flatten(self.variables.get('params', {})).items()}
 
     @property
     def after(self) -> str:
@@ -169,7 +176,7 @@ class _Step:
     def order(self, path: str) -> int:
         """When NNX module ``path``, or the one holding it, finished its first call (last when none)."""
         done = {label: r.order for label, r in self.raw.get('nnx', {}).items() if '#' not in label}
-        owners = [p for p in done if p not in (LOSS, GRADS) and (not p or path == p or path.startswith(p + '/'))]
+        owners = [p for p in done if p not in NOT_MODULES and (not p or path == p or path.startswith(p + '/'))]
         return done[max(owners, key=len)] if owners else 1 << 30
 
     def grads(self, side: str) -> dict[str, np.ndarray]:
@@ -228,7 +235,7 @@ def _loss(step: _Step) -> Location | None:
             tree['per-example'] = like if record is None else intercept.value(record, 0, 1, like)
     leaf = _worst([leaf for leaf in _held(*trees).values() if not leaf.ok])
     if leaf is None:
-        return None
+        return _output_grad(step)
     root = next((m for m in step.modules if m.legacy == ROOT), None)
     model = f"the model's output agrees ({_e(root.output_diff)} apart); " if root is not None else ''
     names = _loss_names(step.port)
@@ -236,6 +243,35 @@ def _loss(step: _Step) -> Location | None:
         'loss', names[0], names[1],
         f'{model}the {leaf.path} loss is {_e(leaf.max_abs)} apart (allowed {_e(leaf.limit)}): '
         'the loss function differs (label smoothing, weights, reduction, masking)',
+    )  # fmt: skip
+
+
+def _output_grad(step: _Step) -> Location | None:
+    """The training loss's gradient with respect to the model's output (``DOUT``), where the forward pass
+    agrees: it parts when the step trains on another loss than the other side's, reported or not (a loop
+    port's reported loss may leave out the label smoothing it trains with). One factor between the sides
+    is taken out first: the reduction (a mean per device, then pmean, against one global mean) scales it."""
+    records = [step.raw.get(side, {}).get(DOUT) for side in ('legacy', 'nnx', 'twin')]
+    if records[0] is None or records[1] is None:
+        return None
+    new = intercept.value(records[1], 0, 1)
+    old = intercept.value(records[0], 0, 1, new)
+    twin_ = intercept.value(records[2], 0, 1, new) if records[2] is not None else new
+    if old.shape != new.shape or twin_.shape != new.shape:
+        return None
+    a, b = np.asarray(old, np.float64).ravel(), np.asarray(new, np.float64).ravel()
+    c = float(a @ b / (a @ a)) if a @ a > 0 else 1.0
+    leaf = _held({'d': (c * a).reshape(new.shape)}, {'d': new}, {'d': twin_})['d']
+    if leaf.ok:
+        return None
+    root = next((m for m in step.modules if m.legacy == ROOT), None)
+    model = f"the model's output agrees ({_e(root.output_diff)} apart); " if root is not None else ''
+    names = _loss_names(step.port)
+    return Location(
+        'loss', names[0], names[1],
+        f'{model}the gradient of the training loss with respect to it is {_e(leaf.max_abs)} apart once one factor '
+        f'({c:.4g}: the reduction) is taken out (allowed {_e(leaf.limit)}): the loss the step trains on differs '
+        '(label smoothing, weights, masking), whether or not the loss it reports does',
     )  # fmt: skip
 
 
@@ -365,7 +401,7 @@ def _slot_names(slots: dict, params: dict) -> dict[str, list[str]]:
 
 def _moments(step: _Step, params: dict, slots: dict) -> dict:
     """Slot -> ``implied.moments`` for each first or second moment (``mu``, ``trace``, ``nu``) that parts."""
-    p0 = {step.mapping.get(p, p): a for p, a in convert.flatten(step.variables.get('params', {})).items()}
+    p0 = step.before()
     ends = [step.final(side, 'opt_state') for side in ('legacy', 'nnx')]
     read = {}
     for slot, paths in _slot_names(slots, params).items():
@@ -381,7 +417,7 @@ def _moments(step: _Step, params: dict, slots: dict) -> dict:
 
 def _implied(step: _Step) -> str:
     """``implied.update`` on every parameter both sides hold, and any learning rate the state exposes."""
-    start = {step.mapping.get(p, p): a for p, a in convert.flatten(step.variables['params']).items()}
+    start = step.before()
     ends = [step.final(side, 'params') for side in ('legacy', 'nnx')]
     keys = [k for k in start if all(k in e for e in ends)]
     if not keys:
@@ -405,13 +441,15 @@ def _implied(step: _Step) -> str:
 # -- the location ------------------------------------------------------------------------------
 
 
-def judge_step(port: Port, results: dict, raw: dict, mapping: dict[str, str], variables: dict, at: int = 1) -> Location:
+def judge_step(
+    port: Port, results: dict, raw: dict, mapping: dict[str, str], variables: dict, at: int = 1, start=None
+) -> Location:
     """The first place the recorded first steps part (``results`` and ``raw`` of ``intercept.first_steps``);
-    ``at`` 2: step 2's records and the state after it, step 1's update having been 0 (``variables``,
-    the parameters before step 1, are then also those before step 2)."""
+    ``at`` > 1: the records of step ``at`` (its last) and the state after it, ``start`` the pmap side's
+    parameters before it (NNX paths; nothing parted before it)."""
     paired = pairs(raw.get('legacy', {}), raw.get('nnx', {}), mapping, port.names)
     modules = _modules(raw, paired) if paired else []
-    step = _Step(port, results, raw, mapping, variables, modules, paired, at)
+    step = _Step(port, results, raw, mapping, variables, modules, paired, at, start)
     notes = _notes(port, raw, paired, 'twin' in results)
     for stage in (_forward, _loss, _backward, _statistics, _update):
         found = stage(step)
@@ -420,12 +458,12 @@ def judge_step(port: Port, results: dict, raw: dict, mapping: dict[str, str], va
                              'was not observed on both sides: not localised further')  # fmt: skip
         if found is not None:
             said = [n for n in notes if stage is _update or not n.startswith("a loop port's gradients")]
-            figures = f"on step 2 (step 1's update is 0, as warmup gives): {found.figures}" if at > 1 else found.figures
+            figures = f'on step {at} (nothing parts before it): {found.figures}' if at > 1 else found.figures
             return dataclasses.replace(found, figures=figures, modules=tuple(modules), notes=tuple(said))
     checked = 'the loss, the gradients, ' if step.grads('legacy') else 'the loss, '
     later = 'the sides part later (a schedule, or growth from rounding)'
-    if implied.NO_UPDATE in _implied(step) and at > 1:
-        later = f'no update on steps 1 to {at} either (a schedule at 0): an optimizer that differs shows later'
+    if at > 1:
+        later = f'whatever parts does so after step {at}, or through growth from rounding'
     elif implied.NO_UPDATE in _implied(step):
         later = f'{WARMUP} (a schedule at 0 on step 1, as warmup gives): an optimizer that differs shows later'
         held = step.held('opt_state')
@@ -450,7 +488,7 @@ def judge_step(port: Port, results: dict, raw: dict, mapping: dict[str, str], va
 def _notes(port: Port, raw: dict, paired: dict, twin_ran: bool) -> list[str]:
     """What was not paired or not observed, and why."""
     notes = []
-    calls = {side: [label for label in raw.get(side, {}) if label not in (LOSS, GRADS)] for side in ('legacy', 'nnx')}
+    calls = {side: [label for label in raw.get(side, {}) if label not in NOT_MODULES] for side in ('legacy', 'nnx')}
     for side, what in (('legacy', 'the pmap step called no linen'), ('nnx', 'the NNX step called no NNX')):
         if not calls[side]:
             notes.append(f'not observed: {what} module the suite could intercept (an opaque or precompiled '
@@ -504,19 +542,49 @@ def first_step_grads(port: ModelPort, config: RunConfig, inputs, n_twin: twin.Ki
     return {**grads, 'twin': grads['twin'] or grads['nnx']}
 
 
+MAX_STEPS = 8  # the most steps recorded to find the first that parts
+
+
 def locate(port: Port, config: RunConfig, inputs, n_twin: twin.Kind | None) -> Location:
     """Where the first step parts (``inputs``: a ``judge.Inputs``, the checked runs' inputs). Where
-    nothing parts on step 1 and its update is 0 (warmup), steps 1 and 2 are recorded again and step 2
-    is judged: an optimizer's eps or nesterov changes only the update, which step 1 did not make."""
+    nothing parts on step 1, the checked runs' first steps (up to ``MAX_STEPS``) are recorded again, the
+    first whose parameters part is found, and that step is judged as step 1 was: a warmup whose first
+    update is 0 hides an optimizer's eps or nesterov on step 1, a schedule that differs later shows
+    where it starts."""
     mapping = setups.check_names(port, inputs.variables)
     found = judge_step(port, *first_steps(port, config, inputs, n_twin), mapping, inputs.variables)
-    steps = sum(jax.tree.leaves(call)[0].shape[0] for call in inputs.calls)
-    if found.kind != 'none' or WARMUP not in found.figures or steps < 2:
+    steps = min(MAX_STEPS, sum(jax.tree.leaves(call)[0].shape[0] for call in inputs.calls))
+    if found.kind != 'none' or steps < 2:
         return found
-    runs = intercept.first_steps(
-        port, config, inputs.variables, inputs.calls, inputs.rng, here(n_twin, config, inputs), 2
-    )
-    return judge_step(port, *runs, mapping, inputs.variables, at=2)
+    n_twin = here(n_twin, config, inputs)
+    results, raw = intercept.first_steps(port, config, inputs.variables, inputs.calls, inputs.rng, n_twin, steps)
+    at = _first_parting(results, steps)
+    if at is None:
+        return judge_step(port, results, raw, mapping, inputs.variables, at=steps)
+    if at < steps:
+        results, raw = intercept.first_steps(port, config, inputs.variables, inputs.calls, inputs.rng, n_twin, at)
+    start = results['legacy'].params_per_call[at - 2]
+    found = judge_step(port, results, raw, mapping, inputs.variables, at=at, start=start)
+    if _first_update_is_0(results, inputs.variables, mapping):
+        warmup = "(nothing parts before it; step 1's update is 0, as warmup gives)"
+        found = dataclasses.replace(found, figures=found.figures.replace('(nothing parts before it)', warmup, 1))
+    return found
+
+
+def _first_parting(results: dict, steps: int) -> int | None:
+    """The first step (1-based) after which the parameters part, each held to its floor; None: none."""
+    sides = [results.get(side) or results['nnx'] for side in ('legacy', 'nnx', 'twin')]
+    for j in range(steps):
+        if any(not leaf.ok for leaf in _held(*(r.params_per_call[j] for r in sides)).values()):
+            return j + 1
+    return None
+
+
+def _first_update_is_0(results: dict, variables: dict, mapping: dict[str, str]) -> bool:
+    """Whether the pmap side's first step moved no parameter."""
+    start = {mapping.get(p, p): a for p, a in convert.flatten(variables.get('params', {})).items()}
+    after = results['legacy'].params_per_call[0]
+    return all(np.array_equal(after[k], start[k]) for k in after if k in start)
 
 
 def attach(verdict, port: Port, config: RunConfig, inputs, n_twin: twin.Kind | None):

@@ -14,7 +14,7 @@ import contextlib
 import numpy as np
 
 from equivalence.core.verdict import intercept
-from equivalence.core.verdict.intercept import GRADS, LOSS, Record
+from equivalence.core.verdict.intercept import GRADS, NOT_MODULES, Record
 
 
 def _renamed(path: str, names) -> str:
@@ -48,7 +48,7 @@ def pairs(legacy: dict[str, Record], nnx_: dict[str, Record], mapping: dict[str,
     the (n+1)-th call); Dropouts no renaming pairs, by their order among the Dropout calls."""
     out = {}
     for label in legacy:
-        if label in (LOSS, GRADS):
+        if label in NOT_MODULES:
             continue
         path, _, n = label.partition('#')
         target = _module_target(path, mapping, names)
