@@ -53,6 +53,7 @@ class Record(NamedTuple):
     order: int  # when the call finished, in its trace
     names: tuple | None  # GRADS: each value's parameter path
     values: dict  # device index -> (inputs, outputs): lists of host arrays
+    settings: tuple = ()  # the module's own scalar settings at trace time: (name, value) pairs (``settings``)
 
 
 class _Session:
@@ -74,11 +75,11 @@ _RECORDINGS = jax.make_user_context(None)  # a jit cache key: each recording's t
 _SESSIONS = itertools.count(1)
 
 
-def _store(label: str, cls: str, order: int, names, device, inputs, outputs) -> None:
+def _store(label: str, cls: str, order: int, names, settings: tuple, device, inputs, outputs) -> None:
     """Keep what a callback was handed, unread (see the module docstring); ``_host`` reads it."""
     side = _SESSION.side
     if side is not None:
-        entry = _SESSION.raw.setdefault(side, {}).setdefault(label, (cls, order, names, []))
+        entry = _SESSION.raw.setdefault(side, {}).setdefault(label, (cls, order, names, [], settings))
         entry[3].append((device, list(inputs), list(outputs)))
 
 
@@ -86,8 +87,8 @@ def _host(raw: dict) -> dict[str, Record]:
     """Every kept value read onto the host, keyed by device index: of several steps, the last."""
     read = lambda arrays: [np.asarray(a) for a in arrays]  # noqa: E731
     return {
-        label: Record(cls, order, names, {int(np.asarray(d)): (read(i), read(o)) for d, i, o in values})
-        for label, (cls, order, names, values) in raw.items()
+        label: Record(cls, order, names, {int(np.asarray(d)): (read(i), read(o)) for d, i, o in values}, settings)
+        for label, (cls, order, names, values, settings) in raw.items()
     }
 
 
@@ -122,7 +123,20 @@ def _label(path: str) -> str:
     return path if n == 0 else f'{path}#{n}'
 
 
-def _emit(label: str, cls: str, inputs: Any, outputs: Any, names: tuple | None = None) -> None:
+IGNORED = ('name', 'axis_name')
+
+
+def settings(module: Any) -> tuple:
+    """A module's own scalar settings (an epsilon, a momentum, a dropout rate, a flag), by attribute name:
+    what a one-constant slip in a module changes."""
+    plain = (bool, int, float, str)  # IGNORED: what a pmap module and its mesh port name apart by design
+    found = [
+        (k, v) for k, v in vars(module).items() if isinstance(v, plain) and not k.startswith('_') and k not in IGNORED
+    ]
+    return tuple(sorted(found))
+
+
+def _emit(label: str, cls: str, inputs: Any, outputs: Any, names: tuple | None = None, module: Any = None) -> None:
     """Send one call's inputs and outputs to the host when the program runs (at trace time)."""
     s = _SESSION
     s.order += 1
@@ -133,7 +147,8 @@ def _emit(label: str, cls: str, inputs: Any, outputs: Any, names: tuple | None =
         device = jax.lax.axis_index(s.axis) if s.axis else 0
     except NameError:  # outside the pmap: one value
         device = 0
-    jax.debug.callback(functools.partial(_store, label, cls, s.order, names), device, ins, outs)
+    said = settings(module) if module is not None else ()
+    jax.debug.callback(functools.partial(_store, label, cls, s.order, names, said), device, ins, outs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -168,7 +183,7 @@ def _linen_call(next_fun, args, kwargs, context):
     out = next_fun(*args, **kwargs)
     if _SESSION.side is not None and context.method_name == '__call__':
         path = '/'.join(context.module.path)
-        _emit(_label(path), type(context.module).__name__, (args, kwargs), out)
+        _emit(_label(path), type(context.module).__name__, (args, kwargs), out, module=context.module)
         out = out if path else _tapped(out)
     return out
 
@@ -189,7 +204,7 @@ def _nnx_call(method: Callable) -> Callable:
             out = method(self, *args, **kwargs)
         finally:
             s.active.discard(id(self))
-        _emit(_label(path), type(self).__name__, (args, kwargs), out)
+        _emit(_label(path), type(self).__name__, (args, kwargs), out, module=self)
         return out if path else _tapped(out)
 
     return call

@@ -199,6 +199,7 @@ def _fed(step: _Step, i: int, m: Module) -> Location:
     what = 'an activation, a residual, a mask'
     if attention is not None:
         what = f'inside {attention.legacy}: the attention weights (scale, mask, softmax, dropout)'
+        what += _settings(step, attention).replace('; its settings', f"; {attention.legacy}'s settings", 1)
     return Location(
         'between',
         f'{before.legacy if before else "(the inputs)"} → {m.legacy}',
@@ -209,20 +210,36 @@ def _fed(step: _Step, i: int, m: Module) -> Location:
     )
 
 
+def _settings(step: _Step, m: Module) -> str:
+    """The scalar settings the two sides' calls ``m`` hold under one name with other values ('' none):
+    ``; its settings differ: epsilon 1e-06 ↔ 1e-05``."""
+    old = {label: new for label, new in step.paired.items()}
+    legacy_label = '' if m.legacy == ROOT else m.legacy
+    records = [step.raw.get('legacy', {}).get(legacy_label), step.raw.get('nnx', {}).get(old.get(legacy_label, ''))]
+    if records[0] is None or records[1] is None:
+        return ''
+    a, b = (dict(r.settings) for r in records)
+    differ = [f'{k} {a[k]!r} ↔ {b[k]!r}' for k in sorted(a.keys() & b.keys()) if a[k] != b[k]]
+    return f'; its settings differ: {", ".join(differ)}' if differ else ''
+
+
 def _parted(step: _Step, i: int, m: Module) -> Location:
     """Module call ``m``, whose inputs agree, computes another output."""
     apart = f'its output {_e(m.output_diff)} apart (allowed {_e(m.output_allowed)}, floor {_e(m.output_floor)})'
     inputs = f'its inputs agree ({_e(m.input_diff)} apart, allowed {_e(m.input_allowed)})'
     inside = [c for c in step.modules[:i] if m.legacy == ROOT or c.legacy.startswith(m.legacy + '/')]
+    said = _settings(step, m)
     if 'Dropout' in m.cls:
-        return Location('randomness', m.legacy, m.nnx, f'{inputs}, {apart}: the two sides draw other masks', first=i)
+        return Location(
+            'randomness', m.legacy, m.nnx, f'{inputs}, {apart}: the two sides draw other masks{said}', first=i
+        )
     if inside:
         what = 'the attention weights (scale, mask, softmax, dropout)' if 'Attention' in m.cls else BETWEEN
         return Location(
             'between', f'{m.legacy} (inside)', f'{m.nnx} (inside)',
-            f'{inputs} and its {len(inside)} submodule call(s) agree, {apart}: {what}', first=i,
+            f'{inputs} and its {len(inside)} submodule call(s) agree, {apart}: {what}{said}', first=i,
         )  # fmt: skip
-    return Location('module', m.legacy, m.nnx, f'{inputs}, {apart}: it computes something else', first=i)
+    return Location('module', m.legacy, m.nnx, f'{inputs}, {apart}: it computes something else{said}', first=i)
 
 
 def _loss(step: _Step) -> Location | None:
