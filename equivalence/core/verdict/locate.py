@@ -574,13 +574,16 @@ def locate(port: Port, config: RunConfig, inputs, n_twin: twin.Kind | None) -> L
     if found.kind != 'none' or steps < 2:
         return found
     n_twin = here(n_twin, config, inputs)
-    results, raw = intercept.first_steps(port, config, inputs.variables, inputs.calls, inputs.rng, n_twin, steps)
-    at = _first_parting(results, steps)
+    for n in sorted({2, steps}):  # step 2 first: where a warmup's zero first update hid the slip, one run
+        results, raw = intercept.first_steps(port, config, inputs.variables, inputs.calls, inputs.rng, n_twin, n)
+        at = _first_parting(results, n)
+        if at is not None:
+            break
     if at is None:
         return judge_step(port, results, raw, mapping, inputs.variables, at=steps)
-    if at < steps:
+    if at < n:
         results, raw = intercept.first_steps(port, config, inputs.variables, inputs.calls, inputs.rng, n_twin, at)
-    start = results['legacy'].params_per_call[at - 2]
+    start = results['legacy'].params_per_call[at - 2] if at > 1 else None
     found = judge_step(port, results, raw, mapping, inputs.variables, at=at, start=start)
     if _first_update_is_0(results, inputs.variables, mapping):
         warmup = "(nothing parts before it; step 1's update is 0, as warmup gives)"
