@@ -163,7 +163,7 @@ def _tap_fwd(label: str, x: jax.Array):
 def _tap_bwd(label: str, _, ct: jax.Array):
     try:
         _emit(label, 'cotangent', (), [ct])
-    except Exception:  # noqa: BLE001 -- a cotangent that cannot leave the program is not recorded (said by locate)
+    except Exception:  # noqa: BLE001 -- not recorded: the loss is then judged by the reported loss alone
         pass
     return (ct,)
 
