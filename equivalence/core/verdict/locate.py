@@ -154,9 +154,7 @@ class _Step:
 
     def before(self) -> dict[str, np.ndarray]:
         """The parameters before the judged step, by NNX path."""
-        if self.start is not None:
-            return self.start
-        return {self.mapping.get(p, p): a for p, a in convert.flatten(self.variables.get('params', {})).items()}
+        return self.start if self.start is not None else _initial(self.variables, self.mapping)
 
     @property
     def after(self) -> str:
@@ -213,9 +211,9 @@ def _fed(step: _Step, i: int, m: Module) -> Location:
 def _settings(step: _Step, m: Module) -> str:
     """The scalar settings the two sides' calls ``m`` hold under one name with other values ('' none):
     ``; its settings differ: epsilon 1e-06 ↔ 1e-05``."""
-    old = {label: new for label, new in step.paired.items()}
     legacy_label = '' if m.legacy == ROOT else m.legacy
-    records = [step.raw.get('legacy', {}).get(legacy_label), step.raw.get('nnx', {}).get(old.get(legacy_label, ''))]
+    nnx_label = step.paired.get(legacy_label, '')
+    records = [step.raw.get('legacy', {}).get(legacy_label), step.raw.get('nnx', {}).get(nnx_label)]
     if records[0] is None or records[1] is None:
         return ''
     a, b = (dict(r.settings) for r in records)
@@ -253,14 +251,19 @@ def _loss(step: _Step) -> Location | None:
     leaf = _worst([leaf for leaf in _held(*trees).values() if not leaf.ok])
     if leaf is None:
         return _output_grad(step)
+    return _loss_location(
+        step,
+        f'the {leaf.path} loss is {_e(leaf.max_abs)} apart (allowed {_e(leaf.limit)}): '
+        'the loss function differs (label smoothing, weights, reduction, masking)',
+    )
+
+
+def _loss_location(step: _Step, figures: str) -> Location:
+    """A ``loss`` location: the two sides' loss functions, and whether the model's output agrees first."""
     root = next((m for m in step.modules if m.legacy == ROOT), None)
     model = f"the model's output agrees ({_e(root.output_diff)} apart); " if root is not None else ''
     names = _loss_names(step.port)
-    return Location(
-        'loss', names[0], names[1],
-        f'{model}the {leaf.path} loss is {_e(leaf.max_abs)} apart (allowed {_e(leaf.limit)}): '
-        'the loss function differs (label smoothing, weights, reduction, masking)',
-    )  # fmt: skip
+    return Location('loss', names[0], names[1], model + figures)
 
 
 def _output_grad(step: _Step) -> Location | None:
@@ -281,15 +284,12 @@ def _output_grad(step: _Step) -> Location | None:
     leaf = _held({'d': (c * a).reshape(new.shape)}, {'d': new}, {'d': twin_})['d']
     if leaf.ok:
         return None
-    root = next((m for m in step.modules if m.legacy == ROOT), None)
-    model = f"the model's output agrees ({_e(root.output_diff)} apart); " if root is not None else ''
-    names = _loss_names(step.port)
-    return Location(
-        'loss', names[0], names[1],
-        f'{model}the gradient of the training loss with respect to it is {_e(leaf.max_abs)} apart once one factor '
+    return _loss_location(
+        step,
+        f'the gradient of the training loss with respect to it is {_e(leaf.max_abs)} apart once one factor '
         f'({c:.4g}: the reduction) is taken out (allowed {_e(leaf.limit)}): the loss the step trains on differs '
         '(label smoothing, weights, masking), whether or not the loss it reports does',
-    )  # fmt: skip
+    )
 
 
 def _loss_names(port: Port) -> tuple[str, str]:
@@ -475,7 +475,12 @@ def judge_step(
                              'was not observed on both sides: not localised further')  # fmt: skip
         if found is not None:
             said = [n for n in notes if stage is _update or not n.startswith("a loop port's gradients")]
-            figures = f'on step {at} (nothing parts before it): {found.figures}' if at > 1 else found.figures
+            figures = found.figures
+            if at > 1:
+                warmup = (
+                    "; step 1's update is 0, as warmup gives" if _first_update_is_0(results, variables, mapping) else ''
+                )
+                figures = f'on step {at} (nothing parts before it{warmup}): {figures}'
             return dataclasses.replace(found, figures=figures, modules=tuple(modules), notes=tuple(said))
     checked = 'the loss, the gradients, ' if step.grads('legacy') else 'the loss, '
     later = 'the sides part later (a schedule, or growth from rounding)'
@@ -584,11 +589,7 @@ def locate(port: Port, config: RunConfig, inputs, n_twin: twin.Kind | None) -> L
     if at < n:
         results, raw = intercept.first_steps(port, config, inputs.variables, inputs.calls, inputs.rng, n_twin, at)
     start = results['legacy'].params_per_call[at - 2] if at > 1 else None
-    found = judge_step(port, results, raw, mapping, inputs.variables, at=at, start=start)
-    if _first_update_is_0(results, inputs.variables, mapping):
-        warmup = "(nothing parts before it; step 1's update is 0, as warmup gives)"
-        found = dataclasses.replace(found, figures=found.figures.replace('(nothing parts before it)', warmup, 1))
-    return found
+    return judge_step(port, results, raw, mapping, inputs.variables, at=at, start=start)
 
 
 def _first_parting(results: dict, steps: int) -> int | None:
@@ -600,9 +601,14 @@ def _first_parting(results: dict, steps: int) -> int | None:
     return None
 
 
+def _initial(variables: dict, mapping: dict[str, str]) -> dict[str, np.ndarray]:
+    """The parameters before step 1 (linen's ``variables``), by NNX path."""
+    return {mapping.get(p, p): a for p, a in convert.flatten(variables.get('params', {})).items()}
+
+
 def _first_update_is_0(results: dict, variables: dict, mapping: dict[str, str]) -> bool:
     """Whether the pmap side's first step moved no parameter."""
-    start = {mapping.get(p, p): a for p, a in convert.flatten(variables.get('params', {})).items()}
+    start = _initial(variables, mapping)
     after = results['legacy'].params_per_call[0]
     return all(np.array_equal(after[k], start[k]) for k in after if k in start)
 
