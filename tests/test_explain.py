@@ -167,16 +167,7 @@ def test_explain_bad_input_exits_2_with_one_line(args, expected):
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith('error: ') and expected in lines[0]
 
 
-def test_run_plot_writes_two_nonempty_pngs_and_keeps_them(tmp_path):
-    figures = tmp_path / 'figures'
-    proc = cli('equivalence.run', '--steps-per-call', '2', '--calls', '2', '--plot', str(figures))
-    assert proc.returncode == 0, proc.stderr
-    assert 'compiled calls' not in proc.stderr  # no progress bar when stderr is not a terminal
-    pngs = {name: (figures / name).read_bytes() for name in ('losses.png', 'divergence.png')}
-    assert all(data.startswith(b'\x89PNG') and len(data) > 10_000 for data in pngs.values())
-    again = cli('equivalence.run', '--plot', str(figures))
-    assert again.returncode == 2 and 'pass --overwrite' in again.stderr
-    assert all((figures / name).read_bytes() == data for name, data in pngs.items())
+# run --plot's two figures, kept unless --overwrite: test_cli.py's matching run writes them.
 
 
 def test_progress_bar_only_on_a_terminal(monkeypatch):
