@@ -323,7 +323,9 @@ def test_readme_is_short_and_ci_runs_its_test_command_word_for_word():
 def test_every_help_names_module_NAME_for_a_port(module, argv, capsys):
     with pytest.raises(SystemExit) as done:
         importlib.import_module(module).parse(argv)
-    assert done.value.code == 0 and 'package.module:NAME' in ' '.join(capsys.readouterr().out.split())
+    said = ' '.join(capsys.readouterr().out.split())
+    # the commands that import a port from the folder they run in say it may sit in a package
+    assert done.value.code == 0 and ('package.module:NAME' if 'checkpoint' not in module else 'module:NAME') in said
 
 
 def test_python_m_equivalence_lists_the_commands_and_every_guide_without_importing_jax():
