@@ -155,6 +155,48 @@ def trained_on(train_loss):
     return dataclasses.replace(my_port.LOOP, nnx_call=lambda ts, key, batch: (ts, calls(*ts, key, batch)))
 
 
+class LinenSelfAttention(nn.Module):
+    """Attention as flax's linen lm1b/wmt write it: ``nn.SelfAttention``, whose ``__call__`` calls its
+    parent's (``MultiHeadDotProductAttention``), handing it the dropout key, with dropout on."""
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.SelfAttention(num_heads=2, qkv_features=8, use_bias=False, dropout_rate=0.1, deterministic=False)(
+            nn.Embed(16, 8)(x), nn.make_causal_mask(x)
+        )
+        return nn.Dense(16, name='head')(nn.relu(nn.Dense(8, name='hidden')(y)))
+
+
+class NnxSelfAttention(nnx.Module):
+    def __init__(self, act=nnx.relu, *, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(16, 8, rngs=rngs)
+        self.attention = nnx.MultiHeadAttention(num_heads=2, in_features=8, qkv_features=8, use_bias=False,
+                                                dropout_rate=0.1, decode=False, rngs=rngs)  # fmt: skip
+        self.hidden, self.head, self.act = nnx.Linear(8, 8, rngs=rngs), nnx.Linear(8, 16, rngs=rngs), act
+
+    def __call__(self, x):
+        y = self.attention(self.embed(x), mask=nnx.make_causal_mask(x), deterministic=False)
+        return self.head(self.act(self.hidden(y)))
+
+
+def next_token_loss(logits, tokens):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean(-1)
+
+
+ATTENTION_GELU = ModelPort(  # the slip: gelu for relu after the attention (found on flax's own lm1b_nnx)
+    name='attention-gelu',
+    legacy_model=LinenSelfAttention,
+    nnx_model=lambda rngs: NnxSelfAttention(nnx.gelu, rngs=rngs),
+    legacy_loss=lambda model, params, state, batch, noise: next_token_loss(
+        model.apply({'params': params}, batch), batch
+    ),
+    nnx_loss=lambda model, batch, noise: next_token_loss(model(batch), batch),
+    make_data=lambda rng, n_steps, batch: rng.integers(0, 16, size=(n_steps, batch, 4)).astype(np.int32),
+    make_tx=lambda lr_scale: optax.adam(1e-2 * lr_scale),
+    names={'Embed_0': 'embed', 'SelfAttention_0': 'attention', 'hidden': 'hidden', 'head': 'head'},
+    default_batch=16,
+)
+
 PORTS = {
     'correct': my_port.LOOP,
     'layernorm-eps': my_port.LOOP_EPSILON_SLIP,  # NNX LayerNorm epsilon 1e-5, linen 1e-6
@@ -168,6 +210,7 @@ PORTS = {
     'b1': loop_with(optax.adamw(3e-3, b1=0.95, weight_decay=1e-4)),  # (1 - b1) half the pmap side's
     'train-loss': trained_on(penalised),
     'train-targets': trained_on(shrunk),
+    'attention-gelu': ATTENTION_GELU,
 }
 
 
@@ -218,6 +261,17 @@ def test_a_swapped_activation_is_the_code_between_two_agreeing_modules():
     assert (loc.kind, loc.legacy, loc.nnx) == ('between', 'LayerNorm_0 → Dropout_0', 'norm → drop'), loc.line()
     m = first(loc)
     assert not m.input_ok and loc.modules[loc.first - 1].legacy == 'LayerNorm_0'
+
+
+def test_an_activation_after_a_linen_self_attention_with_dropout_is_located_after_it():
+    """linen's ``SelfAttention`` runs its parent's ``__call__`` inside its own: one call, recorded once, whose
+    inputs are what the model handed it (before, the inner call, given the dropout key too, was the one
+    paired, its inputs never agreed, and every slip of flax's lm1b_nnx port was located at the attention)."""
+    loc = located('attention-gelu')
+    assert (loc.kind, loc.legacy, loc.nnx) == ('between', 'hidden → head', 'hidden → head'), loc.line()
+    first(loc)  # every call before it agrees: the embedding and the attention, dropout and all
+    before = [m.legacy for m in loc.modules[: loc.first]]
+    assert before[0] == 'Embed_0' and before.count('SelfAttention_0') == 1 and before[-1] == 'hidden', before
 
 
 def test_a_dropout_that_draws_otherwise_is_randomness_at_that_dropout():

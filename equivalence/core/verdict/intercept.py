@@ -68,6 +68,7 @@ class _Session:
         self.order = 0
         self.paths: dict[int, str] = {}  # NNX: id(module) -> its path under the outermost module called
         self.active: set[int] = set()  # NNX: modules whose __call__ is running
+        self.linen_active: set[int] = set()  # linen: the same
 
 
 _SESSION = _Session()
@@ -180,12 +181,19 @@ def _tapped(out: Any) -> Any:
 
 
 def _linen_call(next_fun, args, kwargs, context):
-    out = next_fun(*args, **kwargs)
-    if _SESSION.side is not None and context.method_name == '__call__':
-        path = '/'.join(context.module.path)
-        _emit(_label(path), type(context.module).__name__, (args, kwargs), out, module=context.module)
-        out = out if path else _tapped(out)
-    return out
+    s, module = _SESSION, context.module
+    # once per call: a subclass's __call__ calling its parent's (linen's SelfAttention calls
+    # MultiHeadDotProductAttention's, handing it the dropout key) is the outer call's own work
+    if s.side is None or context.method_name != '__call__' or id(module) in s.linen_active:
+        return next_fun(*args, **kwargs)
+    s.linen_active.add(id(module))
+    try:
+        out = next_fun(*args, **kwargs)
+    finally:
+        s.linen_active.discard(id(module))
+    path = '/'.join(module.path)
+    _emit(_label(path), type(module).__name__, (args, kwargs), out, module=module)
+    return out if path else _tapped(out)
 
 
 def _nnx_call(method: Callable) -> Callable:
