@@ -3,9 +3,11 @@ them: their steps, passed as written, match, and each one's slip is caught. ``im
 ``wmt_port`` (linen pmap -> NNX objects) at 8 devices; ``functional_nnx_port`` (functional NNX in a
 flax ``TrainState``) and ``linen_jit_port`` (linen under ``jax.jit``, its mesh built at import, each
 device count in a process of its own) at 2; ``vit_port`` (a Vision Transformer) with its bfloat16
-momentum on 2 devices, which the float32 rule called a MISMATCH (docs/verdict.md, precision). Their
-own ``test_port.py`` runs D in {1, 2, 4, 8} (minutes on 2 cores); here one device count and the slip
-only, to keep the suite's time."""
+momentum on 2 devices, which the float32 rule called a MISMATCH (docs/verdict.md, precision): its MATCH
+alone: its slip (the exact gelu in one block, caught by the float32 losses) is left to its own tests,
+and the precision rule's negative control here is ``test_corpus``'s bfloat16 slip (the ViT check costs
+about 25 s of the suite's 2-core time). Their own ``test_port.py`` runs D in {1, 2, 4, 8} (minutes on 2
+cores); here one device count and the slip, to keep the suite's time."""
 
 import os
 import shutil
@@ -18,7 +20,7 @@ SELECTED = {  # example -> the tests of its test_port.py run here
     'wmt_port': 'loop-8 or slip',
     'functional_nnx_port': 'D2 or slip',
     'linen_jit_port': 'D2 or slip',
-    'vit_port': 'loop-2 or slip',
+    'vit_port': 'loop-2',  # its slip: its own test_port; bfloat16's negative control here: test_corpus
 }
 
 
@@ -31,4 +33,4 @@ def test_example_from_a_fresh_directory_matches_and_catches_its_slip(name, tmp_p
     # the suite on PYTHONPATH, as an installed package would be (not the example's folder)
     proc = run_pytest_in(tmp_path, '-k', SELECTED[name], env={'PYTHONPATH': ROOT}, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert '2 passed' in proc.stdout, proc.stdout[-2000:]
+    assert f'{len(SELECTED[name].split(" or "))} passed' in proc.stdout, proc.stdout[-2000:]
