@@ -10,6 +10,7 @@ import io
 import json
 import subprocess
 import sys
+import types
 
 import jax
 import pytest
@@ -141,10 +142,14 @@ def cli(module: str, *args: str) -> subprocess.CompletedProcess:
     return run_module(module, *args)
 
 
-def test_explain_cli_prints_and_writes_the_same_answers(tmp_path):
+def test_explain_cli_prints_and_writes_the_same_answers(tmp_path, capsys):
+    """The command's own entry point, in this process (the mlp8 fixture's programs, compiled once); the
+    command as a process of its own: the bad-input tests below."""
+    from equivalence.explain.__main__ import main
+
     out = tmp_path / 'explain.json'
-    proc = cli('equivalence.explain', '--steps-per-call', str(K), '--json', str(out))
-    assert proc.returncode == 0, proc.stderr
+    assert main(['--steps-per-call', str(K), '--json', str(out)]) == 0
+    proc = types.SimpleNamespace(stdout=capsys.readouterr().out)
     report = json.loads(out.read_text())
     assert report['devices'] == 8 and report['steps_per_call'] == K
     for path in ('legacy', 'nnx'):
@@ -156,8 +161,9 @@ def test_explain_cli_prints_and_writes_the_same_answers(tmp_path):
     for question in explain.QUESTIONS.values():
         assert question in proc.stdout
     assert 'CPU 0,1,2,3,4,5,6,7' in proc.stdout  # the picture of a replicated kernel
-    again = cli('equivalence.explain', '--json', str(out))
-    assert again.returncode == 2 and 'pass --overwrite' in again.stderr
+    with pytest.raises(SystemExit) as refused:  # bad input: the one line, exit 2
+        main(['--json', str(out)])
+    assert refused.value.code == 2 and 'pass --overwrite' in capsys.readouterr().err
 
 
 @pytest.mark.parametrize('args, expected', [(['--batch-size', '100'], 'not divisible'), (['--devices', 'x'], 'int')])
