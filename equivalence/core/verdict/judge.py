@@ -39,7 +39,7 @@ import numpy as np
 
 from equivalence.core.port import blame, convert
 from equivalence.core.port.config import RunConfig
-from equivalence.core.port.ports import LoopPort, ModelPort, Port
+from equivalence.core.port.ports import LoopPort, ModelPort, Port, init_inputs
 from equivalence.core.run import draws, footprint, randomness, setups, sides
 from equivalence.core.run.sides import PathResult
 from equivalence.core.verdict import compare, fresh, legacy_rows, locate, rule, twin
@@ -167,8 +167,9 @@ def output_layer(port: Port, variables: dict, batch_KxG) -> set[str]:
 
     example = jax.tree.map(lambda v: v[0, :1], batch_KxG)
     key = jax.random.PRNGKey(0)
+    args, kwargs = init_inputs(port, example)
     with nn.intercept_methods(record):
-        jax.eval_shape(lambda: port.legacy_model().init({'params': key, 'dropout': key}, *port.init_args(example)))
+        jax.eval_shape(lambda: port.legacy_model().init({'params': key, 'dropout': key}, *args, **kwargs))
     paths = list(convert.flatten(variables.get('params', {})))
     owner = lambda p: p.rpartition('/')[0]  # noqa: E731
     last = next((m for m in reversed(entered) if any(owner(p) == m for p in paths)), None)
