@@ -210,6 +210,31 @@ def test_the_new_side_is_read_without_groups():
     assert int(groups['step']['step']) == 0 and 'Dense_0' in groups['params']
     with pytest.raises(TypeError, match='give the port new_groups='):
         new_side.read_groups({'weights': groups['params']})
+    # a tuple (params, opt_state), as the pmap side reads one (AlgoPerf keeps its state so on both sides)
+    pair = new_side.read_groups((variables['params'], tx().init(variables['params'])))
+    assert jax.tree.structure(pair) == jax.tree.structure(groups) and int(pair['step']['step']) == 0
+    with pytest.raises(TypeError, match=r'or be a tuple \(params, opt_state\); got tuple'):
+        new_side.read_groups((variables['params'], None, None))
+
+
+def test_a_tuple_new_state_is_run_as_written():
+    """The user's step gets its tuple back as it returned it; the report reads it as the dict form."""
+
+    def tuple_step(state, batch, dropout_rng, b2=0.98):
+        new, out = linen_jit_step({'params': state[0], 'opt_state': state[1]}, batch, dropout_rng, b2)
+        return (new['params'], new['opt_state']), out
+
+    def tuple_state(variables):
+        state = linen_jit_state(variables)
+        return state['params'], state['opt_state']
+
+    port = dataclasses.replace(LINEN_JIT, name='linen-jit-tuple', new_state=tuple_state, new_step=jax.jit(tuple_step))
+    result = harness.check(port, devices=2, verdict='screen', **QUICK)
+    assert result.report.match, [leaf for leaf in result.report.leaves if not leaf.ok]
+    assert {'params/Dense_0/kernel', 'opt_state/0/nu/Dense_1/bias'} <= {leaf.name for leaf in result.report.leaves}
+    # the negative control: the same step with Adam's b2 at optax's default, 0.999
+    slipped = dataclasses.replace(port, new_step=jax.jit(functools.partial(tuple_step, b2=0.999)))
+    assert not harness.check(slipped, devices=2, diagnose=False, **QUICK).report.match
 
 
 def test_the_old_field_names_build_the_same_port():

@@ -5,8 +5,9 @@ boundary, so that nothing of them leaks into the harness.
   ``.optimizer`` (``convert.find_nnx_groups``), stepped by ``nnx.jit`` or split/merge;
 - a flax ``TrainState`` (or subclass) whose ``params`` is an ``nnx.State`` and which carries a
   ``graphdef``: functional NNX under ``jax.jit``, as flax's own NNX examples write it;
-- a plain pytree of linen parameters and optax state, a dict ``{'params', 'opt_state'}`` or a
-  ``TrainState``, stepped by linen under ``jax.jit``: no NNX at all.
+- a plain pytree of linen parameters and optax state, a dict ``{'params', 'opt_state'}``, a tuple
+  ``(params, opt_state)`` (as the pmap side reads one) or a ``TrainState``, stepped by linen under
+  ``jax.jit``: no NNX at all.
 
 The last two are ``pytree`` forms: the user's step gets them as they are (a plain array stays an
 array; the pre-flight traces them with ``jax.eval_shape`` over the real pytree), and they are read
@@ -60,11 +61,14 @@ def plain(tree: Any) -> Any:
 
 
 def fields(train_state: Any) -> dict[str, Any] | None:
-    """A pytree train state's fields by name: a dataclass (flax ``TrainState``), a namedtuple, a dict."""
+    """A pytree train state's fields by name: a dataclass (flax ``TrainState``), a namedtuple, a tuple
+    ``(params, opt_state)``, a dict."""
     if dataclasses.is_dataclass(train_state) and not isinstance(train_state, type):
         return {f.name: getattr(train_state, f.name) for f in dataclasses.fields(train_state)}
     if hasattr(train_state, '_asdict'):
         return dict(train_state._asdict())
+    if isinstance(train_state, tuple | list) and len(train_state) == 2:  # (params, opt_state), as the pmap side's
+        return {'params': train_state[0], 'opt_state': train_state[1]}
     return dict(train_state) if isinstance(train_state, Mapping) else None
 
 
@@ -76,8 +80,8 @@ def read_groups(train_state: Any) -> dict[str, Any]:
     if named is None or named.get('params') is None:
         given = sorted(named) if named is not None else type(train_state).__name__
         raise TypeError(
-            f"the new train state must be NNX objects (model, optimizer), or hold 'params' and 'opt_state' "
-            f'by field or key; got {given}: give the port new_groups='
+            f"the new train state must be NNX objects (model, optimizer), hold 'params' and 'opt_state' "
+            f'by field or key, or be a tuple (params, opt_state); got {given}: give the port new_groups='
         )
     get = lambda *names: next((named[n] for n in names if named.get(n) is not None), None)  # noqa: E731
     model_state = get('model_state')
