@@ -10,7 +10,6 @@ import io
 import json
 import subprocess
 import sys
-import types
 
 import jax
 import pytest
@@ -149,7 +148,7 @@ def test_explain_cli_prints_and_writes_the_same_answers(tmp_path, capsys):
 
     out = tmp_path / 'explain.json'
     assert main(['--steps-per-call', str(K), '--json', str(out)]) == 0
-    proc = types.SimpleNamespace(stdout=capsys.readouterr().out)
+    printed = capsys.readouterr().out
     report = json.loads(out.read_text())
     assert report['devices'] == 8 and report['steps_per_call'] == K
     for path in ('legacy', 'nnx'):
@@ -157,10 +156,10 @@ def test_explain_cli_prints_and_writes_the_same_answers(tmp_path, capsys):
         assert d['collectives'] and d['placement'] and d['memory_per_device_bytes']['arguments'] > 0
         assert d['memory_per_device_bytes']['arguments'] == d['input_bytes_per_device']
         for answer in d['answers'].values():
-            assert answer['why'] in proc.stdout  # the text shows exactly what the JSON holds
+            assert answer['why'] in printed  # the text shows exactly what the JSON holds
     for question in explain.QUESTIONS.values():
-        assert question in proc.stdout
-    assert 'CPU 0,1,2,3,4,5,6,7' in proc.stdout  # the picture of a replicated kernel
+        assert question in printed
+    assert 'CPU 0,1,2,3,4,5,6,7' in printed  # the picture of a replicated kernel
     with pytest.raises(SystemExit) as refused:  # bad input: the one line, exit 2
         main(['--json', str(out)])
     assert refused.value.code == 2 and 'pass --overwrite' in capsys.readouterr().err

@@ -7,7 +7,7 @@ momentum on 2 devices, which the float32 rule called a MISMATCH (docs/verdict.md
 alone: its slip (the exact gelu in one block, caught by the float32 losses) is left to its own tests,
 and the precision rule's negative control here is ``test_corpus``'s bfloat16 slip (the ViT check costs
 about 25 s of the suite's 2-core time). Their own ``test_port.py`` runs D in {1, 2, 4, 8} (minutes on 2
-cores); here one device count and the slip, to keep the suite's time."""
+cores); here one device count, and the slip but for the ViT's, to keep the suite's time."""
 
 import os
 import shutil
