@@ -19,6 +19,7 @@ from equivalence import run as run_command
 from equivalence.checkpoint import __main__ as checkpoint_command
 from equivalence.checkpoint import layout, migrate, resume, store
 from equivalence.checkpoint.options import CheckpointOptions
+from equivalence.core import kinds
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.run import setups, sides
@@ -188,14 +189,14 @@ def score_nnx(tmp_path_factory):
     variables, calls, rng = setups.make_inputs(SCORE, config)
     directory = str(tmp_path_factory.mktemp('score_nnx') / 'nnx')
     hook = resume.nnx_saver(directory, config, every=2)
-    whole = sides.run_nnx(SCORE, config, variables, calls, rng, after_call=hook)
+    whole = sides.run_nnx(kinds.of(SCORE), config, variables, calls, rng, after_call=hook)
     return config, variables, calls, whole, directory
 
 
 def test_nnx_save_and_resume_is_bitwise_equal_to_an_uninterrupted_nnx_run(score_nnx):
     config, variables, calls, whole, directory = score_nnx
     restore = resume.restorer(directory, config, 4)
-    resumed = sides.run_nnx(SCORE, config, variables, calls[2:], None, restore=restore)
+    resumed = sides.run_nnx(kinds.of(SCORE), config, variables, calls[2:], None, restore=restore)
     np.testing.assert_array_equal(resumed.losses, whole.losses[4:])
     for group, leaves in whole.final.items():
         for path, value in leaves.items():
@@ -211,7 +212,7 @@ def test_resuming_without_the_recorded_key_chain_is_not_the_same_run(score_nnx):
     """Negative control: the checkpoint's host key chain is what makes the keys continue."""
     config, variables, calls, whole, directory = score_nnx
     fresh = lambda setup: (resume.restorer(directory, config, 4)(setup), jax.random.PRNGKey(0))[1]  # noqa: E731
-    resumed = sides.run_nnx(SCORE, config, variables, calls[2:], None, restore=fresh)
+    resumed = sides.run_nnx(kinds.of(SCORE), config, variables, calls[2:], None, restore=fresh)
     assert not np.array_equal(resumed.losses, whole.losses[4:])
 
 

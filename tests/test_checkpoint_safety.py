@@ -18,10 +18,11 @@ from hostile_ports import LOOP, old
 from equivalence.checkpoint import __main__ as checkpoint_command
 from equivalence.checkpoint import manifest, resume, store
 from equivalence.checkpoint.store import CheckpointError
+from equivalence.core import kinds
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort
-from equivalence.core.run import setups, sides
+from equivalence.core.run import setups
 from legacy_pmap import checkpoints as legacy_checkpoints
 from legacy_pmap import train as legacy
 
@@ -154,7 +155,7 @@ def test_a_flipped_byte_is_caught_by_verify_and_by_the_resume_restore(checkpoint
     assert code == 2 and err.count('\n') == 1 and f'NNX leaf {leaf} does not match its manifest' in err, err
     config = RunConfig(workload='mlp', devices=1, steps_per_call=1, calls=1, batch_size=1, rng_mode='global')
     variables, _, _ = setups.make_inputs(MLP, config)
-    setup = sides.nnx_setup(MLP, config, variables)
+    setup = kinds.of(MLP).new_setup(config, variables)
     with pytest.raises(CheckpointError, match=f'leaf {leaf} does not match its manifest'):
         resume.restorer(str(damaged), config, 4)(setup)  # --resume-at's restore, before anything is loaded
     resume.restorer(str(checkpoints / 'mlp-nnx'), config, 4)(setup)  # the intact one restores

@@ -18,9 +18,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from equivalence import explain, run
+from equivalence.core import kinds
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
-from equivalence.core.run import setups, sides
+from equivalence.core.run import setups
 from nnx_sharded import sharding
 from nnx_sharded import train as sharded
 
@@ -97,7 +98,7 @@ def test_answers_follow_the_measurement_not_the_path(mlp8):
 
 def sharded_kernel_setup(wl, config, variables) -> setups.NnxSetup:
     """The NNX setup, but ``hidden/kernel`` and its Adam moments split on axis 0 over the mesh."""
-    setup = sides.nnx_setup(wl, config, variables)
+    setup = kinds.of(wl).new_setup(config, variables)
 
     def spec(path, _):
         keys = [explain.key_name(k) for k in path]

@@ -14,7 +14,7 @@ from conftest import ROOT
 
 PACKAGES = ('equivalence', 'legacy_pmap', 'nnx_sharded')
 # The rooms of core, lowest first: a room may import its own and those of a lower rank.
-RANK = {'port': 0, 'run': 1, 'preflight': 2, 'verdict': 2, 'report': 3, 'harness': 4}
+RANK = {'port': 0, 'run': 1, 'preflight': 2, 'verdict': 2, 'kinds': 3, 'report': 3, 'harness': 4}
 # equivalence's library parts: anything else under equivalence/ is a command (or its shared CLI).
 LIBRARY = ('core', 'distributed')
 
@@ -104,6 +104,41 @@ def test_implementations_stand_alone(graph):
     assert not wrong, '\n'.join(wrong)
 
 
+# A port's kind is decided once (``core/port/kind.py``) and answered by one object per kind (``core/kinds/``):
+# nowhere else may code ask a port's class, nor the old predicate that stood for it.
+KIND_ROOMS = ('equivalence/core/port/', 'equivalence/core/kinds/')
+PORT_CLASSES = {'LoopPort', 'ModelPort', 'Port'}
+
+
+def kind_branches(source: str) -> list[int]:
+    """The lines of ``source`` that branch on a port's class: ``isinstance(x, LoopPort)`` (or a tuple of
+    port classes), and calls of ``adapted(...)``, the predicate that once stood for a loop port's form."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, 'id', '')
+        if name == 'adapted':
+            found.append(node.lineno)
+        if name == 'isinstance' and len(node.args) == 2:
+            classes = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+            names = {c.attr if isinstance(c, ast.Attribute) else getattr(c, 'id', '') for c in classes}
+            if names & PORT_CLASSES:
+                found.append(node.lineno)
+    return found
+
+
+def test_a_ports_kind_is_asked_only_in_the_port_room_and_the_kinds():
+    root = pathlib.Path(ROOT)
+    wrong = [
+        f'{path.relative_to(root)}:{line}'
+        for path in sorted((root / 'equivalence').rglob('*.py'))
+        if not str(path.relative_to(root)).startswith(KIND_ROOMS)
+        for line in kind_branches(path.read_text())
+    ]
+    assert not wrong, "a branch on a port's class outside core/port and core/kinds (ask the kind):\n" + '\n'.join(wrong)
+
+
 def test_the_rule_sees_a_circle():
     """Negative control: the walk finds a circle closed inside a function, and a room importing upwards."""
     fake = {
@@ -117,3 +152,7 @@ def test_the_rule_sees_a_circle():
                     for a in n.names}  # fmt: skip
     assert tree_imports == {'equivalence.core.verdict.judge'}
     assert RANK[room('equivalence.core.verdict.judge')] >= RANK[room('equivalence.core.run.sides')]
+    # and a branch on a port's class, however it is written
+    assert kind_branches('if isinstance(port, LoopPort): pass') == [1]
+    assert kind_branches('x = isinstance(p, (ports.ModelPort, int))\ny = adapters.adapted(p)') == [1, 2]
+    assert kind_branches('isinstance(setup, NnxSetup)') == []

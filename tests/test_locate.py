@@ -23,12 +23,12 @@ from flax import nnx
 
 from equivalence import ModelPort
 from equivalence import run as run_command
-from equivalence.core import harness
+from equivalence.core import harness, kinds
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.report import plots, render
-from equivalence.core.run import setups
-from equivalence.core.verdict import implied, intercept, judge, locate, probe, rule, twin
+from equivalence.core.run import model_side, setups
+from equivalence.core.verdict import implied, intercept, judge, locate, probe, rule
 from equivalence.corpus import batchnorm
 
 sys.path.insert(0, os.path.join(ROOT, 'examples', 'mlp_port'))
@@ -220,7 +220,7 @@ def located(name: str) -> locate.Location:
     port = PORTS[name]
     config = RunConfig(workload=name, devices=DEVICES, steps_per_call=1, calls=1, batch_size=port.default_batch,
                        rng_mode=port.rng_modes[0])  # fmt: skip
-    return locate.locate(port, config, judge.Inputs(*setups.make_inputs(port, config)), n_twin=1)
+    return locate.locate(kinds.of(port), config, judge.Inputs(*setups.make_inputs(port, config)), n_twin=1)
 
 
 def first(loc: locate.Location) -> locate.Module:
@@ -344,7 +344,7 @@ def test_an_optimizer_slip_that_warmup_hides_on_step_1_is_located_on_step_2(step
     require_devices(DEVICES)
     config = RunConfig(workload='warmup', devices=DEVICES, steps_per_call=steps, calls=1, perturb=1e-2,
                        batch_size=WARMUP.default_batch, rng_mode=WARMUP.rng_modes[0])  # fmt: skip
-    loc = locate.locate(WARMUP, config, judge.Inputs(*setups.make_inputs(WARMUP, config)), n_twin=1)
+    loc = locate.locate(kinds.of(WARMUP), config, judge.Inputs(*setups.make_inputs(WARMUP, config)), n_twin=1)
     if steps == 1:
         assert loc.kind == 'none' and locate.WARMUP in loc.figures, loc.line()
         return
@@ -408,11 +408,11 @@ def test_a_match_gets_no_location_unless_asked():
     verdict only feeds another (the masked-loss hint's run on 1 device) is never located."""
     matched = rule.Verdict(True, 'measured', ('twin',))
     config = RunConfig(devices=DEVICES, batch_size=64)
-    assert locate.attach(matched, my_port.MODEL, config, None, 1) is matched
+    assert locate.attach(matched, kinds.of(my_port.MODEL), config, None, 1) is matched
     args = ['--workload', 'mlp', '--devices', str(DEVICES), '--locate']
     assert run_command.inputs(args, n_available=DEVICES)[2].locate is True
     assert run_command.inputs(args[:-1], n_available=DEVICES)[2].locate is None  # on MISMATCH only
-    assert locate.attach(dataclasses.replace(matched, match=False), my_port.MODEL,
+    assert locate.attach(dataclasses.replace(matched, match=False), kinds.of(my_port.MODEL),
                          dataclasses.replace(config, locate=False), None, 1).location is None  # fmt: skip
 
 
@@ -445,8 +445,8 @@ def test_where_the_recording_cannot_run_the_probe_and_the_verdict_are_as_before(
     probed = {side: types.SimpleNamespace(grads={'hidden/bias': np.zeros(3)}) for side in ('legacy', 'nnx', 'twin')}
     monkeypatch.setattr(intercept, 'first_steps', cannot)
     monkeypatch.setattr(probe, 'first_steps', lambda *args: probed)
-    assert locate.first_step_grads(port, config, inputs, None) == {s: p.grads for s, p in probed.items()}
-    mismatch = locate.attach(rule.Verdict(False, 'measured', ()), port, config, inputs, None)
+    assert locate.first_step_grads(kinds.of(port), config, inputs, None) == {s: p.grads for s, p in probed.items()}
+    mismatch = locate.attach(rule.Verdict(False, 'measured', ()), kinds.of(port), config, inputs, None)
     assert (
         mismatch.location.kind == 'unlocated' and 'raised RuntimeError: recording refused' in mismatch.location.figures
     )
@@ -465,7 +465,7 @@ def test_under_fsdp_the_twins_rows_are_put_back_before_they_are_compared():
     config = RunConfig(workload='gelu', devices=DEVICES, steps_per_call=1, calls=1, batch_size=port.default_batch,
                        strategy='fsdp')  # fmt: skip
     inputs = judge.Inputs(*setups.make_inputs(port, config))
-    loc = locate.locate(port, config, inputs, n_twin=twin.Reordered('fsdp'))
+    loc = locate.locate(kinds.of(port), config, inputs, n_twin=model_side.Reordered('fsdp'))
     assert (loc.kind, loc.legacy, loc.nnx) == ('between', 'LayerNorm_0 → Dropout_0', 'norm → drop'), loc.line()
     first(loc)
     assert all(m.output_floor is not None and m.output_floor < 1e-5 for m in loc.modules), loc.modules

@@ -20,11 +20,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from equivalence import LoopPort
-from equivalence.core import harness, preflight
+from equivalence.core import harness, kinds, preflight
 from equivalence.core.port import new_side
 from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.report import render
-from equivalence.core.run import adapters, setups, sides
+from equivalence.core.run import adapters, setups
 
 AXIS, FEATURES, HIDDEN, RATE = 'batch', 4, 8, 0.2
 QUICK = {'steps_per_call': 2, 'calls': 2}
@@ -196,7 +196,7 @@ def test_the_preflight_hands_the_step_its_real_pytree():
     port = dataclasses.replace(FUNCTIONAL, new_step=functools.partial(step, learning_rate_fn=learning_rate_fn))
     config = RunConfig(workload=port.name, devices=2, available=len(jax.devices()), batch_size=8,
                        rng_mode='global', **QUICK)  # fmt: skip
-    preflight.check(port, config)
+    preflight.check(kinds.of(port), config)
     assert seen and all(isinstance(s, jax.Array) for s in seen), seen
 
 
@@ -269,7 +269,7 @@ def test_a_step_pinned_to_every_device_run_on_fewer_is_the_ports_one_line():
     port = dataclasses.replace(LINEN_JIT, new_step=pinned_step())
     config = RunConfig(workload=port.name, devices=2, batch_size=8, rng_mode='global', **QUICK)
     variables, calls, rng = setups.make_inputs(port, config)
-    setup = sides.nnx_setup(port, config, variables)
+    setup = kinds.of(port).new_setup(config, variables)
     _, args = setup.call_args(rng, calls[0])
     seen = len(jax.devices())
     with pytest.raises(ConfigError, match=f'new_step is a jax.jit pinned to its own shardings .* --devices {seen}'):

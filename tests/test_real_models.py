@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from equivalence import LoopPort, ModelPort
-from equivalence.core import harness, preflight
+from equivalence.core import harness, kinds, preflight
 from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.run import setups
 from equivalence.core.verdict import judge
@@ -89,13 +89,13 @@ def config(port: ModelPort) -> RunConfig:
 def test_a_keyword_only_train_flag_is_given_by_init_kwargs():
     """Was: ``init_args`` positional only, so upstream's ``__call__(self, x, *, train)`` needed a subclass."""
     require_devices(2)
-    preflight.check(STEM, config(STEM))
+    preflight.check(kinds.of(STEM), config(STEM))
     without = dataclasses.replace(STEM, init_kwargs=None)  # the linen init then misses train: one line, exit 2
     with pytest.raises(preflight.PreflightError, match="port 'vit stem': legacy_model raised TypeError.*'train'"):
-        preflight.check(without, config(without))
+        preflight.check(kinds.of(without), config(without))
     wrong = dataclasses.replace(STEM, init_kwargs=lambda b: (False,))
     with pytest.raises(preflight.PreflightError, match='init_kwargs returned a tuple, not a dict of names'):
-        preflight.check(wrong, config(wrong))
+        preflight.check(kinds.of(wrong), config(wrong))
     with pytest.raises(ConfigError, match=r'init_kwargs \(test_real_models.py:\d+\) cannot be called as init_kwargs'):
         dataclasses.replace(STEM, init_kwargs=lambda: {})
     # the verdict's own abstract init (which layer the model applies last, read on a MATCH) is given them

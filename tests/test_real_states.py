@@ -15,8 +15,8 @@ from flax import nnx
 from test_step_forms import BASE, LinenMLP, tx
 
 from equivalence import LoopPort
-from equivalence.core import harness, preflight
-from equivalence.core.run import adapters
+from equivalence.core import harness, kinds, preflight
+from equivalence.core.run import step_side
 
 QUICK = {'steps_per_call': 2, 'calls': 2}
 SCREEN = {**QUICK, 'verdict': 'screen'}  # the fixed screen: what is checked here is the reading, not the floor
@@ -105,8 +105,8 @@ def test_a_state_the_comparison_cannot_read_is_refused_before_training(monkeypat
     def trained(*args, **kwargs):
         raise AssertionError('a training step ran before the unreadable state was reported')
 
-    monkeypatch.setattr(adapters.StepLegacySetup, 'call', trained)
-    monkeypatch.setattr(adapters.StepNnxSetup, 'call', trained)
+    monkeypatch.setattr(step_side.StepLegacySetup, 'call', trained)
+    monkeypatch.setattr(step_side.StepNnxSetup, 'call', trained)
     port = dataclasses.replace(STRUCT, legacy_state=renamed_state, legacy_step=renamed_step)
     with pytest.raises(preflight.PreflightError) as e:
         harness.check(port, devices=2, **QUICK)
@@ -115,7 +115,7 @@ def test_a_state_the_comparison_cannot_read_is_refused_before_training(monkeypat
     assert 'legacy_groups=' in text, text
     # Given legacy_groups=, the same state is read and trains (positive control of the refusal).
     read = dataclasses.replace(port, legacy_groups=lambda s: {'params': s.weights, 'opt_state': s.moments})
-    preflight.check(read, harness_config(read))
+    preflight.check(kinds.of(read), harness_config(read))
 
 
 def harness_config(port: LoopPort):
@@ -140,4 +140,4 @@ def test_an_nnx_train_state_the_comparison_cannot_read_is_refused_before_trainin
     require_devices(2)
     port = dataclasses.replace(STRUCT, nnx_state=Holder, nnx_step=holder_step)
     with pytest.raises(preflight.PreflightError, match="port 'struct state': new_state returns what the comparison"):
-        preflight.check(port, harness_config(port))
+        preflight.check(kinds.of(port), harness_config(port))

@@ -9,7 +9,7 @@ import pytest
 from conftest import require_devices
 from flax import nnx
 
-from equivalence.core import harness
+from equivalence.core import harness, kinds
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.run import setups, sides
@@ -52,8 +52,8 @@ def test_swapping_rng_modes_between_the_sides_is_a_mismatch():
     wl = workloads.get('cnn')
     cfg = config('cnn', devices=8)
     variables, calls, rng = setups.make_inputs(wl, cfg)
-    old = sides.run_legacy(wl, cfg, variables, calls, rng)
-    new = sides.run_nnx(wl, dataclasses.replace(cfg, rng_mode='global'), variables, calls, rng)
+    old = sides.run_legacy(kinds.of(wl), cfg, variables, calls, rng)
+    new = sides.run_nnx(kinds.of(wl), dataclasses.replace(cfg, rng_mode='global'), variables, calls, rng)
     report = compare.compare(sides.with_losses(old.final, old.losses), sides.with_losses(new.final, new.losses))
     assert not report.match
     assert not next(x for x in report.leaves if x.group == 'losses').ok

@@ -15,11 +15,11 @@ from flax import nnx
 from flax.training import train_state
 
 from equivalence import LoopPort
-from equivalence.core import harness
+from equivalence.core import harness, kinds
 from equivalence.core.port import states
 from equivalence.core.port.config import ConfigError
 from equivalence.core.report import render
-from equivalence.core.run import adapters
+from equivalence.core.run import adapters, step_side
 
 AXIS, FEATURES, HIDDEN = 'batch', 4, 8
 QUICK = {'steps_per_call': 2, 'calls': 2}
@@ -253,7 +253,7 @@ def test_a_pmapped_scan_is_run_as_the_step_it_wraps():
 
     p_train_step = jax.pmap(functools.partial(jax.lax.scan, carry_step), axis_name=AXIS, donate_argnums=1)
     port = dataclasses.replace(FORMS['carry with metrics'], legacy_step=p_train_step)
-    preflight.check(port, RunConfig(workload=port.name, devices=2, batch_size=8, rng_mode='global', **QUICK))
+    preflight.check(kinds.of(port), RunConfig(workload=port.name, devices=2, batch_size=8, rng_mode='global', **QUICK))
     assert adapters.legacy_step(port) is carry_step
     assert adapters.wrapped_notes(port) == [
         'legacy_step is jax.pmap(functools.partial(jax.lax.scan, carry_step)): the suite runs carry_step under its '
@@ -271,8 +271,8 @@ def test_forms_that_do_not_fit_together_exit_2_before_any_work():
         with pytest.raises(ConfigError, match=message):
             harness.check(dataclasses.replace(port, **bad), devices=2, **QUICK)
     with pytest.raises(ConfigError, match='explain reads one compiled call per side'):
-        adapters.one_program_each(port, 'explain')  # its step runs once per step: no single program to read
-    adapters.one_program_each(FORMS['state_rng, scan, fused nnx'], 'explain')
+        kinds.of(port).one_program_each('explain')  # its step runs once per step: no single program to read
+    kinds.of(FORMS['state_rng, scan, fused nnx']).one_program_each('explain')
 
 
 def _state_only(state, batch):
@@ -347,8 +347,8 @@ def test_a_mistake_in_a_real_step_is_one_line_before_any_training(fields, line, 
     def trained(*args, **kwargs):
         raise AssertionError('a training step ran before the mistake was reported')
 
-    monkeypatch.setattr(adapters.StepLegacySetup, 'call', trained)
-    monkeypatch.setattr(adapters.StepNnxSetup, 'call', trained)
+    monkeypatch.setattr(step_side.StepLegacySetup, 'call', trained)
+    monkeypatch.setattr(step_side.StepNnxSetup, 'call', trained)
     port = dataclasses.replace(FORMS['state, steps, no key'], **fields)
     with pytest.raises(preflight.PreflightError) as e:
         harness.check(port, devices=2, **QUICK)

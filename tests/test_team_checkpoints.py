@@ -12,6 +12,7 @@ from conftest import ROOT, assert_one_line_error, require_devices, run_module
 
 from equivalence.checkpoint import migrate, resume
 from equivalence.checkpoint.store import CheckpointError
+from equivalence.core import kinds
 from equivalence.core.port.config import RunConfig
 from equivalence.core.run import adapters, setups, sides
 
@@ -44,7 +45,7 @@ def resumed(name: str, tmp_path):
                        rng_mode=port.rng_modes[0])  # fmt: skip
     variables, calls, rng = setups.make_inputs(port, config)
     team_dir, nnx_dir = str(tmp_path / 'team'), str(tmp_path / 'nnx')
-    legacy = sides.run_legacy(port, config, variables, calls, rng, after_call=team_saver(name, old, team_dir))
+    legacy = sides.run_legacy(kinds.of(port), config, variables, calls, rng, after_call=team_saver(name, old, team_dir))
     migration = migrate.migrate(team_dir, nnx_dir, port, step=2)
     run = resume.LegacyRun(legacy, team_dir, variables, calls, rng)
     again = lambda: resume.resume_nnx(port, config, run, nnx_dir, 2)  # noqa: E731
@@ -75,7 +76,7 @@ def test_a_teams_own_checkpoint_migrates_and_resumes_to_match(runs, name, tmp_pa
 def test_without_the_recomputed_key_chain_the_resumed_transformer_does_not_match(runs, monkeypatch):
     """Negative control: a team's checkpoint holds no host key chain; the suite recomputes it from
     the seed. With the placeholder key instead, the resumed dropout masks differ."""
-    monkeypatch.setattr(adapters, 'chain_at', lambda port, config, rng, calls: jax.random.PRNGKey(0))
+    monkeypatch.setattr(adapters, 'chain_at', lambda draws, config, rng, calls: jax.random.PRNGKey(0))
     assert not runs['wmt_port'][4]().report.match
 
 

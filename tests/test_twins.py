@@ -20,12 +20,12 @@ from flax import nnx
 from flax.training import train_state
 
 from equivalence import LoopPort
-from equivalence.core import harness
+from equivalence.core import harness, kinds
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.report import render as report
-from equivalence.core.run import setups, sides
-from equivalence.core.verdict import compare, legacy_rows, twin
+from equivalence.core.run import model_side, setups, sides
+from equivalence.core.verdict import compare, legacy_rows
 from equivalence.core.verdict import rule as verdict
 
 AXIS, FEATURES, HIDDEN, NOISE = 'batch', 4, 8, 0.3
@@ -187,10 +187,10 @@ def test_a_sharded_runs_twins_hold_no_more_per_device_than_the_run():
 def test_a_reordered_twin_gives_every_example_its_own_noise():
     """The twin takes the batch's rows interleaved; the step draws noise by position, so the loss is handed
     each example's own noise (a loss that reads both sees the run's pairs, in the twin's order)."""
-    rows = twin.Reordered('fsdp').rows(8, 2)
+    rows = model_side.Reordered('fsdp').rows(8, 2)
     assert sorted(rows) == list(range(8)) and list(rows[:4]) == [0, 4, 1, 5]
     x = np.arange(8.0)
-    loss = twin.reordered_loss(lambda model, batch, noise: batch * 10 + noise['n'], rows)
+    loss = model_side.reordered_loss(lambda model, batch, noise: batch * 10 + noise['n'], rows)
     assert np.array_equal(loss(None, x[rows], {'n': x}), (x * 11)[rows])
 
 
@@ -203,10 +203,10 @@ def test_the_legacy_twin_with_per_device_keys_draws_what_the_run_draws():
     cnn = workloads.get('cnn')
     config = RunConfig(workload='cnn', devices=2, rng_mode='per-device', batch_size=cnn.default_batch, **QUICK)
     variables, calls, rng = setups.make_inputs(cnn, config)
-    run = sides.run_legacy(cnn, config, variables, calls, rng)
+    run = sides.run_legacy(kinds.of(cnn), config, variables, calls, rng)
     same = legacy_rows.run(cnn, config, 2, variables, calls, rng)
     assert all(np.array_equal(run.final[g][p], same.final[g][p]) for g in run.final for p in run.final[g])
     on_one = legacy_rows.run(cnn, config, 1, variables, calls, rng)
     assert verdict.twin_refusal(run.losses, on_one.losses, 'legacy') == ''
-    plain = sides.run_legacy(cnn, dataclasses.replace(config, devices=1), variables, calls, rng)
+    plain = sides.run_legacy(kinds.of(cnn), dataclasses.replace(config, devices=1), variables, calls, rng)
     assert verdict.twin_refusal(run.losses, plain.losses, 'legacy').startswith('refused: its loss at step 1')

@@ -13,10 +13,10 @@ import numpy as np
 import pmap_side_chaos
 from conftest import ROOT, require_devices
 
-from equivalence.core import harness
+from equivalence.core import harness, kinds
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
-from equivalence.core.run import setups, sides
+from equivalence.core.run import model_side, setups, sides
 from equivalence.core.verdict import compare, fresh, judge, rule, twin
 
 sys.path.insert(0, os.path.join(ROOT, 'examples', 'mlp_port'))
@@ -107,8 +107,9 @@ def test_a_twin_that_changes_the_math_is_refused():
     port = workloads.get('mlp')
     config = RunConfig(workload='mlp', devices=2, steps_per_call=2, calls=1)
     variables, calls, rng = setups.make_inputs(port, config)
-    new = sides.run_nnx(port, config, variables, calls, rng)
-    honest, secret = (twin.run_twin(port, config, variables, calls, rng, 1, lr_scale=s) for s in (1.0, 1.0 + 1e-3))
+    new = sides.run_nnx(kinds.of(port), config, variables, calls, rng)
+    kind = kinds.of(port)
+    honest, secret = (twin.run_twin(kind, config, variables, calls, rng, 1, lr_scale=s) for s in (1.0, 1.0 + 1e-3))
     assert rule.twin_refusal(new.losses, honest.losses) == ''
     assert rule.twin_refusal(new.losses, secret.losses).startswith('refused: its loss at step 2')
 
@@ -129,18 +130,19 @@ def test_a_twin_that_raises_is_named_by_its_culprit_and_its_whole_text_goes_to_t
     def fresh_fails(*args, **kwargs):
         raise RuntimeError(fresh_text)
 
-    monkeypatch.setattr(twin, 'twin_setup', lambda *args, **kwargs: None)  # the twin's own setup is not tested here
+    monkeypatch.setattr(model_side, 'twin_setup', lambda *args, **kwargs: None)  # the twin's own setup: not tested here
     monkeypatch.setattr(twin, 'run_twin', pinned)
     monkeypatch.setattr(fresh, 'run_twin', fresh_fails)
     port, config = workloads.get('mlp'), RunConfig(workload='mlp', devices=2, steps_per_call=2, calls=1)
     inputs = judge.Inputs({}, [None], None)  # one call, never run: both twins raise
-    twins, why, in_fresh = judge.measured_twins(port, config, None, inputs, (1,))
+    twins, why, in_fresh = judge.measured_twins(kinds.of(port), config, None, inputs, (1,))
     assert twins == {} and in_fresh == [] and len(why) == 1, why
     assert why[0].startswith('not run: on 1 device(s) it raised ValueError: Sharding passed'), why
     assert 'for arg type: uint32[2,2]; RuntimeError: ' in why[0] and '\n' not in why[0], why
     assert why[0].endswith('No module named my_port'), why
     report = compare.Report([], port.tolerance)
-    result = judge.RunResult(config, None, None, report, verdict=judge.finish(port, config, report, None, None,
+    kind = kinds.of(port)
+    result = judge.RunResult(config, None, None, report, verdict=judge.finish(kind, config, report, None, None,
                                                                               inputs, why, why[0], None))  # fmt: skip
     from equivalence.core.report import render as report_module
 
@@ -192,7 +194,7 @@ def test_a_legacy_twin_that_could_compute_something_else_is_refused():
     draws what the run's devices draw: tests/test_twins.py.)"""
     score = workloads.get('score')
     config = RunConfig(workload='score', devices=2, rng_mode='global', steps_per_call=2, calls=1)
-    _, said = judge.legacy_twin(score, config, None, None, {}, None)
+    _, said = judge.legacy_twin(kinds.of(score), config, None, None, {}, None)
     assert said.startswith('legacy twin not run: with one call')
     legacy1 = {'w': np.array([1.0, -2.0], np.float32)}
     nnx1, twin1 = {'w': legacy1['w'] + 1e-7}, {'w': legacy1['w'] + 2e-7}  # the NNX twin: 1e-7, allows 1e-6

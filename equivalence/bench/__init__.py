@@ -24,22 +24,21 @@ def run(wl, config, repeats: int, compile_repeats: int, strategy_configs=()):
     from equivalence.bench import loop, variants
     from equivalence.bench import report as benchreport
     from equivalence.bench import timing as measure
-    from equivalence.core import harness, preflight
-    from equivalence.core.port.ports import LoopPort
-    from equivalence.core.run import adapters
+    from equivalence.core import harness, kinds, preflight
     from nnx_sharded import sharding
 
     sharding.take_fallbacks()  # what earlier calls traced is theirs
-    adapters.one_program_each(wl, 'bench')
+    kind = kinds.of(wl)
+    kind.one_program_each('bench')
     for cfg in (config, *strategy_configs):
         harness.validate(wl, cfg)
-    preflight.check(wl, config, pool_steps(config))
+    preflight.check(kind, config, pool_steps(config))
     progress = measure.Progress(f'{config.workload} D={config.devices} K={config.steps_per_call}')
     machine = measure.machine()
     progress('building variants')
     feed = variants.Feed(wl, config, pool_steps(config))
     built = variants.build_all(wl, config, feed, K_SCALING, strategy_configs)
-    derived = loop.derive(wl, config, feed) if isinstance(wl, LoopPort) else loop.Derived([], [])
+    derived = loop.Derived([], []) if kind.suite_loops else loop.derive(wl, config, feed)
     built[2:2] = derived.variants  # beside the port's call at K
     compiles = {}
     for v in built:

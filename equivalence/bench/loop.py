@@ -22,7 +22,7 @@ from flax import nnx
 from equivalence.bench.variants import Feed, Variant, _config, _nnx_chain, _nnx_place
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort
-from equivalence.core.run import randomness, setups, sides
+from equivalence.core.run import randomness, setups
 
 FORMS = {  # name -> (label, state as a plain dict and donated)
     'nnx_jit_state': ("the port's call under jax.jit, split state", False),
@@ -64,7 +64,7 @@ def form_variant(port: LoopPort, config: RunConfig, feed: Feed, k: int, name: st
     holder = {}
 
     def build(kk: int):
-        setup = sides.nnx_setup(port, _config(config, kk), feed.variables)
+        setup = feed.kind.new_setup(_config(config, kk), feed.variables)
         fn, state = _pure_call(setup, plain_dict)
         return setup, fn, state
 

@@ -21,10 +21,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from equivalence.core import kinds
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort
 from equivalence.core.port.ports import ModelPort as Workload
-from equivalence.core.run import randomness, setups, sides
+from equivalence.core.run import randomness, setups
 from equivalence.distributed import rows
 from legacy_pmap import train as legacy
 from nnx_sharded import sharding
@@ -54,6 +55,7 @@ class Feed:
         data = wl.make_data(np.random.default_rng(config.seed), pool_steps, config.batch_size)
         self.data, self.pool_steps, self.devices = data, pool_steps, config.devices
         self.variables, _, self.rng = setups.make_inputs(wl, dataclasses.replace(config, calls=1))
+        self.kind = kinds.of(wl)  # what builds each side's setups
 
     def batches(self, k: int, n: int, start: int) -> list[dict[str, np.ndarray]]:
         """``n`` batches ``[K, G, ...]`` from call ``start`` on, on the host: each variant hands JAX
@@ -87,7 +89,7 @@ def legacy_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: st
     """``jax.pmap(partial(lax.scan, step))``: inputs placed as pmap's own outputs are, one row per
     device (of this process: with several, each passes its own devices' rows)."""
     cfg = _config(config, k)
-    setup = sides.legacy_setup(wl, cfg, feed.variables)
+    setup = feed.kind.legacy_setup(cfg, feed.variables)
     devices = rows.local_devices(cfg.devices)
     per_device = NamedSharding(Mesh(np.array(devices), (legacy.AXIS,)), P(legacy.AXIS))
     chain = _Chain(feed, k, lambda rng: legacy.next_call_keys(rng, cfg.devices, cfg.rng_mode))
@@ -107,7 +109,7 @@ def legacy_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: st
         return loss_DxK
 
     def fresh_lowered(kk: int):
-        fresh = sides.legacy_setup(wl, _config(config, kk), feed.variables)
+        fresh = feed.kind.legacy_setup(_config(config, kk), feed.variables)
         keys_D, batch_DxK = to_device(*_Chain(feed, kk, chain.next_keys).take(1)[0])
         with fresh.context():
             return fresh.p_train_step.lower((keys_D, fresh.pstate), batch_DxK)
@@ -190,10 +192,10 @@ JITS |= {'transposed': transposed_jit}
 
 
 def nnx_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: str, label: str, jit: str = 'shipped'):
-    """The shipped call (``sides.nnx_setup``), or the same step under another ``jax.jit`` (see ``JITS``)."""
+    """The shipped call (the kind's ``new_setup``), or the same step under another ``jax.jit`` (see ``JITS``)."""
 
     def build(kk: int) -> tuple[setups.NnxSetup, Callable]:
-        setup = sides.nnx_setup(wl, _config(config, kk), feed.variables)
+        setup = feed.kind.new_setup(_config(config, kk), feed.variables)
         return setup, JITS[jit](setup, wl)
 
     setup, fused = build(k)
@@ -217,7 +219,7 @@ def graph_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: str
     object, called with the object; with ``cached``, through ``nnx.cached_partial``."""
 
     def build(kk: int) -> setups.NnxGraphSetup:
-        return sides.nnx_setup(wl, dataclasses.replace(_config(config, kk), nnx_form='graph'), feed.variables)
+        return feed.kind.new_setup(dataclasses.replace(_config(config, kk), nnx_form='graph'), feed.variables)
 
     setup = build(k)
     place = _nnx_place(setup, _nnx_chain(feed, setup, k))
@@ -244,7 +246,7 @@ def strategy_variants(wl: Workload, feed: Feed, configs: list[RunConfig]) -> lis
 
 def loop_variant(port: LoopPort, config: RunConfig, feed: Feed, k: int, name: str, label: str) -> Variant:
     """A loop port's own NNX call over its own train state."""
-    setup = sides.nnx_setup(port, _config(config, k), feed.variables)
+    setup = feed.kind.new_setup(_config(config, k), feed.variables)
     place = _nnx_place(setup, _nnx_chain(feed, setup, k))
     facts = {'state_kind': state_kind(setup.train_state)}
 
@@ -257,7 +259,7 @@ def loop_variant(port: LoopPort, config: RunConfig, feed: Feed, k: int, name: st
         return losses_K
 
     def fresh_lowered(kk: int):
-        fresh = sides.nnx_setup(port, _config(config, kk), feed.variables)
+        fresh = feed.kind.new_setup(_config(config, kk), feed.variables)
         fn, state = fresh.as_pure_call()
         return fn.lower(state, *_nnx_place(fresh, _nnx_chain(feed, fresh, kk))(1)[0])
 
@@ -291,7 +293,7 @@ def build_loop(port: LoopPort, config: RunConfig, feed: Feed, k_scaling: int) ->
 def build_all(wl: Workload, config: RunConfig, feed: Feed, k_scaling: int, strategy_configs=()) -> list[Variant]:
     """The fused variants at K, then one step per call, then both paths at ``k_scaling``, then
     the shipped call under each of ``strategy_configs`` (the default variants are data parallel)."""
-    if isinstance(wl, LoopPort):
+    if not feed.kind.suite_loops:
         return build_loop(wl, config, feed, k_scaling)
     extra = strategy_variants(wl, feed, list(strategy_configs))
     k = config.steps_per_call

@@ -4,7 +4,9 @@ The legacy side is the train state the port's pmap loop carries (the suite's
 ``legacy_pmap.train.TrainState`` for a model port, the user's own for a loop port). The NNX
 side is laid out as ``nnx_sharded.train.TrainState`` is: ``model`` (parameters and batch
 statistics), ``optimizer`` (its ``opt_state`` and ``step``) and ``ema``; a loop port's own
-objects are viewed under those names (``View``), so one checkpoint layout serves both levels.
+objects are viewed under those names (``run.setups.View``), so one checkpoint layout serves both
+levels. What each kind of port builds is its kind's (``core.kinds``: ``legacy_train_state``,
+``checkpoint_state``; a setup's ``view``).
 """
 
 from collections.abc import Callable
@@ -14,20 +16,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from equivalence.core.port import convert, states
-from equivalence.core.port.ports import LoopPort, Port, init_inputs
-from equivalence.core.run import setups
-from legacy_pmap import train as legacy
+from equivalence.core import kinds
+from equivalence.core.port import states
+from equivalence.core.port.ports import Port, init_inputs
+from equivalence.core.run.setups import View  # noqa: F401 -- a loop port's objects under TrainState's names
 from nnx_sharded import checkpoints as nnx_checkpoints
-from nnx_sharded import train as sharded
-
-
-class View(nnx.Module):
-    """A loop port's NNX objects under the names of ``nnx_sharded.train.TrainState``. The view
-    shares them: restoring into the view restores into the user's own model and optimizer."""
-
-    def __init__(self, model: nnx.Module, optimizer: nnx.Optimizer, ema: nnx.Module | None = None):
-        self.model, self.optimizer, self.ema = model, optimizer, ema
 
 
 def _variables(port: Port) -> dict:
@@ -41,30 +34,19 @@ def _variables(port: Port) -> dict:
 
 def legacy_init(port: Port) -> Callable[[], Any]:
     """A function building the port's legacy train state (one replica)."""
-    if isinstance(port, LoopPort):
-        return lambda: port.legacy_state(_variables(port))
-    return lambda: legacy.create_state(_variables(port), port.make_tx(1.0), port.ema_rate)
+    kind = kinds.of(port)
+    return lambda: kind.legacy_train_state(_variables(port))
 
 
 def nnx_init(port: Port) -> Callable[[], nnx.Module]:
     """A function building the port's NNX train state, laid out as ``nnx_sharded.train.TrainState``;
-    a loop port with ``nnx_groups=`` keeps its own layout (``group_places`` maps into it)."""
-    if isinstance(port, LoopPort) and port.nnx_groups is not None:
-        return lambda: port.nnx_state(port.nnx_model(nnx.Rngs(0)))
-    if isinstance(port, LoopPort):
-        return lambda: View(*convert.find_nnx_objects(port.nnx_state(port.nnx_model(nnx.Rngs(0)))))
-    return lambda: sharded.TrainState(port.nnx_model(nnx.Rngs(0)), port.make_tx(1.0), port.ema_rate)
+    a loop port with ``new_groups=`` keeps its own layout (``group_places`` maps into it)."""
+    return kinds.of(port).checkpoint_state
 
 
-def view(setup: setups.NnxSetup | setups.NnxGraphSetup | setups.NnxLoopSetup) -> nnx.Module:
-    """The NNX train state a harness setup trains, as one object that shares its arrays."""
-    if isinstance(setup, setups.NnxLoopSetup) and setup.port.nnx_groups is not None:
-        return setup.train_state
-    if isinstance(setup, setups.NnxLoopSetup):
-        return View(*convert.find_nnx_objects(setup.train_state))
-    if isinstance(setup, setups.NnxGraphSetup):
-        return setup.ts
-    return nnx.merge(setup.graphdef, setup.state)
+def view(setup: Any) -> nnx.Module:
+    """The NNX train state a harness setup trains, as one object (``setup.view``)."""
+    return setup.view()
 
 
 class _Marker(jax.ShapeDtypeStruct):
@@ -74,11 +56,11 @@ class _Marker(jax.ShapeDtypeStruct):
         return self
 
 
-def group_places(port: LoopPort) -> dict[str, str] | None:
-    """For a loop port with ``nnx_groups=``: ``{'params/fc1/kernel': 'net/fc1/kernel'}``, where each
+def group_places(port: Port) -> dict[str, str] | None:
+    """For a loop port with ``new_groups=``: ``{'params/fc1/kernel': 'net/fc1/kernel'}``, where each
     leaf its groups read lives in its own train state's checkpoint. Found without allocating: each
-    abstract leaf is a distinct marker, and the groups hand the markers back. None without nnx_groups."""
-    if port.nnx_groups is None:
+    abstract leaf is a distinct marker, and the groups hand the markers back. None without new_groups."""
+    if getattr(port, 'new_groups', None) is None:
         return None
     train_state = nnx.eval_shape(nnx_init(port))
     state = nnx.state(train_state, nnx_checkpoints.SAVED)
@@ -88,7 +70,7 @@ def group_places(port: LoopPort) -> dict[str, str] | None:
     nnx.replace_by_pure_dict(state, nested)
     nnx.update(train_state, state)
     where = {id(m): path for path, m in markers.items()}
-    groups = port.nnx_groups(train_state)
+    groups = port.new_groups(train_state)
     leaves = jax.tree_util.tree_flatten_with_path({g: t for g, t in groups.items() if t is not None})[0]
     return {nnx_checkpoints.path_str(p): where[id(m)] for p, m in leaves if id(m) in where}
 

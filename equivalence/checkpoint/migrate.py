@@ -29,8 +29,9 @@ from jax.experimental import multihost_utils
 
 from equivalence.checkpoint import layout, manifest, store
 from equivalence.checkpoint.store import CheckpointError
+from equivalence.core import kinds
 from equivalence.core.port import convert, naming
-from equivalence.core.port.ports import LoopPort, Port
+from equivalence.core.port.ports import Port
 from equivalence.core.run import setups
 from legacy_pmap import checkpoints as legacy_checkpoints
 from nnx_sharded import checkpoints as nnx_checkpoints
@@ -104,11 +105,11 @@ def migrate(legacy_dir: str, nnx_dir: str, port: Port, step: int | None = None, 
 
     _check_apart(legacy_dir, nnx_dir)
     _check_destination(nnx_dir, force)
-    preflight.check_states(port)
+    preflight.check_states(kinds.of(port))
     state, rng, meta = store.read_legacy(legacy_dir, _legacy_target(port), step)
     legacy_leaves, mapping, outside, skipped = _legacy_leaves(port, state)
     abstract = nnx_checkpoints.state_dict(nnx.eval_shape(layout.nnx_init(port)))
-    places = layout.group_places(port) if isinstance(port, LoopPort) else None
+    places = layout.group_places(port)
     pairs, unmapped, conflicts = plan(legacy_leaves, nnx_checkpoints.spec(abstract), mapping, places)
     migration = Migration(legacy_dir, nnx_dir, int(meta['step']), pairs, outside + unmapped, conflicts, False, skipped)
     if migration.problem():

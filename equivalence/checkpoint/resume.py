@@ -18,11 +18,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-from flax import nnx
 
 from equivalence.checkpoint import layout, manifest, migrate, store
 from equivalence.checkpoint.options import CheckpointOptions
-from equivalence.core import harness
+from equivalence.core import harness, kinds
 from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.port.ports import Port
 from equivalence.core.run import adapters, setups, sides
@@ -90,8 +89,7 @@ def restorer(directory: str, config: RunConfig, step: int | None = None, chain=N
         if meta.get('rng_recorded') is False and chain is not None:
             rng = chain()
         nnx_checkpoints.load_into(train_state, state)
-        if isinstance(setup, setups.NnxSetup):
-            setup.state = nnx.to_pure_dict(nnx.state(train_state))
+        setup.restored(train_state)
         return rng
 
     return restore
@@ -128,7 +126,7 @@ def train_legacy(port: Port, config: RunConfig, options: CheckpointOptions, dire
     setups.check_names(port, variables)
     preserve = [options.resume_at] if options.resume_at else []
     hook = legacy_saver(directory, config, options.save_every(config), options.keep, preserve)
-    result = sides.run_legacy(port, config, variables, calls, rng, progress or sides.silent, after_call=hook)
+    result = sides.run_legacy(kinds.of(port), config, variables, calls, rng, progress or sides.silent, after_call=hook)
     return LegacyRun(result, directory, variables, calls, rng)
 
 
@@ -136,9 +134,11 @@ def resume_nnx(port: Port, config: RunConfig, legacy: LegacyRun, nnx_dir: str, s
     """NNX restored from ``nnx_dir``'s ``step`` onto ``config.devices`` devices, trained on the
     calls after it, and compared with the legacy run's end."""
     after = legacy.calls[step // config.steps_per_call :]
-    chain = lambda: adapters.chain_at(port, config, legacy.rng, step // config.steps_per_call)  # noqa: E731
+    kind = kinds.of(port)
+    draws = kind.key_draws_per_call(config)
+    chain = lambda: adapters.chain_at(draws, config, legacy.rng, step // config.steps_per_call)  # noqa: E731
     restore = restorer(nnx_dir, config, step, chain)
-    new = sides.run_nnx(port, config, legacy.variables, after, None, progress or sides.silent, restore=restore)
+    new = sides.run_nnx(kind, config, legacy.variables, after, None, progress or sides.silent, restore=restore)
     inputs = (legacy.variables, after, None)  # the twin restores the same checkpoint, trains the same calls
     return compare_paths(port, config, legacy.result, new, step, inputs, restore=restore)
 
@@ -150,7 +150,7 @@ def run(port: Port, config: RunConfig, options: CheckpointOptions, progress=None
 
     harness.validate(port, config)
     options.check(config)
-    preflight.check(port, config)
+    preflight.check(kinds.of(port), config)
     with _root(options.directory) as root:
         legacy = train_legacy(port, config, options, os.path.join(root, 'legacy'), progress)
         n, note = (
@@ -158,7 +158,8 @@ def run(port: Port, config: RunConfig, options: CheckpointOptions, progress=None
             f'legacy checkpoints every {options.save_every(config)} call(s) in {legacy.directory}',
         )
         if n is None:
-            new = sides.run_nnx(port, config, legacy.variables, legacy.calls, legacy.rng, progress or sides.silent)
+            kind, calls = kinds.of(port), legacy.calls
+            new = sides.run_nnx(kind, config, legacy.variables, calls, legacy.rng, progress or sides.silent)
             inputs = (legacy.variables, legacy.calls, legacy.rng)
             return compare_paths(port, config, legacy.result, new, 0, inputs, notes=[note])
         nnx_dir = os.path.join(root, 'nnx')
@@ -185,7 +186,9 @@ def compare_paths(
     old = dataclasses.replace(
         old, losses=old.losses[resumed_at:], params_per_call=old.params_per_call[first_call:], metrics=cut
     )
-    tree, lines = sides.compared(port, old, new)
-    result = judge.judged(port, config, old, new, *inputs, tree, restore=restore, first_call=first_call)
+    kind = kinds.of(port)
+    tree, lines = sides.compared(kind, old, new)
+    result = judge.judged(kind, config, old, new, *inputs, tree, restore=restore, first_call=first_call)
+    result.programs = kind.programs()
     result.resumed_at, result.notes = resumed_at, [*lines, *(notes or [])]
     return result

@@ -7,10 +7,10 @@ import dataclasses
 
 import jax
 
-from equivalence.core import preflight
+from equivalence.core import kinds, preflight
 from equivalence.core.port.config import ConfigError, RunConfig
-from equivalence.core.port.ports import LoopPort, Port
-from equivalence.core.run import adapters, randomness
+from equivalence.core.port.ports import Port
+from equivalence.core.run import randomness
 from equivalence.core.run.setups import check_names, has_batch_stats, make_inputs
 from equivalence.core.run.sides import Progress, compared, run_legacy, run_nnx, silent
 from equivalence.core.verdict import hints
@@ -21,14 +21,10 @@ def validate(port: Port, config: RunConfig) -> None:
     """What a port cannot do with these flags, as ``ConfigError`` (exit 2), before any work."""
     if config.rng_mode not in port.rng_modes:
         raise ConfigError(f'--rng {config.rng_mode}: port {port.name!r} supports {", ".join(port.rng_modes)}')
-    if isinstance(port, LoopPort) and (config.strategy, config.nnx_form) != ('dp', 'split'):
-        raise ConfigError("--strategy and --nnx-form place the suite's NNX loop; a loop port brings its own")
+    kind = kinds.of(port)
+    kind.validate(config)
     if config.strategy == 'shard_map' and has_batch_stats(port):
         raise ConfigError('--strategy shard_map: the model has BatchNorm, whose statistics would be per device here')
-    if isinstance(port, LoopPort) and config.perturb:
-        raise ConfigError("--perturb scales the suite's NNX optimizer: a loop port brings its own (perturb it there)")
-    if isinstance(port, LoopPort):
-        adapters.check(port)
 
 
 def run(port: Port, config: RunConfig, progress: Progress | None = None, diagnose: bool = True) -> RunResult:
@@ -40,16 +36,16 @@ def run(port: Port, config: RunConfig, progress: Progress | None = None, diagnos
     located (a run whose match alone is read, as the masked-loss hint's on 1 device).
     """
     validate(port, config)
-    preflight.check(port, config)  # every port traced abstractly: a mistake in it is exit 2, before training
+    kind = kinds.of(port)
+    preflight.check(kind, config)  # every port traced abstractly: a mistake in it is exit 2, before training
     variables, calls, rng = make_inputs(port, config)
     check_names(port, variables)
     randomness.take_unbridged()  # what earlier runs traced is theirs
-    old = run_legacy(port, config, variables, calls, rng, progress or silent)
-    new = run_nnx(port, config, variables, calls, rng, progress or silent)
-    tree, notes = compared(port, old, new)
-    result = judged(port, config, old, new, variables, calls, rng, tree, diagnose)
-    if adapters.adapted(port):
-        result.programs = adapters.programs(port)
+    old = run_legacy(kind, config, variables, calls, rng, progress or silent)
+    new = run_nnx(kind, config, variables, calls, rng, progress or silent)
+    tree, notes = compared(kind, old, new)
+    result = judged(kind, config, old, new, variables, calls, rng, tree, diagnose)
+    result.programs = kind.programs()
     result.notes += notes
     if diagnose:  # the hint runs both sides again on 1 device: part of a MISMATCH's diagnosis
         on_one = lambda: _matches_on_one(port, config)  # noqa: E731

@@ -9,6 +9,7 @@ implements both (``--rng per-device|global``, see docs/randomness.md), and eithe
 
 import numpy as np
 
+from equivalence.core import kinds
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.run import setups, sides
@@ -31,8 +32,9 @@ def run(devices: int) -> CaseResult:
         for mode in ('per-device', 'global')
     }
     variables, calls, rng = setups.make_inputs(wl, configs['global'])  # the same for both modes
-    legacy = {m: sides.run_legacy(wl, c, variables, calls, rng) for m, c in configs.items()}
-    nnx = {m: sides.run_nnx(wl, c, variables, calls, rng) for m, c in configs.items()}
+    kind = kinds.of(wl)
+    legacy = {m: sides.run_legacy(kind, c, variables, calls, rng) for m, c in configs.items()}
+    nnx = {m: sides.run_nnx(kind, c, variables, calls, rng) for m, c in configs.items()}
     reports = {
         (a, b): compare.compare(
             sides.with_losses(legacy[a].final, legacy[a].losses), sides.with_losses(nnx[b].final, nnx[b].losses)

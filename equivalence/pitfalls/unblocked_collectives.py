@@ -132,9 +132,10 @@ def child(mode: str, calls: int) -> dict:
     import numpy as np
     from flax import nnx
 
+    from equivalence.core import kinds
     from equivalence.core.port import convert, workloads
     from equivalence.core.port.config import RunConfig
-    from equivalence.core.run import setups, sides
+    from equivalence.core.run import setups
     from equivalence.core.verdict import compare
     from legacy_pmap import train as legacy
     from nnx_sharded import sharding
@@ -144,7 +145,7 @@ def child(mode: str, calls: int) -> dict:
     wl = workloads.get('mlp')
     config = RunConfig(workload='mlp', devices=len(jax.devices()), steps_per_call=1, calls=1, batch_size=64)
     variables, batches, rng = setups.make_inputs(wl, config)
-    setup = sides.nnx_setup(wl, config, variables)
+    setup = kinds.of(wl).new_setup(config, variables)
     _, keys = sharded.next_call_keys(rng, config.devices, config.rng_mode)
     carry = (sharding.place_keys(keys, setup.mesh, config.rng_mode), setup.state)
     batch = sharding.place_batch(batches[0], setup.mesh)  # placed once, as a prefetching pipeline would
@@ -157,7 +158,7 @@ def child(mode: str, calls: int) -> dict:
     if mode == 'block':
         model = nnx.merge(setup.graphdef, carry[1]).model
         params = convert.flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-        reference = pmap_params(legacy, sides.legacy_setup(wl, config, variables), batches[0], rng, calls)
+        reference = pmap_params(legacy, kinds.of(wl).legacy_setup(config, variables), batches[0], rng, calls)
         report = compare.compare({'params': reference}, {'params': params})
         out |= {'match': report.match, 'max_abs_params': report.max_abs('params')}
     return out

@@ -1,7 +1,7 @@
 """Pre-flight: every port traced abstractly before anything trains, so that a mistake in the
 port is one line (exit 2) in seconds, not an internal error after the legacy run.
 
-What runs is what the harness will run (``sides.legacy_setup`` / ``nnx_setup``), traced with
+What runs is what the harness will run (the kind's ``legacy_setup`` / ``new_setup``), traced with
 ``jax.eval_shape`` on abstract inputs of the run's real shapes (the linen variables, both train
 states, one call's keys and batch); only ``make_data`` runs for real, since its arrays are
 what is checked. Found here, each named with the port field, the user's file:line, expected
@@ -24,57 +24,35 @@ against given and the fix where one is known:
 
 import jax
 
-from equivalence.core.port import blame, states
+from equivalence.core.port import blame
 from equivalence.core.port.config import RunConfig
-from equivalence.core.port.ports import LoopPort, Port
+from equivalence.core.port.kind import Kind
 from equivalence.core.preflight.data import abstract_variables, check_names, make_data
 from equivalence.core.preflight.errors import PreflightError, blamed, line
-from equivalence.core.preflight.groups import check_groups
-from equivalence.core.preflight.steps import trace_steps
-from equivalence.core.preflight.trace import legacy_state, nnx_train_state, trace_legacy, trace_nnx
 
 __all__ = ['PreflightError', 'blamed', 'check', 'check_states', 'line']
 
 
-def check(port: Port, config: RunConfig, n_steps: int | None = None) -> None:
-    """Everything a run of ``port`` under ``config`` will trace, traced abstractly; raises
+def check(kind: Kind, config: RunConfig, n_steps: int | None = None) -> None:
+    """Everything a run of ``kind``'s port under ``config`` will trace, traced abstractly; raises
     ``PreflightError`` (exit 2) on the first mistake. ``n_steps``: the steps ``make_data`` is
-    asked for (default the run's, ``config.steps``)."""
+    asked for (default the run's, ``config.steps``). What is traced is the kind's (``kind.preflight``)."""
+    port = kind.port
     blame.set_port(port)
     n_steps = config.steps if n_steps is None else n_steps
     data = make_data(port, config.seed, n_steps, config.batch_size, f'--calls x --steps-per-call = {n_steps}')
     variables = abstract_variables(port, data)
     check_names(port, variables)
     batch_KxG = jax.tree.map(lambda v: jax.ShapeDtypeStruct((config.steps_per_call, *v.shape[1:]), v.dtype), data)
-    if _adapted(port):  # a step as teams write it: one step of each side, as its adapter will call it
-        trace_steps(port, config, variables, batch_KxG)
-        _check_adapted_groups(port, variables)
-        return
-    old_state = trace_legacy(port, config, variables, batch_KxG)
-    nnx_state = trace_nnx(port, config, batch_KxG, variables)
-    if isinstance(port, LoopPort):
-        check_groups(port, old_state, nnx_state, variables)
+    kind.preflight(config, variables, batch_KxG)
 
 
-def check_states(port: Port) -> None:
+def check_states(kind: Kind) -> None:
     """What ``checkpoint migrate`` builds of a port (its data of one example, both train states and
-    their groups), checked abstractly; nothing is traced beyond that."""
+    their groups), checked abstractly; nothing is traced beyond that (``kind.check_states``)."""
+    port = kind.port
     blame.set_port(port)
     data = make_data(port, 0, 1, 1, '1 (checkpoint layout)')
     variables = abstract_variables(port, data)
     check_names(port, variables)
-    if isinstance(port, LoopPort) and not _adapted(port):
-        check_groups(port, legacy_state(port, variables), nnx_train_state(port, variables), variables)
-
-
-def _check_adapted_groups(port: LoopPort, variables: dict) -> None:
-    """A step form's train states read as its run reads them (``states.legacy_groups``: tuples too)."""
-    check_groups(port, legacy_state(port, variables), nnx_train_state(port, variables), variables, states.legacy_groups)
-
-
-def _adapted(port: Port) -> bool:
-    """A loop port whose step is one of the forms real code has (``equivalence.core.run.adapters``): its
-    steps and states are not the ones traced here; the data, the init and the names still are."""
-    from equivalence.core.run import adapters
-
-    return isinstance(port, LoopPort) and adapters.adapted(port)
+    kind.check_states(variables)

@@ -22,7 +22,7 @@ from equivalence.core.port.ports import LoopPort
 from equivalence.core.preflight.errors import HOST_ONLY, blamed, fail, kind
 from equivalence.core.preflight.groups import check_new_groups
 from equivalence.core.preflight.trace import as_traced, legacy_state, nnx_train_state, pair, same_nnx_state
-from equivalence.core.run import randomness
+from equivalence.core.run import adapters, randomness
 from equivalence.distributed import rows
 
 SDS = jax.ShapeDtypeStruct
@@ -36,15 +36,13 @@ EXPECTED = {
 def trace_steps(port: LoopPort, config: RunConfig, variables: dict, batch_KxG: Any) -> None:
     """Both sides' steps, traced on abstract inputs of the run's shapes; ``PreflightError`` (exit 2)
     naming the field on the first mistake."""
-    from equivalence.core.run import adapters  # adapters builds on the harness, which imports this package
-
-    trace_legacy_step(port, config, variables, batch_KxG, adapters)
+    trace_legacy_step(port, config, variables, batch_KxG)
     ts = nnx_train_state(port, variables)
-    trace_nnx_side(port, config, batch_KxG, adapters, ts)
+    trace_nnx_side(port, config, batch_KxG, ts)
     check_new_groups(port, ts, variables)
 
 
-def trace_legacy_step(port: LoopPort, config: RunConfig, variables: dict, batch_KxG: Any, adapters) -> None:
+def trace_legacy_step(port: LoopPort, config: RunConfig, variables: dict, batch_KxG: Any) -> None:
     d, n = config.devices, len(rows.positions(config.devices))
     state = legacy_state(port, variables)
     stacked = jax.tree.map(lambda s: SDS((n, *s.shape), s.dtype), state)
@@ -69,7 +67,7 @@ def trace_legacy_step(port: LoopPort, config: RunConfig, variables: dict, batch_
     check_loss(port, 'legacy_step', jax.tree.map(lambda s: SDS((k, *s.shape[1:]), s.dtype), out_n), k)
 
 
-def trace_nnx_side(port: LoopPort, config: RunConfig, batch_KxG: Any, adapters, ts: Any) -> None:
+def trace_nnx_side(port: LoopPort, config: RunConfig, batch_KxG: Any, ts: Any) -> None:
     """One step (or fused call) of the new side over ``ts``, the abstract train state ``nnx_train_state`` built."""
     state, rebuild = as_traced(ts)  # a pytree train state as it is: its leaves keep their real types
     d, k, mode = config.devices, config.steps_per_call, config.rng_mode
@@ -93,7 +91,7 @@ def trace_nnx_side(port: LoopPort, config: RunConfig, batch_KxG: Any, adapters, 
         batch, keys = batch_KxG, SDS((k, *key.shape), key.dtype)
     else:
         batch, keys = batch_KxG, (key if port.step_form == 'carry' else None)
-    with blamed(port, field, _new_step_form(port, adapters)), randomness.bridged(mode):
+    with blamed(port, field, _new_step_form(port)), randomness.bridged(mode):
         try:
             out = jax.eval_shape(pure, state, keys, batch)
         except HOST_ONLY:
@@ -103,7 +101,7 @@ def trace_nnx_side(port: LoopPort, config: RunConfig, batch_KxG: Any, adapters, 
     check_loss(port, field, out, k)
 
 
-def _new_step_form(port: LoopPort, adapters) -> str:
+def _new_step_form(port: LoopPort) -> str:
     """How the new step is called, for its one line: ``new_step(train_state, batch, dropout_rng=key)``."""
     if port.new_step is None:
         return ''

@@ -8,7 +8,7 @@ from flax import nnx
 
 from equivalence.core.port import new_side
 from equivalence.core.port.config import RunConfig
-from equivalence.core.port.ports import LoopPort, Port
+from equivalence.core.port.ports import LoopPort, ModelPort, Port
 from equivalence.core.preflight.errors import HOST_ONLY, blamed, fail, kind
 from equivalence.core.run import adapters, randomness, setups
 from equivalence.distributed import rows
@@ -16,14 +16,17 @@ from legacy_pmap import train as legacy
 from nnx_sharded import train as sharded
 
 
-def legacy_state(port: Port, variables: dict) -> Any:
-    """One replica of the legacy train state, shapes only."""
-    if isinstance(port, LoopPort):
-        with blamed(port, 'legacy_state', 'legacy_state(linen_variables) -> your train state'):
-            state = jax.eval_shape(port.legacy_state, variables)
-        if not jax.tree.leaves(state):
-            raise fail(port, 'legacy_state', f'returned {kind(state)} holding no arrays; expected your train state')
-        return state
+def legacy_state(port: LoopPort, variables: dict) -> Any:
+    """One replica of a loop port's legacy train state, shapes only."""
+    with blamed(port, 'legacy_state', 'legacy_state(linen_variables) -> your train state'):
+        state = jax.eval_shape(port.legacy_state, variables)
+    if not jax.tree.leaves(state):
+        raise fail(port, 'legacy_state', f'returned {kind(state)} holding no arrays; expected your train state')
+    return state
+
+
+def model_legacy_state(port: ModelPort, variables: dict) -> Any:
+    """One replica of the suite's legacy train state for a model port, shapes only."""
     tx = make_tx(port)
     with blamed(port, 'make_tx', 'make_tx(lr_scale) -> optax.GradientTransformation'):
         return jax.eval_shape(lambda v: legacy.create_state(v, tx, port.ema_rate), variables)
@@ -37,18 +40,25 @@ def make_tx(port: Port) -> Any:
     return tx
 
 
-def trace_legacy(port: Port, config: RunConfig, variables: dict, batch_KxG: Any) -> Any:
-    """The pmap(scan) call of ``sides.legacy_setup``, traced once on abstract keys, state and batch."""
-    d, k = config.devices, config.steps_per_call
+def trace_legacy_loop(port: LoopPort, config: RunConfig, variables: dict, batch_KxG: Any) -> Any:
+    """A loop port's step under the suite's pmap(scan) (``loop_side.legacy_setup``), traced once."""
     state = legacy_state(port, variables)
-    if isinstance(port, LoopPort):
-        step, axis, field = adapters.legacy_step(port), port.axis_name, 'legacy_step'
-    else:
-        tx, b = make_tx(port), config.batch_size // d
-        loss = checked_loss(port, 'legacy_loss', setups.legacy_loss(port, config), b, with_state=True)
-        noise = setups.port_noise(port, setups.uses_dropout(port))
-        step = legacy.make_step_fn(port.legacy_model(), loss, noise, tx, port.ema_rate, config.rng_mode)
-        axis, field = legacy.AXIS, 'legacy_loss'
+    return trace_legacy(port, config, state, adapters.legacy_step(port), port.axis_name, 'legacy_step', batch_KxG)
+
+
+def trace_legacy_model(port: ModelPort, config: RunConfig, variables: dict, batch_KxG: Any) -> Any:
+    """The suite's pmap(scan) step over a model port's loss (``model_side.legacy_setup``), traced once."""
+    state = model_legacy_state(port, variables)
+    tx, b = make_tx(port), config.batch_size // config.devices
+    loss = checked_loss(port, 'legacy_loss', setups.legacy_loss(port, config), b, with_state=True)
+    noise = setups.port_noise(port, setups.uses_dropout(port))
+    step = legacy.make_step_fn(port.legacy_model(), loss, noise, tx, port.ema_rate, config.rng_mode)
+    return trace_legacy(port, config, state, step, legacy.AXIS, 'legacy_loss', batch_KxG)
+
+
+def trace_legacy(port: Port, config: RunConfig, state: Any, step, axis: str, field: str, batch_KxG: Any) -> Any:
+    """``step`` under pmap(scan), traced once on abstract keys, ``state`` (one replica) and batch."""
+    d, k = config.devices, config.steps_per_call
     n = len(rows.positions(d))  # pmap takes this process's rows: all D in one process
     stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct((n, *s.shape), s.dtype), state)
     keys = jax.ShapeDtypeStruct((n, 2), np.uint32)
@@ -97,12 +107,14 @@ def _check_per_example(port: Port, field: str, losses: Any, b: int, part: str) -
         )
 
 
-def trace_nnx(port: Port, config: RunConfig, batch_KxG: Any, variables: dict) -> Any:
-    """The NNX call of ``sides.nnx_setup`` in split form, traced once; the abstract train state."""
-    d, mode = config.devices, config.rng_mode
-    keys = jax.ShapeDtypeStruct((d, 2) if mode == 'per-device' else (2,), np.uint32)
-    if isinstance(port, LoopPort):
-        return trace_nnx_loop(port, config, keys, batch_KxG, variables)
+def abstract_keys(config: RunConfig) -> jax.ShapeDtypeStruct:
+    """One call's keys, shapes only: ``[D, 2]`` per device, or one global key."""
+    return jax.ShapeDtypeStruct((config.devices, 2) if config.rng_mode == 'per-device' else (2,), np.uint32)
+
+
+def trace_nnx_model(port: ModelPort, config: RunConfig, batch_KxG: Any) -> Any:
+    """The NNX call of ``model_side.new_setup`` in split form, traced once; the abstract train state."""
+    mode, keys = config.rng_mode, abstract_keys(config)
     tx = make_tx(port)
     with blamed(port, 'nnx_model', 'nnx_model(rngs) -> nnx.Module'):
         ts = nnx.eval_shape(lambda: sharded.TrainState(port.nnx_model(nnx.Rngs(0)), tx, port.ema_rate))
@@ -116,7 +128,7 @@ def trace_nnx(port: Port, config: RunConfig, batch_KxG: Any, variables: dict) ->
 
 
 def nnx_train_state(port: LoopPort, variables: dict) -> Any:
-    """The port's new train state, shapes only, built as the run builds it (``setups.new_source``):
+    """The port's new train state, shapes only, built as the run builds it (``loop_side.new_source``):
     from the abstract NNX model holding linen's weights, or from linen's abstract variables."""
     with blamed(port, 'new_state', 'new_state(nnx_model or, without one, linen_variables) -> your new train state'):
         if port.nnx_model is None:
@@ -139,7 +151,9 @@ def as_traced(ts: Any) -> tuple[Any, Any]:
     return state, lambda state: nnx.merge(graphdef, state)
 
 
-def trace_nnx_loop(port: LoopPort, config: RunConfig, keys: Any, batch_KxG: Any, variables: dict) -> Any:
+def trace_nnx_loop(port: LoopPort, config: RunConfig, batch_KxG: Any, variables: dict) -> Any:
+    """A loop port's ``new_call`` over its abstract new train state, traced once; that train state."""
+    keys = abstract_keys(config)
     ts = nnx_train_state(port, variables)
     state, rebuild = as_traced(ts)
 

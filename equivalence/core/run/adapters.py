@@ -21,37 +21,22 @@ function, applied to host arrays of K steps). Every metric is compared too, in i
 not the global value on the pmap side: it is listed as not compared, with that reason.
 """
 
-import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from equivalence.core.port import convert, states
+from equivalence.core.port import convert
 from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.port.ports import LoopPort
-from equivalence.core.run import randomness, setups
-from equivalence.distributed import rows
 from legacy_pmap import train as legacy
-from nnx_sharded import sharding
-from nnx_sharded import train as sharded
 
 STEP_FORMS = ('carry', 'state', 'state_rng')
 LOOPS = ('steps', 'scan')
-
-
-def adapted(port: Any) -> bool:
-    """Whether a port needs this module: a loop port with a step form, a loss reader or a one-step NNX side."""
-    if not isinstance(port, LoopPort):
-        return False
-    return port.step_form != 'carry' or port.loss is not None or port.new_step is not None
 
 
 def legacy_loop(port: LoopPort) -> str:
@@ -75,9 +60,9 @@ def check(port: LoopPort) -> None:
         raise ConfigError(f'{where}: loss must be a metrics key or a function of the metrics, got {port.loss!r}')
 
 
-def one_program_each(port: Any, command: str) -> None:
+def one_program_each(port: LoopPort, command: str) -> None:
     """explain and bench read one compiled call per side: a step run once per step has none (exit 2)."""
-    if adapted(port) and (legacy_loop(port) == 'steps' or port.new_step is not None):
+    if legacy_loop(port) == 'steps' or port.new_step is not None:
         raise ConfigError(
             f'{command} reads one compiled call per side; port {port.name!r} runs its step once per step: '
             "give it legacy_loop='scan' and new_call= (K steps in one call) to use it here"
@@ -143,13 +128,16 @@ def step_keys(next_keys: Callable, rng: jax.Array, n: int, mode: str, k: int) ->
     return rng, keys
 
 
-def chain_at(port: Any, config: RunConfig, rng: jax.Array, calls: int) -> jax.Array:
-    """The host key chain after ``calls`` calls, drawn as the setups draw it: for a checkpoint that
-    holds none (a team's own), so that the resumed run continues the keys of the uninterrupted one."""
-    draws = 1
-    if adapted(port):
-        draws = {'carry': 1, 'state': 0, 'state_rng': config.steps_per_call}[port.step_form]
-    for _ in range(calls * draws):
+def key_draws_per_call(port: LoopPort, config: RunConfig) -> int:
+    """How many times one call of a step form draws from the host key chain (``chain_at``)."""
+    return {'carry': 1, 'state': 0, 'state_rng': config.steps_per_call}[port.step_form]
+
+
+def chain_at(draws_per_call: int, config: RunConfig, rng: jax.Array, calls: int) -> jax.Array:
+    """The host key chain after ``calls`` calls of ``draws_per_call`` draws each, drawn as the setups draw
+    it: for a checkpoint that holds none (a team's own), so that the resumed run continues the keys of
+    the uninterrupted one."""
+    for _ in range(calls * draws_per_call):
         rng, _ = legacy.next_call_keys(rng, config.devices, config.rng_mode)
     return rng
 
@@ -286,113 +274,6 @@ def _unpack_carry(result):
     return pstate, out
 
 
-@dataclasses.dataclass
-class StepLegacySetup(setups.LegacySetup):
-    """The pmap side of a loop port with a real step (``p_train_step`` is ``legacy_program``)."""
-
-    port: LoopPort = None
-    metrics: list = dataclasses.field(default_factory=list)  # per call: {metric path: [K, ...]}
-    notes: list = dataclasses.field(default_factory=list)
-    uneven: set = dataclasses.field(default_factory=set)  # metric paths that differ between devices
-
-    def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
-        n, mode, k = self.config.devices, self.config.rng_mode, self.config.steps_per_call
-        n_local, keys = len(rows.positions(n)), None
-        if self.port.step_form == 'carry':
-            rng, keys_D = legacy.next_call_keys(rng, n, mode)
-            keys = rows.local_keys(keys_D, n)
-        elif self.port.step_form == 'state_rng':
-            rng, per_step = step_keys(legacy.next_call_keys, rng, n, mode, k)
-            keys = rows.local_keys(jnp.stack(per_step, axis=1), n)  # [D, K, 2]
-        batch_nxK = jax.tree.map(lambda v: legacy.shard_batch(v, n_local), batch_KxG)
-        return rng, (self.pstate, batch_nxK, keys)
-
-    def call(self, args: tuple) -> np.ndarray:
-        with self.context():
-            self.pstate, out_nxK = self.p_train_step(*args)
-        out_K, uneven = replica_outputs(out_nxK)
-        losses_K, metrics = read_output(self.port, out_K)
-        self.metrics.append(metrics)
-        self.uneven.update(uneven)
-        why = "differs between pmap devices (no pmean or psum in the step): the pmap side's value is not global"
-        self.notes[:] = [f'not compared: metrics/{p}: {why}' for p in sorted(self.uneven)]
-        return losses_K
-
-
-def legacy_setup(port: LoopPort, config: RunConfig, variables: dict) -> StepLegacySetup:
-    devices, local = jax.devices()[: config.devices], rows.local_devices(config.devices)
-    pstate = legacy.replicate(port.legacy_state(variables), local, port.axis_name)
-    context = lambda: randomness.bridged(config.rng_mode, port.axis_name)  # noqa: E731
-    groups = port.legacy_groups or states.legacy_groups
-    return StepLegacySetup(legacy_program(port, devices), pstate, config, groups, context, port)
-
-
-# -- the NNX side ------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class StepNnxSetup(setups.NnxLoopSetup):
-    """The NNX side of a loop port with a real step: the user's fused call, or their one step K times."""
-
-    metrics: list = dataclasses.field(default_factory=list)
-
-    def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
-        n, mode, k = self.config.devices, self.config.rng_mode, self.config.steps_per_call
-        if self.port.step_form == 'carry':
-            return setups.placed_inputs(self, rng, batch_KxG)
-        keys = None
-        if self.port.step_form == 'state_rng':
-            rng, keys = step_keys(sharded.next_call_keys, rng, n, mode, k)
-        if self.port.new_step is None:  # the user's fused call: one key per step, stacked
-            stacked = None if keys is None else sharding.put(jnp.stack(keys), sharding.replicated(self.mesh))
-            return rng, (stacked, sharding.place_batch(batch_KxG, self.mesh))
-        rows_ = NamedSharding(self.mesh, P(sharding.DATA))
-        batches = [jax.tree.map(lambda v, i=i: sharding.put(v[i], rows_), batch_KxG) for i in range(k)]
-        placed = [None] * k if keys is None else [sharding.place_keys(key, self.mesh, mode) for key in keys]
-        return rng, (placed, batches)
-
-    def call(self, args: tuple) -> np.ndarray:
-        with randomness.bridged(self.config.rng_mode):
-            try:
-                out_K = self._fused(*args) if self.port.new_step is None else self._steps(*args)
-            except ValueError as e:
-                if PINNED not in str(e):
-                    raise
-                raise pinned(self.port, self.mesh, e) from None
-        losses_K, metrics = read_output(self.port, jax.tree.map(np.asarray, out_K))
-        self.metrics.append(metrics)
-        return losses_K
-
-    def _fused(self, keys, batch_KxG):
-        self.train_state, out_K = self.port.new_call(self.train_state, keys, batch_KxG)
-        return out_K
-
-    def _steps(self, keys: list, batches: list):
-        outs, step = [], new_step_call(self.port)
-        for key, batch in zip(keys, batches, strict=True):
-            out = step(self.train_state, batch, key)
-            if returns_state(out, self.train_state):
-                self.train_state, out = out
-            outs.append(jax.tree.map(np.asarray, jax.block_until_ready(out)))
-        return jax.tree.map(lambda *a: np.stack(a), *outs)
-
-
-PINNED = 'does not match the sharding on the respective arg'  # jax.jit's in_shardings against placed inputs
-
-
-def pinned(port: LoopPort, mesh, error: ValueError) -> ConfigError:
-    """A new step whose ``jax.jit`` names its own shardings (a mesh built from ``jax.devices()`` at import)
-    run on a mesh of other devices: the port's, exit 2, with the two ways to run it."""
-    field = 'new_step' if port.new_step is not None else 'new_call'
-    n, seen = mesh.size, len(jax.devices())
-    clause = str(error).split('. Got ', 1)[-1].splitlines()[0][:200]
-    return ConfigError(
-        f'port {port.name!r}: {field} is a jax.jit pinned to its own shardings ({clause}); the suite placed its '
-        f'inputs on {n} of the {seen} devices this process sees: run it with --devices {seen}, or in a process '
-        f'that sees {n} devices (JAX_NUM_CPU_DEVICES={n} on CPU)'
-    )
-
-
 def returns_state(out: Any, train_state: Any) -> bool:
     """``(train_state, out)`` rather than ``out`` alone (NNX objects updated in place): the first of two
     is the train state itself, holds NNX objects (``nnx.Pytree``: modules, optimizers), or is of its type."""
@@ -405,8 +286,3 @@ def returns_state(out: Any, train_state: Any) -> bool:
 
 def _is_object(x) -> bool:
     return isinstance(x, nnx.Pytree)
-
-
-def nnx_setup(port: LoopPort, config: RunConfig, source: Any, mesh) -> StepNnxSetup:
-    """``source``: what ``new_state`` takes (``setups.new_source``: the NNX model, or linen's variables)."""
-    return StepNnxSetup(port, sharding.place_objects(port.new_state(source), mesh), mesh, config)

@@ -228,6 +228,14 @@ class NnxSetup:
     def neutral(self) -> convert.Neutral:
         return convert.nnx_to_neutral(self.graphdef, gather.to_host(self.state))
 
+    def view(self) -> nnx.Module:
+        """The train state it trains, as one object (a copy: ``restored`` takes it back)."""
+        return nnx.merge(self.graphdef, self.state)
+
+    def restored(self, train_state: nnx.Module) -> None:
+        """``train_state`` (its ``view``, a checkpoint loaded into it) is what it trains from now on."""
+        self.state = nnx.to_pure_dict(nnx.state(train_state))
+
 
 @dataclasses.dataclass
 class NnxGraphSetup:
@@ -254,6 +262,13 @@ class NnxGraphSetup:
     def model(self):
         return self.ts.model
 
+    def view(self) -> nnx.Module:
+        """The train state it trains, itself."""
+        return self.ts
+
+    def restored(self, train_state: nnx.Module) -> None:
+        """Loaded in place: nothing to take back."""
+
 
 @dataclasses.dataclass
 class NnxLoopSetup:
@@ -275,6 +290,14 @@ class NnxLoopSetup:
     def neutral(self) -> convert.Neutral:
         groups = self.port.new_groups or new_side.read_groups
         return convert.groups_to_neutral(gather.to_host(groups(self.train_state)))
+
+    def view(self) -> nnx.Module:
+        """The team's train state, viewed under ``nnx_sharded.train.TrainState``'s names (``View``); with
+        ``new_groups=`` its own layout (``checkpoint.layout.group_places`` maps into it)."""
+        return self.train_state if self.port.new_groups is not None else View.of(self.train_state)
+
+    def restored(self, train_state: nnx.Module) -> None:
+        """Loaded in place (the view shares the team's objects): nothing to take back."""
 
     def as_pure_call(self) -> tuple[Callable, Any]:
         """``(jax.jit(call over split state), typed state)``: the user's call as one program whose
@@ -298,3 +321,48 @@ class NnxLoopSetup:
 
 def nnx_mesh(config: RunConfig):
     return sharding.make_mesh(config.devices, sharding.mesh_shape(config.strategy, config.devices, config.mesh_axes))
+
+
+def twin_placed_inputs(setup, rng, batch_KxG) -> tuple[jax.Array, tuple]:
+    """The checked run's keys (``config.devices`` rows in per-device mode), replicated on the twin's
+    mesh, whose size may not divide them; the batch split over the twin's data axis as usual."""
+    rng, keys = sharded.next_call_keys(rng, setup.config.devices, setup.config.rng_mode)
+    return rng, (sharding.put(keys, sharding.replicated(setup.mesh)), sharding.place_batch(batch_KxG, setup.mesh))
+
+
+def model_holding(port: Port, variables: dict) -> nnx.Module:
+    """The port's NNX model holding linen's variables. Built abstractly first (``nnx.eval_shape``: no
+    initializer runs, so none is compiled, about a second of a fresh process's check) and filled with
+    linen's arrays. A model that holds what linen does not give (a Dropout's random stream, an array
+    of its own), or that cannot be built abstractly, is built for real, as before."""
+    mapping = check_names(port, variables)
+    try:
+        if not model_facts(port).own_state:  # else an abstract model is built only to be thrown away
+            model = nnx.eval_shape(lambda: port.nnx_model(nnx.Rngs(0)))
+            convert.load_linen_variables(model, variables, mapping)
+            if not any(_abstract(value) for _, value in nnx.iter_graph(model)):
+                return model
+    except Exception:  # noqa: BLE001 -- built for real below, where the port's own error is raised
+        pass
+    model = port.nnx_model(nnx.Rngs(0))
+    convert.load_linen_variables(model, variables, mapping)
+    return model
+
+
+def _abstract(value) -> bool:
+    if isinstance(value, nnx.Variable):
+        value = value.get_value()
+    return isinstance(value, jax.ShapeDtypeStruct | jax.core.Tracer)
+
+
+class View(nnx.Module):
+    """A loop port's NNX objects under the names of ``nnx_sharded.train.TrainState`` (``model``,
+    ``optimizer``, ``ema``), so that one checkpoint layout serves both levels. The view shares them:
+    restoring into the view restores into the team's own model and optimizer."""
+
+    def __init__(self, model: nnx.Module, optimizer: nnx.Optimizer, ema: nnx.Module | None = None):
+        self.model, self.optimizer, self.ema = model, optimizer, ema
+
+    @classmethod
+    def of(cls, train_state: Any) -> 'View':
+        return cls(*convert.find_nnx_objects(train_state))

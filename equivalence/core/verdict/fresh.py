@@ -7,7 +7,7 @@ raises (a jit sharding error), and at D = 1 a process that sees one device has n
 This module runs the twin (``twin.run_twin``) in a child process that sees ``n`` devices: the
 port's module is imported afresh there, so its mesh is built from those ``n`` devices.
 
-The child is ``python -m equivalence.core.verdict.fresh SPEC N REQUEST RESULT``. It is given the
+The child is ``python -m equivalence.core.kinds.twin_process SPEC N REQUEST RESULT``. It is given the
 checked run's config (its keys are the run's: ``[D, 2]`` in per-device mode), the linen
 variables, every call's whole batch and the key chain, in ``REQUEST`` (a pickle this process
 wrote); it writes the twin's final state, losses, parameters after each call, metrics and, for a
@@ -25,6 +25,7 @@ import sys
 import tempfile
 from typing import Any
 
+CHILD = 'equivalence.core.kinds.twin_process'  # the fresh process's module (it builds the port's kind)
 TIMEOUT_S = 900  # a twin is one more run of the new side: minutes at most for what the suite runs
 
 
@@ -68,14 +69,14 @@ def env(n: int) -> dict[str, str]:
     return environ
 
 
-def run_twin(port: Any, config: Any, variables: dict, calls: list, rng: Any, n: int, draws: bool):
+def run_twin(kind: Any, config: Any, variables: dict, calls: list, rng: Any, n: int, draws: bool):
     """``(the twin's PathResult, its first call's draws or None)`` from a fresh process on ``n`` devices;
     raises ``RuntimeError`` with one line saying why when it cannot run or failed."""
     import jax
 
     from equivalence.core.run import sides
 
-    spec = locate(port, config)
+    spec = locate(kind.port, config)
     if not spec:
         raise RuntimeError('the port is not importable by name (module:NAME), so no fresh process can load it')
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
@@ -85,7 +86,7 @@ def run_twin(port: Any, config: Any, variables: dict, calls: list, rng: Any, n: 
         ask, answer = os.path.join(folder, 'request.pkl'), os.path.join(folder, 'result.pkl')
         with open(ask, 'wb') as f:
             pickle.dump(request, f)
-        command = [sys.executable, '-m', 'equivalence.core.verdict.fresh', spec, str(n), ask, answer]
+        command = [sys.executable, '-m', CHILD, spec, str(n), ask, answer]
         proc = subprocess.run(command, env=env(n), capture_output=True, text=True, timeout=TIMEOUT_S)
         if proc.returncode != 0:
             lines = proc.stderr.strip().splitlines() or [f'exit {proc.returncode}']
@@ -101,42 +102,3 @@ def _typed(rng: Any) -> bool:
     import jax
 
     return jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)
-
-
-def child(spec: str, n: int, ask: str, answer: str) -> None:
-    """The fresh process: the twin on this process's ``n`` devices, its results to ``answer``."""
-    import jax
-
-    from equivalence.core.port import workloads
-    from equivalence.core.port.config import RunConfig
-    from equivalence.core.run import draws
-    from equivalence.core.verdict import twin
-
-    if len(jax.devices()) != n:
-        raise RuntimeError(f'the fresh process sees {len(jax.devices())} devices, not {n}')
-    with open(ask, 'rb') as f:
-        request = pickle.load(f)
-    port, config = workloads.get(spec), RunConfig(**request['config'])
-    variables, calls, rng = request['variables'], request['calls'], jax.numpy.asarray(request['rng'])
-    drawn = draws.FirstCall() if request['draws'] else None
-    result = twin.run_twin(port, config, variables, calls, rng, n, record=drawn)
-    out = {'final': result.final, 'losses': result.losses, 'params_per_call': result.params_per_call,
-           'metrics': result.metrics, 'mesh': result.mesh, 'draws': drawn and drawn.draws,
-           'memory': result.memory}  # fmt: skip
-    with open(answer, 'wb') as f:
-        pickle.dump(out, f)
-
-
-def main(argv: list[str]) -> int:
-    spec, n, ask, answer = argv
-    try:
-        child(spec, int(n), ask, answer)
-    except Exception as e:  # noqa: BLE001 -- the parent reports the last line as why the twin did not run
-        line = (str(e).splitlines() or [''])[0][:400]
-        print(f'{type(e).__name__}: {line}', file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == '__main__':
-    sys.exit(main(sys.argv[1:]))

@@ -35,11 +35,11 @@ from jax.extend.core import get_opaque_trace_state
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from equivalence.core.port.config import RunConfig
+from equivalence.core.port.kind import Kind
 from equivalence.core.port.paths import key_name
-from equivalence.core.port.ports import LoopPort, ModelPort, Port
-from equivalence.core.run import adapters, randomness, setups, sides
+from equivalence.core.port.ports import ModelPort
+from equivalence.core.run import randomness, setups, sides
 from equivalence.core.verdict import probe, twin
-from legacy_pmap import train as legacy
 
 LOSS, GRADS = '<loss>', '<grads>'  # recorded values that are no module's
 DOUT = '<d output>'  # the cotangent of the outermost module's output: d(training loss) / d(output)
@@ -249,11 +249,9 @@ def _recording_tx(tx: optax.GradientTransformation) -> optax.GradientTransformat
     return optax.GradientTransformationExtraArgs(tx.init, update)
 
 
-def _recording_port(port: Port) -> Port:
-    """A model port whose losses and optimizer record what they compute; a loop port as it is (its
-    step is its own: only its modules are seen)."""
-    if not isinstance(port, ModelPort):
-        return port
+def recording_port(port: ModelPort) -> ModelPort:
+    """A model port whose losses and optimizer record what they compute (its kind's ``recording``; a
+    loop port's step is its own: only its modules are seen)."""
 
     def legacy_loss(model, params, model_state, batch, noise):
         out = port.legacy_loss(model, params, model_state, batch, noise)
@@ -278,7 +276,7 @@ def step_batch(calls: list, j: int):
 
 
 def first_steps(
-    port: Port, config: RunConfig, variables: dict, calls: list, rng, n_twin: twin.Kind | None, steps: int = 1
+    kind: Kind, config: RunConfig, variables: dict, calls: list, rng, n_twin: twin.TwinKind | None, steps: int = 1
 ):
     """``({side: PathResult after ``steps`` steps}, {side: {label: Record}})``: the first ``steps``
     steps of each side (legacy, nnx, and twin when ``n_twin``: a count, or a sharded run's
@@ -288,23 +286,22 @@ def first_steps(
     loop port's jitted functions trace again with the recording in them, and no other run takes a
     recording trace, nor does this one take theirs; nothing is cleared."""
     one = dataclasses.replace(probe.probe_config(config), steps_per_call=1, calls=steps)
-    first, recording = [step_batch(calls, j) for j in range(steps)], _recording_port(port)
-    adapted = adapters.adapted(port) if isinstance(port, LoopPort) else False
-    axis = port.axis_name if isinstance(port, LoopPort) else legacy.AXIS
+    first, recording = [step_batch(calls, j) for j in range(steps)], kind.recording()
+    axis = kind.axis_name
     runs = {
         'legacy': (axis, None, lambda: sides.run_legacy(recording, one, variables, first, rng)),
         'nnx': (None, setups.nnx_mesh(one), lambda: sides.run_nnx(recording, one, variables, first, rng)),
     }
     rows = None
     if n_twin:
-        built = twin.twin_setup(recording, one, variables, n_twin)
+        built = recording.twin_setup(one, variables, n_twin)
         rows = getattr(built, 'rows', None)  # a Reordered twin holds the batch's rows in this order
         runs['twin'] = (
             None,
             built.mesh,
             lambda: twin.run_twin(recording, one, variables, first, rng, n_twin, setup=built),
         )
-    abstract = setups.abstract_model(port)  # None: a new side of linen alone, whose calls nn.intercept_methods sees
+    abstract = setups.abstract_model(kind.port)  # None: a new side of linen alone (nn.intercept_methods sees it)
     graph = nnx.iter_graph(abstract) if abstract is not None else ()
     classes = {type(m) for _, m in graph if isinstance(m, nnx.Module)}
     results, s = {}, _SESSION
@@ -312,7 +309,7 @@ def first_steps(
     try:
         with _patched(classes), _RECORDINGS(next(_SESSIONS)):
             for side, (s.axis, mesh, run) in runs.items():
-                s.side, s.mesh = side, None if adapted else mesh
+                s.side, s.mesh = side, mesh if kind.records_on_mesh else None
                 results[side] = run()
                 jax.effects_barrier()
                 s.side = None

@@ -39,12 +39,12 @@ import numpy as np
 
 from equivalence.core.port import blame, convert
 from equivalence.core.port.config import RunConfig
-from equivalence.core.port.ports import LoopPort, ModelPort, Port, init_inputs
+from equivalence.core.port.kind import Kind
+from equivalence.core.port.ports import Port, init_inputs
 from equivalence.core.run import draws, footprint, randomness, setups, sides
 from equivalence.core.run.sides import PathResult
 from equivalence.core.verdict import compare, fresh, legacy_rows, locate, rule, twin
 from equivalence.core.verdict.rule import MEASURED_FLOOR, Verdict
-from legacy_pmap import losses as legacy_losses
 
 
 @dataclasses.dataclass
@@ -77,9 +77,10 @@ class Inputs:
         return 'several processes' if jax.process_count() > 1 else ''
 
 
-def judge(port: Port, config: RunConfig, old, new, inputs: Inputs, tree) -> tuple[compare.Report, Verdict]:
+def judge(kind: Kind, config: RunConfig, old, new, inputs: Inputs, tree) -> tuple[compare.Report, Verdict]:
     """The report every leaf is judged by, and the verdict with its diagnosis; ``tree(path)`` is
     what of a path's result is compared (``sides.compared``)."""
+    port = kind.port
     trees = lambda path, first=None: {**tree(path), **(first or {})}  # noqa: E731
     screen = compare.compare(trees(old), trees(new), port.tolerance)
     done = [f'fixed screen {"passed" if screen.match else "failed"}']
@@ -89,12 +90,12 @@ def judge(port: Port, config: RunConfig, old, new, inputs: Inputs, tree) -> tupl
     if not counts or (config.verdict == 'screen' and screen.match):
         none = f'no second mesh fits ({cannot or "an odd batch"})' if not counts else ''
         text = f'not run: {none or "--verdict screen, and the screen passed"}'
-        judged = finish(port, config, screen, old, new, inputs, done + [f'twin {text}'], text, None)
+        judged = finish(kind, config, screen, old, new, inputs, done + [f'twin {text}'], text, None)
         return unmeasured(screen, judged) if none else (screen, judged)  # --verdict screen: the user's choice
-    twins, why, fresh_ones = measured_twins(port, config, new, inputs, counts)
+    twins, why, fresh_ones = measured_twins(kind, config, new, inputs, counts)
     inputs.fresh_twins = tuple(fresh_ones)
     if not twins:
-        judged = finish(port, config, screen, old, new, inputs, done + [f'twin {why[0]}'], why[0], None)
+        judged = finish(kind, config, screen, old, new, inputs, done + [f'twin {why[0]}'], why[0], None)
         return unmeasured(screen, judged)
     first = [rule.first_step_tree(float(p.losses[0])) for p in (old, new)]
     floor = twin.farthest(
@@ -113,7 +114,7 @@ def judge(port: Port, config: RunConfig, old, new, inputs: Inputs, tree) -> tupl
     done += ([said] if said else []) + [f'twin {reason}' for reason in why]  # those not run, or refused
     grads = None
     if wants_legacy_twin(report, old, new):
-        grads, other = legacy_floor(port, config, old, new, inputs, twins, done)
+        grads, other = legacy_floor(kind, config, old, new, inputs, twins, done)
         if other is not None:
             ref_twin = trees(other, rule.first_step_tree(float(other.losses[0])))
             report = compare.compare_to_floor(
@@ -121,7 +122,7 @@ def judge(port: Port, config: RunConfig, old, new, inputs: Inputs, tree) -> tupl
             )
         if grads is not None:
             report.leaves.extend(grads.leaves)
-    judged = finish(port, config, report, old, new, inputs, done, on, next(iter(twins)), grads)
+    judged = finish(kind, config, report, old, new, inputs, done, on, next(iter(twins)), grads)
     report, judged = unverified(port, inputs, report, judged)
     return report, dataclasses.replace(judged, memory=memory)
 
@@ -177,12 +178,12 @@ def output_layer(port: Port, variables: dict, batch_KxG) -> set[str]:
     return {mapping.get(p, p) for p in paths if owner(p) == last}
 
 
-def measured_twins(port: Port, config: RunConfig, new, inputs: Inputs, counts: tuple[int, ...]):
+def measured_twins(kind: Kind, config: RunConfig, new, inputs: Inputs, counts: tuple[int, ...]):
     """``({D': the twin's PathResult}, why not, counts run in a fresh process)``: each twin (up to
     ``twin.TWINS``) that ran and computed what NNX computes, its losses and (a loop port's) random draws,
     and why each other did not run or was refused."""
     twins, why, fresh_ones, drawn_by_run = {}, [], [], []
-    calls = inputs.whole_calls(port, config)
+    calls = inputs.whole_calls(kind.port, config)
     fit = new.memory if twin.must_fit(config) else None
     # Where fewer than two candidates fit, data parallel on D runs all the same (it rounds as the pmap run
     # does; the reordered placements alone measured too small a floor: wide under fsdp-tp, seed 0, 11x).
@@ -192,7 +193,7 @@ def measured_twins(port: Port, config: RunConfig, new, inputs: Inputs, counts: t
         if len(twins) == twin.TWINS or n in twins:
             continue
         try:
-            tw, drawn, in_fresh = one_twin(port, config, inputs, calls, n, limit, built)
+            tw, drawn, in_fresh = one_twin(kind, config, inputs, calls, n, limit, built)
         except TwinNotRun as e:
             why.append((n, str(e)))
             continue
@@ -200,7 +201,7 @@ def measured_twins(port: Port, config: RunConfig, new, inputs: Inputs, counts: t
         if not refusal and twin.devices_of(n, config) == config.devices:
             refusal = rule.twin_reordered_nothing(new.final, tw.final)
         if not refusal and drawn is not None:
-            drawn_by_run = drawn_by_run or [run_draws(port, config, inputs)]  # once, when a twin needs it
+            drawn_by_run = drawn_by_run or [run_draws(kind, config, inputs)]  # once, when a twin needs it
             refusal = draws.refusal(drawn_by_run[0], drawn)
         if refusal:
             why.append((n, f'{refusal} ({twin.describe([n])}{" in a fresh process" if in_fresh else ""})'))
@@ -214,22 +215,22 @@ class TwinNotRun(Exception):
     """Why a twin did not run, as the verdict line says it."""
 
 
-def one_twin(port: Port, config: RunConfig, inputs: Inputs, calls: list, n, fit: dict | None = None, built=None):
+def one_twin(kind: Kind, config: RunConfig, inputs: Inputs, calls: list, n, fit: dict | None = None, built=None):
     """``(the twin's PathResult, its first call's draws or None, whether it ran in a fresh process)``: in
     this process when its devices suffice and the code runs there, else in a fresh process that sees ``n``
     devices (code pinned to a mesh of its own, built from ``jax.devices()``); ``TwinNotRun`` saying why not.
     ``fit``: the run's bytes per device, which a candidate twin must not exceed ``twin.FIT`` times;
     ``built``: setups built already, by twin (one that did not fit may run later as the fallback)."""
-    check = checks_draws(port)
+    check = checks_draws(kind)
     raised = f'{n} device(s) are more than this process sees'
     if twin.devices_of(n, config) <= len(jax.local_devices()):
         drawn = draws.FirstCall() if check else None
         try:
             built = {} if built is None else built
-            setup = built[n] = built.get(n) or twin.twin_setup(port, config, inputs.variables, n)
+            setup = built[n] = built.get(n) or kind.twin_setup(config, inputs.variables, n)
             too_big(setup, calls[0], inputs.rng, fit, n)
             tw = twin.run_twin(
-                port, config, inputs.variables, calls, inputs.rng, n, restore=inputs.restore, record=drawn, setup=setup
+                kind, config, inputs.variables, calls, inputs.rng, n, restore=inputs.restore, record=drawn, setup=setup
             )
             return tw, drawn and drawn.draws, False
         except TwinNotRun:
@@ -241,7 +242,7 @@ def one_twin(port: Port, config: RunConfig, inputs: Inputs, calls: list, n, fit:
     if cannot:
         raise TwinNotRun(f'not run: {raised}; and no fresh process: {cannot}')
     try:
-        tw, drawn = fresh.run_twin(port, config, inputs.variables, calls, inputs.rng, n, check)
+        tw, drawn = fresh.run_twin(kind, config, inputs.variables, calls, inputs.rng, n, check)
     except Exception as e:  # noqa: BLE001 -- the fresh process failed too: both reasons
         inputs.errors.append(f'twin on {n} device(s) in a fresh process: {type(e).__name__}: {e}')
         raise TwinNotRun(f'not run: {raised}; {blame.first_line(e)}') from None
@@ -258,17 +259,18 @@ def too_big(setup, batch_KxG, rng, fit: dict | None, n) -> None:
         raise TwinNotRun(f"not run {twin.describe([n])}: it would hold {ratio:.2f}x the run's bytes per device")
 
 
-def checks_draws(port: Port) -> bool:
-    """Whether a twin's random draws are checked against the run's: a loop port's, whose step draws as
-    its code says (a model port's are drawn by the suite from the run's keys, the same by construction),
-    in one process (the run's first call is run again, recording, which across processes is collective)."""
-    return isinstance(port, LoopPort) and jax.process_count() == 1
+def checks_draws(kind: Kind) -> bool:
+    """Whether a twin's random draws are checked against the run's: where the port's step draws as its
+    code says (``kind.checks_draws``: a loop port's; a model port's are drawn by the suite from the run's
+    keys, the same by construction), in one process (the run's first call is run again, recording, which
+    across processes is collective)."""
+    return kind.checks_draws and jax.process_count() == 1
 
 
-def run_draws(port: Port, config: RunConfig, inputs: Inputs) -> draws.Draws:
+def run_draws(kind: Kind, config: RunConfig, inputs: Inputs) -> draws.Draws:
     """What the NNX run's first call draws: a fresh setup of it (restored from the checkpoint after
     ``--resume-at``), its first call run again while recording (``draws.first_call``)."""
-    setup = sides.nnx_setup(port, config, inputs.variables)
+    setup = kind.new_setup(config, inputs.variables)
     rng = inputs.restore(setup) if inputs.restore is not None else inputs.rng
     return draws.first_call(setup, inputs.calls[0], rng)
 
@@ -285,7 +287,7 @@ def wants_legacy_twin(report: compare.Report, old, new) -> bool:
     return trained and bool(finite) and not rule.failed(report, 'first_step')
 
 
-def legacy_floor(port: Port, config: RunConfig, old, new, inputs: Inputs, twins: dict, done: list):
+def legacy_floor(kind: Kind, config: RunConfig, old, new, inputs: Inputs, twins: dict, done: list):
     """``(first-step gradients or None, the legacy twin's PathResult or None)``, saying in ``done``
     what ran. A model port's first-step gradients are probed first: when they differ the difference
     is math, which no chaos excuses, and no legacy twin runs (nor may it hide a backward-pass slip)."""
@@ -294,17 +296,17 @@ def legacy_floor(port: Port, config: RunConfig, old, new, inputs: Inputs, twins:
         done.append(f'legacy twin not run: {cannot}')
         return None, None
     grads = None
-    if isinstance(port, ModelPort):
-        grads = first_step_grads(port, config, inputs, next(iter(twins)))
+    if kind.observes_grads:
+        grads = first_step_grads(kind, config, inputs, next(iter(twins)))
         done.append(f'first-step gradients {"agree" if grads.match else "differ"}')
         if not grads.match:
             return grads, None
-    other, said = legacy_twin(port, config, old, new, twins, inputs)
+    other, said = legacy_twin(kind, config, old, new, twins, inputs)
     done.append(said)
     return grads, other
 
 
-def legacy_twin(port: Port, config: RunConfig, old, new, twins: dict, inputs: Inputs):
+def legacy_twin(kind: Kind, config: RunConfig, old, new, twins: dict, inputs: Inputs):
     """``(the legacy twin's PathResult or None, what was done)``: the pmap side again on another device
     count, with the same data and keys: what reordering its own sums does to it. The NNX twins cannot
     see chaos that lives on the legacy side (cnn, global keys, seed 4: legacy on 8 devices ends 1.7e-4
@@ -328,10 +330,10 @@ def legacy_twin(port: Port, config: RunConfig, old, new, twins: dict, inputs: In
     n = counts[0]
     if config.calls < 2:
         return None, 'legacy twin not run: with one call there is no early state to tell chaos from a real difference'
-    rows = config.rng_mode == 'per-device' and draws_random_numbers(port)  # drawn as the run's D devices draw
+    rows = config.rng_mode == 'per-device' and kind.draws_random_numbers()  # drawn as the run's D devices draw
     first = [{'params': tw.params_per_call[0]} for tw in twins.values()]
     twin_first = twin.farthest({'params': new.params_per_call[0]}, first).get('params', {})
-    fed, start = compare.feeding_dtypes(old.final), start_params(port, inputs.variables)
+    fed, start = compare.feeding_dtypes(old.final), start_params(kind.port, inputs.variables)
     first_call = (new.params_per_call[0], twin_first, MEASURED_FLOOR, fed, start)
     excess = rule.early_excess(old.params_per_call[0], new.params_per_call[0], *first_call)
     if excess:
@@ -340,9 +342,9 @@ def legacy_twin(port: Port, config: RunConfig, old, new, twins: dict, inputs: In
     try:
         on_n = dataclasses.replace(config, devices=n, strategy='dp', mesh=None, nnx_form='split')
         if rows:
-            other = legacy_rows.run(port, config, n, inputs.variables, inputs.calls, inputs.rng)
+            other = legacy_rows.run(kind.port, config, n, inputs.variables, inputs.calls, inputs.rng)
         else:
-            other = sides.run_legacy(port, on_n, inputs.variables, inputs.calls, inputs.rng)
+            other = sides.run_legacy(kind, on_n, inputs.variables, inputs.calls, inputs.rng)
     except Exception as e:  # noqa: BLE001 -- pmap code written for one device count
         inputs.errors.append(f'legacy twin on {n} device(s): {type(e).__name__}: {e}')
         return None, f'legacy twin on {n} device(s) not run: it raised {blame.first_line(e)}'
@@ -365,30 +367,23 @@ def start_params(port: Port, variables: dict) -> dict[str, np.ndarray]:
     return (convert.rename(start, mapping) if mapping else start)['params']
 
 
-def draws_random_numbers(port: Port) -> bool | None:
-    """Whether the port's step consumes random numbers (Dropout, attention, its own noise); None for
-    a loop port, whose step the suite cannot see (its legacy twin is then judged by its losses)."""
-    if not isinstance(port, ModelPort):
-        return None
-    return setups.uses_dropout(port) or port.noise not in (None, legacy_losses.no_noise)
-
-
-def finish(port, config, report, old, new, inputs, done, twin_text, n_twin, grads=None) -> Verdict:
+def finish(kind: Kind, config, report, old, new, inputs, done, twin_text, n_twin, grads=None) -> Verdict:
     """Gradients (strict, or to diagnose; ``grads`` if already probed), the diagnosis on MISMATCH, and
     the verdict."""
     cannot = inputs.single_process_probes()
     to_diagnose = not report.match and inputs.diagnose
-    if grads is None and isinstance(port, ModelPort) and (config.verdict == 'strict' or to_diagnose):
+    port = kind.port
+    if grads is None and kind.observes_grads and (config.verdict == 'strict' or to_diagnose):
         if cannot:
             done.append(f'first-step gradients not probed: {cannot}')
         else:
-            grads = first_step_grads(port, config, inputs, n_twin)
+            grads = first_step_grads(kind, config, inputs, n_twin)
             report.leaves.extend(grads.leaves)
             done.append(f'first-step gradients {"agree" if grads.match else "differ"}')
     noisy, errors = tuple(leaf for leaf in report.leaves if leaf.noise_dominated), tuple(inputs.errors)
     if report.match:
         matched = Verdict(True, config.verdict, tuple(done), twin=twin_text, noise_dominated=noisy, errors=errors)
-        return locate.attach(matched, port, config, inputs, n_twin)  # only when --locate asks
+        return locate.attach(matched, kind, config, inputs, n_twin)  # only when --locate asks
     if not inputs.diagnose:  # only its match is read: no gradients probed, no re-run, not located
         return Verdict(False, config.verdict, tuple(done), twin=twin_text, noise_dominated=noisy, errors=errors)
     rerun = None
@@ -398,7 +393,7 @@ def finish(port, config, report, old, new, inputs, done, twin_text, n_twin, grad
     if loss_failed and setups.uses_dropout(port) and cannot:
         done.append(f'deterministic re-run (dropout off) not run: {cannot}')
     elif loss_failed and setups.uses_dropout(port):
-        rerun = deterministic_rerun_matches(port, config, inputs, report)
+        rerun = deterministic_rerun_matches(kind, config, inputs, report)
         done.append(f'deterministic re-run (dropout off) {"matches" if rerun else "differs"}')
     nonfinite = rule.nonfinite_line(
         {'legacy': old.losses, 'nnx': new.losses},
@@ -406,21 +401,21 @@ def finish(port, config, report, old, new, inputs, done, twin_text, n_twin, grad
         data_nonfinite(inputs.whole_calls(port, config)),
     )
     no_floor = twin_text if report.floor is None else ''
-    kind, line = rule.diagnose(report, nonfinite, rerun, grads is not None, no_floor)
-    mismatch = Verdict(False, config.verdict, tuple(done), kind, line, twin_text, noisy, errors)
-    return locate.attach(mismatch, port, config, inputs, n_twin)
+    diagnosed, line = rule.diagnose(report, nonfinite, rerun, grads is not None, no_floor)
+    mismatch = Verdict(False, config.verdict, tuple(done), diagnosed, line, twin_text, noisy, errors)
+    return locate.attach(mismatch, kind, config, inputs, n_twin)
 
 
-def first_step_grads(port: ModelPort, config: RunConfig, inputs: Inputs, n_twin) -> compare.Report:
+def first_step_grads(kind: Kind, config: RunConfig, inputs: Inputs, n_twin) -> compare.Report:
     """The first step's gradients of both sides, held to the floor of the twin's (0 without one; none
     where the twin ran in a fresh process, ``locate.here``): the gradients each optimizer was given in
     the first steps that also locate a MISMATCH (``locate``)."""
-    grads = locate.first_step_grads(port, config, inputs, n_twin)
+    grads = locate.first_step_grads(kind, config, inputs, n_twin)
     ref, other, floor = (rule.first_step_tree(grads=grads[s]) for s in ('legacy', 'nnx', 'twin'))
     return compare.compare_to_floor(ref, other, floor, MEASURED_FLOOR)
 
 
-def deterministic_rerun_matches(port: Port, config: RunConfig, inputs: Inputs, report: compare.Report) -> bool:
+def deterministic_rerun_matches(kind: Kind, config: RunConfig, inputs: Inputs, report: compare.Report) -> bool:
     """The first call again, both sides, every bridged Dropout off: do the first losses now agree?
 
     A user's own jitted step (a loop port) keeps its traces across calls, and the bridge acts
@@ -429,8 +424,8 @@ def deterministic_rerun_matches(port: Port, config: RunConfig, inputs: Inputs, r
     with no cache cleared."""
     one = dataclasses.replace(config, calls=1)
     with randomness.dropout_off():
-        old = sides.run_legacy(port, one, inputs.variables, inputs.calls[:1], inputs.rng)
-        new = sides.run_nnx(port, one, inputs.variables, inputs.calls[:1], inputs.rng)
+        old = sides.run_legacy(kind, one, inputs.variables, inputs.calls[:1], inputs.rng)
+        new = sides.run_nnx(kind, one, inputs.variables, inputs.calls[:1], inputs.rng)
     leaf = next((x for x in report.leaves if x.name == 'first_step/loss'), None)
     limit = leaf.limit if leaf is not None and leaf.limit is not None else 0.0
     allowed = max(limit, MEASURED_FLOOR.min_ulps * compare.spacing32(float(old.losses[0])))
@@ -467,7 +462,7 @@ class RunResult:
 
 
 def judged(
-    port: Port,
+    kind: Kind,
     config: RunConfig,
     old: PathResult,
     new: PathResult,
@@ -482,5 +477,5 @@ def judged(
     ``resumed``: ``restore`` and ``first_call`` of a run NNX resumed from a checkpoint; ``diagnose``:
     False where only the match is read (no diagnosis nor location on MISMATCH)."""
     inputs = Inputs(variables, calls, rng, diagnose=diagnose, **resumed)
-    report, verdict = judge(port, config, old, new, inputs, tree or sides.compared(port, old, new)[0])
+    report, verdict = judge(kind, config, old, new, inputs, tree or sides.compared(kind, old, new)[0])
     return RunResult(config, old, new, report, verdict=verdict)

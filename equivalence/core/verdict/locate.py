@@ -33,7 +33,7 @@ import numpy as np
 
 from equivalence.core.port import convert
 from equivalence.core.port.config import RunConfig
-from equivalence.core.port.ports import LoopPort, ModelPort, Port
+from equivalence.core.port.kind import Kind
 from equivalence.core.run import setups
 from equivalence.core.verdict import compare, implied, intercept, pairing, probe, twin
 from equivalence.core.verdict.intercept import DOUT, LOSS, NOT_MODULES
@@ -142,7 +142,7 @@ def _modules(raw: dict, paired: dict[str, str]) -> list[Module]:
 class _Step:
     """The three first steps, and what the stages read of them."""
 
-    port: Port
+    port_kind: Kind
     results: dict  # side -> sides.PathResult after one step
     raw: dict  # side -> label -> intercept.Record
     mapping: dict[str, str]  # linen leaf path -> NNX leaf path
@@ -262,7 +262,7 @@ def _loss_location(step: _Step, figures: str) -> Location:
     """A ``loss`` location: the two sides' loss functions, and whether the model's output agrees first."""
     root = next((m for m in step.modules if m.legacy == ROOT), None)
     model = f"the model's output agrees ({_e(root.output_diff)} apart); " if root is not None else ''
-    names = _loss_names(step.port)
+    names = step.port_kind.loss_names()
     return Location('loss', names[0], names[1], model + figures)
 
 
@@ -290,12 +290,6 @@ def _output_grad(step: _Step) -> Location | None:
         f'({c:.4g}: the reduction) is taken out (allowed {_e(leaf.limit)}): the loss the step trains on differs '
         '(label smoothing, weights, masking), whether or not the loss it reports does',
     )
-
-
-def _loss_names(port: Port) -> tuple[str, str]:
-    if isinstance(port, ModelPort):
-        return tuple(getattr(f, '__qualname__', repr(f)) for f in (port.legacy_loss, port.nnx_loss))
-    return ("the pmap step's loss", "the NNX step's loss")
 
 
 def _backward(step: _Step) -> Location | None:
@@ -459,15 +453,15 @@ def _implied(step: _Step) -> str:
 
 
 def judge_step(
-    port: Port, results: dict, raw: dict, mapping: dict[str, str], variables: dict, at: int = 1, start=None
+    port_kind: Kind, results: dict, raw: dict, mapping: dict[str, str], variables: dict, at: int = 1, start=None
 ) -> Location:
     """The first place the recorded first steps part (``results`` and ``raw`` of ``intercept.first_steps``);
     ``at`` > 1: the records of step ``at`` (its last) and the state after it, ``start`` the pmap side's
     parameters before it (NNX paths; nothing parted before it)."""
-    paired = pairs(raw.get('legacy', {}), raw.get('nnx', {}), mapping, port.names)
+    paired = pairs(raw.get('legacy', {}), raw.get('nnx', {}), mapping, port_kind.port.names)
     modules = _modules(raw, paired) if paired else []
-    step = _Step(port, results, raw, mapping, variables, modules, paired, at, start)
-    notes = _notes(port, raw, paired, 'twin' in results)
+    step = _Step(port_kind, results, raw, mapping, variables, modules, paired, at, start)
+    notes = _notes(port_kind, raw, paired, 'twin' in results)
     for stage in (_forward, _loss, _backward, _statistics, _update):
         found = stage(step)
         if found is not None and stage is _loss and any(n.startswith('not observed') for n in notes):
@@ -507,7 +501,7 @@ def judge_step(
     )  # fmt: skip
 
 
-def _notes(port: Port, raw: dict, paired: dict, twin_ran: bool) -> list[str]:
+def _notes(port_kind: Kind, raw: dict, paired: dict, twin_ran: bool) -> list[str]:
     """What was not paired or not observed, and why."""
     notes = []
     calls = {side: [label for label in raw.get(side, {}) if label not in NOT_MODULES] for side in ('legacy', 'nnx')}
@@ -522,13 +516,13 @@ def _notes(port: Port, raw: dict, paired: dict, twin_ran: bool) -> list[str]:
                      f'({len(calls["nnx"])} recorded); not paired: {shown}')  # fmt: skip
     if not twin_ran:
         notes.append('no twin in this process: each value is held to 8 float32 spacings of its largest value')
-    if isinstance(port, LoopPort):
+    if not port_kind.observes_grads:
         notes.append("a loop port's gradients are its own step's: not observed (its first moment, which holds them "
                      'after one step, is read for them)')  # fmt: skip
     return notes
 
 
-def here(n_twin: twin.Kind | None, config: RunConfig, inputs) -> twin.Kind | None:
+def here(n_twin: twin.TwinKind | None, config: RunConfig, inputs) -> twin.TwinKind | None:
     """The twin the first steps run in this process: None where it ran in a fresh process
     (``judge.one_twin``: it needs more devices than this process sees, or it raised here, as code
     pinned to a mesh of its own does), or needs more devices than this process sees."""
@@ -537,28 +531,28 @@ def here(n_twin: twin.Kind | None, config: RunConfig, inputs) -> twin.Kind | Non
     return None if twin.devices_of(n_twin, config) > len(jax.local_devices()) else n_twin
 
 
-def first_steps(port: Port, config: RunConfig, inputs, n_twin: twin.Kind | None) -> tuple[dict, dict]:
+def first_steps(port_kind: Kind, config: RunConfig, inputs, n_twin: twin.TwinKind | None) -> tuple[dict, dict]:
     """``intercept.first_steps`` once per verdict, kept on ``inputs`` (``judge.Inputs``): the gradient
     probe and the location share one more first step per side and the twin's (``n_twin``, as ``here``
     keeps it; None: no twin, each value then held to 8 float32 spacings)."""
     n_twin = here(n_twin, config, inputs)
     if inputs.first_steps is None or inputs.first_steps[0] != n_twin:
-        runs = intercept.first_steps(port, config, inputs.variables, inputs.calls, inputs.rng, n_twin)
+        runs = intercept.first_steps(port_kind, config, inputs.variables, inputs.calls, inputs.rng, n_twin)
         inputs.first_steps = (n_twin, *runs)
     return inputs.first_steps[1:]
 
 
-def first_step_grads(port: ModelPort, config: RunConfig, inputs, n_twin: twin.Kind | None) -> dict[str, dict]:
+def first_step_grads(port_kind: Kind, config: RunConfig, inputs, n_twin: twin.TwinKind | None) -> dict[str, dict]:
     """``{'legacy', 'nnx', 'twin'}`` -> the first gradient by NNX path (the twin's: NNX's without a
     twin). Where the recorded steps cannot run, the plain probe's (``probe.first_steps``): the
     location then says why it has none, and the verdict is as it was without it."""
     n_twin = here(n_twin, config, inputs)
-    mapping = setups.check_names(port, inputs.variables)
+    mapping = setups.check_names(port_kind.port, inputs.variables)
     try:
-        raw = first_steps(port, config, inputs, n_twin)[1]
+        raw = first_steps(port_kind, config, inputs, n_twin)[1]
     except Exception:  # noqa: BLE001 -- a port's own error raises again below, as it always did
-        twin_setup = twin.twin_setup(port, config, inputs.variables, n_twin) if n_twin else None
-        steps = probe.first_steps(port, config, inputs.variables, inputs.calls, inputs.rng, twin_setup)
+        twin_setup = port_kind.twin_setup(config, inputs.variables, n_twin) if n_twin else None
+        steps = probe.first_steps(port_kind, config, inputs.variables, inputs.calls, inputs.rng, twin_setup)
         return {side: steps[side].grads for side in ('legacy', 'nnx', 'twin')}
     grads = {side: recorded_grads(raw, side, mapping) for side in ('legacy', 'nnx', 'twin')}
     return {**grads, 'twin': grads['twin'] or grads['nnx']}
@@ -567,29 +561,29 @@ def first_step_grads(port: ModelPort, config: RunConfig, inputs, n_twin: twin.Ki
 MAX_STEPS = 8  # the most steps recorded to find the first that parts
 
 
-def locate(port: Port, config: RunConfig, inputs, n_twin: twin.Kind | None) -> Location:
+def locate(port_kind: Kind, config: RunConfig, inputs, n_twin: twin.TwinKind | None) -> Location:
     """Where the first step parts (``inputs``: a ``judge.Inputs``, the checked runs' inputs). Where
     nothing parts on step 1, the checked runs' first steps (up to ``MAX_STEPS``) are recorded again, the
     first whose parameters part is found, and that step is judged as step 1 was: a warmup whose first
     update is 0 hides an optimizer's eps or nesterov on step 1, a schedule that differs later shows
     where it starts."""
-    mapping = setups.check_names(port, inputs.variables)
-    found = judge_step(port, *first_steps(port, config, inputs, n_twin), mapping, inputs.variables)
+    mapping = setups.check_names(port_kind.port, inputs.variables)
+    found = judge_step(port_kind, *first_steps(port_kind, config, inputs, n_twin), mapping, inputs.variables)
     steps = min(MAX_STEPS, sum(jax.tree.leaves(call)[0].shape[0] for call in inputs.calls))
     if found.kind != 'none' or steps < 2:
         return found
     n_twin = here(n_twin, config, inputs)
     for n in sorted({2, steps}):  # step 2 first: where a warmup's zero first update hid the slip, one run
-        results, raw = intercept.first_steps(port, config, inputs.variables, inputs.calls, inputs.rng, n_twin, n)
+        results, raw = intercept.first_steps(port_kind, config, inputs.variables, inputs.calls, inputs.rng, n_twin, n)
         at = _first_parting(results, n)
         if at is not None:
             break
     if at is None:
-        return judge_step(port, results, raw, mapping, inputs.variables, at=steps)
+        return judge_step(port_kind, results, raw, mapping, inputs.variables, at=steps)
     if at < n:
-        results, raw = intercept.first_steps(port, config, inputs.variables, inputs.calls, inputs.rng, n_twin, at)
+        results, raw = intercept.first_steps(port_kind, config, inputs.variables, inputs.calls, inputs.rng, n_twin, at)
     start = results['legacy'].params_per_call[at - 2] if at > 1 else None
-    return judge_step(port, results, raw, mapping, inputs.variables, at=at, start=start)
+    return judge_step(port_kind, results, raw, mapping, inputs.variables, at=at, start=start)
 
 
 def _first_parting(results: dict, steps: int) -> int | None:
@@ -613,7 +607,7 @@ def _first_update_is_0(results: dict, variables: dict, mapping: dict[str, str]) 
     return all(np.array_equal(after[k], start[k]) for k in after if k in start)
 
 
-def attach(verdict, port: Port, config: RunConfig, inputs, n_twin: twin.Kind | None):
+def attach(verdict, port_kind: Kind, config: RunConfig, inputs, n_twin: twin.TwinKind | None):
     """``verdict`` (``rule.Verdict``) with its ``location``: on MISMATCH, or on MATCH when
     ``config.locate`` asks (never when it is False); where it cannot run (several processes, after
     --resume-at) or raises, the location says so and the verdict stands."""
@@ -623,7 +617,7 @@ def attach(verdict, port: Port, config: RunConfig, inputs, n_twin: twin.Kind | N
     if cannot:
         return dataclasses.replace(verdict, location=Location('unlocated', '', '', f'not run: {cannot}'))
     try:
-        found = locate(port, config, inputs, n_twin)
+        found = locate(port_kind, config, inputs, n_twin)
     except Exception as e:  # noqa: BLE001 -- the verdict stands; the location says why there is none
         found = Location('unlocated', '', '', f'the locating run raised {type(e).__name__}: {str(e)[:200]}')
     said = trust(verdict.kind, found)

@@ -21,9 +21,10 @@ from flax import nnx
 
 from equivalence.core.port import convert
 from equivalence.core.port.config import RunConfig
+from equivalence.core.port.kind import Kind
 from equivalence.core.port.ports import ModelPort
-from equivalence.core.run import setups, sides
-from equivalence.core.verdict import twin
+from equivalence.core.run import setups
+from equivalence.core.run.model_side import reordered_loss
 from legacy_pmap import train as legacy
 from nnx_sharded import sharding
 from nnx_sharded import train as sharded
@@ -76,7 +77,7 @@ def nnx_first_step(setup: setups.NnxSetup, port: ModelPort, batch_KxG, rng) -> F
     noise_fn, loss = setups.port_noise(port, setups.uses_dropout(port)), setups.nnx_loss(port, setup.config)
     rows = getattr(setup, 'rows', None)  # a twin that takes the batch's rows in another order
     if rows is not None:
-        loss, batch_KxG = twin.reordered_loss(loss, rows), jax.tree.map(lambda v: np.asarray(v)[:, rows], batch_KxG)
+        loss, batch_KxG = reordered_loss(loss, rows), jax.tree.map(lambda v: np.asarray(v)[:, rows], batch_KxG)
 
     def step(keys, state, batch_KxG):
         ts, batch = nnx.merge(graphdef, state), jax.tree.map(lambda v: v[0], batch_KxG)
@@ -99,11 +100,13 @@ def probe_config(config: RunConfig) -> RunConfig:
     return dataclasses.replace(config, nnx_form='split', strategy=strategy)
 
 
-def first_steps(port: ModelPort, config: RunConfig, variables: dict, calls: list, rng, twin_setup=None) -> dict:
-    """``{'legacy', 'nnx', 'twin'}`` -> ``FirstStep``; ``twin_setup`` is a fresh twin (``twin.twin_setup``);
-    without one, 'twin' is the NNX side's own step (a floor of 0: only the ulp minimum applies)."""
+def first_steps(kind: Kind, config: RunConfig, variables: dict, calls: list, rng, twin_setup=None) -> dict:
+    """``{'legacy', 'nnx', 'twin'}`` -> ``FirstStep`` of a model port (``kind.suite_loops``); ``twin_setup``
+    is a fresh twin (``kind.twin_setup``); without one, 'twin' is the NNX side's own step (a floor of 0:
+    only the ulp minimum applies)."""
+    port = kind.port
     mapping = setups.check_names(port, variables)
-    checked = nnx_first_step(sides.nnx_setup(port, probe_config(config), variables), port, calls[0], rng)
+    checked = nnx_first_step(kind.new_setup(probe_config(config), variables), port, calls[0], rng)
     return {
         'legacy': legacy_first_step(port, config, variables, calls[0], rng, mapping),
         'nnx': checked,

@@ -37,18 +37,16 @@ workers' exit codes must agree). A twin that raises in one process raises in all
 """
 
 import contextlib
-import dataclasses
 
 import jax
 import numpy as np
 
 from equivalence.core.port.config import RunConfig
-from equivalence.core.port.ports import LoopPort, Port
-from equivalence.core.run import draws, footprint, setups, sides
+from equivalence.core.port.kind import Kind as PortKind
+from equivalence.core.run import draws, footprint, sides
+from equivalence.core.run.model_side import Reordered, TwinKind
 from equivalence.core.verdict import compare
 from equivalence.distributed import gather
-from nnx_sharded import sharding
-from nnx_sharded import train as sharded
 
 
 def twin_counts(config: RunConfig, available: int) -> tuple[int, ...]:
@@ -58,27 +56,6 @@ def twin_counts(config: RunConfig, available: int) -> tuple[int, ...]:
         return (1,) if config.strategy in ('dp', 'shard_map') else (1, config.devices)
     return (2,) if available >= 2 and config.batch_size % 2 == 0 else ()
 
-
-@dataclasses.dataclass(frozen=True)
-class Reordered:
-    """A twin on the checked run's own D devices, placed by ``strategy``, whose global batch holds its
-    rows interleaved (``rows``): every device sums other examples, in another order. The twin of a
-    sharded strategy, whose model may fit only sharded: it holds about what a device of the run holds
-    (``footprint``)."""
-
-    strategy: str  # the run's own (its mesh too), or another placement of the same devices
-
-    def rows(self, g: int, data: int) -> np.ndarray:
-        """Position i of the twin's batch holds example ``rows[i]``: with k groups (the mesh's data axis,
-        else 2), the examples of group c are spread over positions c, c + k, c + 2k, ..."""
-        k = next((k for k in (data, 2) if k > 1 and g % k == 0), 1)
-        return np.arange(g).reshape(k, g // k).T.ravel()
-
-    def __str__(self) -> str:
-        return f'{self.strategy}, batch rows interleaved'
-
-
-Kind = int | Reordered  # a twin: data parallel on that many devices, or the run's devices placed and reordered
 
 # A sharded strategy's twin candidates, in order: placements of the run's own devices, the batch rows
 # interleaved, then data parallel on D (which rounds as the pmap run does). The first two that hold at
@@ -98,7 +75,7 @@ def must_fit(config: RunConfig) -> bool:
     return config.devices > 1 and config.strategy in CANDIDATES and jax.process_count() == 1
 
 
-def twin_kinds(config: RunConfig, available: int) -> tuple[Kind, ...]:
+def twin_kinds(config: RunConfig, available: int) -> tuple[TwinKind, ...]:
     """The twins of a run: a sharded strategy's ``CANDIDATES`` (the judge runs the first ``TWINS`` that
     fit), otherwise ``twin_counts``."""
     if must_fit(config):
@@ -106,16 +83,16 @@ def twin_kinds(config: RunConfig, available: int) -> tuple[Kind, ...]:
     return twin_counts(config, available)
 
 
-def devices_of(kind: Kind, config: RunConfig) -> int:
+def devices_of(kind: TwinKind, config: RunConfig) -> int:
     return config.devices if isinstance(kind, Reordered) else kind
 
 
-def label(kind: Kind) -> str:
+def label(kind: TwinKind) -> str:
     """'8 device(s)' (data parallel), or 'fsdp, batch rows interleaved' (the run's devices, placed so)."""
     return str(kind) if isinstance(kind, Reordered) else f'{kind} device(s)'
 
 
-def describe(kinds: list[Kind]) -> str:
+def describe(kinds: list[TwinKind]) -> str:
     """'on 1 device(s)', 'on 1 and 8 device(s)', or the run's devices and each twin's placement."""
     if all(isinstance(k, int) for k in kinds):
         return f'on {" and ".join(map(str, kinds))} device(s)'
@@ -135,85 +112,8 @@ def farthest(nnx: compare.Neutral, twins: list[compare.Neutral]) -> compare.Neut
     return out
 
 
-def twin_placed_inputs(setup, rng, batch_KxG) -> tuple[jax.Array, tuple]:
-    """The checked run's keys (``config.devices`` rows in per-device mode), replicated on the twin's
-    mesh, whose size may not divide them; the batch split over the twin's data axis as usual."""
-    rng, keys = sharded.next_call_keys(rng, setup.config.devices, setup.config.rng_mode)
-    return rng, (sharding.put(keys, sharding.replicated(setup.mesh)), sharding.place_batch(batch_KxG, setup.mesh))
-
-
-@dataclasses.dataclass
-class TwinSetup(setups.NnxSetup):
-    """A model port's twin: the suite's split-state loop on the twin mesh, keys of the checked run."""
-
-    def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
-        rng, (keys, batch) = twin_placed_inputs(self, rng, batch_KxG)
-        return rng, ((keys, self.state), batch)
-
-
-@dataclasses.dataclass
-class TwinLoopSetup(setups.NnxLoopSetup):
-    """A loop port's twin: the user's own fused call on the twin mesh, keys of the checked run."""
-
-    def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
-        return twin_placed_inputs(self, rng, batch_KxG)
-
-
-@dataclasses.dataclass
-class ReorderedSetup(TwinSetup):
-    """A ``Reordered`` twin: the batch's rows taken in ``rows`` order, the noise drawn for them too."""
-
-    rows: np.ndarray | None = None
-
-    def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
-        return super().call_args(rng, jax.tree.map(lambda v: np.asarray(v)[:, self.rows], batch_KxG))
-
-
-def reordered_loss(loss, rows: np.ndarray):
-    """The port's NNX loss given the noise of each example it holds: the step draws the noise by position
-    (``draw_noise``), and the twin's position i holds example ``rows[i]``. (Taking it costs temporaries:
-    cnn under fsdp at D = 8, global keys, 1.10x the run's bytes per device; per-device keys 1.00x.)"""
-    g = len(rows)
-
-    def loss_of_rows(model, batch, noise):
-        return loss(model, batch, jax.tree.map(lambda a: a[rows] if a.ndim and a.shape[0] == g else a, noise))
-
-    return loss_of_rows
-
-
-def reordered_setup(port: Port, config: RunConfig, variables: dict, kind: Reordered, scale: float) -> ReorderedSetup:
-    """The NNX side on the checked run's devices placed by ``kind.strategy``, its batch rows interleaved."""
-    if kind.strategy != config.strategy:  # another placement of the same devices, its default mesh
-        config = dataclasses.replace(config, strategy=kind.strategy, mesh=None)
-    mesh = sides.nnx_mesh(config)
-    graphdef, state, shardings, _ = sides.model_state(port, variables, mesh, scale, config.strategy)
-    rows = kind.rows(config.batch_size, mesh.shape.get(sharding.DATA, 1))
-    loss = reordered_loss(setups.nnx_loss(port, config), rows)
-    step = sharded.make_step_fn(graphdef, loss, setups.port_noise(port, setups.uses_dropout(port)), port.ema_rate,
-                                config.rng_mode)  # fmt: skip
-    fused = sharded.make_fused_call(step, (sharding.replicated(mesh), shardings))
-    return ReorderedSetup(fused, graphdef, sharding.place_state(state, shardings), mesh, config, rows=rows)
-
-
-def twin_setup(port: Port, config: RunConfig, variables: dict, n_twin: Kind, lr_scale: float | None = None):
-    """The NNX side on a 1-D data mesh of ``n_twin`` devices (or ``Reordered``: on the run's own), with
-    the checked run's config (and so its keys and ``--perturb``). ``lr_scale`` replaces ``1 + perturb``:
-    tests only, a twin whose math differs, which the verdict must refuse."""
-    if isinstance(n_twin, Reordered):
-        return reordered_setup(port, config, variables, n_twin, 1.0 + config.perturb if lr_scale is None else lr_scale)
-    mesh = sharding.make_mesh(n_twin, devices=jax.local_devices())  # this process's own: no collective
-    if isinstance(port, LoopPort):  # the run's own new side, from its NNX model or, without one, linen's variables
-        return sides.loop_new_side(port, config, variables, mesh, fused=TwinLoopSetup)
-    scale = 1.0 + config.perturb if lr_scale is None else lr_scale
-    graphdef, state, shardings, _ = sides.model_state(port, variables, mesh, scale)  # a data mesh: nothing annotated
-    state = sharding.place_state(state, shardings)
-    step = setups.nnx_step(port, graphdef, config)
-    fused = sharded.make_fused_call(step, (sharding.replicated(mesh), shardings))
-    return TwinSetup(fused, graphdef, state, mesh, config)
-
-
 def run_twin(
-    port: Port,
+    kind: PortKind,
     config: RunConfig,
     variables: dict,
     calls: list,
@@ -231,7 +131,7 @@ def run_twin(
     initial values, before it). With several processes, every process's result is process 0's
     (``gather.from_process_0``), and an exception in one process's twin is raised in every process
     (``gather.together``): none waits for a twin that will never be shared."""
-    setup = setup or gather.together(twin_setup, port, config, variables, n_twin, lr_scale)  # built: memory read
+    setup = setup or gather.together(kind.twin_setup, config, variables, n_twin, lr_scale)  # built: memory read
     if restore is not None:
         rng = gather.together(restore, setup)
 

@@ -1,0 +1,146 @@
+"""A loop port: the team's own pmap step and its own new side; the suite lays out data and keys, places
+the inputs and compares. Its fused form (``FusedLoop``: ``pmap(scan(step))`` against ``new_call``) and
+its step form (``StepLoop``: a step as real code writes it, ``run.adapters``) share ``Loop``."""
+
+import dataclasses
+from typing import Any
+
+import jax
+from flax import nnx
+
+from equivalence.core.port import new_side, states
+from equivalence.core.port.config import ConfigError, RunConfig
+from equivalence.core.port.kind import Form, Setup
+from equivalence.core.port.ports import LoopPort
+from equivalence.core.preflight import groups, steps, trace
+from equivalence.core.run import adapters, loop_side, setups, step_side
+from legacy_pmap import train as legacy
+from nnx_sharded import sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """What both forms of a loop port answer alike: its step is its own (gradients not seen, random
+    numbers drawn as its code says), its train states are its own."""
+
+    port: LoopPort
+    suite_loops = False
+    observes_grads = False
+    checks_draws = True
+
+    @property
+    def axis_name(self) -> str:
+        return self.port.axis_name
+
+    def validate(self, config: RunConfig) -> None:
+        if (config.strategy, config.nnx_form) != ('dp', 'split'):
+            raise ConfigError("--strategy and --nnx-form place the suite's NNX loop; a loop port brings its own")
+        if config.perturb:
+            raise ConfigError(
+                "--perturb scales the suite's NNX optimizer: a loop port brings its own (perturb it there)"
+            )
+        adapters.check(self.port)
+
+    def legacy_notes(self, setup: Setup) -> list[str]:
+        return states.legacy_not_compared(legacy.unreplicate_to_host(setup.pstate))
+
+    def new_notes(self, setup: Setup) -> list[str]:
+        return new_side.not_compared(setup.train_state)
+
+    def loss_names(self) -> tuple[str, str]:
+        return "the pmap step's loss", "the NNX step's loss"
+
+    def draws_random_numbers(self) -> None:
+        """Unknown: the step is the port's own (its legacy twin is judged by its losses)."""
+
+    def recording(self) -> 'Loop':
+        """As it is: its step is its own, only its modules are seen."""
+        return self
+
+    def legacy_train_state(self, variables: dict) -> Any:
+        return self.port.legacy_state(variables)
+
+    def checkpoint_state(self) -> nnx.Module:
+        """The team's new train state, viewed under ``nnx_sharded.train.TrainState``'s names
+        (``setups.View``); with ``new_groups=`` its own layout (``checkpoint.layout.group_places``)."""
+        train_state = self.port.new_state(self.port.nnx_model(nnx.Rngs(0)))
+        return train_state if self.port.new_groups is not None else setups.View.of(train_state)
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedLoop(Loop):
+    """``legacy_step((rng, state), batch)`` under the suite's pmap(scan), against ``new_call``: K steps
+    in one call on each side."""
+
+    form = Form.FUSED
+    records_on_mesh = True
+
+    def preflight(self, config: RunConfig, variables: dict, batch_KxG: Any) -> None:
+        old_state = trace.trace_legacy_loop(self.port, config, variables, batch_KxG)
+        new_state = trace.trace_nnx_loop(self.port, config, batch_KxG, variables)
+        groups.check_groups(self.port, old_state, new_state, variables)
+
+    def check_states(self, variables: dict) -> None:
+        old_state, new_state = trace.legacy_state(self.port, variables), trace.nnx_train_state(self.port, variables)
+        groups.check_groups(self.port, old_state, new_state, variables)
+
+    def legacy_setup(self, config: RunConfig, variables: dict) -> Setup:
+        return loop_side.legacy_setup(self.port, config, variables)
+
+    def new_setup(self, config: RunConfig, variables: dict) -> Setup:
+        return loop_side.new_setup(self.port, config, variables)
+
+    def twin_setup(self, config: RunConfig, variables: dict, twin: int, lr_scale: float | None = None) -> Setup:
+        return loop_side.twin_setup(self.port, config, variables, twin)
+
+    def described(self) -> list[str]:
+        return adapters.wrapped_notes(self.port)
+
+    def programs(self) -> tuple[str, str]:
+        return 'pmap(scan)', 'NNX sharded scan'
+
+    def key_draws_per_call(self, config: RunConfig) -> int:
+        return 1
+
+    def one_program_each(self, command: str) -> None:
+        """Both sides are one compiled call each."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLoop(Loop):
+    """A step as real code writes it (``step_form``, ``loss``, ``legacy_loop``, ``new_step``): adapted by
+    ``run.adapters`` and run by ``run.step_side``; its pre-flight traces one step of each side."""
+
+    form = Form.STEP
+    records_on_mesh = False  # the team's own programs: a value is recorded where it is
+
+    def preflight(self, config: RunConfig, variables: dict, batch_KxG: Any) -> None:
+        steps.trace_steps(self.port, config, variables, batch_KxG)
+        old_state, new_state = trace.legacy_state(self.port, variables), trace.nnx_train_state(self.port, variables)
+        groups.check_groups(self.port, old_state, new_state, variables, states.legacy_groups)
+
+    def check_states(self, variables: dict) -> None:
+        """Nothing beyond the data and names: its states are checked when its steps are traced."""
+
+    def legacy_setup(self, config: RunConfig, variables: dict) -> Setup:
+        return step_side.legacy_setup(self.port, config, variables)
+
+    def new_setup(self, config: RunConfig, variables: dict) -> Setup:
+        source = loop_side.new_source(self.port, variables)
+        return step_side.new_setup(self.port, config, source, setups.nnx_mesh(config))
+
+    def twin_setup(self, config: RunConfig, variables: dict, twin: int, lr_scale: float | None = None) -> Setup:
+        mesh = sharding.make_mesh(twin, devices=jax.local_devices())  # this process's own: no collective
+        return step_side.new_setup(self.port, config, loop_side.new_source(self.port, variables), mesh)
+
+    def described(self) -> list[str]:
+        return [adapters.describe(self.port), *adapters.wrapped_notes(self.port)]
+
+    def programs(self) -> tuple[str, str]:
+        return adapters.programs(self.port)
+
+    def key_draws_per_call(self, config: RunConfig) -> int:
+        return adapters.key_draws_per_call(self.port, config)
+
+    def one_program_each(self, command: str) -> None:
+        adapters.one_program_each(self.port, command)

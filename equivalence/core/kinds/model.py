@@ -1,0 +1,87 @@
+"""A model port: the suite's own loops train the team's two models, with their losses and optimizer."""
+
+import dataclasses
+from typing import Any
+
+from flax import nnx
+
+from equivalence.core.port.config import RunConfig
+from equivalence.core.port.kind import Form, Setup
+from equivalence.core.port.ports import ModelPort
+from equivalence.core.preflight import trace
+from equivalence.core.run import model_side, setups
+from equivalence.core.run.model_side import TwinKind
+from equivalence.core.verdict import intercept
+from legacy_pmap import losses as legacy_losses
+from legacy_pmap import train as legacy
+from nnx_sharded import train as sharded
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """``ModelPort``: its optimizer and losses run inside the suite's loops, so its first step's gradients
+    and per-example losses are seen, and its random numbers are the suite's to draw."""
+
+    port: ModelPort
+    form = Form.MODEL
+    suite_loops = True
+    observes_grads = True
+    checks_draws = False  # the suite draws a model port's numbers from the run's keys: the same by construction
+    records_on_mesh = True
+    axis_name = legacy.AXIS
+
+    def validate(self, config: RunConfig) -> None:
+        """Every flag applies to the suite's own loops."""
+
+    def preflight(self, config: RunConfig, variables: dict, batch_KxG: Any) -> None:
+        trace.trace_legacy_model(self.port, config, variables, batch_KxG)
+        trace.trace_nnx_model(self.port, config, batch_KxG)
+
+    def check_states(self, variables: dict) -> None:
+        """Both train states are the suite's: nothing of the port's to check."""
+
+    def legacy_setup(self, config: RunConfig, variables: dict) -> Setup:
+        return model_side.legacy_setup(self.port, config, variables)
+
+    def new_setup(self, config: RunConfig, variables: dict) -> Setup:
+        return model_side.new_setup(self.port, config, variables)
+
+    def twin_setup(self, config: RunConfig, variables: dict, twin: TwinKind, lr_scale: float | None = None) -> Setup:
+        return model_side.twin_setup(self.port, config, variables, twin, lr_scale)
+
+    def legacy_notes(self, setup: Setup) -> list[str]:
+        return []
+
+    def new_notes(self, setup: Setup) -> list[str]:
+        return []
+
+    def described(self) -> list[str]:
+        return []
+
+    def programs(self) -> tuple[str, str]:
+        return 'pmap(scan)', 'NNX sharded scan'
+
+    def loss_names(self) -> tuple[str, str]:
+        return tuple(getattr(f, '__qualname__', repr(f)) for f in (self.port.legacy_loss, self.port.nnx_loss))
+
+    def draws_random_numbers(self) -> bool:
+        """Whether its step consumes random numbers (Dropout, attention, its own noise)."""
+        return setups.uses_dropout(self.port) or self.port.noise not in (None, legacy_losses.no_noise)
+
+    def recording(self) -> 'Model':
+        """The same port, its losses and optimizer recording what they compute (``intercept``)."""
+        return Model(intercept.recording_port(self.port))
+
+    def key_draws_per_call(self, config: RunConfig) -> int:
+        return 1
+
+    def one_program_each(self, command: str) -> None:
+        """Both sides are one compiled call each."""
+
+    def legacy_train_state(self, variables: dict) -> Any:
+        """The legacy train state the suite's pmap loop carries (one replica), as checkpoints hold it."""
+        return legacy.create_state(variables, self.port.make_tx(1.0), self.port.ema_rate)
+
+    def checkpoint_state(self) -> nnx.Module:
+        """The NNX train state its checkpoints hold: ``nnx_sharded.train.TrainState``."""
+        return sharded.TrainState(self.port.nnx_model(nnx.Rngs(0)), self.port.make_tx(1.0), self.port.ema_rate)

@@ -1,0 +1,48 @@
+"""The fresh process of a twin that needs another device count (``verdict.fresh``): the port loaded by
+name afresh, its kind built, the twin run on this process's devices, its results written back.
+
+``python -m equivalence.core.kinds.twin_process SPEC N REQUEST RESULT``.
+"""
+
+import pickle
+import sys
+
+import jax
+
+from equivalence.core import kinds
+from equivalence.core.port import workloads
+from equivalence.core.port.config import RunConfig
+from equivalence.core.run import draws
+from equivalence.core.verdict import twin
+
+
+def child(spec: str, n: int, ask: str, answer: str) -> None:
+    """The fresh process: the twin on this process's ``n`` devices, its results to ``answer``."""
+    if len(jax.devices()) != n:
+        raise RuntimeError(f'the fresh process sees {len(jax.devices())} devices, not {n}')
+    with open(ask, 'rb') as f:
+        request = pickle.load(f)
+    kind, config = kinds.of(workloads.get(spec)), RunConfig(**request['config'])
+    variables, calls, rng = request['variables'], request['calls'], jax.numpy.asarray(request['rng'])
+    drawn = draws.FirstCall() if request['draws'] else None
+    result = twin.run_twin(kind, config, variables, calls, rng, n, record=drawn)
+    out = {'final': result.final, 'losses': result.losses, 'params_per_call': result.params_per_call,
+           'metrics': result.metrics, 'mesh': result.mesh, 'draws': drawn and drawn.draws,
+           'memory': result.memory}  # fmt: skip
+    with open(answer, 'wb') as f:
+        pickle.dump(out, f)
+
+
+def main(argv: list[str]) -> int:
+    spec, n, ask, answer = argv
+    try:
+        child(spec, int(n), ask, answer)
+    except Exception as e:  # noqa: BLE001 -- the parent reports the last line as why the twin did not run
+        line = (str(e).splitlines() or [''])[0][:400]
+        print(f'{type(e).__name__}: {line}', file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,76 @@
+"""A port's kind, decided once, and what every kind answers (``Kind``): the one place that asks which
+class a port is (``form_of``), beside the declared interface the rest of the suite is written against.
+
+Three kinds: a model port (the suite's own loops train the user's models), a loop port's fused call
+(``pmap(scan(step))`` against ``new_call``, K steps per call), and a loop port's step form (a step as
+real code writes it: ``(state, batch[, rng]) -> (state, metrics)``, a loss read from the metrics, a
+one-step new side). ``equivalence.core.kinds`` holds one object per kind; everything below it is
+handed that object and asks it, never the port's class. The setups a kind builds share ``Setup``.
+"""
+
+import enum
+from typing import Any, Protocol
+
+import numpy as np
+
+from equivalence.core.port.config import RunConfig
+from equivalence.core.port.ports import LoopPort, ModelPort, Port
+
+
+class Form(enum.Enum):
+    MODEL = 'model port'
+    FUSED = 'loop port, fused call'
+    STEP = 'loop port, step form'
+
+
+def form_of(port: Port) -> Form:
+    """Which kind ``port`` is: the only branch on a port's class in the suite."""
+    if isinstance(port, ModelPort):
+        return Form.MODEL
+    if not isinstance(port, LoopPort):
+        raise TypeError(f'a port is a ModelPort or a LoopPort, not a {type(port).__name__}')
+    stepped = port.step_form != 'carry' or port.loss is not None or port.new_step is not None
+    return Form.STEP if stepped else Form.FUSED
+
+
+class Setup(Protocol):
+    """One side ready to run: a compiled call and the state it carries (``equivalence.core.run``)."""
+
+    config: RunConfig
+
+    def call_args(self, rng: Any, batch_KxG: Any) -> tuple[Any, tuple]:
+        """``(the host key chain after this call, the arguments of one call)``."""
+
+    def call(self, args: tuple) -> np.ndarray:
+        """One compiled call (blocking); keeps the new state, returns the K losses."""
+
+    def neutral(self) -> dict[str, dict[str, np.ndarray]]:
+        """The state it holds now, as the comparison reads it."""
+
+
+class Kind(Protocol):
+    """What the suite asks of a port, answered by the object of its kind (``equivalence.core.kinds``)."""
+
+    port: Port
+    form: Form
+    suite_loops: bool  # the suite's own loops train it (a model port): its optimizer and losses are the suite's
+    observes_grads: bool  # the first step's gradients are seen (the suite's optimizer is given them)
+    checks_draws: bool  # its step draws as its own code says: a twin's draws are checked against the run's
+    records_on_mesh: bool  # the first-step recording gathers each value onto the run's mesh
+    axis_name: str  # the pmap axis its step's collectives name
+
+    def validate(self, config: RunConfig) -> None: ...
+    def preflight(self, config: RunConfig, variables: dict, batch_KxG: Any) -> None: ...
+    def check_states(self, variables: dict) -> None: ...
+    def legacy_setup(self, config: RunConfig, variables: dict) -> Setup: ...
+    def new_setup(self, config: RunConfig, variables: dict) -> Setup: ...
+    def twin_setup(self, config: RunConfig, variables: dict, twin: Any, lr_scale: float | None = None) -> Setup: ...
+    def legacy_notes(self, setup: Setup) -> list[str]: ...
+    def new_notes(self, setup: Setup) -> list[str]: ...
+    def described(self) -> list[str]: ...
+    def programs(self) -> tuple[str, str]: ...
+    def loss_names(self) -> tuple[str, str]: ...
+    def draws_random_numbers(self) -> bool | None: ...
+    def recording(self) -> 'Kind': ...
+    def key_draws_per_call(self, config: RunConfig) -> int: ...
+    def one_program_each(self, command: str) -> None: ...

@@ -1,0 +1,60 @@
+"""A loop port's two sides with its fused call, built: the team's own step under the suite's
+``pmap(scan(step))`` (``adapters.legacy_step`` unwraps one already pmapped) and the team's ``new_call``
+over the train state ``new_state`` builds, placed on the mesh; its twin is that same call on another mesh.
+"""
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+
+from equivalence.core.port import states
+from equivalence.core.port.config import RunConfig
+from equivalence.core.port.ports import LoopPort
+from equivalence.core.run import adapters, randomness
+from equivalence.core.run.setups import LegacySetup, NnxLoopSetup, model_holding, nnx_mesh, twin_placed_inputs
+from equivalence.distributed import rows
+from legacy_pmap import train as legacy
+from nnx_sharded import sharding
+
+
+def legacy_setup(port: LoopPort, config: RunConfig, variables: dict) -> LegacySetup:
+    """The team's step under the suite's pmap(scan) over the first D devices, its state replicated."""
+    devices, local = jax.devices()[: config.devices], rows.local_devices(config.devices)
+    pstate = legacy.replicate(port.legacy_state(variables), local, port.axis_name)
+    call = legacy.make_fused_call(adapters.legacy_step(port), devices, port.axis_name)
+    context = functools.partial(randomness.bridged, config.rng_mode, port.axis_name)
+    return LegacySetup(call, pstate, config, port.legacy_groups or states.legacy_groups, context)
+
+
+def new_source(port: LoopPort, variables: dict) -> Any:
+    """What a loop port's ``new_state`` takes: its NNX model holding linen's weights, or, for a port
+    without an NNX model, linen's variables (``new_side``)."""
+    if port.nnx_model is None:
+        return variables
+    return model_holding(port, variables)
+
+
+def new_train_state(port: LoopPort, variables: dict, mesh) -> Any:
+    """The team's new train state, built by ``new_state`` and placed on ``mesh`` (replicated)."""
+    return sharding.place_objects(port.new_state(new_source(port, variables)), mesh)
+
+
+def new_setup(port: LoopPort, config: RunConfig, variables: dict) -> NnxLoopSetup:
+    mesh = nnx_mesh(config)
+    return NnxLoopSetup(port, new_train_state(port, variables, mesh), mesh, config)
+
+
+@dataclasses.dataclass
+class TwinLoopSetup(NnxLoopSetup):
+    """A loop port's twin: the user's own fused call on the twin mesh, keys of the checked run."""
+
+    def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
+        return twin_placed_inputs(self, rng, batch_KxG)
+
+
+def twin_setup(port: LoopPort, config: RunConfig, variables: dict, n: int) -> TwinLoopSetup:
+    """The run's own new side on a 1-D data mesh of this process's first ``n`` devices (no collective)."""
+    mesh = sharding.make_mesh(n, devices=jax.local_devices())
+    return TwinLoopSetup(port, new_train_state(port, variables, mesh), mesh, config)

@@ -1,0 +1,142 @@
+"""The setups of a loop port whose step is written as teams write it (``adapters``): the pmap side
+runs ``adapters.legacy_program`` (pmap(step) K times, or pmap(scan(step))), the new side the team's
+``new_call`` or its ``new_step`` K times; both read what the step returns through ``adapters.read_output``.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from equivalence.core.port import states
+from equivalence.core.port.config import ConfigError, RunConfig
+from equivalence.core.port.ports import LoopPort
+from equivalence.core.run import randomness, setups
+from equivalence.core.run.adapters import (
+    legacy_program,
+    new_step_call,
+    read_output,
+    replica_outputs,
+    returns_state,
+    step_keys,
+)
+from equivalence.distributed import rows
+from legacy_pmap import train as legacy
+from nnx_sharded import sharding
+from nnx_sharded import train as sharded
+
+
+@dataclasses.dataclass
+class StepLegacySetup(setups.LegacySetup):
+    """The pmap side of a loop port with a real step (``p_train_step`` is ``legacy_program``)."""
+
+    port: LoopPort = None
+    metrics: list = dataclasses.field(default_factory=list)  # per call: {metric path: [K, ...]}
+    notes: list = dataclasses.field(default_factory=list)
+    uneven: set = dataclasses.field(default_factory=set)  # metric paths that differ between devices
+
+    def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
+        n, mode, k = self.config.devices, self.config.rng_mode, self.config.steps_per_call
+        n_local, keys = len(rows.positions(n)), None
+        if self.port.step_form == 'carry':
+            rng, keys_D = legacy.next_call_keys(rng, n, mode)
+            keys = rows.local_keys(keys_D, n)
+        elif self.port.step_form == 'state_rng':
+            rng, per_step = step_keys(legacy.next_call_keys, rng, n, mode, k)
+            keys = rows.local_keys(jnp.stack(per_step, axis=1), n)  # [D, K, 2]
+        batch_nxK = jax.tree.map(lambda v: legacy.shard_batch(v, n_local), batch_KxG)
+        return rng, (self.pstate, batch_nxK, keys)
+
+    def call(self, args: tuple) -> np.ndarray:
+        with self.context():
+            self.pstate, out_nxK = self.p_train_step(*args)
+        out_K, uneven = replica_outputs(out_nxK)
+        losses_K, metrics = read_output(self.port, out_K)
+        self.metrics.append(metrics)
+        self.uneven.update(uneven)
+        why = "differs between pmap devices (no pmean or psum in the step): the pmap side's value is not global"
+        self.notes[:] = [f'not compared: metrics/{p}: {why}' for p in sorted(self.uneven)]
+        return losses_K
+
+
+def legacy_setup(port: LoopPort, config: RunConfig, variables: dict) -> StepLegacySetup:
+    devices, local = jax.devices()[: config.devices], rows.local_devices(config.devices)
+    pstate = legacy.replicate(port.legacy_state(variables), local, port.axis_name)
+    context = lambda: randomness.bridged(config.rng_mode, port.axis_name)  # noqa: E731
+    groups = port.legacy_groups or states.legacy_groups
+    return StepLegacySetup(legacy_program(port, devices), pstate, config, groups, context, port)
+
+
+# -- the NNX side ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class StepNnxSetup(setups.NnxLoopSetup):
+    """The NNX side of a loop port with a real step: the user's fused call, or their one step K times."""
+
+    metrics: list = dataclasses.field(default_factory=list)
+
+    def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
+        n, mode, k = self.config.devices, self.config.rng_mode, self.config.steps_per_call
+        if self.port.step_form == 'carry':
+            return setups.placed_inputs(self, rng, batch_KxG)
+        keys = None
+        if self.port.step_form == 'state_rng':
+            rng, keys = step_keys(sharded.next_call_keys, rng, n, mode, k)
+        if self.port.new_step is None:  # the user's fused call: one key per step, stacked
+            stacked = None if keys is None else sharding.put(jnp.stack(keys), sharding.replicated(self.mesh))
+            return rng, (stacked, sharding.place_batch(batch_KxG, self.mesh))
+        rows_ = NamedSharding(self.mesh, P(sharding.DATA))
+        batches = [jax.tree.map(lambda v, i=i: sharding.put(v[i], rows_), batch_KxG) for i in range(k)]
+        placed = [None] * k if keys is None else [sharding.place_keys(key, self.mesh, mode) for key in keys]
+        return rng, (placed, batches)
+
+    def call(self, args: tuple) -> np.ndarray:
+        with randomness.bridged(self.config.rng_mode):
+            try:
+                out_K = self._fused(*args) if self.port.new_step is None else self._steps(*args)
+            except ValueError as e:
+                if PINNED not in str(e):
+                    raise
+                raise pinned(self.port, self.mesh, e) from None
+        losses_K, metrics = read_output(self.port, jax.tree.map(np.asarray, out_K))
+        self.metrics.append(metrics)
+        return losses_K
+
+    def _fused(self, keys, batch_KxG):
+        self.train_state, out_K = self.port.new_call(self.train_state, keys, batch_KxG)
+        return out_K
+
+    def _steps(self, keys: list, batches: list):
+        outs, step = [], new_step_call(self.port)
+        for key, batch in zip(keys, batches, strict=True):
+            out = step(self.train_state, batch, key)
+            if returns_state(out, self.train_state):
+                self.train_state, out = out
+            outs.append(jax.tree.map(np.asarray, jax.block_until_ready(out)))
+        return jax.tree.map(lambda *a: np.stack(a), *outs)
+
+
+PINNED = 'does not match the sharding on the respective arg'  # jax.jit's in_shardings against placed inputs
+
+
+def pinned(port: LoopPort, mesh, error: ValueError) -> ConfigError:
+    """A new step whose ``jax.jit`` names its own shardings (a mesh built from ``jax.devices()`` at import)
+    run on a mesh of other devices: the port's, exit 2, with the two ways to run it."""
+    field = 'new_step' if port.new_step is not None else 'new_call'
+    n, seen = mesh.size, len(jax.devices())
+    clause = str(error).split('. Got ', 1)[-1].splitlines()[0][:200]
+    return ConfigError(
+        f'port {port.name!r}: {field} is a jax.jit pinned to its own shardings ({clause}); the suite placed its '
+        f'inputs on {n} of the {seen} devices this process sees: run it with --devices {seen}, or in a process '
+        f'that sees {n} devices (JAX_NUM_CPU_DEVICES={n} on CPU)'
+    )
+
+
+def new_setup(port: LoopPort, config: RunConfig, source: Any, mesh) -> StepNnxSetup:
+    """``source``: what ``new_state`` takes (``loop_side.new_source``: the NNX model, or linen's variables)."""
+    return StepNnxSetup(port, sharding.place_objects(port.new_state(source), mesh), mesh, config)
