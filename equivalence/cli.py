@@ -19,11 +19,13 @@ from typing import NoReturn, TypeVar
 from equivalence import devices
 from equivalence.core.port import blame
 from equivalence.core.port.config import ConfigError
+from equivalence.core.verdict.outcome import Outcome
 from equivalence.distributed import worker
 
-EXIT_MATCH, EXIT_MISMATCH, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
+EXIT_MATCH, EXIT_MISMATCH = Outcome.MATCH.exit_code, Outcome.MISMATCH.exit_code  # a check's outcome (run)
+EXIT_NOT_VERIFIED = Outcome.NOT_VERIFIED.exit_code  # run: every leaf compares, but where a slip would hide is noise
+EXIT_BAD_INPUT, EXIT_INTERNAL = 2, 3
 EXIT_WORKER_DIED = 4  # several processes: a worker died or could not join (equivalence.distributed)
-EXIT_NOT_VERIFIED = 5  # run: every leaf compares, but where a slip would hide is noise (verdict.not_verified)
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports it
 INJECT_INTERNAL_ERROR = 'EQUIVALENCE_INJECT_INTERNAL_ERROR'  # tests only: '1' raises once the flags are valid
 INTERNAL = 'internal error: a bug in this suite, not a verdict on the port'

@@ -88,21 +88,14 @@ def work(validated) -> int:
         bar.close()
     print(render.text(result, jax.default_backend()))
     if not distributed.reports():  # several processes: process 0 writes the files
-        return exit_code(result.report)
+        return result.outcome.exit_code
     if args.json is not None:
         output.write_json(args.json, render.to_json(result, render.versions()))
     if args.plot is not None:
         from equivalence.core.report import plots
 
         print('wrote ' + ', '.join(plots.write(result, args.plot)))
-    return exit_code(result.report)
-
-
-def exit_code(report) -> int:
-    """0 MATCH, 5 NOT VERIFIED (every leaf compares, too much of it is noise), 1 MISMATCH."""
-    if report.match:
-        return cli.EXIT_MATCH
-    return cli.EXIT_NOT_VERIFIED if report.unverified else cli.EXIT_MISMATCH
+    return result.outcome.exit_code  # 0 MATCH, 1 MISMATCH, 5 NOT VERIFIED (verdict.outcome)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,6 +59,7 @@ def assert_port_matches(port, devices: int, steps_per_call: int = 2, calls: int 
     from equivalence.core.port import blame
     from equivalence.core.port.config import ConfigError
     from equivalence.core.report import render
+    from equivalence.core.verdict.outcome import Outcome
 
     require_devices(devices)
     try:
@@ -72,7 +73,7 @@ def assert_port_matches(port, devices: int, steps_per_call: int = 2, calls: int 
         pytest.fail(f'error: {line}', pytrace=False)
     finally:  # hundreds of checks in one session: their programs go before the map limit (as the corpus's)
         _devices.release_compiled_programs(RELEASE_AT)
-    if not result.report.match:
+    if result.outcome is not Outcome.MATCH:
         pytest.fail('\n'.join([render.header(result, 'cpu'), *render.leaf_table(result), render.verdict(result)]))
     return result
 

@@ -14,8 +14,9 @@ import ml_dtypes
 import numpy as np
 from conftest import ROOT
 
-from equivalence import cli, run
+from equivalence import cli
 from equivalence.core.verdict import compare, judge, rule
+from equivalence.core.verdict.outcome import Outcome
 from equivalence.core.verdict.rule import MEASURED_FLOOR
 
 sys.path.insert(0, os.path.join(ROOT, 'examples', 'mlp_port'))
@@ -127,9 +128,10 @@ def test_most_parameters_noise_dominated_is_not_verified():
     assert all(leaf.ok for leaf in report.leaves) and report.match  # every leaf 'within its floor'
     why = rule.not_verified(report, HEAD)
     assert why.startswith('98.0% of the parameters are noise-dominated (params/block/kernel, params/embed/kernel)')
-    assert run.exit_code(report) == cli.EXIT_MATCH
-    unverified = compare.Report(report.leaves, report.tolerance, report.floor, why)
-    assert not unverified.match and run.exit_code(unverified) == cli.EXIT_NOT_VERIFIED == 5
+    verified = rule.Verdict(report.match, 'measured', ())
+    assert verified.outcome is Outcome.MATCH and verified.outcome.exit_code == cli.EXIT_MATCH
+    unverified = rule.Verdict(False, 'measured', (), unverified=why, hidden_by_noise=True)
+    assert unverified.outcome is Outcome.NOT_VERIFIED and unverified.outcome.exit_code == cli.EXIT_NOT_VERIFIED == 5
 
 
 def test_a_noise_dominated_output_layer_is_not_verified():

@@ -26,6 +26,7 @@ from equivalence.core.port.config import RunConfig
 from equivalence.core.report import render as report
 from equivalence.core.run import model_side, setups, sides
 from equivalence.core.verdict import compare, legacy_rows
+from equivalence.core.verdict.outcome import Outcome
 from equivalence.core.verdict import rule as verdict
 
 AXIS, FEATURES, HIDDEN, NOISE = 'batch', 4, 8, 0.3
@@ -125,7 +126,7 @@ def test_a_twin_that_draws_other_random_numbers_is_refused():
     )
     assert refused.report.floor is None
     # no floor measured, so the verdict is NOT VERIFIED in its own words (exit 5), never the fixed screen's MATCH
-    assert not refused.report.match and refused.verdict.unverified.startswith(
+    assert refused.outcome is Outcome.NOT_VERIFIED and refused.verdict.unverified.startswith(
         "no twin measured this port's noise floor"
     )
 

@@ -15,6 +15,7 @@ from equivalence.core.run.setups import check_names, has_batch_stats, make_input
 from equivalence.core.run.sides import Progress, compared, run_legacy, run_nnx, silent
 from equivalence.core.verdict import hints
 from equivalence.core.verdict.judge import RunResult, judged
+from equivalence.core.verdict.outcome import Outcome
 
 
 def validate(port: Port, config: RunConfig) -> None:
@@ -49,7 +50,7 @@ def run(port: Port, config: RunConfig, progress: Progress | None = None, diagnos
     result.notes += notes
     if diagnose:  # the hint runs both sides again on 1 device: part of a MISMATCH's diagnosis
         on_one = lambda: _matches_on_one(port, config)  # noqa: E731
-        result.notes += hints.masked_loss(config.devices, calls[0], result.report, on_one)
+        result.notes += hints.masked_loss(config.devices, calls[0], result.outcome, on_one)
     return result
 
 
@@ -58,7 +59,7 @@ def _matches_on_one(port: Port, config: RunConfig) -> bool:
     if jax.process_count() != 1 or config.strategy != 'dp':
         return False
     try:
-        return run(port, dataclasses.replace(config, devices=1), diagnose=False).report.match  # only its match is read
+        return run(port, dataclasses.replace(config, devices=1), diagnose=False).outcome is Outcome.MATCH
     except ConfigError:
         return False
 

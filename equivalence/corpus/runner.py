@@ -1,8 +1,7 @@
 """The corpus run: every entry at every device count and seed, each run judged against its truth.
 
-The verdict is the harness's own (``equivalence.check``): ``report.match`` today, plus the
-diagnosis kind once the verdict names one (read with ``getattr``, so a verdict without a
-diagnosis is judged on MATCH / MISMATCH alone). A run that raises is an ERROR, and wrong.
+The verdict is the harness's own (``equivalence.check``): its outcome (``RunResult.outcome``), and
+the diagnosis kind it names. A run that raises is an ERROR, and wrong.
 """
 
 import dataclasses
@@ -114,7 +113,7 @@ def run_case(entry: Entry, devices: int, seed: int, **overrides) -> Case:
         result = equivalence.check(
             entry.port, devices=devices, seed=seed, **{'locate': False, **entry.flags, **overrides}
         )
-        verdict = 'MATCH' if result.report.match else ('NOT VERIFIED' if result.report.unverified else 'MISMATCH')
+        verdict = result.outcome.label
         kind, detail = diagnosis_kind(result), worst_leaf(result.report)
         judged = getattr(result, 'verdict', None)
         said = {'twin': getattr(judged, 'twin', '') or '', 'done': '; '.join(getattr(judged, 'done', ()))}

@@ -5,6 +5,7 @@ import platform
 import numpy as np
 
 from equivalence.core.verdict.judge import RunResult
+from equivalence.core.verdict.outcome import Outcome
 
 GROUPS = ('params', 'opt_state', 'ema', 'model_state', 'losses')
 
@@ -95,21 +96,21 @@ def accuracy_line(result: RunResult) -> list[str]:
 
 
 def verdict(result: RunResult) -> str:
+    """The last line: the outcome (``result.outcome``), with the leaves and figures that give it."""
     bad = [leaf for leaf in result.report.leaves if not leaf.ok]
     sums = ', '.join(f'{g} {_abs(result.report.max_abs(g))}' for g in GROUPS)
     noisy = sum(leaf.noise_dominated for leaf in result.report.leaves)
     noisy_text = f', {noisy} noise-dominated (not verified by value)' if noisy else ''
-    n = len(result.report.leaves)
-    if result.report.unverified and result.report.floor is None:  # no twin measured (judge.unmeasured)
+    n, outcome = len(result.report.leaves), result.outcome
+    why = result.verdict.unverified if result.verdict is not None else ''
+    if outcome is Outcome.NOT_VERIFIED and result.report.floor is None:  # no twin measured (judge.unmeasured)
         screen = f'{len(bad)} of {n} leaves outside' if bad else f'all {n} leaves within'
-        screen += ' the fixed screen'
-        return f'NOT VERIFIED: {screen}; {result.report.unverified}'
-    if not bad and result.report.unverified:
-        why = result.report.unverified.partition(': reordering')[0]
+        return f'NOT VERIFIED: {screen} the fixed screen; {why}'
+    if outcome is Outcome.NOT_VERIFIED:
         return f'NOT VERIFIED: all {n} leaves within their floor, {noisy} noise-dominated: {why}'
-    if not bad:
-        return f'MATCH: all {len(result.report.leaves)} leaves within tolerance{noisy_text} (max abs: {sums})'
-    return f'MISMATCH: {len(bad)} of {len(result.report.leaves)} leaves outside tolerance (max abs: {sums})'
+    if outcome is Outcome.MATCH:
+        return f'MATCH: all {n} leaves within tolerance{noisy_text} (max abs: {sums})'
+    return f'MISMATCH: {len(bad)} of {n} leaves outside tolerance (max abs: {sums})'
 
 
 def verdict_lines(result: RunResult) -> list[str]:
@@ -128,7 +129,7 @@ def verdict_json(result: RunResult) -> dict | None:
                                        'legacy_twin': result.report.legacy_twin}  # fmt: skip
     return {'mode': v.mode, 'done': list(v.done), 'twin': v.twin, 'kind': v.kind, 'diagnosis': v.diagnosis,
             'floor_rule': floor, 'noise_dominated': noisy, 'errors': list(v.errors),
-            'not_verified': v.unverified, 'memory': v.memory,
+            'not_verified': v.unverified, 'hidden_by_noise': v.hidden_by_noise, 'memory': v.memory,
             'location': v.location.to_json() if v.location is not None else None}  # fmt: skip
 
 
@@ -153,7 +154,8 @@ def text(result: RunResult, backend: str) -> str:
 def to_json(result: RunResult, versions: dict[str, str]) -> dict:
     c, r = result.config, result.report
     return {
-        'match': r.match,
+        'match': result.outcome is Outcome.MATCH,
+        'outcome': result.outcome.label,
         'workload': c.workload,
         'devices': c.devices,
         'steps': c.steps,

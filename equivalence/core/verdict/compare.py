@@ -57,7 +57,6 @@ class Report:
     leaves: list[LeafDiff]
     tolerance: Tolerance
     floor: 'FloorRule | None' = None  # set when a twin measured each leaf's noise floor
-    unverified: str = ''  # why every leaf compares and the run is still NOT VERIFIED (verdict.not_verified)
 
     @property
     def legacy_twin(self) -> bool:
@@ -66,8 +65,9 @@ class Report:
 
     @property
     def match(self) -> bool:
-        """MATCH: every leaf within its tolerance or floor, and the run verified; never when NOT VERIFIED."""
-        return all(leaf.ok for leaf in self.leaves) and not self.unverified
+        """Every leaf within its tolerance or floor (the verdict's outcome reads this, and its own
+        reasons for NOT VERIFIED: ``rule.Verdict.outcome``)."""
+        return all(leaf.ok for leaf in self.leaves)
 
     def max_abs(self, group: str) -> float:
         return max((leaf.max_abs for leaf in self.leaves if leaf.group == group), default=0.0)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from equivalence.core.port import convert
-from equivalence.core.verdict import compare
+from equivalence.core.verdict.outcome import Outcome
 
 PITFALL = 'masked_loss'
 WEIGHT_WORDS = ('mask', 'weight', 'pad')
@@ -27,10 +27,10 @@ def padded(batch_KxG: Any) -> bool:
     return False
 
 
-def masked_loss(devices: int, batch_KxG: Any, report: compare.Report, matches_on_one: Callable[[], bool]) -> list[str]:
+def masked_loss(devices: int, batch_KxG: Any, outcome: Outcome, matches_on_one: Callable[[], bool]) -> list[str]:
     """The masked-loss pitfall's line, when a padded port mismatches at D > 1 and matches on one
     device (``matches_on_one`` runs both sides again on 1 device: only on this failure path)."""
-    if report.match or report.unverified or devices == 1 or not padded(batch_KxG) or not matches_on_one():
+    if outcome is not Outcome.MISMATCH or devices == 1 or not padded(batch_KxG) or not matches_on_one():
         return []
     return [
         f'hint: on a padded batch this port mismatches at {devices} devices and matches on 1: the masked-loss '

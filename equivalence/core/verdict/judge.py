@@ -44,6 +44,7 @@ from equivalence.core.port.ports import Port, init_inputs
 from equivalence.core.run import draws, footprint, randomness, setups, sides
 from equivalence.core.run.sides import PathResult
 from equivalence.core.verdict import compare, fresh, legacy_rows, locate, rule, twin
+from equivalence.core.verdict.outcome import Outcome
 from equivalence.core.verdict.rule import MEASURED_FLOOR, Verdict
 
 
@@ -139,9 +140,7 @@ def unmeasured(report: compare.Report, judged: Verdict) -> tuple[compare.Report,
     else:
         return report, judged
     why = f"no twin measured this port's noise floor ({judged.twin}); {screen}"
-    return dataclasses.replace(report, unverified=why), dataclasses.replace(
-        judged, match=False, kind='', diagnosis='', unverified=why
-    )
+    return report, dataclasses.replace(judged, match=False, kind='', diagnosis='', unverified=why)
 
 
 def unverified(port: Port, inputs: Inputs, report: compare.Report, judged: Verdict) -> tuple[compare.Report, Verdict]:
@@ -151,7 +150,7 @@ def unverified(port: Port, inputs: Inputs, report: compare.Report, judged: Verdi
     why = rule.not_verified(report, head) if judged.match else ''
     if not why:
         return report, judged
-    return dataclasses.replace(report, unverified=why), dataclasses.replace(judged, match=False, unverified=why)
+    return report, dataclasses.replace(judged, match=False, unverified=why, hidden_by_noise=True)
 
 
 def output_layer(port: Port, variables: dict, batch_KxG) -> set[str]:
@@ -454,6 +453,11 @@ class RunResult:
     notes: list[str] = dataclasses.field(default_factory=list)  # lines the report prints under its header
     verdict: Any = None  # rule.Verdict: what was measured and, on MISMATCH, the diagnosis (judge)
     programs: tuple[str, str] = ('pmap(scan)', 'NNX sharded scan')  # how each side ran its K steps (header)
+
+    @property
+    def outcome(self) -> Outcome:
+        """The check's outcome, as its verdict decided it (``rule.Verdict.outcome``)."""
+        return self.verdict.outcome if self.verdict is not None else Outcome.of(self.report.match)
 
     def param_divergence(self) -> list[float]:
         """Max |nnx - legacy| over all parameters, after each call."""

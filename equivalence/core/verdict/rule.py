@@ -29,6 +29,7 @@ import numpy as np
 
 from equivalence.core.verdict import compare
 from equivalence.core.verdict.compare import FloorRule, LeafDiff, Report, spacing32
+from equivalence.core.verdict.outcome import Outcome
 
 # Measured (scratch sweep, legacy / NNX / twin on the same inputs, default 4 calls x 5 steps):
 # 36 correct runs (mlp, wide, score: D in {1, 2, 8}, seeds 0-3) and 19 at D=8 with Adam eps 1e-8
@@ -86,9 +87,15 @@ class Verdict:
     twin: str = ''  # 'on 1 device', or why there is no floor: 'refused: ...', 'not run: ...'
     noise_dominated: tuple[LeafDiff, ...] = ()
     errors: tuple[str, ...] = ()  # the whole text of what a twin raised; its line in done/twin is shortened
-    unverified: str = ''  # NOT VERIFIED: why (not_verified); match is then False, and kind ''
+    unverified: str = ''  # NOT VERIFIED: why, short (not_verified's reasons); match is then False, and kind ''
+    hidden_by_noise: bool = False  # NOT VERIFIED because noise-dominated leaves are where a slip would hide
     memory: dict | None = None  # bytes per device of one call: {'run': ..., 'twins': {twin: ...}} (footprint)
     location: Any = None  # locate.Location: where the first step parts (on MISMATCH, or asked for on MATCH)
+
+    @property
+    def outcome(self) -> Outcome:
+        """MATCH, MISMATCH or NOT VERIFIED: the one place a check's outcome is decided."""
+        return Outcome.of(self.match, self.unverified)
 
     def lines(self) -> list[str]:
         out = [f'verdict: {self.mode}; ' + '; '.join(self.done)]
@@ -97,7 +104,8 @@ class Verdict:
                 f'NOISE-DOMINATED {leaf.name}: reordering {whose(leaf)}sums alone moves it by {leaf.floor:.2e} '
                 f'(legacy differs by {leaf.max_abs:.2e}); its final value cannot verify it'
             )
-        out += [f'not verified: {self.unverified}'] if self.unverified else []
+        hides = f': {NOISE_HIDES}' if self.hidden_by_noise else ''
+        out += [f'not verified: {self.unverified}{hides}'] if self.unverified else []
         out += [f'diagnosis ({self.kind}): {self.diagnosis}'] if self.diagnosis else []
         return out + (self.location.lines() if self.location is not None else [])
 
@@ -166,9 +174,16 @@ def early_excess(
     return ''
 
 
+NOISE_HIDES = (
+    'reordering the sums alone moves them by about as much as legacy differs, so a slip there would pass '
+    'unseen; every leaf is within its floor, and that proves nothing here'
+)
+
+
 def not_verified(report: Report, output_layer: set[str]) -> str:
-    """'' when the noise-dominated leaves leave the run verified; else why it is NOT VERIFIED.
-    ``output_layer``: the paths of the parameters of the layer the model applies last."""
+    """'' when the noise-dominated leaves leave the run verified; else the reasons it is NOT VERIFIED
+    (the verdict adds why they matter, ``NOISE_HIDES``). ``output_layer``: the paths of the parameters
+    of the layer the model applies last."""
     params = [leaf for leaf in report.leaves if leaf.group == 'params' and not leaf.one_sided]
     noisy = [leaf for leaf in params if leaf.noise_dominated]
     share = sum(leaf.size for leaf in noisy) / max(sum(leaf.size for leaf in params), 1)
@@ -178,12 +193,7 @@ def not_verified(report: Report, output_layer: set[str]) -> str:
     why = why if share > NOT_VERIFIED_SHARE else []
     why += [f'the output layer is noise-dominated ({names(head)})'] if head else []
     why += ['the per-step losses are noise-dominated'] if losses else []
-    if not why:
-        return ''
-    return (
-        f'{"; ".join(why)}: reordering the sums alone moves them by about as much as legacy differs, so a slip '
-        'there would pass unseen; every leaf is within its floor, and that proves nothing here'
-    )
+    return '; '.join(why)
 
 
 def first_step_tree(loss: float | None = None, grads: dict[str, np.ndarray] | None = None) -> compare.Neutral:
