@@ -26,8 +26,8 @@ from equivalence.core.port.config import RunConfig
 from equivalence.core.report import render as report
 from equivalence.core.run import model_side, setups, sides
 from equivalence.core.verdict import compare, legacy_rows
-from equivalence.core.verdict.outcome import Outcome
 from equivalence.core.verdict import rule as verdict
+from equivalence.core.verdict.outcome import Outcome
 
 AXIS, FEATURES, HIDDEN, NOISE = 'batch', 4, 8, 0.3
 QUICK = {'steps_per_call': 2, 'calls': 2}
