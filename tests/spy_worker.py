@@ -34,7 +34,7 @@ def held_rows(x, axis: int) -> int:
 def install(record: dict) -> None:
     import jax
 
-    from equivalence.core import harness
+    from equivalence.core.run import inputs as made
     from equivalence.core.run import setups
 
     def wrap(owner, name, before):
@@ -65,14 +65,14 @@ def install(record: dict) -> None:
         key = 'local_data' if not sharding.is_fully_addressable else 'own_devices_data'
         record.setdefault(key, []).append(list(getattr(data, 'shape', ())))
 
-    original_inputs = harness.make_inputs
+    original_inputs = made.make_inputs
 
     def make_inputs(port, config):
         variables, calls, rng = original_inputs(port, config)
         record['read'] = first(calls[0])
         return variables, calls, rng
 
-    harness.make_inputs = make_inputs  # what the orchestration calls
+    made.make_inputs = make_inputs  # what the orchestration's inputs call
     wrap(setups.LegacySetup, 'call', legacy_call)
     wrap(setups.NnxSetup, 'call', nnx_call)
     wrap(setups.NnxGraphSetup, 'call', nnx_call)  # args (keys, batch): the batch is last as well

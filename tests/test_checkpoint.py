@@ -22,7 +22,8 @@ from equivalence.checkpoint.options import CheckpointOptions
 from equivalence.core import kinds
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
-from equivalence.core.run import setups, sides
+from equivalence.core.run import inputs as made
+from equivalence.core.run import sides
 from legacy_pmap import checkpoints as legacy_checkpoints
 from legacy_pmap import models as legacy_models
 from nnx_sharded import checkpoints as nnx_checkpoints
@@ -165,7 +166,8 @@ def test_restore_train_state_in_your_own_code_on_both_sides(mlp_global):
 def test_resuming_on_other_data_than_where_the_checkpoint_stopped_mismatches(mlp_global):
     """Negative control: the comparison fails when the data stream does not continue at step 4."""
     config, legacy, nnx_dir = mlp_global
-    early = dataclasses.replace(legacy, calls=[legacy.calls[0], *legacy.calls[:-1]])  # calls 2, 3 become 1, 2
+    shifted = dataclasses.replace(legacy.prepared.inputs, calls=[legacy.calls[0], *legacy.calls[:-1]])
+    early = dataclasses.replace(legacy, prepared=dataclasses.replace(legacy.prepared, inputs=shifted))  # 2, 3 -> 1, 2
     result = resume.resume_nnx(MLP, config, early, nnx_dir, 4)
     assert not result.report.match
 
@@ -186,17 +188,22 @@ def test_a_resumed_run_is_held_to_the_floor_of_a_resumed_twin_which_fails_what_t
 def score_nnx(tmp_path_factory):
     """NNX score (keys drive its noise) trained 8 steps without stopping, saving every 2 calls."""
     config = RunConfig(workload='score', devices=8, steps_per_call=2, calls=4, batch_size=32)
-    variables, calls, rng = setups.make_inputs(SCORE, config)
+    fed = made.make(SCORE, config)
     directory = str(tmp_path_factory.mktemp('score_nnx') / 'nnx')
     hook = resume.nnx_saver(directory, config, every=2)
-    whole = sides.run_nnx(kinds.of(SCORE), config, variables, calls, rng, after_call=hook)
-    return config, variables, calls, whole, directory
+    whole = sides.run_nnx(kinds.of(SCORE), config, fed, after_call=hook)
+    return config, fed, whole, directory
+
+
+def resumed_from(fed, restore):
+    """What the new side is given when it resumes at step 4 (call 2) through ``restore``."""
+    return dataclasses.replace(fed, calls=fed.calls[2:], rng=None, restore=restore, first_call=2)
 
 
 def test_nnx_save_and_resume_is_bitwise_equal_to_an_uninterrupted_nnx_run(score_nnx):
-    config, variables, calls, whole, directory = score_nnx
+    config, fed, whole, directory = score_nnx
     restore = resume.restorer(directory, config, 4)
-    resumed = sides.run_nnx(kinds.of(SCORE), config, variables, calls[2:], None, restore=restore)
+    resumed = sides.run_nnx(kinds.of(SCORE), config, resumed_from(fed, restore))
     np.testing.assert_array_equal(resumed.losses, whole.losses[4:])
     for group, leaves in whole.final.items():
         for path, value in leaves.items():
@@ -210,9 +217,9 @@ def test_nnx_save_and_resume_is_bitwise_equal_to_an_uninterrupted_nnx_run(score_
 
 def test_resuming_without_the_recorded_key_chain_is_not_the_same_run(score_nnx):
     """Negative control: the checkpoint's host key chain is what makes the keys continue."""
-    config, variables, calls, whole, directory = score_nnx
+    config, fed, whole, directory = score_nnx
     fresh = lambda setup: (resume.restorer(directory, config, 4)(setup), jax.random.PRNGKey(0))[1]  # noqa: E731
-    resumed = sides.run_nnx(kinds.of(SCORE), config, variables, calls[2:], None, restore=fresh)
+    resumed = sides.run_nnx(kinds.of(SCORE), config, resumed_from(fed, fresh))
     assert not np.array_equal(resumed.losses, whole.losses[4:])
 
 

@@ -22,7 +22,7 @@ from equivalence.core import kinds
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort
-from equivalence.core.run import setups
+from equivalence.core.run.inputs import make_inputs
 from legacy_pmap import checkpoints as legacy_checkpoints
 from legacy_pmap import train as legacy
 
@@ -51,7 +51,7 @@ MLP = workloads.WORKLOADS['mlp']
 def save_legacy(port, directory: str, step: int = 4) -> None:
     """The port's legacy train state, as its pmap loop would save it at ``step`` (nothing trained)."""
     config = RunConfig(workload=port.name, devices=1, steps_per_call=1, calls=1, batch_size=1, rng_mode='global')
-    variables, _, rng = setups.make_inputs(port, config)
+    variables, _, rng = make_inputs(port, config)
     if isinstance(port, LoopPort):
         state = port.legacy_state(variables)
     else:
@@ -154,7 +154,7 @@ def test_a_flipped_byte_is_caught_by_verify_and_by_the_resume_restore(checkpoint
     code, _, err = command('verify', str(damaged))
     assert code == 2 and err.count('\n') == 1 and f'NNX leaf {leaf} does not match its manifest' in err, err
     config = RunConfig(workload='mlp', devices=1, steps_per_call=1, calls=1, batch_size=1, rng_mode='global')
-    variables, _, _ = setups.make_inputs(MLP, config)
+    variables, _, _ = make_inputs(MLP, config)
     setup = kinds.of(MLP).new_setup(config, variables)
     with pytest.raises(CheckpointError, match=f'leaf {leaf} does not match its manifest'):
         resume.restorer(str(damaged), config, 4)(setup)  # --resume-at's restore, before anything is loaded

@@ -22,6 +22,7 @@ from equivalence.core import kinds
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.run import setups
+from equivalence.core.run.inputs import make_inputs
 from nnx_sharded import sharding
 from nnx_sharded import train as sharded
 
@@ -115,7 +116,7 @@ def test_a_sharded_kernel_makes_replicated_false():
     require_devices(4)  # [20, 30] splits evenly over 4 devices, not 8
     wl = workloads.get('mlp')
     config = RunConfig('mlp', devices=4, steps_per_call=3, calls=1, batch_size=64)
-    variables, calls, rng = setups.make_inputs(wl, config)
+    variables, calls, rng = make_inputs(wl, config)
     setup = sharded_kernel_setup(wl, config, variables)
     _, args = setup.call_args(rng, calls[0])
     m = explain.measure_nnx(setup, args)

@@ -27,8 +27,10 @@ from equivalence.core import harness, kinds
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.report import plots, render
-from equivalence.core.run import model_side, setups
-from equivalence.core.verdict import implied, intercept, judge, locate, probe, rule
+from equivalence.core.run import inputs as made
+from equivalence.core.run import model_side
+from equivalence.core.verdict import first_step, implied, intercept, locate, location, probe, rule
+from equivalence.core.verdict.first_step import Recorder
 from equivalence.corpus import batchnorm
 
 sys.path.insert(0, os.path.join(ROOT, 'examples', 'mlp_port'))
@@ -220,10 +222,16 @@ def located(name: str) -> locate.Location:
     port = PORTS[name]
     config = RunConfig(workload=name, devices=DEVICES, steps_per_call=1, calls=1, batch_size=port.default_batch,
                        rng_mode=port.rng_modes[0])  # fmt: skip
-    return locate.locate(kinds.of(port), config, judge.Inputs(*setups.make_inputs(port, config)), n_twin=1)
+    return located_with(port, config, 1)
 
 
-def first(loc: locate.Location) -> locate.Module:
+def located_with(port, config, twin_kind) -> locate.Location:
+    """Where the first step parts, recorded beside ``twin_kind`` (as the verdict records it)."""
+    kind, fed = kinds.of(port), made.make(port, config)
+    return locate.locate(kind, config, fed, Recorder(kind, config, fed, twin_kind))
+
+
+def first(loc: locate.Location) -> location.Module:
     """The call the location names, after asserting that every call before it agrees."""
     assert loc.first is not None, loc.line()
     before = loc.modules[: loc.first]
@@ -344,7 +352,7 @@ def test_an_optimizer_slip_that_warmup_hides_on_step_1_is_located_on_step_2(step
     require_devices(DEVICES)
     config = RunConfig(workload='warmup', devices=DEVICES, steps_per_call=steps, calls=1, perturb=1e-2,
                        batch_size=WARMUP.default_batch, rng_mode=WARMUP.rng_modes[0])  # fmt: skip
-    loc = locate.locate(kinds.of(WARMUP), config, judge.Inputs(*setups.make_inputs(WARMUP, config)), n_twin=1)
+    loc = located_with(WARMUP, config, 1)
     if steps == 1:
         assert loc.kind == 'none' and locate.WARMUP in loc.figures, loc.line()
         return
@@ -408,12 +416,12 @@ def test_a_match_gets_no_location_unless_asked():
     verdict only feeds another (the masked-loss hint's run on 1 device) is never located."""
     matched = rule.Verdict(True, 'measured', ('twin',))
     config = RunConfig(devices=DEVICES, batch_size=64)
-    assert locate.attach(matched, kinds.of(my_port.MODEL), config, None, 1) is matched
+    assert locate.attach(matched, kinds.of(my_port.MODEL), config, None, None) is matched
     args = ['--workload', 'mlp', '--devices', str(DEVICES), '--locate']
     assert run_command.inputs(args, n_available=DEVICES)[2].locate is True
     assert run_command.inputs(args[:-1], n_available=DEVICES)[2].locate is None  # on MISMATCH only
     assert locate.attach(dataclasses.replace(matched, match=False), kinds.of(my_port.MODEL),
-                         dataclasses.replace(config, locate=False), None, 1).location is None  # fmt: skip
+                         dataclasses.replace(config, locate=False), None, None).location is None  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -441,12 +449,12 @@ def test_where_the_recording_cannot_run_the_probe_and_the_verdict_are_as_before(
         raise RuntimeError('recording refused')
 
     port, config = workloads.get('mlp'), RunConfig(devices=DEVICES, batch_size=64)
-    inputs = judge.Inputs(*setups.make_inputs(port, config))
+    kind, fed = kinds.of(port), made.make(port, config)
     probed = {side: types.SimpleNamespace(grads={'hidden/bias': np.zeros(3)}) for side in ('legacy', 'nnx', 'twin')}
     monkeypatch.setattr(intercept, 'first_steps', cannot)
     monkeypatch.setattr(probe, 'first_steps', lambda *args: probed)
-    assert locate.first_step_grads(kinds.of(port), config, inputs, None) == {s: p.grads for s, p in probed.items()}
-    mismatch = locate.attach(rule.Verdict(False, 'measured', ()), kinds.of(port), config, inputs, None)
+    assert first_step.grads(Recorder(kind, config, fed, None)) == {s: p.grads for s, p in probed.items()}
+    mismatch = locate.attach(rule.Verdict(False, 'measured', ()), kind, config, fed, Recorder(kind, config, fed, None))
     assert (
         mismatch.location.kind == 'unlocated' and 'raised RuntimeError: recording refused' in mismatch.location.figures
     )
@@ -464,23 +472,22 @@ def test_under_fsdp_the_twins_rows_are_put_back_before_they_are_compared():
     port = my_port.MODEL_GELU_SLIP
     config = RunConfig(workload='gelu', devices=DEVICES, steps_per_call=1, calls=1, batch_size=port.default_batch,
                        strategy='fsdp')  # fmt: skip
-    inputs = judge.Inputs(*setups.make_inputs(port, config))
-    loc = locate.locate(kinds.of(port), config, inputs, n_twin=model_side.Reordered('fsdp'))
+    kind, fed = kinds.of(port), made.make(port, config)
+    recorder = Recorder(kind, config, fed, model_side.Reordered('fsdp'))
+    loc = locate.locate(kind, config, fed, recorder)
     assert (loc.kind, loc.legacy, loc.nnx) == ('between', 'LayerNorm_0 → Dropout_0', 'norm → drop'), loc.line()
     first(loc)
     assert all(m.output_floor is not None and m.output_floor < 1e-5 for m in loc.modules), loc.modules
-    assert 'twin' in inputs.first_steps[2]
+    assert 'twin' in recorder.runs[1]
 
 
 def test_a_twin_that_ran_in_a_fresh_process_is_not_run_again_for_the_location():
     """Code pinned to its own mesh raises on the twin's; the verdict ran that twin in a fresh process
-    (``judge.Inputs.fresh_twins``), and the recorded first steps run without it (no JAX program here)."""
+    (``twin.Measured.fresh``), and the recorded first steps run without it (no JAX program here)."""
     config = RunConfig(devices=DEVICES, batch_size=64)
-    inputs = judge.Inputs({}, [], None)
-    assert locate.here(1, config, inputs) == 1 and locate.here(None, config, inputs) is None
-    inputs.fresh_twins = (1,)
-    assert locate.here(1, config, inputs) is None
-    assert locate.here(10**6, config, judge.Inputs({}, [], None)) is None  # more devices than this process sees
+    assert first_step.here(1, config) == 1 and first_step.here(None, config) is None
+    assert first_step.here(1, config, fresh=(1,)) is None
+    assert first_step.here(10**6, config) is None  # more devices than this process sees
 
 
 def test_where_the_diagnosis_and_the_location_disagree_the_location_is_trusted():

@@ -15,7 +15,8 @@ import numpy as np
 from conftest import ROOT
 
 from equivalence import cli
-from equivalence.core.verdict import compare, judge, rule
+from equivalence.core.run import facts
+from equivalence.core.verdict import compare, rule, unverified
 from equivalence.core.verdict.outcome import Outcome
 from equivalence.core.verdict.rule import MEASURED_FLOOR
 
@@ -154,7 +155,8 @@ def test_the_output_layer_is_the_last_module_linen_calls():
     example = jax.tree.map(lambda v: v[0, :1], batch_KxG)
     variables = jax.eval_shape(lambda: port.legacy_model().init(jax.random.PRNGKey(0), *port.init_args(example)))
     assert list(variables['params'])[-1] == 'LayerNorm_0'  # sorted: not the order linen created them in
-    assert judge.output_layer(port, variables, batch_KxG) == {'fc2/kernel', 'fc2/bias'}
+    mapping = facts.name_mapping(port, variables)
+    assert unverified.output_layer(port, variables, batch_KxG, mapping) == {'fc2/kernel', 'fc2/bias'}
 
 
 def test_workers_that_all_end_not_verified_end_the_run_with_5(tmp_path):

@@ -22,8 +22,8 @@ from jax.sharding import PartitionSpec as P
 from equivalence import LoopPort, ModelPort
 from equivalence.core import harness, kinds, preflight
 from equivalence.core.port.config import ConfigError, RunConfig
-from equivalence.core.run import setups
-from equivalence.core.verdict import judge
+from equivalence.core.run.inputs import make_inputs
+from equivalence.core.verdict import unverified
 from equivalence.explain import measure_both, path_text, report
 from nnx_sharded import sharding
 
@@ -100,8 +100,8 @@ def test_a_keyword_only_train_flag_is_given_by_init_kwargs():
         dataclasses.replace(STEM, init_kwargs=lambda: {})
     # the verdict's own abstract init (which layer the model applies last, read on a MATCH) is given them
     # too: it was not, and a matching run with init_kwargs ended in exit 3 (found on AlgoPerf's MNIST)
-    variables, calls, _ = setups.make_inputs(STEM, config(STEM))
-    assert judge.output_layer(STEM, variables, calls[0]) == {'Dense_0/kernel', 'Dense_0/bias'}
+    variables, calls, _ = make_inputs(STEM, config(STEM))
+    assert unverified.output_layer(STEM, variables, calls[0], {}) == {'Dense_0/kernel', 'Dense_0/bias'}
 
 
 def placed_gradient(model: nnx.Module) -> list[str]:

@@ -12,7 +12,8 @@ from flax import nnx
 from equivalence.core import harness, kinds
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
-from equivalence.core.run import setups, sides
+from equivalence.core.run import inputs as made
+from equivalence.core.run import sides
 from equivalence.core.verdict import compare
 from legacy_pmap import models as legacy_models
 from nnx_sharded import models as nnx_models
@@ -51,9 +52,9 @@ def test_legacy_batchnorm_without_axis_name_is_a_mismatch():
 def test_swapping_rng_modes_between_the_sides_is_a_mismatch():
     wl = workloads.get('cnn')
     cfg = config('cnn', devices=8)
-    variables, calls, rng = setups.make_inputs(wl, cfg)
-    old = sides.run_legacy(kinds.of(wl), cfg, variables, calls, rng)
-    new = sides.run_nnx(kinds.of(wl), dataclasses.replace(cfg, rng_mode='global'), variables, calls, rng)
+    fed = made.make(wl, cfg)
+    old = sides.run_legacy(kinds.of(wl), cfg, fed)
+    new = sides.run_nnx(kinds.of(wl), dataclasses.replace(cfg, rng_mode='global'), fed)
     report = compare.compare(sides.with_losses(old.final, old.losses), sides.with_losses(new.final, new.losses))
     assert not report.match
     assert not next(x for x in report.leaves if x.group == 'losses').ok
@@ -63,8 +64,8 @@ def _final(name: str, devices: int, rng_mode: str, runs=(sides.run_legacy, sides
     """The final states and losses of the paths in ``runs`` (both by default); no verdict (this
     test compares runs across D itself)."""
     wl, cfg = workloads.get(name), config(name, devices=devices, rng_mode=rng_mode, calls=1)
-    variables, calls, rng = setups.make_inputs(wl, cfg)
-    return [sides.with_losses(p.final, p.losses) for p in (run(wl, cfg, variables, calls, rng) for run in runs)]
+    fed = made.make(wl, cfg)
+    return [sides.with_losses(p.final, p.losses) for p in (run(kinds.of(wl), cfg, fed) for run in runs)]
 
 
 @pytest.mark.parametrize('name', RANDOM)

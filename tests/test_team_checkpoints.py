@@ -12,9 +12,9 @@ from conftest import ROOT, assert_one_line_error, require_devices, run_module
 
 from equivalence.checkpoint import migrate, resume
 from equivalence.checkpoint.store import CheckpointError
-from equivalence.core import kinds
+from equivalence.core import harness
 from equivalence.core.port.config import RunConfig
-from equivalence.core.run import adapters, setups, sides
+from equivalence.core.run import adapters, sides
 
 
 def example(name: str):
@@ -43,11 +43,11 @@ def resumed(name: str, tmp_path):
     port = my_port.LOOP
     config = RunConfig(workload=port.name, devices=2, steps_per_call=2, calls=2, batch_size=8,
                        rng_mode=port.rng_modes[0])  # fmt: skip
-    variables, calls, rng = setups.make_inputs(port, config)
+    prepared = harness.prepare(port, config)
     team_dir, nnx_dir = str(tmp_path / 'team'), str(tmp_path / 'nnx')
-    legacy = sides.run_legacy(kinds.of(port), config, variables, calls, rng, after_call=team_saver(name, old, team_dir))
+    legacy = sides.run_legacy(prepared.kind, config, prepared.inputs, after_call=team_saver(name, old, team_dir))
     migration = migrate.migrate(team_dir, nnx_dir, port, step=2)
-    run = resume.LegacyRun(legacy, team_dir, variables, calls, rng)
+    run = resume.LegacyRun(legacy, team_dir, prepared)
     again = lambda: resume.resume_nnx(port, config, run, nnx_dir, 2)  # noqa: E731
     return migration, again(), port, team_dir, again
 

@@ -24,8 +24,9 @@ from equivalence.core import harness, kinds
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.report import render as report
-from equivalence.core.run import model_side, setups, sides
-from equivalence.core.verdict import compare, legacy_rows
+from equivalence.core.run import inputs as made
+from equivalence.core.run import model_side, sides
+from equivalence.core.verdict import compare, legacy_twin
 from equivalence.core.verdict import rule as verdict
 from equivalence.core.verdict.outcome import Outcome
 
@@ -203,11 +204,11 @@ def test_the_legacy_twin_with_per_device_keys_draws_what_the_run_draws():
     require_devices(2)
     cnn = workloads.get('cnn')
     config = RunConfig(workload='cnn', devices=2, rng_mode='per-device', batch_size=cnn.default_batch, **QUICK)
-    variables, calls, rng = setups.make_inputs(cnn, config)
-    run = sides.run_legacy(kinds.of(cnn), config, variables, calls, rng)
-    same = legacy_rows.run(cnn, config, 2, variables, calls, rng)
+    fed = made.make(cnn, config)
+    run = sides.run_legacy(kinds.of(cnn), config, fed)
+    same = legacy_twin.with_rows(cnn, config, 2, fed)
     assert all(np.array_equal(run.final[g][p], same.final[g][p]) for g in run.final for p in run.final[g])
-    on_one = legacy_rows.run(cnn, config, 1, variables, calls, rng)
+    on_one = legacy_twin.with_rows(cnn, config, 1, fed)
     assert verdict.twin_refusal(run.losses, on_one.losses, 'legacy') == ''
-    plain = sides.run_legacy(kinds.of(cnn), dataclasses.replace(config, devices=1), variables, calls, rng)
+    plain = sides.run_legacy(kinds.of(cnn), dataclasses.replace(config, devices=1), fed)
     assert verdict.twin_refusal(run.losses, plain.losses, 'legacy').startswith('refused: its loss at step 1')

@@ -16,8 +16,10 @@ from conftest import ROOT, require_devices
 from equivalence.core import harness, kinds
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
-from equivalence.core.run import model_side, setups, sides
-from equivalence.core.verdict import compare, fresh, judge, rule, twin
+from equivalence.core.run import inputs as made
+from equivalence.core.run import model_side, sides
+from equivalence.core.run.inputs import Inputs
+from equivalence.core.verdict import compare, fresh, judge, legacy_twin, rule, twin
 
 sys.path.insert(0, os.path.join(ROOT, 'examples', 'mlp_port'))
 import my_port  # noqa: E402  (the example, imported as a user's module)
@@ -106,9 +108,9 @@ def test_a_twin_that_changes_the_math_is_refused():
     require_devices(2)
     port = workloads.get('mlp')
     config = RunConfig(workload='mlp', devices=2, steps_per_call=2, calls=1)
-    variables, calls, rng = setups.make_inputs(port, config)
-    new = sides.run_nnx(kinds.of(port), config, variables, calls, rng)
-    kind = kinds.of(port)
+    fed, kind = made.make(port, config), kinds.of(port)
+    new = sides.run_nnx(kind, config, fed)
+    variables, calls, rng = fed.variables, fed.calls, fed.rng
     honest, secret = (twin.run_twin(kind, config, variables, calls, rng, 1, lr_scale=s) for s in (1.0, 1.0 + 1e-3))
     assert rule.twin_refusal(new.losses, honest.losses) == ''
     assert rule.twin_refusal(new.losses, secret.losses).startswith('refused: its loss at step 2')
@@ -134,16 +136,17 @@ def test_a_twin_that_raises_is_named_by_its_culprit_and_its_whole_text_goes_to_t
     monkeypatch.setattr(twin, 'run_twin', pinned)
     monkeypatch.setattr(fresh, 'run_twin', fresh_fails)
     port, config = workloads.get('mlp'), RunConfig(workload='mlp', devices=2, steps_per_call=2, calls=1)
-    inputs = judge.Inputs({}, [None], None)  # one call, never run: both twins raise
-    twins, why, in_fresh = judge.measured_twins(kinds.of(port), config, None, inputs, (1,))
-    assert twins == {} and in_fresh == [] and len(why) == 1, why
+    inputs = Inputs({}, [None], None)  # one call, never run: both twins raise
+    measured = twin.measure(kinds.of(port), config, None, inputs, (1,))
+    twins, why, in_fresh = measured.twins, measured.why, measured.fresh
+    assert twins == {} and in_fresh == () and len(why) == 1, why
     assert why[0].startswith('not run: on 1 device(s) it raised ValueError: Sharding passed'), why
     assert 'for arg type: uint32[2,2]; RuntimeError: ' in why[0] and '\n' not in why[0], why
     assert why[0].endswith('No module named my_port'), why
     report = compare.Report([], port.tolerance)
     kind = kinds.of(port)
-    result = judge.RunResult(config, None, None, report, verdict=judge.finish(kind, config, report, None, None,
-                                                                              inputs, why, why[0], None))  # fmt: skip
+    _, judged = judge.finish(kind, config, report, None, None, inputs, list(why), why[0], None, True, measured.errors)
+    result = judge.RunResult(config, None, None, report, verdict=judged)
     from equivalence.core.report import render as report_module
 
     assert report_module.verdict_json(result)['errors'] == [
@@ -194,7 +197,7 @@ def test_a_legacy_twin_that_could_compute_something_else_is_refused():
     draws what the run's devices draw: tests/test_twins.py.)"""
     score = workloads.get('score')
     config = RunConfig(workload='score', devices=2, rng_mode='global', steps_per_call=2, calls=1)
-    _, said = judge.legacy_twin(kinds.of(score), config, None, None, {}, None)
+    _, said, _ = legacy_twin.run(kinds.of(score), config, None, None, {}, None)
     assert said.startswith('legacy twin not run: with one call')
     legacy1 = {'w': np.array([1.0, -2.0], np.float32)}
     nnx1, twin1 = {'w': legacy1['w'] + 1e-7}, {'w': legacy1['w'] + 2e-7}  # the NNX twin: 1e-7, allows 1e-6

@@ -26,6 +26,7 @@ from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort
 from equivalence.core.port.ports import ModelPort as Workload
 from equivalence.core.run import randomness, setups
+from equivalence.core.run.inputs import make_inputs
 from equivalence.distributed import rows
 from legacy_pmap import train as legacy
 from nnx_sharded import sharding
@@ -54,7 +55,7 @@ class Feed:
     def __init__(self, wl: Workload, config: RunConfig, pool_steps: int):
         data = wl.make_data(np.random.default_rng(config.seed), pool_steps, config.batch_size)
         self.data, self.pool_steps, self.devices = data, pool_steps, config.devices
-        self.variables, _, self.rng = setups.make_inputs(wl, dataclasses.replace(config, calls=1))
+        self.variables, _, self.rng = make_inputs(wl, dataclasses.replace(config, calls=1))
         self.kind = kinds.of(wl)  # what builds each side's setups
 
     def batches(self, k: int, n: int, start: int) -> list[dict[str, np.ndarray]]:

@@ -3,7 +3,7 @@
 The legacy train state is read (typed, so optax's namedtuples stay namedtuples), its groups
 are taken as the comparison takes them (``params``, ``opt_state``, ``model_state``, ``ema``,
 ``step``), its linen paths are renamed by the same mapping the port check uses
-(``naming.resolve`` through ``setups.check_names``, then ``naming.rename_path``), and each
+(``naming.resolve`` through ``facts.name_mapping``, then ``naming.rename_path``), and each
 leaf is placed where ``nnx_sharded.train.TrainState`` keeps it:
 
     params/<linen path>                 -> model/<nnx path>
@@ -32,7 +32,7 @@ from equivalence.checkpoint.store import CheckpointError
 from equivalence.core import kinds
 from equivalence.core.port import convert, naming
 from equivalence.core.port.ports import Port
-from equivalence.core.run import setups
+from equivalence.core.run import facts
 from legacy_pmap import checkpoints as legacy_checkpoints
 from nnx_sharded import checkpoints as nnx_checkpoints
 
@@ -183,7 +183,7 @@ def _legacy_leaves(port: Port, state: Any) -> tuple[dict[str, np.ndarray], dict[
     groups = layout.legacy_groups(port)(state)
     neutral = convert.groups_to_neutral({g: t for g, t in groups.items() if t is not None})
     variables = {'params': groups['params'], **(groups.get('model_state') or {})}
-    mapping = setups.check_names(port, variables)  # naming.PortError: one line, exit 2
+    mapping = facts.name_mapping(port, variables)  # naming.PortError: one line, exit 2
     leaves = {f'{g}/{p}': a for g, tree in neutral.items() for p, a in tree.items()}
     outside, skipped = outside_groups(state, groups, getattr(port, 'skip', ()))
     return leaves, mapping, outside, skipped

@@ -21,11 +21,11 @@ import jax
 
 from equivalence.checkpoint import layout, manifest, migrate, store
 from equivalence.checkpoint.options import CheckpointOptions
-from equivalence.core import harness, kinds
+from equivalence.core import harness
+from equivalence.core.harness import Prepared, Resume
 from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.port.ports import Port
-from equivalence.core.run import adapters, setups, sides
-from equivalence.core.verdict import judge
+from equivalence.core.run import adapters, sides
 from legacy_pmap import checkpoints as legacy_checkpoints
 from nnx_sharded import checkpoints as nnx_checkpoints
 
@@ -108,87 +108,98 @@ def _root(directory: str | None) -> Iterator[str]:
         yield tmp
 
 
+@dataclasses.dataclass(frozen=True)
+class Checkpoints:
+    """``harness.Checkpoints`` for ``run``'s checkpoint flags: the legacy side saves as a pmap-era loop did,
+    and with ``resume_at`` the new side resumes from the migrated checkpoint (on ``nnx_devices`` devices,
+    default the run's)."""
+
+    options: CheckpointOptions
+    nnx_devices: int | None = None
+
+    @contextlib.contextmanager
+    def session(self, prepared: Prepared) -> Iterator['Session']:
+        with _root(self.options.directory) as root:  # the twins restore from it while the verdict runs
+            yield Session(self, prepared.config, root)
+
+
+@dataclasses.dataclass
+class Session:
+    """One check's checkpoints: where they are, the legacy saver, the migration and the resume."""
+
+    checkpoints: Checkpoints
+    config: RunConfig
+    root: str
+    notes: list = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        options = self.checkpoints.options
+        self.directory = os.path.join(self.root, 'legacy')
+        preserve = [options.resume_at] if options.resume_at else []
+        every = options.save_every(self.config)
+        self.after_legacy_call = legacy_saver(self.directory, self.config, every, options.keep, preserve)
+        if options.resume_at is None:
+            self.notes.append(f'legacy checkpoints every {every} call(s) in {self.directory}')
+
+    def resume(self, prepared: Prepared, legacy: sides.PathResult) -> Resume | None:
+        """The legacy checkpoint of ``resume_at`` migrated (``migrate.migrate``, the command's function) and
+        the new side's restore from it; None without ``resume_at``."""
+        n, config = self.checkpoints.options.resume_at, self.config
+        if n is None:
+            return None
+        nnx_dir = os.path.join(self.root, 'nnx')
+        migration = migrate.migrate(self.directory, nnx_dir, prepared.kind.port, step=n)
+        nnx_config = dataclasses.replace(config, devices=self.checkpoints.nnx_devices or config.devices)
+        note = (f'legacy pmap trained {config.steps} steps without stopping and saved its train state at step {n} '
+                f'(Orbax, {self.directory}); migrated {len(migration.pairs)} leaves to {nnx_dir}; NNX restored it '
+                f'onto {nnx_config.devices} device(s) and trained steps {n + 1}-{config.steps}')  # fmt: skip
+        restore = restorer(nnx_dir, nnx_config, n, key_chain(prepared, nnx_config, n))
+        return Resume(n, nnx_config, restore, (note,))
+
+
+def key_chain(prepared: Prepared, config: RunConfig, step: int):
+    """The host key chain at ``step``, recomputed from the seed as the setups draw it: for a checkpoint
+    that records none (a team's own)."""
+    draws = prepared.kind.key_draws_per_call(config)
+    return lambda: adapters.chain_at(draws, config, prepared.inputs.rng, step // config.steps_per_call)
+
+
+def run(port: Port, config: RunConfig, options: CheckpointOptions, progress=None, nnx_devices: int | None = None):
+    """``harness.run`` with legacy checkpoints; with ``resume_at``, NNX resumes from the migrated one."""
+    return harness.run(port, config, progress, checkpoints=Checkpoints(options, nnx_devices))
+
+
+# -- the same, in parts (tests, and a team resuming by hand) ------------------------------------
+
+
 @dataclasses.dataclass
 class LegacyRun:
     """The uninterrupted legacy run, and what NNX needs to resume beside it."""
 
     result: sides.PathResult
     directory: str  # its checkpoints
-    variables: dict  # the linen initialisation both paths start from
-    calls: list  # every call's batch, [K, G, ...]
-    rng: jax.Array  # the host key chain before the first call
+    prepared: Prepared  # the port's kind, the config, the inputs both sides start from
+
+    @property
+    def calls(self) -> list:
+        return self.prepared.inputs.calls
 
 
 def train_legacy(port: Port, config: RunConfig, options: CheckpointOptions, directory: str, progress=None) -> LegacyRun:
     """All K x C legacy steps, saving every ``save_every`` calls into ``directory`` (the step
     NNX resumes from is kept whatever ``keep`` says)."""
-    variables, calls, rng = setups.make_inputs(port, config)
-    setups.check_names(port, variables)
+    prepared = harness.prepare(port, config)
     preserve = [options.resume_at] if options.resume_at else []
     hook = legacy_saver(directory, config, options.save_every(config), options.keep, preserve)
-    result = sides.run_legacy(kinds.of(port), config, variables, calls, rng, progress or sides.silent, after_call=hook)
-    return LegacyRun(result, directory, variables, calls, rng)
+    result = sides.run_legacy(prepared.kind, config, prepared.inputs, progress or sides.silent, after_call=hook)
+    return LegacyRun(result, directory, prepared)
 
 
 def resume_nnx(port: Port, config: RunConfig, legacy: LegacyRun, nnx_dir: str, step: int, progress=None):
     """NNX restored from ``nnx_dir``'s ``step`` onto ``config.devices`` devices, trained on the
-    calls after it, and compared with the legacy run's end."""
-    after = legacy.calls[step // config.steps_per_call :]
-    kind = kinds.of(port)
-    draws = kind.key_draws_per_call(config)
-    chain = lambda: adapters.chain_at(draws, config, legacy.rng, step // config.steps_per_call)  # noqa: E731
-    restore = restorer(nnx_dir, config, step, chain)
-    new = sides.run_nnx(kind, config, legacy.variables, after, None, progress or sides.silent, restore=restore)
-    inputs = (legacy.variables, after, None)  # the twin restores the same checkpoint, trains the same calls
-    return compare_paths(port, config, legacy.result, new, step, inputs, restore=restore)
-
-
-def run(port: Port, config: RunConfig, options: CheckpointOptions, progress=None, nnx_devices: int | None = None):
-    """Both paths with legacy checkpoints; with ``resume_at``, NNX resumes from the migrated one
-    (on ``nnx_devices`` devices, default the run's) and is compared with legacy's last step."""
-    from equivalence.core import preflight
-
-    harness.validate(port, config)
-    options.check(config)
-    preflight.check(kinds.of(port), config)
-    with _root(options.directory) as root:
-        legacy = train_legacy(port, config, options, os.path.join(root, 'legacy'), progress)
-        n, note = (
-            options.resume_at,
-            f'legacy checkpoints every {options.save_every(config)} call(s) in {legacy.directory}',
-        )
-        if n is None:
-            kind, calls = kinds.of(port), legacy.calls
-            new = sides.run_nnx(kind, config, legacy.variables, calls, legacy.rng, progress or sides.silent)
-            inputs = (legacy.variables, legacy.calls, legacy.rng)
-            return compare_paths(port, config, legacy.result, new, 0, inputs, notes=[note])
-        nnx_dir = os.path.join(root, 'nnx')
-        migration = migrate.migrate(legacy.directory, nnx_dir, port, step=n)
-        nnx_config = dataclasses.replace(config, devices=nnx_devices or config.devices)
-        result = resume_nnx(port, nnx_config, legacy, nnx_dir, n, progress)
-        result.config = config
-        result.notes.append(
-            f'legacy pmap trained {config.steps} steps without stopping and saved its train state at step {n} '
-            f'(Orbax, {legacy.directory}); migrated {len(migration.pairs)} leaves to {nnx_dir}; NNX restored it '
-            f'onto {nnx_config.devices} device(s) and trained steps {n + 1}-{config.steps}'
-        )
-        return result
-
-
-def compare_paths(
-    port: Port, config: RunConfig, old, new, resumed_at: int, inputs: tuple, notes=None, restore=None
-) -> judge.RunResult:
-    """The usual judgement (``judge.judged``: the twin's measured floor); legacy's losses, metrics
-    and per-call parameters cut to the steps NNX ran. ``inputs``: NNX's (variables, calls, rng);
-    ``restore``: the hook NNX resumed through, which the twin resumes through too."""
-    first_call = resumed_at // config.steps_per_call
-    cut = {p: a[resumed_at:] for p, a in old.metrics.items()}
-    old = dataclasses.replace(
-        old, losses=old.losses[resumed_at:], params_per_call=old.params_per_call[first_call:], metrics=cut
-    )
-    kind = kinds.of(port)
-    tree, lines = sides.compared(kind, old, new)
-    result = judge.judged(kind, config, old, new, *inputs, tree, restore=restore, first_call=first_call)
-    result.programs = kind.programs()
-    result.resumed_at, result.notes = resumed_at, [*lines, *(notes or [])]
-    return result
+    calls after it, and judged against the legacy run's end (``harness.judgement``)."""
+    prepared = dataclasses.replace(legacy.prepared, config=config)
+    restore = restorer(nnx_dir, config, step, key_chain(prepared, config, step))
+    inputs = harness.resumed_inputs(prepared.inputs, Resume(step, config, restore), config.steps_per_call)
+    new = sides.run_nnx(prepared.kind, config, inputs, progress or sides.silent)
+    return harness.judgement(prepared.kind, config, legacy.result, new, inputs, step)

@@ -1,18 +1,26 @@
-"""The orchestration of one check: the port validated and traced (pre-flight), both paths run
-from the same seed and data (``run.sides``), judged against their measured noise floor
-(``verdict.judge``). It sits above every room of ``core``; nothing in ``core`` imports it.
+"""The orchestration of one check, the only one: the port's kind (``kinds.of``), its pre-flight, the
+inputs made once (``prepare``), both sides run from the same seed and data, the new side resumed from a
+checkpoint where asked (``Checkpoints``), and the verdict (``judgement``). ``run``, ``run --resume-at``,
+the corpus, the pytest plugin, ``explain`` and ``bench`` all go through it. It sits above every room of
+``core``; nothing in ``core`` imports it.
 """
 
+import contextlib
 import dataclasses
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import jax
 
 from equivalence.core import kinds, preflight
 from equivalence.core.port.config import ConfigError, RunConfig
+from equivalence.core.port.kind import Kind
 from equivalence.core.port.ports import Port
+from equivalence.core.run import inputs as made
 from equivalence.core.run import randomness
-from equivalence.core.run.setups import check_names, has_batch_stats, make_inputs
-from equivalence.core.run.sides import Progress, compared, run_legacy, run_nnx, silent
+from equivalence.core.run.facts import has_batch_stats
+from equivalence.core.run.inputs import Inputs
+from equivalence.core.run.sides import PathResult, Progress, compared, run_legacy, run_nnx, silent
 from equivalence.core.verdict import hints
 from equivalence.core.verdict.judge import RunResult, judged
 from equivalence.core.verdict.outcome import Outcome
@@ -22,35 +30,102 @@ def validate(port: Port, config: RunConfig) -> None:
     """What a port cannot do with these flags, as ``ConfigError`` (exit 2), before any work."""
     if config.rng_mode not in port.rng_modes:
         raise ConfigError(f'--rng {config.rng_mode}: port {port.name!r} supports {", ".join(port.rng_modes)}')
-    kind = kinds.of(port)
-    kind.validate(config)
+    kinds.of(port).validate(config)
     if config.strategy == 'shard_map' and has_batch_stats(port):
         raise ConfigError('--strategy shard_map: the model has BatchNorm, whose statistics would be per device here')
 
 
-def run(port: Port, config: RunConfig, progress: Progress | None = None, diagnose: bool = True) -> RunResult:
-    """Both paths, then the comparison of parameters, optimizer state, EMA, stats, losses.
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A port ready to run: its kind, the config (validated), and the inputs made once."""
 
-    The two sides' variable names are paired first: a port whose names do not pair stops
-    here, before any training (``naming.PortError``). ``progress``, if given, is called
-    after each of the 2 * C compiled calls. ``diagnose=False``: a MISMATCH is neither diagnosed nor
-    located (a run whose match alone is read, as the masked-loss hint's on 1 device).
-    """
-    validate(port, config)
+    kind: Kind
+    config: RunConfig
+    inputs: Inputs
+
+
+def prepare(port: Port, config: RunConfig, n_steps: int | None = None) -> Prepared:
+    """The port traced abstractly (``preflight``: a mistake in it is exit 2, before training; it pairs the
+    two sides' names, once), then its inputs made. ``config`` must have passed ``validate``. ``n_steps``:
+    the steps the pre-flight asks ``make_data`` for (bench's pool)."""
     kind = kinds.of(port)
-    preflight.check(kind, config)  # every port traced abstractly: a mistake in it is exit 2, before training
-    variables, calls, rng = make_inputs(port, config)
-    check_names(port, variables)
+    mapping = preflight.check(kind, config, n_steps)
     randomness.take_unbridged()  # what earlier runs traced is theirs
-    old = run_legacy(kind, config, variables, calls, rng, progress or silent)
-    new = run_nnx(kind, config, variables, calls, rng, progress or silent)
-    tree, notes = compared(kind, old, new)
-    result = judged(kind, config, old, new, variables, calls, rng, tree, diagnose)
-    result.programs = kind.programs()
-    result.notes += notes
-    if diagnose:  # the hint runs both sides again on 1 device: part of a MISMATCH's diagnosis
+    return Prepared(kind, config, made.make(port, config, mapping))
+
+
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    """The new side resumed from a checkpoint of the legacy run (``Checkpoints.resume``)."""
+
+    step: int  # the step it resumes from: it trains the calls after it
+    config: RunConfig  # its config (its device count may be another)
+    restore: Callable[[Any], jax.Array]  # loads the checkpoint into a setup, returns the key chain
+    notes: tuple[str, ...] = ()
+
+
+class Checkpoints(Protocol):
+    """How ``run --resume-at`` and ``--checkpoint-dir`` enter the pipeline (``equivalence.checkpoint.resume``):
+    a session (its directories live while the check runs, the twins restore from them too), a hook after
+    each legacy call, and the resume of the new side, if any."""
+
+    def session(self, prepared: Prepared) -> contextlib.AbstractContextManager['CheckpointSession']: ...
+
+
+class CheckpointSession(Protocol):
+    notes: list[str]
+
+    def after_legacy_call(self, setup: Any, calls_done: int, rng: jax.Array) -> None: ...
+    def resume(self, prepared: Prepared, legacy: PathResult) -> Resume | None: ...
+
+
+def run(port: Port, config: RunConfig, progress: Progress | None = None, diagnose: bool = True,
+        checkpoints: Checkpoints | None = None) -> RunResult:  # fmt: skip
+    """Both paths, then the comparison of parameters, optimizer state, EMA, stats, losses, judged.
+
+    ``config`` has passed ``validate`` (the commands validate before any work; ``check`` does it here).
+    The two sides' variable names are paired by the pre-flight, before any training (``naming.PortError``).
+    ``progress``, if given, is called after each of the 2 * C compiled calls. ``diagnose=False``: a MISMATCH
+    is neither diagnosed nor located (a run whose match alone is read, as the masked-loss hint's on 1
+    device). ``checkpoints``: legacy saves, and the new side resumed from one (``Checkpoints``)."""
+    prepared = prepare(port, config)
+    kind, inputs, progress = prepared.kind, prepared.inputs, progress or silent
+    with checkpoints.session(prepared) if checkpoints is not None else contextlib.nullcontext() as saving:
+        old = run_legacy(kind, config, inputs, progress, saving.after_legacy_call if saving else None)
+        resume = saving.resume(prepared, old) if saving else None
+        if resume is None:
+            new = run_nnx(kind, config, inputs, progress)
+            result = judgement(kind, config, old, new, inputs, diagnose=diagnose)
+        else:
+            resumed = resumed_inputs(inputs, resume, config.steps_per_call)
+            new = run_nnx(kind, resume.config, resumed, progress)
+            result = judgement(kind, resume.config, old, new, resumed, resume.step, diagnose)
+            result.config = config
+        result.notes += [*(saving.notes if saving else ()), *(resume.notes if resume else ())]
+    if diagnose and resume is None:  # the hint runs both sides again on 1 device: part of a MISMATCH's diagnosis
         on_one = lambda: _matches_on_one(port, config)  # noqa: E731
-        result.notes += hints.masked_loss(config.devices, calls[0], result.outcome, on_one)
+        result.notes += hints.masked_loss(config.devices, inputs.calls[0], result.outcome, on_one)
+    return result
+
+
+def resumed_inputs(inputs: Inputs, resume: Resume, k: int) -> Inputs:
+    """What the new side is given when it resumes at ``resume.step``: the calls after it, no key chain
+    (the checkpoint's restore gives it), and the restore, which its twin takes too."""
+    first = resume.step // k
+    whole = None if inputs.whole is None else inputs.whole[first:]
+    return dataclasses.replace(inputs, calls=inputs.calls[first:], whole=whole, rng=None, restore=resume.restore,
+                               first_call=first)  # fmt: skip
+
+
+def judgement(kind: Kind, config: RunConfig, old: PathResult, new: PathResult, inputs: Inputs, resumed_at: int = 0,
+              diagnose: bool = True) -> RunResult:  # fmt: skip
+    """The two runs compared and judged (``verdict.judge``); a new side resumed at ``resumed_at`` is
+    compared with the legacy run's losses, metrics and parameters after that step."""
+    if resumed_at:
+        old = old.after(resumed_at, config.steps_per_call)
+    tree, notes = compared(kind, old, new)
+    result = judged(kind, config, old, new, inputs, tree, diagnose)
+    result.programs, result.notes, result.resumed_at = kind.programs(), [*result.notes, *notes], resumed_at
     return result
 
 
@@ -75,4 +150,5 @@ def check(port: Port, diagnose: bool = True, **flags) -> RunResult:
     flags.setdefault('batch_size', port.default_batch)
     flags.setdefault('rng_mode', port.rng_modes[0])
     config = RunConfig(workload=port.name, available=len(jax.devices()), **flags)
+    validate(port, config)
     return run(port, config, diagnose=diagnose)

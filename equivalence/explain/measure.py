@@ -68,20 +68,18 @@ def measure_nnx_loop(setup: Any, args: tuple) -> PathMeasurement:
 
 def measure_both(port: Any, config: Any) -> tuple[PathMeasurement, PathMeasurement]:
     """One call of each path of a port (built-in or user's), compiled and read."""
-    from equivalence.core import harness, kinds, preflight
+    from equivalence.core import harness, kinds
     from equivalence.core.run import setups
     from nnx_sharded import sharding
 
     sharding.take_fallbacks()  # what earlier calls traced is theirs
-    kind = kinds.of(port)
-    kind.one_program_each('explain')
+    kinds.of(port).one_program_each('explain')
     harness.validate(port, config)
-    preflight.check(kind, config)
-    variables, calls, rng = setups.make_inputs(port, config)
-    setups.check_names(port, variables)
-    legacy_setup = kind.legacy_setup(config, variables)
-    _, legacy_args = legacy_setup.call_args(rng, calls[0])
-    nnx_setup = kind.new_setup(config, variables)
-    _, nnx_args = nnx_setup.call_args(rng, calls[0])
+    prepared = harness.prepare(port, config)
+    kind, inputs = prepared.kind, prepared.inputs
+    legacy_setup = kind.legacy_setup(config, inputs.variables)
+    _, legacy_args = legacy_setup.call_args(inputs.rng, inputs.calls[0])
+    nnx_setup = kind.new_setup(config, inputs.variables)
+    _, nnx_args = nnx_setup.call_args(inputs.rng, inputs.calls[0])
     measure_nnx_call = measure_nnx if isinstance(nnx_setup, setups.NnxSetup) else measure_nnx_loop
     return measure_legacy(legacy_setup, legacy_args), measure_nnx_call(nnx_setup, nnx_args)

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from equivalence.core.port import convert, workloads
 from equivalence.core.port.config import RunConfig
-from equivalence.core.run import setups
+from equivalence.core.run.inputs import make_inputs
 from equivalence.pitfalls.base import CaseResult, first_line, max_abs_diff, within_tol, yes
 from nnx_sharded import losses as nnx_losses
 from nnx_sharded import sharding
@@ -48,7 +48,7 @@ def placed(model_factory, batch_G: dict, mesh) -> tuple[nnx.Module, dict]:
 def run(devices: int) -> CaseResult:
     wl = workloads.get('mlp')
     config = RunConfig(workload='mlp', devices=devices, steps_per_call=1, calls=1, batch_size=wl.default_batch)
-    variables, calls, _ = setups.make_inputs(wl, config)
+    variables, calls, _ = make_inputs(wl, config)
     batch_G = {k: v[0] for k, v in calls[0].items()}
 
     model = wl.nnx_model(nnx.Rngs(0))

@@ -15,6 +15,7 @@ from equivalence.core.port import convert, workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import ModelPort
 from equivalence.core.run import setups, sides
+from equivalence.core.run.inputs import make_inputs
 from equivalence.pitfalls.base import DAMAGE, CaseResult, max_abs_diff, yes
 from legacy_pmap import train as legacy
 
@@ -65,7 +66,7 @@ def run(devices: int) -> CaseResult:
     wl = workloads.get('mlp')
     config = RunConfig(workload='mlp', devices=devices, steps_per_call=5, calls=4, batch_size=wl.default_batch)
     fixed = harness.run(wl, config)  # the suite's pmap step (with pmean) against the NNX reference
-    variables, calls, rng = setups.make_inputs(wl, config)
+    variables, calls, rng = make_inputs(wl, config)
     pstate = run_wrong(wl, config, variables, calls, rng)
     reference = fixed.nnx.final['params']
     spread = sides.replica_spread(pstate.params)

@@ -12,7 +12,9 @@ import numpy as np
 from equivalence.core import kinds
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
-from equivalence.core.run import setups, sides
+from equivalence.core.run import sides
+from equivalence.core.run.facts import name_mapping
+from equivalence.core.run.inputs import Inputs, make_inputs
 from equivalence.core.verdict import compare
 from equivalence.pitfalls.base import DAMAGE, CaseResult, yes
 
@@ -31,10 +33,11 @@ def run(devices: int) -> CaseResult:
         mode: RunConfig(workload='score', devices=devices, steps_per_call=5, calls=2, batch_size=128, rng_mode=mode)
         for mode in ('per-device', 'global')
     }
-    variables, calls, rng = setups.make_inputs(wl, configs['global'])  # the same for both modes
+    variables, calls, rng = make_inputs(wl, configs['global'])  # the same for both modes
     kind = kinds.of(wl)
-    legacy = {m: sides.run_legacy(kind, c, variables, calls, rng) for m, c in configs.items()}
-    nnx = {m: sides.run_nnx(kind, c, variables, calls, rng) for m, c in configs.items()}
+    fed = Inputs(variables, calls, rng, name_mapping(wl, variables))
+    legacy = {m: sides.run_legacy(kind, c, fed) for m, c in configs.items()}
+    nnx = {m: sides.run_nnx(kind, c, fed) for m, c in configs.items()}
     reports = {
         (a, b): compare.compare(
             sides.with_losses(legacy[a].final, legacy[a].losses), sides.with_losses(nnx[b].final, nnx[b].losses)

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from equivalence.core.port import convert, workloads
 from equivalence.core.port.config import RunConfig
-from equivalence.core.run import setups
+from equivalence.core.run.inputs import make_inputs
 from equivalence.pitfalls.base import CaseResult, max_abs_diff, within_tol, yes
 from legacy_pmap import losses as legacy_losses
 from nnx_sharded import sharding
@@ -57,7 +57,7 @@ def grad_fns(model, mesh) -> dict:
 def run(devices: int) -> CaseResult:
     wl = workloads.get('mlp')
     config = RunConfig(workload='mlp', devices=devices, steps_per_call=1, calls=1, batch_size=wl.default_batch)
-    variables, calls, _ = setups.make_inputs(wl, config)
+    variables, calls, _ = make_inputs(wl, config)
     batch_G = {k: v[0] for k, v in calls[0].items()}
     fns = grad_fns(wl.legacy_model(), sharding.make_mesh(devices))
     grads = {name: convert.flatten(f(variables['params'], batch_G)) for name, f in fns.items()}

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 
+from equivalence.core.run.inputs import make_inputs
 from equivalence.pitfalls.base import CaseResult, yes
 
 NUMBER = 9
@@ -135,7 +136,6 @@ def child(mode: str, calls: int) -> dict:
     from equivalence.core import kinds
     from equivalence.core.port import convert, workloads
     from equivalence.core.port.config import RunConfig
-    from equivalence.core.run import setups
     from equivalence.core.verdict import compare
     from legacy_pmap import train as legacy
     from nnx_sharded import sharding
@@ -144,7 +144,7 @@ def child(mode: str, calls: int) -> dict:
     warnings.filterwarnings('ignore', message='Some donated buffers were not usable')
     wl = workloads.get('mlp')
     config = RunConfig(workload='mlp', devices=len(jax.devices()), steps_per_call=1, calls=1, batch_size=64)
-    variables, batches, rng = setups.make_inputs(wl, config)
+    variables, batches, rng = make_inputs(wl, config)
     setup = kinds.of(wl).new_setup(config, variables)
     _, keys = sharded.next_call_keys(rng, config.devices, config.rng_mode)
     carry = (sharding.place_keys(keys, setup.mesh, config.rng_mode), setup.state)

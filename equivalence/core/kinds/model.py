@@ -9,7 +9,7 @@ from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Form, Setup
 from equivalence.core.port.ports import ModelPort
 from equivalence.core.preflight import trace
-from equivalence.core.run import model_side, setups
+from equivalence.core.run import facts, model_side
 from equivalence.core.run.model_side import TwinKind
 from equivalence.core.verdict import intercept
 from legacy_pmap import losses as legacy_losses
@@ -66,7 +66,7 @@ class Model:
 
     def draws_random_numbers(self) -> bool:
         """Whether its step consumes random numbers (Dropout, attention, its own noise)."""
-        return setups.uses_dropout(self.port) or self.port.noise not in (None, legacy_losses.no_noise)
+        return facts.uses_dropout(self.port) or self.port.noise not in (None, legacy_losses.no_noise)
 
     def recording(self) -> 'Model':
         """The same port, its losses and optimizer recording what they compute (``intercept``)."""

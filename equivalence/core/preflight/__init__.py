@@ -33,18 +33,20 @@ from equivalence.core.preflight.errors import PreflightError, blamed, line
 __all__ = ['PreflightError', 'blamed', 'check', 'check_states', 'line']
 
 
-def check(kind: Kind, config: RunConfig, n_steps: int | None = None) -> None:
+def check(kind: Kind, config: RunConfig, n_steps: int | None = None) -> dict[str, str]:
     """Everything a run of ``kind``'s port under ``config`` will trace, traced abstractly; raises
     ``PreflightError`` (exit 2) on the first mistake. ``n_steps``: the steps ``make_data`` is
-    asked for (default the run's, ``config.steps``). What is traced is the kind's (``kind.preflight``)."""
+    asked for (default the run's, ``config.steps``). What is traced is the kind's (``kind.preflight``).
+    Returns the two sides' names paired (linen leaf path -> NNX leaf path), which the run keeps."""
     port = kind.port
     blame.set_port(port)
     n_steps = config.steps if n_steps is None else n_steps
     data = make_data(port, config.seed, n_steps, config.batch_size, f'--calls x --steps-per-call = {n_steps}')
     variables = abstract_variables(port, data)
-    check_names(port, variables)
+    mapping = check_names(port, variables)
     batch_KxG = jax.tree.map(lambda v: jax.ShapeDtypeStruct((config.steps_per_call, *v.shape[1:]), v.dtype), data)
     kind.preflight(config, variables, batch_KxG)
+    return mapping
 
 
 def check_states(kind: Kind) -> None:

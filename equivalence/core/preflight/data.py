@@ -11,14 +11,14 @@ import numpy as np
 from equivalence.core.port.naming import PortError
 from equivalence.core.port.ports import Port
 from equivalence.core.preflight.errors import PreflightError, blamed, fail, kind
-from equivalence.core.run import setups
+from equivalence.core.run import facts
 
 
 def check_names(port: Port, variables: dict) -> dict:
-    """The two sides' variables paired (``setups.check_names``), its one line naming ``names=``."""
+    """The two sides' variables paired (``facts.name_mapping``), its one line naming ``names=``."""
     try:
         with blamed(port, 'nnx_model', 'nnx_model(rngs) -> nnx.Module'):
-            return setups.check_names(port, variables) or {}
+            return facts.name_mapping(port, variables) or {}
     except PreflightError:
         raise
     except PortError as e:
@@ -71,7 +71,7 @@ def check_leaf(port: Port, name: str, leaf: Any, expected: tuple[int, int], step
 
 
 def abstract_variables(port: Port, data: Any) -> dict:
-    """The linen variables, shapes only, initialised from one example as ``setups.make_inputs`` does."""
+    """The linen variables, shapes only, initialised from one example as ``make_inputs`` does."""
     example = jax.tree.map(lambda v: v[0, :1], data)
     with blamed(port, 'init_args', 'init_args(batch_of_one_example) -> tuple of the linen init arguments'):
         args = port.init_args(example)

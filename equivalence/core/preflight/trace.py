@@ -10,7 +10,7 @@ from equivalence.core.port import new_side
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort, ModelPort, Port
 from equivalence.core.preflight.errors import HOST_ONLY, blamed, fail, kind
-from equivalence.core.run import adapters, randomness, setups
+from equivalence.core.run import adapters, facts, randomness, setups
 from equivalence.distributed import rows
 from legacy_pmap import train as legacy
 from nnx_sharded import train as sharded
@@ -51,7 +51,7 @@ def trace_legacy_model(port: ModelPort, config: RunConfig, variables: dict, batc
     state = model_legacy_state(port, variables)
     tx, b = make_tx(port), config.batch_size // config.devices
     loss = checked_loss(port, 'legacy_loss', setups.legacy_loss(port, config), b, with_state=True)
-    noise = setups.port_noise(port, setups.uses_dropout(port))
+    noise = setups.port_noise(port, facts.uses_dropout(port))
     step = legacy.make_step_fn(port.legacy_model(), loss, noise, tx, port.ema_rate, config.rng_mode)
     return trace_legacy(port, config, state, step, legacy.AXIS, 'legacy_loss', batch_KxG)
 
@@ -120,7 +120,7 @@ def trace_nnx_model(port: ModelPort, config: RunConfig, batch_KxG: Any) -> Any:
         ts = nnx.eval_shape(lambda: sharded.TrainState(port.nnx_model(nnx.Rngs(0)), tx, port.ema_rate))
     graphdef, state = nnx.split(ts)
     loss = checked_loss(port, 'nnx_loss', setups.nnx_loss(port, config), config.batch_size, with_state=False)
-    step = sharded.make_step_fn(graphdef, loss, setups.port_noise(port, setups.uses_dropout(port)), port.ema_rate, mode)
+    step = sharded.make_step_fn(graphdef, loss, setups.port_noise(port, facts.uses_dropout(port)), port.ema_rate, mode)
     with blamed(port, 'nnx_loss'):
         _, loss_K = jax.eval_shape(sharded.scan_steps(step), (keys, nnx.to_pure_dict(state)), batch_KxG)
     check_losses(port, 'nnx_loss', loss_K, (config.steps_per_call,), 'one mean loss per step')

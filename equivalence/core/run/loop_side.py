@@ -13,7 +13,8 @@ from equivalence.core.port import states
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort
 from equivalence.core.run import adapters, randomness
-from equivalence.core.run.setups import LegacySetup, NnxLoopSetup, model_holding, nnx_mesh, twin_placed_inputs
+from equivalence.core.run.facts import model_holding
+from equivalence.core.run.setups import LegacySetup, NnxLoopSetup, nnx_mesh, twin_placed_inputs
 from equivalence.distributed import rows
 from legacy_pmap import train as legacy
 from nnx_sharded import sharding

@@ -13,18 +13,17 @@ from flax import nnx
 
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import ModelPort
+from equivalence.core.run.facts import model_holding, uses_dropout
 from equivalence.core.run.setups import (
     LegacySetup,
     NnxGraphSetup,
     NnxSetup,
     legacy_loss,
-    model_holding,
     nnx_loss,
     nnx_mesh,
     nnx_step,
     port_noise,
     twin_placed_inputs,
-    uses_dropout,
 )
 from equivalence.distributed import rows
 from legacy_pmap import train as legacy

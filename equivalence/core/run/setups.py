@@ -1,14 +1,13 @@
-"""How each path is set up before its first call: the inputs of a run, the port's losses wrapped
-for the suite's loops, and the setups that hold each path's compiled call and state.
+"""The setups that hold each path's compiled call and state (each a ``core.port.kind.Setup``), the
+rows each process feeds them, and a model port's losses wrapped for the suite's loops.
 
-``harness`` runs them (``run_calls``), compares what they end with and judges it; ``twin``,
-``adapters``, ``explain`` and ``bench`` build on the same setups.
+``sides`` runs them (``run_calls``); each kind of port builds its own (``model_side``, ``loop_side``,
+``step_side``); ``explain`` and ``bench`` build on the same setups.
 """
 
 import contextlib
 import dataclasses
 import functools
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -16,115 +15,15 @@ import jax
 import numpy as np
 from flax import nnx
 
-from equivalence.core.port import convert, naming, new_side
+from equivalence.core.port import convert, new_side
 from equivalence.core.port.config import RunConfig
-from equivalence.core.port.ports import LoopPort, ModelPort, Port, init_inputs
+from equivalence.core.port.ports import LoopPort, ModelPort
 from equivalence.core.run import randomness
+from equivalence.core.run.facts import uses_dropout
 from equivalence.distributed import gather, rows
 from legacy_pmap import train as legacy
 from nnx_sharded import sharding
 from nnx_sharded import train as sharded
-
-
-def make_inputs(port: Port, config: RunConfig) -> tuple[dict, list, jax.Array]:
-    """Linen variables, the data of each call (pytrees of ``[K, G, ...]``; with several processes,
-    only this process's rows ``[K, G*n/D, ...]``), and the training key."""
-    whole = global_calls(port, config)
-    calls = [rows.local_batch(batch_KxG, config.devices, input_rows(config)) for batch_KxG in whole]
-    rng, init_rng = jax.random.split(jax.random.PRNGKey(config.seed))
-    example = jax.tree.map(lambda v: v[0, :1], whole[0])
-    args, kwargs = init_inputs(port, example)
-    # One compiled program, not one per operation (10 of the 21 s of a cold ResNet run were op by op);
-    # the pre-flight has traced this init already (abstractly), and on the built-ins it is bitwise the same.
-    init = jax.jit(lambda key: port.legacy_model().init({'params': key, 'dropout': key}, *args, **kwargs))
-    return dict(init(init_rng)), calls, rng
-
-
-def global_calls(port: Port, config: RunConfig) -> list:
-    """Every call's whole batch, ``[K, G, ...]``, in every process: what ``make_inputs`` splits
-    between processes, and what a run on this process's devices alone (the twin across processes)
-    is fed. ``make_data`` is seeded, so each process draws the same rows."""
-    data = port.make_data(np.random.default_rng(config.seed), config.steps, config.batch_size)
-    k = config.steps_per_call
-    return [jax.tree.map(lambda v, c=c: v[c * k : (c + 1) * k], data) for c in range(config.calls)]
-
-
-def batch_rows(batch_KxR: Any, config: RunConfig) -> rows.Rows:
-    """The rows of the global batch that ``batch_KxR`` holds: all of them when it holds G (a
-    global batch, as the twin is given), else those this process reads (``input_rows``)."""
-    r, g = jax.tree.leaves(batch_KxR)[0].shape[1], config.batch_size
-    return slice(0, g) if r == g else input_rows(config)
-
-
-@functools.cache
-def input_rows(config: RunConfig) -> rows.Rows:
-    """The rows of the global batch this process reads: those its pmap devices take, and those its
-    devices hold of the NNX batch (all of them where the batch is copied over a ``model`` axis)."""
-    g, held = config.batch_size, rows.held_rows(sharding.batch_sharding(nnx_mesh(config)), config.batch_size)
-    return rows.hull(rows.pmap_rows(config.devices, g), held)
-
-
-def abstract_model(port: Port) -> nnx.Module | None:
-    """The port's NNX model with shapes and dtypes only: what checks read, nothing allocated. None
-    for a loop port without one (its new side is built from linen's variables)."""
-    if port.nnx_model is None:
-        return None
-    return nnx.eval_shape(lambda: port.nnx_model(nnx.Rngs(0)))
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelFacts:
-    """What the checks read of a port's abstract NNX model (None where it has none)."""
-
-    spec: Any  # naming.nnx_spec of it
-    batch_stats: bool  # it holds nnx.BatchStat
-    dropout: bool  # it holds Dropout or attention layers
-    own_state: bool  # it holds what linen's variables cannot give: a random stream, an array not in a Variable
-
-
-_FACTS: dict[int, tuple[weakref.ref, ModelFacts | None]] = {}
-
-
-def model_facts(port: Port) -> ModelFacts | None:
-    """``ModelFacts`` of the port's NNX model, built once per port object (a run asks a dozen times;
-    each abstract model is an ``nnx.eval_shape`` of the whole model); None without a model."""
-    held = _FACTS.get(id(port))
-    if held is not None and held[0]() is port:
-        return held[1]
-    abstract = abstract_model(port)
-    facts = None
-    if abstract is not None:
-        nodes = [node for _, node in nnx.iter_graph(abstract)]
-        facts = ModelFacts(
-            naming.nnx_spec(abstract),
-            any(isinstance(node, nnx.BatchStat) for node in nodes),
-            any(isinstance(node, nnx.Dropout | nnx.MultiHeadAttention) for node in nodes),
-            any(isinstance(node, nnx.RngState | jax.core.Tracer | jax.ShapeDtypeStruct) for node in nodes),
-        )
-    key = id(port)
-    _FACTS[key] = (weakref.ref(port, lambda _, key=key: _FACTS.pop(key, None)), facts)
-    return facts
-
-
-def check_names(port: Port, variables: dict) -> dict[str, str]:
-    """``{linen path: NNX path}`` for every variable, from an abstract NNX model (nothing is
-    allocated); ``naming.PortError`` (exit 2) when the two sides do not pair. Without an NNX
-    model the new side keeps linen's names: ``{}``."""
-    facts = model_facts(port)
-    if facts is None:
-        return {}
-    return naming.resolve(naming.linen_spec(variables), facts.spec, port.names)
-
-
-def has_batch_stats(port: Port) -> bool:
-    facts = model_facts(port)
-    return facts is not None and facts.batch_stats
-
-
-def uses_dropout(port: Port) -> bool:
-    """Whether the NNX model has Dropout or attention layers (then the suite hands both sides dropout keys)."""
-    facts = model_facts(port)
-    return facts is not None and facts.dropout
 
 
 def port_noise(port: ModelPort, dropout: bool) -> Callable:
@@ -323,36 +222,26 @@ def nnx_mesh(config: RunConfig):
     return sharding.make_mesh(config.devices, sharding.mesh_shape(config.strategy, config.devices, config.mesh_axes))
 
 
+def batch_rows(batch_KxR: Any, config: RunConfig) -> rows.Rows:
+    """The rows of the global batch that ``batch_KxR`` holds: all of them when it holds G (a
+    global batch, as the twin is given), else those this process reads (``input_rows``)."""
+    r, g = jax.tree.leaves(batch_KxR)[0].shape[1], config.batch_size
+    return slice(0, g) if r == g else input_rows(config)
+
+
+@functools.cache
+def input_rows(config: RunConfig) -> rows.Rows:
+    """The rows of the global batch this process reads: those its pmap devices take, and those its
+    devices hold of the NNX batch (all of them where the batch is copied over a ``model`` axis)."""
+    g, held = config.batch_size, rows.held_rows(sharding.batch_sharding(nnx_mesh(config)), config.batch_size)
+    return rows.hull(rows.pmap_rows(config.devices, g), held)
+
+
 def twin_placed_inputs(setup, rng, batch_KxG) -> tuple[jax.Array, tuple]:
     """The checked run's keys (``config.devices`` rows in per-device mode), replicated on the twin's
     mesh, whose size may not divide them; the batch split over the twin's data axis as usual."""
     rng, keys = sharded.next_call_keys(rng, setup.config.devices, setup.config.rng_mode)
     return rng, (sharding.put(keys, sharding.replicated(setup.mesh)), sharding.place_batch(batch_KxG, setup.mesh))
-
-
-def model_holding(port: Port, variables: dict) -> nnx.Module:
-    """The port's NNX model holding linen's variables. Built abstractly first (``nnx.eval_shape``: no
-    initializer runs, so none is compiled, about a second of a fresh process's check) and filled with
-    linen's arrays. A model that holds what linen does not give (a Dropout's random stream, an array
-    of its own), or that cannot be built abstractly, is built for real, as before."""
-    mapping = check_names(port, variables)
-    try:
-        if not model_facts(port).own_state:  # else an abstract model is built only to be thrown away
-            model = nnx.eval_shape(lambda: port.nnx_model(nnx.Rngs(0)))
-            convert.load_linen_variables(model, variables, mapping)
-            if not any(_abstract(value) for _, value in nnx.iter_graph(model)):
-                return model
-    except Exception:  # noqa: BLE001 -- built for real below, where the port's own error is raised
-        pass
-    model = port.nnx_model(nnx.Rngs(0))
-    convert.load_linen_variables(model, variables, mapping)
-    return model
-
-
-def _abstract(value) -> bool:
-    if isinstance(value, nnx.Variable):
-        value = value.get_value()
-    return isinstance(value, jax.ShapeDtypeStruct | jax.core.Tracer)
 
 
 class View(nnx.Module):

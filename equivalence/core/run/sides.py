@@ -14,7 +14,8 @@ from equivalence.core.port import convert, states
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
 from equivalence.core.run import footprint, randomness
-from equivalence.core.run.setups import NnxGraphSetup, NnxSetup, check_names
+from equivalence.core.run.inputs import Inputs
+from equivalence.core.run.setups import NnxGraphSetup, NnxSetup
 from legacy_pmap import train as legacy
 
 
@@ -31,6 +32,13 @@ class PathResult:
     notes: list = dataclasses.field(default_factory=list)  # what this path could not compare, and why
     left_out: set = dataclasses.field(default_factory=set)  # metric paths not compared (named in notes)
     memory: dict | None = None  # NNX: bytes per device of one call (footprint.per_device); None: not measured
+
+    def after(self, step: int, k: int) -> 'PathResult':
+        """This run's losses, metrics and parameters after ``step`` (a new side resumed there is compared
+        with these), its final state as it is."""
+        cut = {p: a[step:] for p, a in self.metrics.items()}
+        per_call = self.params_per_call[step // k :]
+        return dataclasses.replace(self, losses=self.losses[step:], params_per_call=per_call, metrics=cut)
 
 
 Progress = Callable[[str], None]  # called with 'legacy' or 'nnx' after each compiled call
@@ -58,12 +66,11 @@ def _params(neutral: convert.Neutral, mapping: dict[str, str] | None) -> dict[st
     return convert.rename(neutral, mapping)['params'] if mapping else neutral['params']
 
 
-def run_legacy(kind: Kind, config: RunConfig, variables: dict, calls: list, rng, progress=silent, after_call=None):
-    """The pmap path; its leaves are named as the NNX side names them (``check_names``)."""
-    port = kind.port
-    mapping = check_names(port, variables)
-    setup = kind.legacy_setup(config, variables)
-    losses, per_call = run_calls(setup, calls, rng, mapping, progress, 'legacy', after_call)
+def run_legacy(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, after_call=None) -> PathResult:
+    """The pmap path; its leaves are named as the NNX side names them (``inputs.mapping``)."""
+    port, mapping = kind.port, inputs.mapping
+    setup = kind.legacy_setup(config, inputs.variables)
+    losses, per_call = run_calls(setup, inputs.calls, inputs.rng, mapping, progress, 'legacy', after_call)
     result = PathResult(convert.rename(setup.neutral(), mapping), losses, per_call, setup.pstate)
     result.metrics, result.notes = loop_metrics(setup), [*getattr(setup, 'notes', [])]
     result.left_out = set(getattr(setup, 'uneven', ()))
@@ -75,15 +82,13 @@ def run_legacy(kind: Kind, config: RunConfig, variables: dict, calls: list, rng,
     return result
 
 
-def run_nnx(
-    kind: Kind, config: RunConfig, variables: dict, calls: list, rng, progress=silent, after_call=None, restore=None
-):
-    """The sharded path. ``restore(setup) -> rng``, if given, loads a checkpoint into the setup
-    and returns its key chain: ``calls`` are then the ones after the checkpoint."""
-    port = kind.port
-    setup = kind.new_setup(config, variables)
-    if restore is not None:
-        rng = restore(setup)
+def run_nnx(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, after_call=None) -> PathResult:
+    """The sharded path. With ``inputs.restore(setup) -> rng`` (``--resume-at``) a checkpoint is loaded
+    into the setup, which returns its key chain: ``inputs.calls`` are then the ones after the checkpoint."""
+    port, calls, rng = kind.port, inputs.calls, inputs.rng
+    setup = kind.new_setup(config, inputs.variables)
+    if inputs.restore is not None:
+        rng = inputs.restore(setup)
     losses, per_call = run_calls(setup, calls, rng, None, progress, 'nnx', after_call)
     raw = {NnxSetup: lambda: (setup.graphdef, setup.state), NnxGraphSetup: lambda: setup.ts}
     result = PathResult(setup.neutral(), losses, per_call, raw.get(type(setup), lambda: setup.train_state)())

@@ -93,6 +93,7 @@ class Moments:
     factor: float | None
     leaf: str
     text: str
+    uneven: bool = False  # the slots part by no factor at all: the gradients themselves differ
 
 
 def _ratios(a: np.ndarray, b: np.ndarray, allowed: float) -> tuple[float, float]:
@@ -183,12 +184,13 @@ def moments(
                 'training loss (NNX - pmap) or a coupled weight decay (added to the gradient before the moment); '
                 'the numbers do not tell which. Not b1, a momentum or a clip by global norm (one factor would scale '
                 'them all)',
+                uneven=True,
             )
     text += (
         "the gradients differ, the training loss or the backward pass; not the optimizer's settings (one factor "
         'would scale them all)'
     )
-    return Moments(False, None, worst, text)
+    return Moments(False, None, worst, text, uneven=True)
 
 
 def _factor(slot: str, c: float) -> str:

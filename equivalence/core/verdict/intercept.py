@@ -38,7 +38,8 @@ from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
 from equivalence.core.port.paths import key_name
 from equivalence.core.port.ports import ModelPort
-from equivalence.core.run import randomness, setups, sides
+from equivalence.core.run import facts, randomness, setups, sides
+from equivalence.core.run.inputs import Inputs
 from equivalence.core.verdict import probe, twin
 
 LOSS, GRADS = '<loss>', '<grads>'  # recorded values that are no module's
@@ -275,9 +276,7 @@ def step_batch(calls: list, j: int):
     return jax.tree.map(lambda v: v[j % k : j % k + 1], calls[j // k])
 
 
-def first_steps(
-    kind: Kind, config: RunConfig, variables: dict, calls: list, rng, n_twin: twin.TwinKind | None, steps: int = 1
-):
+def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, n_twin: twin.TwinKind | None, steps: int = 1):
     """``({side: PathResult after ``steps`` steps}, {side: {label: Record}})``: the first ``steps``
     steps of each side (legacy, nnx, and twin when ``n_twin``: a count, or a sharded run's
     ``twin.Reordered``), each a call of its own, every module call recorded; a ``Record`` holds the
@@ -286,11 +285,12 @@ def first_steps(
     loop port's jitted functions trace again with the recording in them, and no other run takes a
     recording trace, nor does this one take theirs; nothing is cleared."""
     one = dataclasses.replace(probe.probe_config(config), steps_per_call=1, calls=steps)
-    first, recording = [step_batch(calls, j) for j in range(steps)], kind.recording()
+    first, recording = [step_batch(inputs.calls, j) for j in range(steps)], kind.recording()
+    variables, rng, fed = inputs.variables, inputs.rng, dataclasses.replace(inputs, calls=first)
     axis = kind.axis_name
     runs = {
-        'legacy': (axis, None, lambda: sides.run_legacy(recording, one, variables, first, rng)),
-        'nnx': (None, setups.nnx_mesh(one), lambda: sides.run_nnx(recording, one, variables, first, rng)),
+        'legacy': (axis, None, lambda: sides.run_legacy(recording, one, fed)),
+        'nnx': (None, setups.nnx_mesh(one), lambda: sides.run_nnx(recording, one, fed)),
     }
     rows = None
     if n_twin:
@@ -301,7 +301,7 @@ def first_steps(
             built.mesh,
             lambda: twin.run_twin(recording, one, variables, first, rng, n_twin, setup=built),
         )
-    abstract = setups.abstract_model(kind.port)  # None: a new side of linen alone (nn.intercept_methods sees it)
+    abstract = facts.abstract_model(kind.port)  # None: a new side of linen alone (nn.intercept_methods sees it)
     graph = nnx.iter_graph(abstract) if abstract is not None else ()
     classes = {type(m) for _, m in graph if isinstance(m, nnx.Module)}
     results, s = {}, _SESSION

@@ -23,7 +23,7 @@ from equivalence.core.port import convert
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
 from equivalence.core.port.ports import ModelPort
-from equivalence.core.run import setups
+from equivalence.core.run import facts, setups
 from equivalence.core.run.model_side import reordered_loss
 from legacy_pmap import train as legacy
 from nnx_sharded import sharding
@@ -47,7 +47,7 @@ def first_batch(batch_KxG):
 def legacy_first_step(port: ModelPort, config: RunConfig, variables: dict, batch_KxG, rng, mapping) -> FirstStep:
     """The pmap step's first step (``legacy_pmap.train.make_step_fn``), its gradient kept."""
     tx, mode = port.make_tx(1.0), config.rng_mode
-    noise_fn, loss = setups.port_noise(port, setups.uses_dropout(port)), setups.legacy_loss(port, config)
+    noise_fn, loss = setups.port_noise(port, facts.uses_dropout(port)), setups.legacy_loss(port, config)
     model, devices = port.legacy_model(), jax.devices()[: config.devices]
 
     def step(key, state, batch):
@@ -74,7 +74,7 @@ def legacy_first_step(port: ModelPort, config: RunConfig, variables: dict, batch
 def nnx_first_step(setup: setups.NnxSetup, port: ModelPort, batch_KxG, rng) -> FirstStep:
     """The NNX step's first step (``nnx_sharded.train.make_update_fn``) on ``setup``'s mesh and state."""
     mode, graphdef = setup.config.rng_mode, setup.graphdef
-    noise_fn, loss = setups.port_noise(port, setups.uses_dropout(port)), setups.nnx_loss(port, setup.config)
+    noise_fn, loss = setups.port_noise(port, facts.uses_dropout(port)), setups.nnx_loss(port, setup.config)
     rows = getattr(setup, 'rows', None)  # a twin that takes the batch's rows in another order
     if rows is not None:
         loss, batch_KxG = reordered_loss(loss, rows), jax.tree.map(lambda v: np.asarray(v)[:, rows], batch_KxG)
@@ -105,7 +105,7 @@ def first_steps(kind: Kind, config: RunConfig, variables: dict, calls: list, rng
     is a fresh twin (``kind.twin_setup``); without one, 'twin' is the NNX side's own step (a floor of 0:
     only the ulp minimum applies)."""
     port = kind.port
-    mapping = setups.check_names(port, variables)
+    mapping = facts.name_mapping(port, variables)
     checked = nnx_first_step(kind.new_setup(probe_config(config), variables), port, calls[0], rng)
     return {
         'legacy': legacy_first_step(port, config, variables, calls[0], rng, mapping),

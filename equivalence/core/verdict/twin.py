@@ -30,22 +30,25 @@ is the second of these):
 
 With several processes every process runs the same twins on its own devices
 (``jax.local_devices()``; a twin needs no more of them than one process has), on the whole batch
-(``setups.global_calls``): no collective, so no process waits on another, and every process
+(``global_calls``): no collective, so no process waits on another, and every process
 judges by process 0's twin (``gather.from_process_0``), so all reach the same verdict (the
 workers' exit codes must agree). A twin that raises in one process raises in all of them
 (``gather.together``), before any process waits for it to be shared.
 """
 
 import contextlib
+import dataclasses
 
 import jax
 import numpy as np
 
+from equivalence.core.port import blame
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind as PortKind
 from equivalence.core.run import draws, footprint, sides
+from equivalence.core.run.inputs import Inputs
 from equivalence.core.run.model_side import Reordered, TwinKind
-from equivalence.core.verdict import compare
+from equivalence.core.verdict import compare, fresh, rule
 from equivalence.distributed import gather
 
 
@@ -118,7 +121,7 @@ def run_twin(
     variables: dict,
     calls: list,
     rng,
-    n_twin: int,
+    n_twin: TwinKind,
     lr_scale=None,
     restore=None,
     record: draws.FirstCall | None = None,
@@ -146,3 +149,119 @@ def run_twin(
     result = sides.PathResult(final, losses, per_call, None, mesh=dict(setup.mesh.shape))
     result.metrics, result.memory = metrics, footprint.per_device(setup, calls[0], rng)
     return result
+
+
+# -- the twins a verdict runs ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """The twins that measured a floor, and what became of the others."""
+
+    twins: dict  # twin kind -> its PathResult: each ran and computed what the NNX run computes
+    why: tuple[str, ...]  # why each other twin did not run or was refused
+    fresh: tuple  # the twin kinds that ran in a fresh process
+    errors: tuple[str, ...]  # the whole text of what a twin raised (the JSON report)
+
+
+class TwinNotRun(Exception):
+    """Why a twin did not run, as the verdict line says it; ``errors``: the whole text of what it raised."""
+
+    def __init__(self, why: str, errors: tuple[str, ...] = ()):
+        super().__init__(why)
+        self.errors = errors
+
+
+def measure(kind: PortKind, config: RunConfig, new, inputs: Inputs, counts: tuple) -> Measured:
+    """Each twin (up to ``TWINS``) that ran and computed what NNX computes, its losses and (a loop
+    port's) random draws, and why each other did not run or was refused."""
+    twins, why, fresh_ones, errors, drawn_by_run = {}, [], [], [], []
+    fit = new.memory if must_fit(config) else None
+    # Where fewer than two candidates fit, data parallel on D runs all the same (it rounds as the pmap run
+    # does; the reordered placements alone measured too small a floor: wide under fsdp-tp, seed 0, 11x).
+    tries = [(n, fit) for n in counts] + ([(config.devices, None)] if fit is not None else [])
+    built: dict = {}  # a candidate's setup, compiled to read its bytes: the fallback runs it as it is
+    for n, limit in tries:
+        if len(twins) == TWINS or n in twins:
+            continue
+        try:
+            tw, drawn, in_fresh, raised = one_twin(kind, config, inputs, n, limit, built)
+        except TwinNotRun as e:
+            why.append((n, str(e)))
+            errors += e.errors
+            continue
+        errors += raised
+        refusal = rule.twin_refusal(new.losses, tw.losses)
+        if not refusal and devices_of(n, config) == config.devices:
+            refusal = rule.twin_reordered_nothing(new.final, tw.final)
+        if not refusal and drawn is not None:
+            drawn_by_run = drawn_by_run or [run_draws(kind, config, inputs)]  # once, when a twin needs it
+            refusal = draws.refusal(drawn_by_run[0], drawn)
+        if refusal:
+            why.append((n, f'{refusal} ({describe([n])}{" in a fresh process" if in_fresh else ""})'))
+        else:
+            twins[n] = tw
+            fresh_ones += [n] if in_fresh else []
+    kept = tuple(reason for n, reason in why if n not in twins)  # a fallback that ran: its bytes said
+    return Measured(twins, kept, tuple(fresh_ones), tuple(errors))
+
+
+def one_twin(kind: PortKind, config: RunConfig, inputs: Inputs, n, fit: dict | None = None, built=None):
+    """``(the twin's PathResult, its first call's draws or None, whether it ran in a fresh process, what
+    it raised here first)``: in this process when its devices suffice and the code runs there, else in a
+    fresh process that sees ``n`` devices (code pinned to a mesh of its own, built from ``jax.devices()``);
+    ``TwinNotRun`` saying why not. ``fit``: the run's bytes per device, which a candidate twin must not
+    exceed ``FIT`` times; ``built``: setups built already, by twin (one that did not fit may run later as
+    the fallback)."""
+    check, calls, errors = checks_draws(kind), inputs.whole_calls, []
+    raised = f'{n} device(s) are more than this process sees'
+    if devices_of(n, config) <= len(jax.local_devices()):
+        drawn = draws.FirstCall() if check else None
+        try:
+            built = {} if built is None else built
+            setup = built[n] = built.get(n) or kind.twin_setup(config, inputs.variables, n)
+            too_big(setup, calls[0], inputs.rng, fit, n)
+            tw = run_twin(
+                kind, config, inputs.variables, calls, inputs.rng, n, restore=inputs.restore, record=drawn, setup=setup
+            )
+            return tw, drawn and drawn.draws, False, ()
+        except TwinNotRun:
+            raise
+        except Exception as e:  # noqa: BLE001 -- NNX code pinned to its own mesh cannot run on the twin's
+            errors.append(f'twin on {n} device(s): {type(e).__name__}: {e}')
+            raised = f'{describe([n])} it raised {blame.first_line(e)}'
+    cannot = fresh.why_not(config, inputs.restore is not None)
+    if cannot:
+        raise TwinNotRun(f'not run: {raised}; and no fresh process: {cannot}', tuple(errors))
+    try:
+        tw, drawn = fresh.run_twin(kind, config, inputs.variables, calls, inputs.rng, n, check)
+    except Exception as e:  # noqa: BLE001 -- the fresh process failed too: both reasons
+        errors.append(f'twin on {n} device(s) in a fresh process: {type(e).__name__}: {e}')
+        raise TwinNotRun(f'not run: {raised}; {blame.first_line(e)}', tuple(errors)) from None
+    return tw, drawn, True, tuple(errors)
+
+
+def too_big(setup, batch_KxG, rng, fit: dict | None, n) -> None:
+    """``TwinNotRun`` when the twin would hold more than ``FIT`` times the run's bytes per device."""
+    if fit is None:
+        return
+    held = footprint.per_device(setup, batch_KxG, rng)
+    if held is not None and held['held'] > FIT * fit['held']:
+        ratio = held['held'] / fit['held']
+        raise TwinNotRun(f"not run {describe([n])}: it would hold {ratio:.2f}x the run's bytes per device")
+
+
+def checks_draws(kind: PortKind) -> bool:
+    """Whether a twin's random draws are checked against the run's: where the port's step draws as its
+    code says (``kind.checks_draws``: a loop port's; a model port's are drawn by the suite from the run's
+    keys, the same by construction), in one process (the run's first call is run again, recording, which
+    across processes is collective)."""
+    return kind.checks_draws and jax.process_count() == 1
+
+
+def run_draws(kind: PortKind, config: RunConfig, inputs: Inputs) -> draws.Draws:
+    """What the NNX run's first call draws: a fresh setup of it (restored from the checkpoint after
+    ``--resume-at``), its first call run again while recording (``draws.first_call``)."""
+    setup = kind.new_setup(config, inputs.variables)
+    rng = inputs.restore(setup) if inputs.restore is not None else inputs.rng
+    return draws.first_call(setup, inputs.calls[0], rng)

@@ -1,0 +1,102 @@
+"""What the suite reads of a port's NNX model without allocating it (``ModelFacts``: its variables' names
+and shapes, whether it holds batch statistics, dropout, state of its own), the two sides' names paired
+(``name_mapping``), and the model built holding linen's weights (``model_holding``).
+"""
+
+import dataclasses
+import weakref
+from typing import Any
+
+import jax
+from flax import nnx
+
+from equivalence.core.port import convert, naming
+from equivalence.core.port.ports import Port
+
+
+def abstract_model(port: Port) -> nnx.Module | None:
+    """The port's NNX model with shapes and dtypes only: what checks read, nothing allocated. None
+    for a loop port without one (its new side is built from linen's variables)."""
+    if port.nnx_model is None:
+        return None
+    return nnx.eval_shape(lambda: port.nnx_model(nnx.Rngs(0)))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """What the checks read of a port's abstract NNX model (None where it has none)."""
+
+    spec: Any  # naming.nnx_spec of it
+    batch_stats: bool  # it holds nnx.BatchStat
+    dropout: bool  # it holds Dropout or attention layers
+    own_state: bool  # it holds what linen's variables cannot give: a random stream, an array not in a Variable
+
+
+_FACTS: dict[int, tuple[weakref.ref, ModelFacts | None]] = {}
+
+
+def model_facts(port: Port) -> ModelFacts | None:
+    """``ModelFacts`` of the port's NNX model, built once per port object (a run asks a dozen times;
+    each abstract model is an ``nnx.eval_shape`` of the whole model); None without a model."""
+    held = _FACTS.get(id(port))
+    if held is not None and held[0]() is port:
+        return held[1]
+    abstract = abstract_model(port)
+    facts = None
+    if abstract is not None:
+        nodes = [node for _, node in nnx.iter_graph(abstract)]
+        facts = ModelFacts(
+            naming.nnx_spec(abstract),
+            any(isinstance(node, nnx.BatchStat) for node in nodes),
+            any(isinstance(node, nnx.Dropout | nnx.MultiHeadAttention) for node in nodes),
+            any(isinstance(node, nnx.RngState | jax.core.Tracer | jax.ShapeDtypeStruct) for node in nodes),
+        )
+    key = id(port)
+    _FACTS[key] = (weakref.ref(port, lambda _, key=key: _FACTS.pop(key, None)), facts)
+    return facts
+
+
+def name_mapping(port: Port, variables: dict) -> dict[str, str]:
+    """``{linen path: NNX path}`` for every variable, from an abstract NNX model (nothing is
+    allocated); ``naming.PortError`` (exit 2) when the two sides do not pair. Without an NNX
+    model the new side keeps linen's names: ``{}``."""
+    facts = model_facts(port)
+    if facts is None:
+        return {}
+    return naming.resolve(naming.linen_spec(variables), facts.spec, port.names)
+
+
+def has_batch_stats(port: Port) -> bool:
+    facts = model_facts(port)
+    return facts is not None and facts.batch_stats
+
+
+def uses_dropout(port: Port) -> bool:
+    """Whether the NNX model has Dropout or attention layers (then the suite hands both sides dropout keys)."""
+    facts = model_facts(port)
+    return facts is not None and facts.dropout
+
+
+def model_holding(port: Port, variables: dict, mapping: dict | None = None) -> nnx.Module:
+    """The port's NNX model holding linen's variables. Built abstractly first (``nnx.eval_shape``: no
+    initializer runs, so none is compiled, about a second of a fresh process's check) and filled with
+    linen's arrays. A model that holds what linen does not give (a Dropout's random stream, an array
+    of its own), or that cannot be built abstractly, is built for real, as before."""
+    mapping = name_mapping(port, variables) if mapping is None else mapping
+    try:
+        if not model_facts(port).own_state:  # else an abstract model is built only to be thrown away
+            model = nnx.eval_shape(lambda: port.nnx_model(nnx.Rngs(0)))
+            convert.load_linen_variables(model, variables, mapping)
+            if not any(_abstract(value) for _, value in nnx.iter_graph(model)):
+                return model
+    except Exception:  # noqa: BLE001 -- built for real below, where the port's own error is raised
+        pass
+    model = port.nnx_model(nnx.Rngs(0))
+    convert.load_linen_variables(model, variables, mapping)
+    return model
+
+
+def _abstract(value) -> bool:
+    if isinstance(value, nnx.Variable):
+        value = value.get_value()
+    return isinstance(value, jax.ShapeDtypeStruct | jax.core.Tracer)

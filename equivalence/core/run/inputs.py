@@ -1,0 +1,75 @@
+"""What both runs of a check are given, made once: the linen variables, the data of each call, the key
+chain, and the two sides' names paired (``Inputs``). The verdict's re-runs are given the same.
+
+One seed fixes everything: the data (numpy), the linen initialisation (copied into NNX, since the two
+initialisers differ) and the host key chain both paths draw call keys from.
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from equivalence.core.port.config import RunConfig
+from equivalence.core.port.ports import Port, init_inputs
+from equivalence.core.run.facts import name_mapping
+from equivalence.core.run.setups import input_rows
+from equivalence.distributed import rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """What both runs were given; the verdict's re-runs take the same (``dataclasses.replace`` for fewer calls)."""
+
+    variables: dict  # linen's initial variables, which both sides start from
+    calls: list  # this process's rows of each call, [K, G, ...] (all of them with one process)
+    rng: jax.Array | None  # the host key chain before the first call (None: a restore gives it)
+    mapping: dict = dataclasses.field(default_factory=dict)  # linen leaf path -> NNX leaf path
+    whole: list | None = dataclasses.field(default=None, repr=False)  # every row of each call (several processes)
+    restore: Callable | None = None  # --resume-at: loads the checkpoint into a setup, returns the key chain
+    first_call: int = 0  # --resume-at: the calls are those from this one on
+
+    @property
+    def whole_calls(self) -> list:
+        """The calls with every row of the global batch: what a run on this process's devices alone takes."""
+        return self.calls if self.whole is None else self.whole
+
+    def single_process_probes(self) -> str:
+        """Why the probes that re-run both sides cannot run here; '' when they can."""
+        if self.restore is not None:
+            return 'resumed from a checkpoint'
+        return 'several processes' if jax.process_count() > 1 else ''
+
+
+def make(port: Port, config: RunConfig, mapping: dict | None = None) -> Inputs:
+    """The inputs of a run of ``port`` under ``config``: ``make_inputs``, the names paired once
+    (``mapping``, when the pre-flight has paired them already), every row of each call where this
+    process reads only some."""
+    variables, calls, rng = make_inputs(port, config)
+    mapping = name_mapping(port, variables) if mapping is None else mapping
+    whole = global_calls(port, config) if jax.process_count() > 1 else None
+    return Inputs(variables, calls, rng, mapping, whole)
+
+
+def make_inputs(port: Port, config: RunConfig) -> tuple[dict, list, jax.Array]:
+    """Linen variables, the data of each call (pytrees of ``[K, G, ...]``; with several processes,
+    only this process's rows ``[K, G*n/D, ...]``), and the training key."""
+    whole = global_calls(port, config)
+    calls = [rows.local_batch(batch_KxG, config.devices, input_rows(config)) for batch_KxG in whole]
+    rng, init_rng = jax.random.split(jax.random.PRNGKey(config.seed))
+    example = jax.tree.map(lambda v: v[0, :1], whole[0])
+    args, kwargs = init_inputs(port, example)
+    # One compiled program, not one per operation (10 of the 21 s of a cold ResNet run were op by op);
+    # the pre-flight has traced this init already (abstractly), and on the built-ins it is bitwise the same.
+    init = jax.jit(lambda key: port.legacy_model().init({'params': key, 'dropout': key}, *args, **kwargs))
+    return dict(init(init_rng)), calls, rng
+
+
+def global_calls(port: Port, config: RunConfig) -> list:
+    """Every call's whole batch, ``[K, G, ...]``, in every process: what ``make_inputs`` splits
+    between processes, and what a run on this process's devices alone (the twin across processes)
+    is fed. ``make_data`` is seeded, so each process draws the same rows."""
+    data = port.make_data(np.random.default_rng(config.seed), config.steps, config.batch_size)
+    k = config.steps_per_call
+    return [jax.tree.map(lambda v, c=c: v[c * k : (c + 1) * k], data) for c in range(config.calls)]

@@ -1,0 +1,124 @@
+"""The update stage of the locator: the first optimizer-state slot that parts after a step (``update``),
+what each slot's first-step values imply (``implied.moments``: one factor, a factor per leaf, or uneven:
+the gradients differ), and what the update's size implies (``implied.update``).
+"""
+
+import numpy as np
+
+from equivalence.core.verdict import implied
+from equivalence.core.verdict.location import Location, sci
+from equivalence.core.verdict.stages import Step
+
+FIRST = ('mu', 'trace')  # a first moment's slot: Adam's (1 - b1) g, SGD momentum's g, after one step from 0
+
+
+def update(step: Step) -> Location | None:
+    params, slots = step.held('params'), step.held('opt_state')
+    bad_slot = next((leaf for leaf in slots.values() if not leaf.ok), None)
+    bad_param = next((leaf for leaf in params.values() if not leaf.ok), None)
+    if bad_slot is None and bad_param is None:
+        return None
+    grads = 'the gradients agree' if step.grads('legacy') else "the gradients are not observed (the port's own step)"
+    said = implied_update(step)
+    said = f'; the update implies: {said}' if bad_param is not None or update_is_zero(step) else (
+        '; the parameters after one step agree')  # fmt: skip
+    read = _moments(step, params, slots)
+    uneven = next(((s, m) for s, m in read.items() if s.rpartition('/')[2] in FIRST and m.factor is None), None)
+    if uneven is not None and uneven[1].uneven:
+        slot, m = uneven
+        param = m.leaf[len(slot) + 1 :]
+        leaf = slots[m.leaf]
+        return Location(
+            'backward', step.inverse.get(param, param), param,
+            f'the forward pass, the loss and the statistics agree, {grads}; {m.text}. The first moment of this '
+            f"parameter, opt_state {m.leaf}, is {sci(leaf.max_abs)} apart (allowed {sci(leaf.limit)}); the update's "
+            'size is not read (what it implies assumes the same gradients)',
+        )  # fmt: skip
+    if bad_slot is not None:
+        param = param_of(bad_slot.path, params)
+        slot = bad_slot.path[: -len(param) - 1] if param else bad_slot.path
+        first = next((m for s, m in read.items() if s.rpartition('/')[2] in FIRST), None)
+        read_here = read.get(slot)
+        if (
+            read_here is not None
+            and read_here.even
+            and slot.endswith('nu')
+            and first is None
+            and any(s.rpartition('/')[2] == 'mu' for s in slot_names(slots, params))
+        ):
+            said = '; the first moments agree, so the gradients do: (1 - b2) differs' + said
+        if read_here is not None:
+            said = f'; {read_here.text}{said}'
+        return Location(
+            'update', f'opt_state {slot}/{step.inverse.get(param, param)}' if param else f'opt_state {slot}',
+            f'opt_state {bad_slot.path}',
+            f'the forward pass, the loss and the statistics agree, {grads}; the optimizer slot {slot} is the first '
+            f'that parts {step.after} ({sci(bad_slot.max_abs)} apart, allowed {sci(bad_slot.limit)}){said}',
+        )  # fmt: skip
+    return Location(
+        'update', 'the update rule', 'the update rule',
+        f'the forward pass, the loss, the statistics and every optimizer slot agree, {grads}; the parameters '
+        f'{step.after} do not ({bad_param.path} {sci(bad_param.max_abs)} apart, allowed {sci(bad_param.limit)}){said}',
+    )  # fmt: skip
+
+
+def param_of(path: str, params: dict) -> str:
+    """The parameter an optimizer-state leaf ``path`` (``0/mu/block/fc1/kernel``) holds a slot of ('' none)."""
+    return next((p for p in sorted(params, key=len, reverse=True) if path.endswith('/' + p)), '')
+
+
+def slot_names(slots: dict, params: dict) -> dict[str, list[str]]:
+    """Slot (``0/mu``) -> its leaves' paths, for every leaf that holds a slot of a parameter."""
+    out: dict[str, list[str]] = {}
+    for path in slots:
+        param = param_of(path, params)
+        if param:
+            out.setdefault(path[: -len(param) - 1], []).append(path)
+    return out
+
+
+def _moments(step: Step, params: dict, slots: dict) -> dict:
+    """Slot -> ``implied.moments`` for each first or second moment (``mu``, ``trace``, ``nu``) that parts."""
+    p0 = step.before()
+    ends = [step.final(side, 'opt_state') for side in ('legacy', 'nnx')]
+    read = {}
+    for slot, paths in slot_names(slots, params).items():
+        kind = slot.rpartition('/')[2]
+        if kind not in (*FIRST, 'nu') or all(slots[p].ok for p in paths):
+            continue
+        leaves = {p: (ends[0][p], ends[1][p], slots[p].limit or 0.0) for p in paths if p in ends[0] and p in ends[1]}
+        found = implied.moments(kind, leaves, {p: p0[p[len(slot) + 1 :]] for p in paths if p[len(slot) + 1 :] in p0})
+        if found is not None:
+            read[slot] = found
+    return read
+
+
+def implied_update(step: Step) -> str:
+    """``implied.update`` on every parameter both sides hold, and any learning rate the state exposes."""
+    start = step.before()
+    ends = [step.final(side, 'params') for side in ('legacy', 'nnx')]
+    keys = [k for k in start if all(k in e for e in ends)]
+    if not keys:
+        return 'nothing (no parameter is held by both sides)'
+    cat = lambda d: np.concatenate([np.asarray(d[k], np.float64).ravel() for k in keys])  # noqa: E731
+    p0, grads, scale = cat(start), step.grads('legacy'), 1.0
+    if not grads:  # a loop port: Adam's first moment is (1 - b1) g after one step
+        mu = {k: v for k, v in step.final('legacy', 'opt_state').items() if '/mu/' in f'/{k}'}
+        grads = {next((k for k in keys if name.endswith('/' + k)), ''): v for name, v in mu.items()}
+        scale = 1 - implied.NESTEROV_B1
+    g = cat(grads) / scale if all(k in grads for k in keys) else None
+    text = implied.update(p0, cat(ends[0]) - p0, cat(ends[1]) - p0, g, scale != 1.0)
+    rates = [
+        {k: v for k, v in step.final(side, 'opt_state').items() if 'learning_rate' in k} for side in ('legacy', 'nnx')
+    ]
+    shown = [f'{k} pmap {float(np.ravel(v)[0]):.6g}, NNX {float(np.ravel(rates[1][k])[0]):.6g}'
+             for k, v in rates[0].items() if k in rates[1]]  # fmt: skip
+    return '; '.join([text, *(['the state holds ' + '; '.join(shown)] if shown else [])])
+
+
+def update_is_zero(step: Step) -> bool:
+    """Whether the pmap side's update moved no parameter both sides hold (a learning rate of 0 at this step)."""
+    start = step.before()
+    ends = [step.final(side, 'params') for side in ('legacy', 'nnx')]
+    keys = [k for k in start if all(k in e for e in ends)]
+    return bool(keys) and all(np.array_equal(np.asarray(ends[0][k]), np.asarray(start[k])) for k in keys)

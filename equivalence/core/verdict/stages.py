@@ -1,0 +1,254 @@
+"""The stages of the first step the locator holds to their floors, in order: the forward pass, module by
+module (``forward``), the loss (``loss``), the backward pass (``backward``), the running statistics
+(``statistics``); the update is ``slots``'. Each returns a ``Location``, or None where nothing parts.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from equivalence.core.port import convert
+from equivalence.core.port.kind import Kind
+from equivalence.core.verdict import compare, implied, intercept, pairing
+from equivalence.core.verdict.intercept import DOUT, LOSS, NOT_MODULES
+from equivalence.core.verdict.location import ROOT, Location, Module, over, sci
+from equivalence.core.verdict.pairing import recorded_grads
+from equivalence.core.verdict.rule import MEASURED_FLOOR
+
+BETWEEN = 'the code between them (an activation, a residual, a mask)'
+
+
+def held(ref: dict, other: dict, twin_: dict) -> dict[str, compare.LeafDiff]:
+    """Every leaf held to its floor (``twin_`` missing a leaf: floor 0), by path."""
+    report = compare.compare_to_floor({'g': ref}, {'g': other}, {'g': twin_}, MEASURED_FLOOR)
+    return {leaf.path: leaf for leaf in report.leaves}
+
+
+def worst(leaves: list) -> compare.LeafDiff | None:
+    return max(leaves, key=lambda leaf: over(leaf.max_abs, leaf.limit), default=None)
+
+
+def modules_of(raw: dict, paired: dict[str, str]) -> list[Module]:
+    by = held(*pairing.trees(raw, paired))
+    out = []
+    for old in sorted(paired, key=lambda label: raw['legacy'][label].order):
+        new = paired[old]
+        ins = worst([leaf for path, leaf in by.items() if path.startswith(f'{new}/in/')])
+        outs = worst([leaf for path, leaf in by.items() if path.startswith(f'{new}/out/')])
+        out.append(Module(
+            old or ROOT, new or ROOT, raw['legacy'][old].cls,
+            ins.max_abs if ins else 0.0, ins.limit if ins else None, ins is None or ins.ok,
+            outs.max_abs if outs else 0.0, outs.limit if outs else None, outs.floor if outs else None,
+            outs is None or outs.ok,
+        ))  # fmt: skip
+    return out
+
+
+@dataclasses.dataclass
+class Step:
+    """The three first steps, and what the stages read of them."""
+
+    port_kind: Kind
+    results: dict  # side -> sides.PathResult after one step
+    raw: dict  # side -> label -> intercept.Record
+    mapping: dict[str, str]  # linen leaf path -> NNX leaf path
+    variables: dict
+    modules: list[Module]
+    paired: dict[str, str]
+    step: int = 1  # the step judged (a later one: nothing parted before it)
+    start: dict | None = None  # the pmap side's parameters before the judged step (NNX paths); None: step 1's
+
+    def before(self) -> dict[str, np.ndarray]:
+        """The parameters before the judged step, by NNX path."""
+        return self.start if self.start is not None else initial_params(self.variables, self.mapping)
+
+    @property
+    def after(self) -> str:
+        return 'after one step' if self.step == 1 else f'after step {self.step}'
+
+    @property
+    def inverse(self) -> dict[str, str]:
+        return {new: old for old, new in self.mapping.items()}
+
+    def final(self, side: str, group: str) -> dict:
+        result = self.results.get(side) or self.results['nnx']
+        return result.final.get(group) or {}
+
+    def held(self, group: str) -> dict[str, compare.LeafDiff]:
+        return held(self.final('legacy', group), self.final('nnx', group), self.final('twin', group))
+
+    def order(self, path: str) -> int:
+        """When NNX module ``path``, or the one holding it, finished its first call (last when none)."""
+        done = {label: r.order for label, r in self.raw.get('nnx', {}).items() if '#' not in label}
+        owners = [p for p in done if p not in NOT_MODULES and (not p or path == p or path.startswith(p + '/'))]
+        return done[max(owners, key=len)] if owners else 1 << 30
+
+    def grads(self, side: str) -> dict[str, np.ndarray]:
+        return recorded_grads(self.raw, side, self.mapping)
+
+
+def forward(step: Step) -> Location | None:
+    for i, m in enumerate(step.modules):
+        if not m.input_ok:
+            return _fed(step, i, m)
+        if not m.output_ok:
+            return _parted(step, i, m)
+    return None
+
+
+def _fed(step: Step, i: int, m: Module) -> Location:
+    """Module call ``m``'s input parts while every call before it agrees: the code that feeds it."""
+    before = step.modules[i - 1] if i else None
+    attention = next((c for c in step.modules if m.legacy.startswith(c.legacy + '/') and 'Attention' in c.cls), None)
+    what = 'an activation, a residual, a mask'
+    if attention is not None:
+        what = f'inside {attention.legacy}: the attention weights (scale, mask, softmax, dropout)'
+        what += settings_differ(step, attention).replace('; its settings', f"; {attention.legacy}'s settings", 1)
+    return Location(
+        'between',
+        f'{before.legacy if before else "(the inputs)"} → {m.legacy}',
+        f'{before.nnx if before else "(the inputs)"} → {m.nnx}',
+        f'everything before agrees; the input of {m.legacy} is {sci(m.input_diff)} apart (allowed '
+        f'{sci(m.input_allowed)}): the code{f" after {before.legacy}" if before else ""} that feeds it differs '
+        f'({what})',
+        first=i,
+    )
+
+
+def settings_differ(step: Step, m: Module) -> str:
+    """The scalar settings the two sides' calls ``m`` hold under one name with other values ('' none):
+    ``; its settings differ: epsilon 1e-06 ↔ 1e-05``."""
+    legacy_label = '' if m.legacy == ROOT else m.legacy
+    nnx_label = step.paired.get(legacy_label, '')
+    records = [step.raw.get('legacy', {}).get(legacy_label), step.raw.get('nnx', {}).get(nnx_label)]
+    if records[0] is None or records[1] is None:
+        return ''
+    a, b = (dict(r.settings) for r in records)
+    differ = [f'{k} {a[k]!r} ↔ {b[k]!r}' for k in sorted(a.keys() & b.keys()) if a[k] != b[k]]
+    return f'; its settings differ: {", ".join(differ)}' if differ else ''
+
+
+def _parted(step: Step, i: int, m: Module) -> Location:
+    """Module call ``m``, whose inputs agree, computes another output."""
+    apart = f'its output {sci(m.output_diff)} apart (allowed {sci(m.output_allowed)}, floor {sci(m.output_floor)})'
+    inputs = f'its inputs agree ({sci(m.input_diff)} apart, allowed {sci(m.input_allowed)})'
+    inside = [c for c in step.modules[:i] if m.legacy == ROOT or c.legacy.startswith(m.legacy + '/')]
+    said = settings_differ(step, m)
+    if 'Dropout' in m.cls:
+        return Location(
+            'randomness', m.legacy, m.nnx, f'{inputs}, {apart}: the two sides draw other masks{said}', first=i
+        )
+    if inside:
+        what = 'the attention weights (scale, mask, softmax, dropout)' if 'Attention' in m.cls else BETWEEN
+        return Location(
+            'between', f'{m.legacy} (inside)', f'{m.nnx} (inside)',
+            f'{inputs} and its {len(inside)} submodule call(s) agree, {apart}: {what}{said}', first=i,
+        )  # fmt: skip
+    return Location('module', m.legacy, m.nnx, f'{inputs}, {apart}: it computes something else{said}', first=i)
+
+
+def loss(step: Step) -> Location | None:
+    sides = ('legacy', 'nnx', 'twin')
+    trees = [{'mean': np.float32((step.results.get(s) or step.results['nnx']).losses[-1])} for s in sides]
+    records = [step.raw.get(s, {}).get(LOSS) for s in sides]
+    if records[0] is not None and records[1] is not None:
+        like = records[1].values[0][1][0]
+        for tree, record in zip(trees, records, strict=True):
+            tree['per-example'] = like if record is None else intercept.value(record, 0, 1, like)
+    leaf = worst([leaf for leaf in held(*trees).values() if not leaf.ok])
+    if leaf is None:
+        return _output_grad(step)
+    return _loss_location(
+        step,
+        f'the {leaf.path} loss is {sci(leaf.max_abs)} apart (allowed {sci(leaf.limit)}): '
+        'the loss function differs (label smoothing, weights, reduction, masking)',
+    )
+
+
+def _loss_location(step: Step, figures: str) -> Location:
+    """A ``loss`` location: the two sides' loss functions, and whether the model's output agrees first."""
+    root = next((m for m in step.modules if m.legacy == ROOT), None)
+    model = f"the model's output agrees ({sci(root.output_diff)} apart); " if root is not None else ''
+    names = step.port_kind.loss_names()
+    return Location('loss', names[0], names[1], model + figures)
+
+
+def _output_grad(step: Step) -> Location | None:
+    """The training loss's gradient with respect to the model's output (``DOUT``), where the forward pass
+    agrees: it parts when the step trains on another loss than the other side's, reported or not (a loop
+    port's reported loss may leave out the label smoothing it trains with). One factor between the sides
+    is taken out first: the reduction (a mean per device, then pmean, against one global mean) scales it."""
+    records = [step.raw.get(side, {}).get(DOUT) for side in ('legacy', 'nnx', 'twin')]
+    if records[0] is None or records[1] is None:
+        return None
+    new = intercept.value(records[1], 0, 1)
+    old = intercept.value(records[0], 0, 1, new)
+    twin_ = intercept.value(records[2], 0, 1, new) if records[2] is not None else new
+    if old.shape != new.shape or twin_.shape != new.shape:
+        return None
+    a, b = np.asarray(old, np.float64).ravel(), np.asarray(new, np.float64).ravel()
+    c = float(a @ b / (a @ a)) if a @ a > 0 else 1.0
+    leaf = held({'d': (c * a).reshape(new.shape)}, {'d': new}, {'d': twin_})['d']
+    if leaf.ok:
+        return None
+    return _loss_location(
+        step,
+        f'the gradient of the training loss with respect to it is {sci(leaf.max_abs)} apart once one factor '
+        f'({c:.4g}: the reduction) is taken out (allowed {sci(leaf.limit)}): the loss the step trains on differs '
+        '(label smoothing, weights, masking), whether or not the loss it reports does',
+    )
+
+
+def backward(step: Step) -> Location | None:
+    ref, other = step.grads('legacy'), step.grads('nnx')
+    if not ref or not other:
+        return None
+    judged = held(ref, other, step.grads('twin') or other)
+    bad = sorted((leaf for leaf in judged.values() if not leaf.ok), key=lambda leaf: -step.order(leaf.path))
+    if not bad:
+        return None
+    return Location(
+        'backward', step.inverse.get(bad[0].path, bad[0].path), bad[0].path,
+        f'the forward pass and the loss agree; its gradient is {sci(bad[0].max_abs)} apart (allowed '
+        f'{sci(bad[0].limit)}), the first of {len(bad)} that part from the output back: the backward pass '
+        'differs (a custom_vjp, a stop_gradient, a gradient scale)',
+    )  # fmt: skip
+
+
+def statistics(step: Step) -> Location | None:
+    module = lambda path: path.partition('/')[2].rpartition('/')[0]  # noqa: E731 -- batch_stats/bn1/mean -> bn1
+    bad = sorted((x for x in step.held('model_state').values() if not x.ok), key=lambda x: step.order(module(x.path)))
+    if not bad:
+        return None
+    leaf, stat = bad[0], bad[0].path.partition('/')[2]
+    return Location(
+        'statistics', step.inverse.get(stat, stat).rpartition('/')[0], module(leaf.path),
+        f'the forward pass, the loss and the gradients agree; {leaf.path} after one step is {sci(leaf.max_abs)} '
+        f'apart (allowed {sci(leaf.limit)}): its running statistics are updated differently'
+        + _momenta(step, module(leaf.path)),
+    )  # fmt: skip
+
+
+def _momenta(step: Step, module: str) -> str:
+    """The momentum of each side's one-step update of ``module``'s mean, its batch mean taken from
+    the module's recorded input (features on the last axis)."""
+    before = {step.mapping.get(p, p): a for p, a in convert.flatten(step.variables.get('batch_stats', {})).items()}
+    source = next((old for old, new in step.paired.items() if new == module), None)
+    record = step.raw['nnx'].get(module)
+    if step.step > 1 or f'{module}/mean' not in before or source is None or record is None or not record.values[0][0]:
+        return ''
+    said = []
+    for side in ('legacy', 'nnx'):
+        x = record.values[0][0][0]
+        x = intercept.value(step.raw['legacy'][source], 0, 0, x) if side == 'legacy' else x
+        mean = np.asarray(x, np.float64).reshape(-1, x.shape[-1]).mean(axis=0)
+        m = implied.momentum(
+            before[f'{module}/mean'], step.final(side, 'model_state')[f'batch_stats/{module}/mean'], mean
+        )
+        said.append(f'{side} {m:.4g}' if m is not None else f'{side} -')
+    return f'; the momentum its one-step update of the mean implies: {", ".join(said)}'
+
+
+def initial_params(variables: dict, mapping: dict[str, str]) -> dict[str, np.ndarray]:
+    """The parameters before step 1 (linen's ``variables``), by NNX path."""
+    return {mapping.get(p, p): a for p, a in convert.flatten(variables.get('params', {})).items()}
