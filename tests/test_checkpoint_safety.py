@@ -22,6 +22,7 @@ from equivalence.core import kinds
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort
+from equivalence.core.run import inputs as made
 from equivalence.core.run.inputs import make_inputs
 from legacy_pmap import checkpoints as legacy_checkpoints
 from legacy_pmap import train as legacy
@@ -154,8 +155,7 @@ def test_a_flipped_byte_is_caught_by_verify_and_by_the_resume_restore(checkpoint
     code, _, err = command('verify', str(damaged))
     assert code == 2 and err.count('\n') == 1 and f'NNX leaf {leaf} does not match its manifest' in err, err
     config = RunConfig(workload='mlp', devices=1, steps_per_call=1, calls=1, batch_size=1, rng_mode='global')
-    variables, _, _ = make_inputs(MLP, config)
-    setup = kinds.of(MLP).new_setup(config, variables)
+    setup = kinds.of(MLP).new_setup(config, made.make(MLP, config))
     with pytest.raises(CheckpointError, match=f'leaf {leaf} does not match its manifest'):
         resume.restorer(str(damaged), config, 4)(setup)  # --resume-at's restore, before anything is loaded
     resume.restorer(str(checkpoints / 'mlp-nnx'), config, 4)(setup)  # the intact one restores

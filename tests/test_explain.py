@@ -21,8 +21,8 @@ from equivalence import explain, run
 from equivalence.core import kinds
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
+from equivalence.core.run import inputs as made
 from equivalence.core.run import setups
-from equivalence.core.run.inputs import make_inputs
 from nnx_sharded import sharding
 from nnx_sharded import train as sharded
 
@@ -97,9 +97,9 @@ def test_answers_follow_the_measurement_not_the_path(mlp8):
     assert not answer['yes'] and '64 of 64 examples' in answer['why']
 
 
-def sharded_kernel_setup(wl, config, variables) -> setups.NnxSetup:
+def sharded_kernel_setup(wl, config, fed) -> setups.NnxSetup:
     """The NNX setup, but ``hidden/kernel`` and its Adam moments split on axis 0 over the mesh."""
-    setup = kinds.of(wl).new_setup(config, variables)
+    setup = kinds.of(wl).new_setup(config, fed)
 
     def spec(path, _):
         keys = [explain.key_name(k) for k in path]
@@ -116,8 +116,9 @@ def test_a_sharded_kernel_makes_replicated_false():
     require_devices(4)  # [20, 30] splits evenly over 4 devices, not 8
     wl = workloads.get('mlp')
     config = RunConfig('mlp', devices=4, steps_per_call=3, calls=1, batch_size=64)
-    variables, calls, rng = make_inputs(wl, config)
-    setup = sharded_kernel_setup(wl, config, variables)
+    fed = made.make(wl, config)
+    calls, rng = fed.calls, fed.rng
+    setup = sharded_kernel_setup(wl, config, fed)
     _, args = setup.call_args(rng, calls[0])
     m = explain.measure_nnx(setup, args)
     kernel = next(p for p in m.placements if p.name == 'model/hidden/kernel')

@@ -25,7 +25,7 @@ from equivalence.core.port import new_side
 from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.report import render
 from equivalence.core.run import adapters
-from equivalence.core.run.inputs import make_inputs
+from equivalence.core.run import inputs as made
 
 AXIS, FEATURES, HIDDEN, RATE = 'batch', 4, 8, 0.2
 QUICK = {'steps_per_call': 2, 'calls': 2}
@@ -269,8 +269,9 @@ def test_a_step_pinned_to_every_device_run_on_fewer_is_the_ports_one_line():
     require_devices(4)
     port = dataclasses.replace(LINEN_JIT, new_step=pinned_step())
     config = RunConfig(workload=port.name, devices=2, batch_size=8, rng_mode='global', **QUICK)
-    variables, calls, rng = make_inputs(port, config)
-    setup = kinds.of(port).new_setup(config, variables)
+    fed = made.make(port, config)
+    calls, rng = fed.calls, fed.rng
+    setup = kinds.of(port).new_setup(config, fed)
     _, args = setup.call_args(rng, calls[0])
     seen = len(jax.devices())
     with pytest.raises(ConfigError, match=f'new_step is a jax.jit pinned to its own shardings .* --devices {seen}'):

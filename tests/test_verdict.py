@@ -110,8 +110,7 @@ def test_a_twin_that_changes_the_math_is_refused():
     config = RunConfig(workload='mlp', devices=2, steps_per_call=2, calls=1)
     fed, kind = made.make(port, config), kinds.of(port)
     new = sides.run_nnx(kind, config, fed)
-    variables, calls, rng = fed.variables, fed.calls, fed.rng
-    honest, secret = (twin.run_twin(kind, config, variables, calls, rng, 1, lr_scale=s) for s in (1.0, 1.0 + 1e-3))
+    honest, secret = (twin.run_twin(kind, config, fed, 1, lr_scale=s) for s in (1.0, 1.0 + 1e-3))
     assert rule.twin_refusal(new.losses, honest.losses) == ''
     assert rule.twin_refusal(new.losses, secret.losses).startswith('refused: its loss at step 2')
 

@@ -64,7 +64,7 @@ def form_variant(port: LoopPort, config: RunConfig, feed: Feed, k: int, name: st
     holder = {}
 
     def build(kk: int):
-        setup = feed.kind.new_setup(_config(config, kk), feed.variables)
+        setup = feed.kind.new_setup(_config(config, kk), feed.inputs)
         fn, state = _pure_call(setup, plain_dict)
         return setup, fn, state
 

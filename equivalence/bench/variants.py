@@ -25,8 +25,8 @@ from equivalence.core import kinds
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort
 from equivalence.core.port.ports import ModelPort as Workload
+from equivalence.core.run import inputs as made
 from equivalence.core.run import randomness, setups
-from equivalence.core.run.inputs import make_inputs
 from equivalence.distributed import rows
 from legacy_pmap import train as legacy
 from nnx_sharded import sharding
@@ -55,7 +55,8 @@ class Feed:
     def __init__(self, wl: Workload, config: RunConfig, pool_steps: int):
         data = wl.make_data(np.random.default_rng(config.seed), pool_steps, config.batch_size)
         self.data, self.pool_steps, self.devices = data, pool_steps, config.devices
-        self.variables, _, self.rng = make_inputs(wl, dataclasses.replace(config, calls=1))
+        self.inputs = made.make(wl, dataclasses.replace(config, calls=1))  # the linen variables, names paired
+        self.variables, self.rng = self.inputs.variables, self.inputs.rng
         self.kind = kinds.of(wl)  # what builds each side's setups
 
     def batches(self, k: int, n: int, start: int) -> list[dict[str, np.ndarray]]:
@@ -90,7 +91,7 @@ def legacy_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: st
     """``jax.pmap(partial(lax.scan, step))``: inputs placed as pmap's own outputs are, one row per
     device (of this process: with several, each passes its own devices' rows)."""
     cfg = _config(config, k)
-    setup = feed.kind.legacy_setup(cfg, feed.variables)
+    setup = feed.kind.legacy_setup(cfg, feed.inputs)
     devices = rows.local_devices(cfg.devices)
     per_device = NamedSharding(Mesh(np.array(devices), (legacy.AXIS,)), P(legacy.AXIS))
     chain = _Chain(feed, k, lambda rng: legacy.next_call_keys(rng, cfg.devices, cfg.rng_mode))
@@ -110,7 +111,7 @@ def legacy_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: st
         return loss_DxK
 
     def fresh_lowered(kk: int):
-        fresh = feed.kind.legacy_setup(_config(config, kk), feed.variables)
+        fresh = feed.kind.legacy_setup(_config(config, kk), feed.inputs)
         keys_D, batch_DxK = to_device(*_Chain(feed, kk, chain.next_keys).take(1)[0])
         with fresh.context():
             return fresh.p_train_step.lower((keys_D, fresh.pstate), batch_DxK)
@@ -196,7 +197,7 @@ def nnx_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: str, 
     """The shipped call (the kind's ``new_setup``), or the same step under another ``jax.jit`` (see ``JITS``)."""
 
     def build(kk: int) -> tuple[setups.NnxSetup, Callable]:
-        setup = feed.kind.new_setup(_config(config, kk), feed.variables)
+        setup = feed.kind.new_setup(_config(config, kk), feed.inputs)
         return setup, JITS[jit](setup, wl)
 
     setup, fused = build(k)
@@ -220,7 +221,7 @@ def graph_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: str
     object, called with the object; with ``cached``, through ``nnx.cached_partial``."""
 
     def build(kk: int) -> setups.NnxGraphSetup:
-        return feed.kind.new_setup(dataclasses.replace(_config(config, kk), nnx_form='graph'), feed.variables)
+        return feed.kind.new_setup(dataclasses.replace(_config(config, kk), nnx_form='graph'), feed.inputs)
 
     setup = build(k)
     place = _nnx_place(setup, _nnx_chain(feed, setup, k))
@@ -247,7 +248,7 @@ def strategy_variants(wl: Workload, feed: Feed, configs: list[RunConfig]) -> lis
 
 def loop_variant(port: LoopPort, config: RunConfig, feed: Feed, k: int, name: str, label: str) -> Variant:
     """A loop port's own NNX call over its own train state."""
-    setup = feed.kind.new_setup(_config(config, k), feed.variables)
+    setup = feed.kind.new_setup(_config(config, k), feed.inputs)
     place = _nnx_place(setup, _nnx_chain(feed, setup, k))
     facts = {'state_kind': state_kind(setup.train_state)}
 
@@ -260,7 +261,7 @@ def loop_variant(port: LoopPort, config: RunConfig, feed: Feed, k: int, name: st
         return losses_K
 
     def fresh_lowered(kk: int):
-        fresh = feed.kind.new_setup(_config(config, kk), feed.variables)
+        fresh = feed.kind.new_setup(_config(config, kk), feed.inputs)
         fn, state = fresh.as_pure_call()
         return fn.lower(state, *_nnx_place(fresh, _nnx_chain(feed, fresh, kk))(1)[0])
 

@@ -77,9 +77,9 @@ def measure_both(port: Any, config: Any) -> tuple[PathMeasurement, PathMeasureme
     harness.validate(port, config)
     prepared = harness.prepare(port, config)
     kind, inputs = prepared.kind, prepared.inputs
-    legacy_setup = kind.legacy_setup(config, inputs.variables)
+    legacy_setup = kind.legacy_setup(config, inputs)
     _, legacy_args = legacy_setup.call_args(inputs.rng, inputs.calls[0])
-    nnx_setup = kind.new_setup(config, inputs.variables)
+    nnx_setup = kind.new_setup(config, inputs)
     _, nnx_args = nnx_setup.call_args(inputs.rng, inputs.calls[0])
     measure_nnx_call = measure_nnx if isinstance(nnx_setup, setups.NnxSetup) else measure_nnx_loop
     return measure_legacy(legacy_setup, legacy_args), measure_nnx_call(nnx_setup, nnx_args)

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from equivalence.core.run.inputs import make_inputs
+from equivalence.core.run import inputs as made
 from equivalence.pitfalls.base import CaseResult, yes
 
 NUMBER = 9
@@ -144,8 +144,9 @@ def child(mode: str, calls: int) -> dict:
     warnings.filterwarnings('ignore', message='Some donated buffers were not usable')
     wl = workloads.get('mlp')
     config = RunConfig(workload='mlp', devices=len(jax.devices()), steps_per_call=1, calls=1, batch_size=64)
-    variables, batches, rng = make_inputs(wl, config)
-    setup = kinds.of(wl).new_setup(config, variables)
+    fed = made.make(wl, config)
+    batches, rng = fed.calls, fed.rng
+    setup = kinds.of(wl).new_setup(config, fed)
     _, keys = sharded.next_call_keys(rng, config.devices, config.rng_mode)
     carry = (sharding.place_keys(keys, setup.mesh, config.rng_mode), setup.state)
     batch = sharding.place_batch(batches[0], setup.mesh)  # placed once, as a prefetching pipeline would
@@ -158,7 +159,7 @@ def child(mode: str, calls: int) -> dict:
     if mode == 'block':
         model = nnx.merge(setup.graphdef, carry[1]).model
         params = convert.flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-        reference = pmap_params(legacy, kinds.of(wl).legacy_setup(config, variables), batches[0], rng, calls)
+        reference = pmap_params(legacy, kinds.of(wl).legacy_setup(config, fed), batches[0], rng, calls)
         report = compare.compare({'params': reference}, {'params': params})
         out |= {'match': report.match, 'max_abs_params': report.max_abs('params')}
     return out

@@ -14,6 +14,7 @@ from equivalence.core.port.kind import Form, Setup
 from equivalence.core.port.ports import LoopPort
 from equivalence.core.preflight import groups, steps, trace
 from equivalence.core.run import adapters, loop_side, setups, step_side
+from equivalence.core.run.inputs import Inputs
 from legacy_pmap import train as legacy
 from nnx_sharded import sharding
 
@@ -75,23 +76,23 @@ class FusedLoop(Loop):
     form = Form.FUSED
     records_on_mesh = True
 
-    def preflight(self, config: RunConfig, variables: dict, batch_KxG: Any) -> None:
+    def preflight(self, config: RunConfig, variables: dict, batch_KxG: Any, mapping: dict) -> None:
         old_state = trace.trace_legacy_loop(self.port, config, variables, batch_KxG)
         new_state = trace.trace_nnx_loop(self.port, config, batch_KxG, variables)
-        groups.check_groups(self.port, old_state, new_state, variables)
+        groups.check_groups(self.port, old_state, new_state, variables, mapping)
 
-    def check_states(self, variables: dict) -> None:
+    def check_states(self, variables: dict, mapping: dict) -> None:
         old_state, new_state = trace.legacy_state(self.port, variables), trace.nnx_train_state(self.port, variables)
-        groups.check_groups(self.port, old_state, new_state, variables)
+        groups.check_groups(self.port, old_state, new_state, variables, mapping)
 
-    def legacy_setup(self, config: RunConfig, variables: dict) -> Setup:
-        return loop_side.legacy_setup(self.port, config, variables)
+    def legacy_setup(self, config: RunConfig, inputs: Inputs) -> Setup:
+        return loop_side.legacy_setup(self.port, config, inputs.variables)
 
-    def new_setup(self, config: RunConfig, variables: dict) -> Setup:
-        return loop_side.new_setup(self.port, config, variables)
+    def new_setup(self, config: RunConfig, inputs: Inputs) -> Setup:
+        return loop_side.new_setup(self.port, config, inputs.variables, inputs.mapping)
 
-    def twin_setup(self, config: RunConfig, variables: dict, twin: int, lr_scale: float | None = None) -> Setup:
-        return loop_side.twin_setup(self.port, config, variables, twin)
+    def twin_setup(self, config: RunConfig, inputs: Inputs, twin: int, lr_scale: float | None = None) -> Setup:
+        return loop_side.twin_setup(self.port, config, inputs.variables, inputs.mapping, twin)
 
     def described(self) -> list[str]:
         return adapters.wrapped_notes(self.port)
@@ -114,24 +115,25 @@ class StepLoop(Loop):
     form = Form.STEP
     records_on_mesh = False  # the team's own programs: a value is recorded where it is
 
-    def preflight(self, config: RunConfig, variables: dict, batch_KxG: Any) -> None:
-        steps.trace_steps(self.port, config, variables, batch_KxG)
+    def preflight(self, config: RunConfig, variables: dict, batch_KxG: Any, mapping: dict) -> None:
+        steps.trace_steps(self.port, config, variables, batch_KxG, mapping)
         old_state, new_state = trace.legacy_state(self.port, variables), trace.nnx_train_state(self.port, variables)
-        groups.check_groups(self.port, old_state, new_state, variables, states.legacy_groups)
+        groups.check_groups(self.port, old_state, new_state, variables, mapping, states.legacy_groups)
 
-    def check_states(self, variables: dict) -> None:
+    def check_states(self, variables: dict, mapping: dict) -> None:
         """Nothing beyond the data and names: its states are checked when its steps are traced."""
 
-    def legacy_setup(self, config: RunConfig, variables: dict) -> Setup:
-        return step_side.legacy_setup(self.port, config, variables)
+    def legacy_setup(self, config: RunConfig, inputs: Inputs) -> Setup:
+        return step_side.legacy_setup(self.port, config, inputs.variables)
 
-    def new_setup(self, config: RunConfig, variables: dict) -> Setup:
-        source = loop_side.new_source(self.port, variables)
+    def new_setup(self, config: RunConfig, inputs: Inputs) -> Setup:
+        source = loop_side.new_source(self.port, inputs.variables, inputs.mapping)
         return step_side.new_setup(self.port, config, source, setups.nnx_mesh(config))
 
-    def twin_setup(self, config: RunConfig, variables: dict, twin: int, lr_scale: float | None = None) -> Setup:
+    def twin_setup(self, config: RunConfig, inputs: Inputs, twin: int, lr_scale: float | None = None) -> Setup:
         mesh = sharding.make_mesh(twin, devices=jax.local_devices())  # this process's own: no collective
-        return step_side.new_setup(self.port, config, loop_side.new_source(self.port, variables), mesh)
+        source = loop_side.new_source(self.port, inputs.variables, inputs.mapping)
+        return step_side.new_setup(self.port, config, source, mesh)
 
     def described(self) -> list[str]:
         return [adapters.describe(self.port), *adapters.wrapped_notes(self.port)]

@@ -10,6 +10,7 @@ from equivalence.core.port.kind import Form, Setup
 from equivalence.core.port.ports import ModelPort
 from equivalence.core.preflight import trace
 from equivalence.core.run import facts, model_side
+from equivalence.core.run.inputs import Inputs
 from equivalence.core.run.model_side import TwinKind
 from equivalence.core.verdict import intercept
 from legacy_pmap import losses as legacy_losses
@@ -33,21 +34,21 @@ class Model:
     def validate(self, config: RunConfig) -> None:
         """Every flag applies to the suite's own loops."""
 
-    def preflight(self, config: RunConfig, variables: dict, batch_KxG: Any) -> None:
+    def preflight(self, config: RunConfig, variables: dict, batch_KxG: Any, mapping: dict) -> None:
         trace.trace_legacy_model(self.port, config, variables, batch_KxG)
         trace.trace_nnx_model(self.port, config, batch_KxG)
 
-    def check_states(self, variables: dict) -> None:
+    def check_states(self, variables: dict, mapping: dict) -> None:
         """Both train states are the suite's: nothing of the port's to check."""
 
-    def legacy_setup(self, config: RunConfig, variables: dict) -> Setup:
-        return model_side.legacy_setup(self.port, config, variables)
+    def legacy_setup(self, config: RunConfig, inputs: Inputs) -> Setup:
+        return model_side.legacy_setup(self.port, config, inputs.variables)
 
-    def new_setup(self, config: RunConfig, variables: dict) -> Setup:
-        return model_side.new_setup(self.port, config, variables)
+    def new_setup(self, config: RunConfig, inputs: Inputs) -> Setup:
+        return model_side.new_setup(self.port, config, inputs.variables, inputs.mapping)
 
-    def twin_setup(self, config: RunConfig, variables: dict, twin: TwinKind, lr_scale: float | None = None) -> Setup:
-        return model_side.twin_setup(self.port, config, variables, twin, lr_scale)
+    def twin_setup(self, config: RunConfig, inputs: Inputs, twin: TwinKind, lr_scale: float | None = None) -> Setup:
+        return model_side.twin_setup(self.port, config, inputs.variables, inputs.mapping, twin, lr_scale)
 
     def legacy_notes(self, setup: Setup) -> list[str]:
         return []

@@ -13,6 +13,7 @@ from equivalence.core import kinds
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.run import draws
+from equivalence.core.run.inputs import Inputs
 from equivalence.core.verdict import twin
 
 
@@ -23,9 +24,10 @@ def child(spec: str, n: int, ask: str, answer: str) -> None:
     with open(ask, 'rb') as f:
         request = pickle.load(f)
     kind, config = kinds.of(workloads.get(spec)), RunConfig(**request['config'])
-    variables, calls, rng = request['variables'], request['calls'], jax.numpy.asarray(request['rng'])
+    rng = jax.numpy.asarray(request['rng'])
+    inputs = Inputs(request['variables'], request['calls'], rng, request['mapping'])
     drawn = draws.FirstCall() if request['draws'] else None
-    result = twin.run_twin(kind, config, variables, calls, rng, n, record=drawn)
+    result = twin.run_twin(kind, config, inputs, n, record=drawn)
     out = {'final': result.final, 'losses': result.losses, 'params_per_call': result.params_per_call,
            'metrics': result.metrics, 'mesh': result.mesh, 'draws': drawn and drawn.draws,
            'memory': result.memory}  # fmt: skip

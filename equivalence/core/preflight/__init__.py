@@ -45,7 +45,7 @@ def check(kind: Kind, config: RunConfig, n_steps: int | None = None) -> dict[str
     variables = abstract_variables(port, data)
     mapping = check_names(port, variables)
     batch_KxG = jax.tree.map(lambda v: jax.ShapeDtypeStruct((config.steps_per_call, *v.shape[1:]), v.dtype), data)
-    kind.preflight(config, variables, batch_KxG)
+    kind.preflight(config, variables, batch_KxG, mapping)
     return mapping
 
 
@@ -56,5 +56,4 @@ def check_states(kind: Kind) -> None:
     blame.set_port(port)
     data = make_data(port, 0, 1, 1, '1 (checkpoint layout)')
     variables = abstract_variables(port, data)
-    check_names(port, variables)
-    kind.check_states(variables)
+    kind.check_states(variables, check_names(port, variables))

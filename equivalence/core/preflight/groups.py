@@ -6,16 +6,17 @@ import jax
 
 from equivalence.core.port import convert, naming, new_side
 from equivalence.core.port.ports import LoopPort, Port
-from equivalence.core.preflight.data import check_names
 from equivalence.core.preflight.errors import HOST_ONLY, fail, raised
 from equivalence.core.preflight.shapes import check_shapes
 from equivalence.core.preflight.trace import as_traced
 
 
-def check_groups(port: LoopPort, legacy_state: Any, nnx_ts: Any, variables: dict, reader=convert.legacy_groups) -> None:
+def check_groups(
+    port: LoopPort, legacy_state: Any, nnx_ts: Any, variables: dict, mapping: dict, reader=convert.legacy_groups
+) -> None:
     """Both train states grouped as the comparison reads them, with the parameters where expected and
-    every group of its shape (``shapes``); ``reader``: the legacy side's default (a step form's reads tuples)."""
-    mapping = check_names(port, variables)
+    every group of its shape (``shapes``); ``mapping``: the names paired (linen -> NNX); ``reader``: the
+    legacy side's default (a step form's reads tuples)."""
     groups = legacy_groups(port, legacy_state, reader)
     expect = {p for p, (c, _, _) in naming.linen_spec(variables).items() if c == 'params'}
     collections = set(variables) - {'params'}
@@ -30,9 +31,8 @@ def check_groups(port: LoopPort, legacy_state: Any, nnx_ts: Any, variables: dict
         check_shapes(port, field, groups, collections)
 
 
-def check_new_groups(port: LoopPort, ts: Any, variables: dict) -> None:
+def check_new_groups(port: LoopPort, ts: Any, variables: dict, mapping: dict) -> None:
     """The new train state alone (a step form traces it as the adapter builds it)."""
-    mapping = check_names(port, variables)
     expect = {p for p, (c, _, _) in naming.linen_spec(variables).items() if c == 'params'}
     field = 'new_groups' if port.new_groups else 'new_state'
     groups = new_groups(port, ts, field)

@@ -33,13 +33,13 @@ EXPECTED = {
 }
 
 
-def trace_steps(port: LoopPort, config: RunConfig, variables: dict, batch_KxG: Any) -> None:
+def trace_steps(port: LoopPort, config: RunConfig, variables: dict, batch_KxG: Any, mapping: dict) -> None:
     """Both sides' steps, traced on abstract inputs of the run's shapes; ``PreflightError`` (exit 2)
     naming the field on the first mistake."""
     trace_legacy_step(port, config, variables, batch_KxG)
     ts = nnx_train_state(port, variables)
     trace_nnx_side(port, config, batch_KxG, ts)
-    check_new_groups(port, ts, variables)
+    check_new_groups(port, ts, variables, mapping)
 
 
 def trace_legacy_step(port: LoopPort, config: RunConfig, variables: dict, batch_KxG: Any) -> None:

@@ -29,22 +29,22 @@ def legacy_setup(port: LoopPort, config: RunConfig, variables: dict) -> LegacySe
     return LegacySetup(call, pstate, config, port.legacy_groups or states.legacy_groups, context)
 
 
-def new_source(port: LoopPort, variables: dict) -> Any:
-    """What a loop port's ``new_state`` takes: its NNX model holding linen's weights, or, for a port
-    without an NNX model, linen's variables (``new_side``)."""
+def new_source(port: LoopPort, variables: dict, mapping: dict) -> Any:
+    """What a loop port's ``new_state`` takes: its NNX model holding linen's weights (named by ``mapping``),
+    or, for a port without an NNX model, linen's variables (``new_side``)."""
     if port.nnx_model is None:
         return variables
-    return model_holding(port, variables)
+    return model_holding(port, variables, mapping)
 
 
-def new_train_state(port: LoopPort, variables: dict, mesh) -> Any:
+def new_train_state(port: LoopPort, variables: dict, mapping: dict, mesh) -> Any:
     """The team's new train state, built by ``new_state`` and placed on ``mesh`` (replicated)."""
-    return sharding.place_objects(port.new_state(new_source(port, variables)), mesh)
+    return sharding.place_objects(port.new_state(new_source(port, variables, mapping)), mesh)
 
 
-def new_setup(port: LoopPort, config: RunConfig, variables: dict) -> NnxLoopSetup:
+def new_setup(port: LoopPort, config: RunConfig, variables: dict, mapping: dict) -> NnxLoopSetup:
     mesh = nnx_mesh(config)
-    return NnxLoopSetup(port, new_train_state(port, variables, mesh), mesh, config)
+    return NnxLoopSetup(port, new_train_state(port, variables, mapping, mesh), mesh, config)
 
 
 @dataclasses.dataclass
@@ -55,7 +55,7 @@ class TwinLoopSetup(NnxLoopSetup):
         return twin_placed_inputs(self, rng, batch_KxG)
 
 
-def twin_setup(port: LoopPort, config: RunConfig, variables: dict, n: int) -> TwinLoopSetup:
+def twin_setup(port: LoopPort, config: RunConfig, variables: dict, mapping: dict, n: int) -> TwinLoopSetup:
     """The run's own new side on a 1-D data mesh of this process's first ``n`` devices (no collective)."""
     mesh = sharding.make_mesh(n, devices=jax.local_devices())
-    return TwinLoopSetup(port, new_train_state(port, variables, mesh), mesh, config)
+    return TwinLoopSetup(port, new_train_state(port, variables, mapping, mesh), mesh, config)

@@ -43,11 +43,11 @@ def legacy_setup(port: ModelPort, config: RunConfig, variables: dict) -> LegacyS
     return LegacySetup(legacy.make_fused_call(step, devices), pstate, config)
 
 
-def model_state(port: ModelPort, variables: dict, mesh, lr_scale: float, strategy: str | None = None) -> tuple:
+def model_state(port: ModelPort, variables: dict, mapping: dict, mesh, lr_scale: float, strategy: str | None = None):
     """``(graphdef, state, its shardings on mesh, placement decisions)`` of a model port's NNX side:
     its model holding linen's variables, placed by ``strategy`` (None: nothing annotated, replicated),
     its optimizer at ``lr_scale`` times the port's learning rate. The state is not placed yet."""
-    model = model_holding(port, variables)
+    model = model_holding(port, variables, mapping)
     decisions = []
     if strategy is not None:
         decisions = sharding.decide(model, strategy, mesh)
@@ -56,13 +56,14 @@ def model_state(port: ModelPort, variables: dict, mesh, lr_scale: float, strateg
     return graphdef, state, sharding.state_shardings(graphdef, state, mesh), decisions
 
 
-def new_setup(port: ModelPort, config: RunConfig, variables: dict) -> NnxSetup | NnxGraphSetup:
+def new_setup(port: ModelPort, config: RunConfig, variables: dict, mapping: dict) -> NnxSetup | NnxGraphSetup:
     """The NNX side placed by ``config.strategy`` (``nnx_sharded/sharding.py``), in ``config.nnx_form``.
 
     The step is the same for every strategy: only the annotations on the parameters change.
     """
     mesh = nnx_mesh(config)
-    graphdef, state, shardings, decisions = model_state(port, variables, mesh, 1.0 + config.perturb, config.strategy)
+    scale = 1.0 + config.perturb
+    graphdef, state, shardings, decisions = model_state(port, variables, mapping, mesh, scale, config.strategy)
     state = sharding.place_state(state, shardings)
     noise = port_noise(port, uses_dropout(port))
     if config.nnx_form == 'graph':
@@ -134,12 +135,12 @@ def reordered_loss(loss, rows: np.ndarray):
     return loss_of_rows
 
 
-def reordered_setup(port: ModelPort, config: RunConfig, variables: dict, kind: Reordered, scale: float):
+def reordered_setup(port: ModelPort, config: RunConfig, variables: dict, mapping: dict, kind: Reordered, scale):
     """The NNX side on the checked run's devices placed by ``kind.strategy``, its batch rows interleaved."""
     if kind.strategy != config.strategy:  # another placement of the same devices, its default mesh
         config = dataclasses.replace(config, strategy=kind.strategy, mesh=None)
     mesh = nnx_mesh(config)
-    graphdef, state, shardings, _ = model_state(port, variables, mesh, scale, config.strategy)
+    graphdef, state, shardings, _ = model_state(port, variables, mapping, mesh, scale, config.strategy)
     rows_ = kind.rows(config.batch_size, mesh.shape.get(sharding.DATA, 1))
     loss = reordered_loss(nnx_loss(port, config), rows_)
     step = sharded.make_step_fn(graphdef, loss, port_noise(port, uses_dropout(port)), port.ema_rate, config.rng_mode)
@@ -147,15 +148,15 @@ def reordered_setup(port: ModelPort, config: RunConfig, variables: dict, kind: R
     return ReorderedSetup(fused, graphdef, sharding.place_state(state, shardings), mesh, config, rows=rows_)
 
 
-def twin_setup(port: ModelPort, config: RunConfig, variables: dict, twin: TwinKind, lr_scale: float | None = None):
+def twin_setup(port: ModelPort, config: RunConfig, variables: dict, mapping: dict, twin: TwinKind, lr_scale=None):
     """The NNX side on a 1-D data mesh of ``twin`` devices (or ``Reordered``: on the run's own), with the
     checked run's config (and so its keys and ``--perturb``). ``lr_scale`` replaces ``1 + perturb``:
     tests only, a twin whose math differs, which the verdict must refuse."""
     scale = 1.0 + config.perturb if lr_scale is None else lr_scale
     if isinstance(twin, Reordered):
-        return reordered_setup(port, config, variables, twin, scale)
+        return reordered_setup(port, config, variables, mapping, twin, scale)
     mesh = sharding.make_mesh(twin, devices=jax.local_devices())  # this process's own: no collective
-    graphdef, state, shardings, _ = model_state(port, variables, mesh, scale)  # a data mesh: nothing annotated
+    graphdef, state, shardings, _ = model_state(port, variables, mapping, mesh, scale)  # a data mesh: none annotated
     state = sharding.place_state(state, shardings)
     fused = sharded.make_fused_call(nnx_step(port, graphdef, config), (sharding.replicated(mesh), shardings))
     return TwinSetup(fused, graphdef, state, mesh, config)

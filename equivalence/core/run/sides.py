@@ -69,7 +69,7 @@ def _params(neutral: convert.Neutral, mapping: dict[str, str] | None) -> dict[st
 def run_legacy(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, after_call=None) -> PathResult:
     """The pmap path; its leaves are named as the NNX side names them (``inputs.mapping``)."""
     port, mapping = kind.port, inputs.mapping
-    setup = kind.legacy_setup(config, inputs.variables)
+    setup = kind.legacy_setup(config, inputs)
     losses, per_call = run_calls(setup, inputs.calls, inputs.rng, mapping, progress, 'legacy', after_call)
     result = PathResult(convert.rename(setup.neutral(), mapping), losses, per_call, setup.pstate)
     result.metrics, result.notes = loop_metrics(setup), [*getattr(setup, 'notes', [])]
@@ -86,7 +86,7 @@ def run_nnx(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, afte
     """The sharded path. With ``inputs.restore(setup) -> rng`` (``--resume-at``) a checkpoint is loaded
     into the setup, which returns its key chain: ``inputs.calls`` are then the ones after the checkpoint."""
     port, calls, rng = kind.port, inputs.calls, inputs.rng
-    setup = kind.new_setup(config, inputs.variables)
+    setup = kind.new_setup(config, inputs)
     if inputs.restore is not None:
         rng = inputs.restore(setup)
     losses, per_call = run_calls(setup, calls, rng, None, progress, 'nnx', after_call)

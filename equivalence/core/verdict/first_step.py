@@ -56,8 +56,8 @@ def grads(recorder: Recorder) -> dict[str, dict]:
     try:
         raw = recorder.runs[1]
     except Exception:  # noqa: BLE001 -- a port's own error raises again below, as it always did
-        twin_setup = kind.twin_setup(config, inputs.variables, recorder.twin) if recorder.twin else None
-        steps = probe.first_steps(kind, config, inputs.variables, inputs.calls, inputs.rng, twin_setup)
+        twin_setup = kind.twin_setup(config, inputs, recorder.twin) if recorder.twin else None
+        steps = probe.first_steps(kind, config, inputs, twin_setup)
         return {side: steps[side].grads for side in ('legacy', 'nnx', 'twin')}
     found = {side: recorded_grads(raw, side, inputs.mapping) for side in ('legacy', 'nnx', 'twin')}
     return {**found, 'twin': found['twin'] or found['nnx']}

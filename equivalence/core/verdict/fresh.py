@@ -69,7 +69,7 @@ def env(n: int) -> dict[str, str]:
     return environ
 
 
-def run_twin(kind: Any, config: Any, variables: dict, calls: list, rng: Any, n: int, draws: bool):
+def run_twin(kind: Any, config: Any, inputs: Any, n: int, draws: bool):
     """``(the twin's PathResult, its first call's draws or None)`` from a fresh process on ``n`` devices;
     raises ``RuntimeError`` with one line saying why when it cannot run or failed."""
     import jax
@@ -80,8 +80,10 @@ def run_twin(kind: Any, config: Any, variables: dict, calls: list, rng: Any, n: 
     if not spec:
         raise RuntimeError('the port is not importable by name (module:NAME), so no fresh process can load it')
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-    request = {'config': fields, 'variables': jax.device_get(variables), 'calls': jax.device_get(calls),
-               'rng': jax.device_get(jax.random.key_data(rng) if _typed(rng) else rng), 'draws': draws}  # fmt: skip
+    rng = inputs.rng
+    request = {'config': fields, 'variables': jax.device_get(inputs.variables), 'mapping': inputs.mapping,
+               'calls': jax.device_get(inputs.whole_calls), 'draws': draws,
+               'rng': jax.device_get(jax.random.key_data(rng) if _typed(rng) else rng)}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix='equivalence-twin-') as folder:
         ask, answer = os.path.join(folder, 'request.pkl'), os.path.join(folder, 'result.pkl')
         with open(ask, 'wb') as f:

@@ -286,7 +286,7 @@ def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, n_twin: twin.Twin
     recording trace, nor does this one take theirs; nothing is cleared."""
     one = dataclasses.replace(probe.probe_config(config), steps_per_call=1, calls=steps)
     first, recording = [step_batch(inputs.calls, j) for j in range(steps)], kind.recording()
-    variables, rng, fed = inputs.variables, inputs.rng, dataclasses.replace(inputs, calls=first)
+    fed = dataclasses.replace(inputs, calls=first)
     axis = kind.axis_name
     runs = {
         'legacy': (axis, None, lambda: sides.run_legacy(recording, one, fed)),
@@ -294,12 +294,12 @@ def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, n_twin: twin.Twin
     }
     rows = None
     if n_twin:
-        built = recording.twin_setup(one, variables, n_twin)
+        built = recording.twin_setup(one, inputs, n_twin)
         rows = getattr(built, 'rows', None)  # a Reordered twin holds the batch's rows in this order
         runs['twin'] = (
             None,
             built.mesh,
-            lambda: twin.run_twin(recording, one, variables, first, rng, n_twin, setup=built),
+            lambda: twin.run_twin(recording, one, dataclasses.replace(fed, whole=None), n_twin, setup=built),
         )
     abstract = facts.abstract_model(kind.port)  # None: a new side of linen alone (nn.intercept_methods sees it)
     graph = nnx.iter_graph(abstract) if abstract is not None else ()

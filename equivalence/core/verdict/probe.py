@@ -24,6 +24,7 @@ from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
 from equivalence.core.port.ports import ModelPort
 from equivalence.core.run import facts, setups
+from equivalence.core.run.inputs import Inputs
 from equivalence.core.run.model_side import reordered_loss
 from legacy_pmap import train as legacy
 from nnx_sharded import sharding
@@ -100,13 +101,12 @@ def probe_config(config: RunConfig) -> RunConfig:
     return dataclasses.replace(config, nnx_form='split', strategy=strategy)
 
 
-def first_steps(kind: Kind, config: RunConfig, variables: dict, calls: list, rng, twin_setup=None) -> dict:
+def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, twin_setup=None) -> dict:
     """``{'legacy', 'nnx', 'twin'}`` -> ``FirstStep`` of a model port (``kind.suite_loops``); ``twin_setup``
     is a fresh twin (``kind.twin_setup``); without one, 'twin' is the NNX side's own step (a floor of 0:
     only the ulp minimum applies)."""
-    port = kind.port
-    mapping = facts.name_mapping(port, variables)
-    checked = nnx_first_step(kind.new_setup(probe_config(config), variables), port, calls[0], rng)
+    port, variables, calls, rng, mapping = kind.port, inputs.variables, inputs.calls, inputs.rng, inputs.mapping
+    checked = nnx_first_step(kind.new_setup(probe_config(config), inputs), port, calls[0], rng)
     return {
         'legacy': legacy_first_step(port, config, variables, calls[0], rng, mapping),
         'nnx': checked,

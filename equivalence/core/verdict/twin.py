@@ -118,25 +118,23 @@ def farthest(nnx: compare.Neutral, twins: list[compare.Neutral]) -> compare.Neut
 def run_twin(
     kind: PortKind,
     config: RunConfig,
-    variables: dict,
-    calls: list,
-    rng,
+    inputs: Inputs,
     n_twin: TwinKind,
     lr_scale=None,
-    restore=None,
     record: draws.FirstCall | None = None,
     setup=None,
 ):
-    """The twin's ``PathResult``: its final state, per-step losses and parameters after each call.
-    ``calls`` hold the whole batch; ``restore(setup) -> rng``, if given, loads the checkpoint the
-    checked run resumed from (``--resume-at``) onto the twin's mesh, and ``calls`` follow it;
+    """The twin's ``PathResult``: its final state, per-step losses and parameters after each call, run on
+    ``inputs.whole_calls`` (the whole batch); with ``inputs.restore(setup) -> rng`` (``--resume-at``) it
+    loads the checkpoint the checked run resumed from onto the twin's mesh, and the calls follow it;
     ``record``, if given, keeps the random numbers its first call draws (the twin's setup, which draws
     initial values, before it). With several processes, every process's result is process 0's
     (``gather.from_process_0``), and an exception in one process's twin is raised in every process
     (``gather.together``): none waits for a twin that will never be shared."""
-    setup = setup or gather.together(kind.twin_setup, config, variables, n_twin, lr_scale)  # built: memory read
-    if restore is not None:
-        rng = gather.together(restore, setup)
+    setup = setup or gather.together(kind.twin_setup, config, inputs, n_twin, lr_scale)
+    calls, rng = inputs.whole_calls, inputs.rng
+    if inputs.restore is not None:
+        rng = gather.together(inputs.restore, setup)
 
     def run():
         with draws.recording(record.log) if record else contextlib.nullcontext():
@@ -219,11 +217,9 @@ def one_twin(kind: PortKind, config: RunConfig, inputs: Inputs, n, fit: dict | N
         drawn = draws.FirstCall() if check else None
         try:
             built = {} if built is None else built
-            setup = built[n] = built.get(n) or kind.twin_setup(config, inputs.variables, n)
+            setup = built[n] = built.get(n) or kind.twin_setup(config, inputs, n)
             too_big(setup, calls[0], inputs.rng, fit, n)
-            tw = run_twin(
-                kind, config, inputs.variables, calls, inputs.rng, n, restore=inputs.restore, record=drawn, setup=setup
-            )
+            tw = run_twin(kind, config, inputs, n, record=drawn, setup=setup)
             return tw, drawn and drawn.draws, False, ()
         except TwinNotRun:
             raise
@@ -234,7 +230,7 @@ def one_twin(kind: PortKind, config: RunConfig, inputs: Inputs, n, fit: dict | N
     if cannot:
         raise TwinNotRun(f'not run: {raised}; and no fresh process: {cannot}', tuple(errors))
     try:
-        tw, drawn = fresh.run_twin(kind, config, inputs.variables, calls, inputs.rng, n, check)
+        tw, drawn = fresh.run_twin(kind, config, inputs, n, check)
     except Exception as e:  # noqa: BLE001 -- the fresh process failed too: both reasons
         errors.append(f'twin on {n} device(s) in a fresh process: {type(e).__name__}: {e}')
         raise TwinNotRun(f'not run: {raised}; {blame.first_line(e)}', tuple(errors)) from None
@@ -262,6 +258,6 @@ def checks_draws(kind: PortKind) -> bool:
 def run_draws(kind: PortKind, config: RunConfig, inputs: Inputs) -> draws.Draws:
     """What the NNX run's first call draws: a fresh setup of it (restored from the checkpoint after
     ``--resume-at``), its first call run again while recording (``draws.first_call``)."""
-    setup = kind.new_setup(config, inputs.variables)
+    setup = kind.new_setup(config, inputs)
     rng = inputs.restore(setup) if inputs.restore is not None else inputs.rng
     return draws.first_call(setup, inputs.calls[0], rng)
