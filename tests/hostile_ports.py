@@ -167,7 +167,7 @@ def legacy_step_not_callable():
     return loop(legacy_step='old.train_step')
 
 
-# -- the user's own new side (new_call, new_state; built here by their old names, nnx_call=, nnx_state=) --
+# -- the user's own new side (new_call, new_state; built here by their old names, new_call=, new_state=) --
 
 
 def _losses(train_state, key, batch_KxG):
@@ -176,17 +176,17 @@ def _losses(train_state, key, batch_KxG):
 
 @case('new_call', EVERY)
 def nnx_call_returns_none():
-    return loop(nnx_call=lambda ts, key, batch: None)
+    return loop(new_call=lambda ts, key, batch: None)
 
 
 @case('new_call')
 def nnx_call_returns_mean_loss():
-    return loop(nnx_call=lambda ts, key, batch: (ts, jnp.mean(_losses(ts, key, batch))))
+    return loop(new_call=lambda ts, key, batch: (ts, jnp.mean(_losses(ts, key, batch))))
 
 
 @case('new_call', EVERY)
 def nnx_call_losses_Kx2():
-    return loop(nnx_call=lambda ts, key, batch: (ts, jnp.stack([_losses(ts, key, batch)] * 2, axis=1)))
+    return loop(new_call=lambda ts, key, batch: (ts, jnp.stack([_losses(ts, key, batch)] * 2, axis=1)))
 
 
 @case('new_call')
@@ -195,58 +195,58 @@ def nnx_call_raises():
         model, optimizer = ts
         return ts, model.missing_method(batch)
 
-    return loop(nnx_call=call)
+    return loop(new_call=call)
 
 
 @case('new_call')
 def nnx_call_returns_only_losses():
-    return loop(nnx_call=_losses)
+    return loop(new_call=_losses)
 
 
 @case('new_call')
 def nnx_call_returns_metrics_too():
-    return loop(nnx_call=lambda ts, key, batch: (ts, _losses(ts, key, batch), {'lr': 0.1}))
+    return loop(new_call=lambda ts, key, batch: (ts, _losses(ts, key, batch), {'lr': 0.1}))
 
 
 @case('new_call')
 def nnx_call_is_the_jitted_function():
-    return loop(nnx_call=new.train_calls)  # (model, optimizer, key, batch): four arguments
+    return loop(new_call=new.train_calls)  # (model, optimizer, key, batch): four arguments
 
 
 @case('new_call')
 def nnx_call_returns_another_state():
-    return loop(nnx_call=lambda ts, key, batch: (ts[0], _losses(ts, key, batch)))
+    return loop(new_call=lambda ts, key, batch: (ts[0], _losses(ts, key, batch)))
 
 
 @case('new_call')
 def nnx_call_not_callable():
-    return loop(nnx_call=None)
+    return loop(new_call=None)
 
 
 @case('new_state', (*EVERY, 'migrate'))
 def nnx_state_model_only():
-    return loop(nnx_state=lambda m: m, nnx_call=lambda m, key, batch: (m, jnp.zeros(batch[0].shape[0])))
+    return loop(new_state=lambda m: m, new_call=lambda m, key, batch: (m, jnp.zeros(batch[0].shape[0])))
 
 
 @case('new_state', STATES)
 def nnx_state_a_dict():
     state = lambda m: {'model': m, 'opt': nnx.Optimizer(m, new.make_tx(), wrt=nnx.Param)}  # noqa: E731
-    return loop(nnx_state=state, nnx_call=lambda ts, k, b: (ts, new.train_calls(ts['model'], ts['opt'], k, b)))
+    return loop(new_state=state, new_call=lambda ts, k, b: (ts, new.train_calls(ts['model'], ts['opt'], k, b)))
 
 
 @case('new_state', STATES)
 def nnx_state_raises():
-    return loop(nnx_state=lambda m: (m, nnx.Optimizer(m, new.make_tx())))  # wrt= is required
+    return loop(new_state=lambda m: (m, nnx.Optimizer(m, new.make_tx())))  # wrt= is required
 
 
 @case('new_groups', STATES)
 def nnx_groups_returns_a_list():
-    return loop(nnx_groups=lambda ts: [ts[0]])
+    return loop(new_groups=lambda ts: [ts[0]])
 
 
 @case('new_groups', STATES)
 def nnx_groups_without_params():
-    return loop(nnx_groups=lambda ts: {'weights': nnx.to_pure_dict(nnx.state(ts[0], nnx.Param))})
+    return loop(new_groups=lambda ts: {'weights': nnx.to_pure_dict(nnx.state(ts[0], nnx.Param))})
 
 
 @case('legacy_groups', STATES)
@@ -543,7 +543,7 @@ class _FlakyLogger:
 
 @case('new_call', ('run',))
 def nnx_call_fails_while_training():
-    return loop(nnx_call=functools.partial(_FlakyLogger.__call__, _FlakyLogger()))
+    return loop(new_call=functools.partial(_FlakyLogger.__call__, _FlakyLogger()))
 
 
 # -- good ports that once failed in the suite's own code ----------------------------------------
@@ -552,11 +552,11 @@ def nnx_call_fails_while_training():
 def keyless_loop():
     """A loop port whose NNX call ignores its key (a model without dropout): ``jax.jit`` drops the
     unused input, which once made explain exit 3 ('57 inputs but 56 input shardings')."""
-    return loop(nnx_call=lambda ts, key, batch: (ts, _losses(ts, jnp.zeros_like(key), batch)))
+    return loop(new_call=lambda ts, key, batch: (ts, _losses(ts, jnp.zeros_like(key), batch)))
 
 
 class Trainer(nnx.Module):
-    """An NNX train state with its own attribute names: the comparison reads it through nnx_groups=."""
+    """An NNX train state with its own attribute names: the comparison reads it through new_groups=."""
 
     def __init__(self, model: nnx.Module):
         self.net = model
@@ -564,11 +564,11 @@ class Trainer(nnx.Module):
 
 
 def grouped_loop():
-    """The loop port with a train state that is not (model, optimizer): nnx_groups= says where things are."""
+    """The loop port with a train state that is not (model, optimizer): new_groups= says where things are."""
     from equivalence.core.port import convert
 
     return loop(
-        nnx_state=Trainer,
-        nnx_call=lambda t, key, batch: (t, new.train_calls(t.net, t.opt, key, batch)),
-        nnx_groups=lambda t: convert.nnx_groups(t.net, t.opt),
+        new_state=Trainer,
+        new_call=lambda t, key, batch: (t, new.train_calls(t.net, t.opt, key, batch)),
+        new_groups=lambda t: convert.nnx_groups(t.net, t.opt),
     )

@@ -99,9 +99,9 @@ PORT = LoopPort(
     legacy_state=legacy_state,
     legacy_step=pmap_step,
     step_form='state',
-    nnx_state=lambda model: new_state(model, tx()),
-    nnx_step=held(make_jit_step(tx())),
-    nnx_groups=lambda holder: {k: holder.state.get_value()[k] for k in ('params', 'opt_state')},
+    new_state=lambda model: new_state(model, tx()),
+    new_step=held(make_jit_step(tx())),
+    new_groups=lambda holder: {k: holder.state.get_value()[k] for k in ('params', 'opt_state')},
     init_args=lambda batch: (batch['x'],),
     axis_name=AXIS,
     default_batch=16,
@@ -111,6 +111,6 @@ PORT = LoopPort(
 SLIP = dataclasses.replace(
     PORT,
     name='pinned-linen-jit-slip',
-    nnx_state=lambda model: new_state(model, tx(1.01e-2)),
-    nnx_step=held(make_jit_step(tx(1.01e-2))),
+    new_state=lambda model: new_state(model, tx(1.01e-2)),
+    new_step=held(make_jit_step(tx(1.01e-2))),
 )

@@ -120,8 +120,8 @@ PORT = LoopPort(
     make_data=make_data,
     legacy_state=legacy_state,
     legacy_step=legacy_step,
-    nnx_state=nnx_state,
-    nnx_call=nnx_call,
+    new_state=nnx_state,
+    new_call=nnx_call,
     init_args=lambda batch: (batch['x'],),
     axis_name=AXIS,
     rng_modes=('global',),
@@ -129,5 +129,5 @@ PORT = LoopPort(
 )
 
 LATE_DECAY_SLIP = dataclasses.replace(
-    PORT, name='pmap-side-chaos-late-decay', nnx_state=lambda model: nnx_state(model, DECAY_AT + 1)
+    PORT, name='pmap-side-chaos-late-decay', new_state=lambda model: nnx_state(model, DECAY_AT + 1)
 )

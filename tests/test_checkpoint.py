@@ -65,7 +65,7 @@ def done_when(tmp_path_factory) -> dict:
 def test_resume_at_10_matches_legacy_trained_20_steps_without_stopping(done_when, name):
     code, report, root = done_when[name]
     assert code == 0 and report['match'], report['leaves']
-    assert report['resumed_at'] == 10 and len(report['losses']['nnx']) == 10
+    assert report['resumed_at'] == 10 and len(report['losses']['new']) == 10
     assert sorted(os.listdir(root / 'legacy')) == ['10', '20']  # every 2 calls, as --resume-at 10 implies
     assert '_CHECKPOINT_METADATA' in os.listdir(root / 'legacy' / '10')  # Orbax's layout, finalised
     assert os.listdir(root / 'nnx') == ['10']
@@ -144,7 +144,7 @@ def test_migrated_checkpoint_restores_sharded_onto_2_4_8_devices_and_resumes_to_
         assert leaf.sharding == sharding.replicated(mesh) and len(leaf.sharding.device_set) == devices, path
     result = resume.resume_nnx(MLP, dataclasses.replace(config, devices=devices), legacy, nnx_dir, 4)
     assert result.report.match, [(leaf.name, leaf.max_abs) for leaf in result.report.leaves if not leaf.ok]
-    assert len(result.nnx.losses) == 4
+    assert len(result.new.losses) == 4
     assert result.verdict.twin == 'on 1 device(s)'  # the twin restored the same checkpoint: the floor is measured
 
 
@@ -191,7 +191,7 @@ def score_nnx(tmp_path_factory):
     fed = made.make(SCORE, config)
     directory = str(tmp_path_factory.mktemp('score_nnx') / 'nnx')
     hook = resume.nnx_saver(directory, config, every=2)
-    whole = sides.run_nnx(kinds.of(SCORE), config, fed, after_call=hook)
+    whole = sides.run_new(kinds.of(SCORE), config, fed, after_call=hook)
     return config, fed, whole, directory
 
 
@@ -203,7 +203,7 @@ def resumed_from(fed, restore):
 def test_nnx_save_and_resume_is_bitwise_equal_to_an_uninterrupted_nnx_run(score_nnx):
     config, fed, whole, directory = score_nnx
     restore = resume.restorer(directory, config, 4)
-    resumed = sides.run_nnx(kinds.of(SCORE), config, resumed_from(fed, restore))
+    resumed = sides.run_new(kinds.of(SCORE), config, resumed_from(fed, restore))
     np.testing.assert_array_equal(resumed.losses, whole.losses[4:])
     for group, leaves in whole.final.items():
         for path, value in leaves.items():
@@ -219,7 +219,7 @@ def test_resuming_without_the_recorded_key_chain_is_not_the_same_run(score_nnx):
     """Negative control: the checkpoint's host key chain is what makes the keys continue."""
     config, fed, whole, directory = score_nnx
     fresh = lambda setup: (resume.restorer(directory, config, 4)(setup), jax.random.PRNGKey(0))[1]  # noqa: E731
-    resumed = sides.run_nnx(kinds.of(SCORE), config, resumed_from(fed, fresh))
+    resumed = sides.run_new(kinds.of(SCORE), config, resumed_from(fed, fresh))
     assert not np.array_equal(resumed.losses, whole.losses[4:])
 
 
@@ -243,12 +243,12 @@ def test_a_user_loop_port_migrates_through_its_names_and_resumes(loop_port_check
     assert pairs['params/Dense_0/kernel'] == 'model/fc1/kernel'  # names={'Dense_0': 'fc1', ...}
     assert pairs['opt_state/0/nu/LayerNorm_0/scale'] == 'optimizer/opt_state/0/nu/norm/scale'
     assert len(pairs) == 20 and not migration.unmapped  # the dropout stream (nnx.RngState) is not a checkpoint leaf
-    model, optimizer = my_port.LOOP.nnx_state(my_port.LOOP.nnx_model(nnx.Rngs(1)))
+    model, optimizer = my_port.LOOP.new_state(my_port.LOOP.nnx_model(nnx.Rngs(1)))
     state, _, _ = store.read_nnx(str(tmp_path / 'nnx'), nnx_checkpoints.state_dict(layout.View(model, optimizer)))
     nnx_checkpoints.load_into(layout.View(model, optimizer), state)  # into the user's own objects
     assert int(optimizer.step[...]) == 2
     result = resume.resume_nnx(my_port.LOOP, config, legacy, str(tmp_path / 'nnx'), 2)  # the user's nnx.jit loop
-    assert result.report.match and len(result.nnx.losses) == 2
+    assert result.report.match and len(result.new.losses) == 2
 
 
 def test_what_does_not_map_is_printed_and_nothing_is_written(loop_port_checkpoint, tmp_path):
@@ -257,7 +257,7 @@ def test_what_does_not_map_is_printed_and_nothing_is_written(loop_port_checkpoin
     (tmp_path / 'sgd_port.py').write_text(
         'import dataclasses, my_port, optax\nfrom flax import nnx\n'
         'def state(model):\n    return model, nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)\n'
-        'PORT = dataclasses.replace(my_port.LOOP, nnx_state=state)\n'
+        'PORT = dataclasses.replace(my_port.LOOP, new_state=state)\n'
     )
     out = tmp_path / 'nnx'
     env = {'PYTHONPATH': os.pathsep.join([EXAMPLE, str(tmp_path)])}

@@ -30,7 +30,7 @@ def test_match_exits_0_on_8_simulated_devices_and_writes_json_and_plots(tmp_path
     report = json.loads(out.read_text())
     assert report['match'] is True and report['workload'] == 'mlp'
     assert report['devices'] == 8 and report['steps'] == 4
-    assert len(report['losses']['legacy']) == len(report['losses']['nnx']) == 4
+    assert len(report['losses']['legacy']) == len(report['losses']['new']) == 4
     assert set(report['max_abs_diff']) >= {'params', 'opt_state', 'losses'}
     assert all(isinstance(v, float) for v in report['max_abs_diff'].values())
     assert report['tolerance']['reason'].startswith('float32 reduction order')

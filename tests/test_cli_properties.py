@@ -337,6 +337,6 @@ def monkeypatch_module():
         raise AssertionError('a training step ran')
 
     with pytest.MonkeyPatch.context() as patch:
-        for setup in (setups.LegacySetup, setups.NnxSetup, setups.NnxLoopSetup):
+        for setup in (setups.LegacySetup, setups.NnxSetup, setups.LoopNewSetup):
             patch.setattr(setup, 'call', trained)
         yield

@@ -68,14 +68,14 @@ def test_score_state_has_ema_and_warmup_schedule_count():
     result = run('score', devices=2, steps_per_call=5, verdict='screen')  # test_paths_match's run
     ema = result.legacy.final['ema']
     assert ema and set(ema) == set(result.legacy.final['params'])
-    assert int(result.legacy.final['step']['step']) == 10 == int(result.nnx.final['step']['step'])
+    assert int(result.legacy.final['step']['step']) == 10 == int(result.new.final['step']['step'])
     # The EMA moved, but by much less than the parameters (ema_rate 0.999).
     assert any(not np.array_equal(ema[k], result.legacy.params_per_call[0][k]) for k in ema)
 
 
 def test_a_single_changed_leaf_is_reported_with_its_path():
     result = run('mlp', devices=2, steps_per_call=5, verdict='screen')
-    tampered = {g: dict(leaves) for g, leaves in result.nnx.final.items()}
+    tampered = {g: dict(leaves) for g, leaves in result.new.final.items()}
     tampered['params']['out/bias'] = tampered['params']['out/bias'] + 1e-4
     report = compare.compare(result.legacy.final, tampered)
     assert [leaf.name for leaf in report.leaves if not leaf.ok] == ['params/out/bias']
@@ -83,7 +83,7 @@ def test_a_single_changed_leaf_is_reported_with_its_path():
 
 def test_a_missing_leaf_is_a_mismatch():
     result = run('mlp', devices=2, steps_per_call=5, verdict='screen')
-    partial = {g: dict(leaves) for g, leaves in result.nnx.final.items()}
+    partial = {g: dict(leaves) for g, leaves in result.new.final.items()}
     del partial['opt_state']['0/mu/out/bias']
     report = compare.compare(result.legacy.final, partial)
     assert not report.match
@@ -107,7 +107,7 @@ def test_same_seed_gives_bitwise_identical_results(name):
         run(name, devices=2, steps_per_call=5, verdict='screen'),  # test_paths_match's run
         fresh(name, devices=2, steps_per_call=5, verdict='screen'),
     )
-    for a, b in [(first.legacy, second.legacy), (first.nnx, second.nnx)]:
+    for a, b in [(first.legacy, second.legacy), (first.new, second.new)]:
         np.testing.assert_array_equal(a.losses, b.losses)
         for group in a.final:
             for path in a.final[group]:

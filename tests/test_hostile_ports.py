@@ -54,7 +54,7 @@ def no_training(monkeypatch, request):
     def trained(*args, **kwargs):
         raise AssertionError('a training step ran before the mistake was reported')
 
-    for setup in (setups.LegacySetup, setups.NnxSetup, setups.NnxLoopSetup, setups.NnxGraphSetup):
+    for setup in (setups.LegacySetup, setups.NnxSetup, setups.LoopNewSetup, setups.NnxGraphSetup):
         monkeypatch.setattr(setup, 'call', trained)
 
 
@@ -147,7 +147,7 @@ def test_under_processes_a_workers_mistake_in_the_port_is_its_one_line_not_a_dea
 
 def test_nnx_groups_is_honoured_by_resume_and_migrate(tmp_path):
     """A train state with its own names (``net``, ``opt``): ``--resume-at`` restores into it and
-    ``checkpoint migrate`` maps into it, both through the port's ``nnx_groups=``."""
+    ``checkpoint migrate`` maps into it, both through the port's ``new_groups=``."""
     flags = ['--workload', 'hostile_ports:grouped_loop', *QUICK, '--resume-at', '2', '--checkpoint-dir', str(tmp_path)]
     code, out, err = invoke(_main('run'), flags)
     assert code == 0 and 'MATCH' in out, out + err

@@ -57,7 +57,7 @@ class DropoutRate(nnx_code.MLP):
 
 def loop_with(tx: optax.GradientTransformation):
     """The example's loop port whose NNX optimizer is ``tx`` (linen: AdamW 3e-3, weight decay 1e-4)."""
-    return dataclasses.replace(my_port.LOOP, nnx_state=lambda model: (model, nnx.Optimizer(model, tx, wrt=nnx.Param)))
+    return dataclasses.replace(my_port.LOOP, new_state=lambda model: (model, nnx.Optimizer(model, tx, wrt=nnx.Param)))
 
 
 class LinenClassifier(nn.Module):
@@ -154,7 +154,7 @@ def calls_training_on(train_loss):
 
 def trained_on(train_loss):
     calls = calls_training_on(train_loss)
-    return dataclasses.replace(my_port.LOOP, nnx_call=lambda ts, key, batch: (ts, calls(*ts, key, batch)))
+    return dataclasses.replace(my_port.LOOP, new_call=lambda ts, key, batch: (ts, calls(*ts, key, batch)))
 
 
 class LinenSelfAttention(nn.Module):
@@ -208,7 +208,7 @@ PORTS = {
     'smoothing': SMOOTHING,
     'weight-decay': loop_with(optax.adamw(3e-3, weight_decay=1e-2)),  # PyTorch's default AdamW decay
     'eps': loop_with(optax.adamw(3e-3, weight_decay=1e-4, eps=1e-7)),  # Keras's default Adam epsilon
-    'opaque': dataclasses.replace(my_port.LOOP, nnx_call=opaque_call),
+    'opaque': dataclasses.replace(my_port.LOOP, new_call=opaque_call),
     'b1': loop_with(optax.adamw(3e-3, b1=0.95, weight_decay=1e-4)),  # (1 - b1) half the pmap side's
     'train-loss': trained_on(penalised),
     'train-targets': trained_on(shrunk),
@@ -248,7 +248,7 @@ def agree(loc: locate.Location) -> None:
 
 def test_a_layernorm_epsilon_is_located_at_that_layernorm():
     loc = located('layernorm-eps')
-    assert (loc.kind, loc.legacy, loc.nnx) == ('module', 'LayerNorm_0', 'norm'), loc.line()
+    assert (loc.kind, loc.legacy, loc.new) == ('module', 'LayerNorm_0', 'norm'), loc.line()
     assert loc.figures.endswith('its settings differ: epsilon 1e-06 ↔ 1e-05'), loc.line()  # the constant itself
     m = first(loc)  # Dense_0 (fc1) before it agrees
     assert m.input_ok and not m.output_ok
@@ -257,7 +257,7 @@ def test_a_layernorm_epsilon_is_located_at_that_layernorm():
 
 def test_a_batchnorm_epsilon_is_located_at_that_batchnorm():
     loc = located('batchnorm-eps')
-    assert (loc.kind, loc.legacy, loc.nnx) == ('module', 'BatchNorm_0', 'norm'), loc.line()
+    assert (loc.kind, loc.legacy, loc.new) == ('module', 'BatchNorm_0', 'norm'), loc.line()
     assert loc.figures.endswith('its settings differ: epsilon 1e-05 ↔ 0.001'), loc.line()
     m = first(loc)
     assert m.input_ok and not m.output_ok and loc.modules[0].legacy == 'fc1'
@@ -266,7 +266,7 @@ def test_a_batchnorm_epsilon_is_located_at_that_batchnorm():
 def test_a_swapped_activation_is_the_code_between_two_agreeing_modules():
     """gelu(approximate=False) between the LayerNorm and the Dropout (names='structure')."""
     loc = located('gelu')
-    assert (loc.kind, loc.legacy, loc.nnx) == ('between', 'LayerNorm_0 → Dropout_0', 'norm → drop'), loc.line()
+    assert (loc.kind, loc.legacy, loc.new) == ('between', 'LayerNorm_0 → Dropout_0', 'norm → drop'), loc.line()
     m = first(loc)
     assert not m.input_ok and loc.modules[loc.first - 1].legacy == 'LayerNorm_0'
 
@@ -276,7 +276,7 @@ def test_an_activation_after_a_linen_self_attention_with_dropout_is_located_afte
     inputs are what the model handed it (before, the inner call, given the dropout key too, was the one
     paired, its inputs never agreed, and every slip of flax's lm1b_nnx port was located at the attention)."""
     loc = located('attention-gelu')
-    assert (loc.kind, loc.legacy, loc.nnx) == ('between', 'hidden → head', 'hidden → head'), loc.line()
+    assert (loc.kind, loc.legacy, loc.new) == ('between', 'hidden → head', 'hidden → head'), loc.line()
     first(loc)  # every call before it agrees: the embedding and the attention, dropout and all
     before = [m.legacy for m in loc.modules[: loc.first]]
     assert before[0] == 'Embed_0' and before.count('SelfAttention_0') == 1 and before[-1] == 'hidden', before
@@ -284,7 +284,7 @@ def test_an_activation_after_a_linen_self_attention_with_dropout_is_located_afte
 
 def test_a_dropout_that_draws_otherwise_is_randomness_at_that_dropout():
     loc = located('dropout-rate')
-    assert (loc.kind, loc.legacy, loc.nnx) == ('randomness', 'Dropout_0', 'drop'), loc.line()
+    assert (loc.kind, loc.legacy, loc.new) == ('randomness', 'Dropout_0', 'drop'), loc.line()
     assert loc.figures.endswith('its settings differ: rate 0.1 ↔ 0.2'), loc.line()
     m = first(loc)
     assert m.input_ok and not m.output_ok
@@ -308,7 +308,7 @@ def test_a_training_loss_the_loop_does_not_report_is_the_gradients_not_the_optim
     loc = located('train-loss')
     assert loc.kind == 'backward', loc.line()
     assert 'the first moments part unevenly' in loc.figures and 'one factor would scale them all' in loc.figures
-    assert loc.nnx in ('fc1/kernel', 'fc2/kernel'), loc.line()  # the penalised leaves, not fc1/bias
+    assert loc.new in ('fc1/kernel', 'fc2/kernel'), loc.line()  # the penalised leaves, not fc1/bias
     assert f'{2 * PENALTY * 0.1:.3g} x the parameter (r² ' in loc.figures, loc.line()  # mu = 0.1 (g + 2e-3 p)
     assert f'differ by {2 * PENALTY:.3g} x the parameter if b1 is 0.9' in loc.figures, loc.line()
     agree(loc)
@@ -380,14 +380,14 @@ def test_a_batchnorm_momentum_is_its_statistics_located_through_the_verdict(tmp_
     result = harness.check(batchnorm.MOMENTUM_SLIP, devices=DEVICES, steps_per_call=1, calls=1)
     loc = result.verdict.location
     assert result.verdict.kind == 'state' and loc is not None
-    assert (loc.kind, loc.legacy, loc.nnx) == ('statistics', 'BatchNorm_0', 'norm'), loc.line()
+    assert (loc.kind, loc.legacy, loc.new) == ('statistics', 'BatchNorm_0', 'norm'), loc.line()
     assert 'legacy 0.9' in loc.figures and 'nnx 0.1' in loc.figures, loc.line()
     agree(loc)
     text = render.text(result, 'cpu').splitlines()
     assert text[text.index(f'diagnosis (state): {result.verdict.diagnosis}') + 1].startswith(
         'where: statistics at BatchNorm_0 ↔ norm: '
     )
-    assert render.to_json(result, {})['verdict']['location']['nnx'] == 'norm'
+    assert render.to_json(result, {})['verdict']['location']['new'] == 'norm'
     written = plots.write(result, str(tmp_path))
     assert os.path.basename(written[-1]) == 'location.png' and os.path.getsize(written[-1]) > 0
 
@@ -407,7 +407,7 @@ def test_a_forward_it_cannot_see_is_said_and_not_guessed():
     cannot say where (never a module it did not observe)."""
     loc = located('opaque')
     assert loc.kind == 'unlocated' and 'not localised' in loc.figures, loc.line()
-    assert any(n.startswith('not observed: the NNX step called no NNX module') for n in loc.notes)
+    assert any(n.startswith('not observed: the new step called no flax module') for n in loc.notes)
     assert not loc.modules
 
 
@@ -475,7 +475,7 @@ def test_under_fsdp_the_twins_rows_are_put_back_before_they_are_compared():
     kind, fed = kinds.of(port), made.make(port, config)
     recorder = Recorder(kind, config, fed, model_side.Reordered('fsdp'))
     loc = locate.locate(kind, config, fed, recorder)
-    assert (loc.kind, loc.legacy, loc.nnx) == ('between', 'LayerNorm_0 → Dropout_0', 'norm → drop'), loc.line()
+    assert (loc.kind, loc.legacy, loc.new) == ('between', 'LayerNorm_0 → Dropout_0', 'norm → drop'), loc.line()
     first(loc)
     assert all(m.output_floor is not None and m.output_floor < 1e-5 for m in loc.modules), loc.modules
     assert 'twin' in recorder.runs[1]

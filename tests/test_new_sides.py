@@ -6,6 +6,7 @@ names still build the same port."""
 
 import dataclasses
 import functools
+import warnings
 
 import flax.linen as nn
 import jax
@@ -165,7 +166,7 @@ def test_each_new_side_matches_as_written_and_its_slip_does_not(results, name):
     assert not any(n.endswith('/value') for n in names), names  # nnx.Variables read as their arrays
     said = render.header(result, 'cpu')  # a new side with no NNX model is not called NNX
     assert (' vs NNX new_step x K on ' in said) == (name == 'functional-nnx'), said
-    assert (' vs new_step x K (no NNX model) on ' in said) == (name == 'linen-jit'), said
+    assert (' vs new_step x K (linen, jax.jit) on ' in said) == (name == 'linen-jit'), said
     slipped = harness.check(SLIPS[name], devices=2, diagnose=False, **QUICK)
     assert not slipped.report.match
     # judged by a measured floor: the twin builds the new side as the run does (linen's variables
@@ -238,15 +239,24 @@ def test_a_tuple_new_state_is_run_as_written():
     assert not harness.check(slipped, devices=2, diagnose=False, **QUICK).report.match
 
 
-def test_the_old_field_names_build_the_same_port():
-    old = LoopPort(name='old-names', nnx_model=lambda rngs: NnxMLP(rngs), nnx_state=functional_state,
-                   nnx_step=FUNCTIONAL.new_step, **BASE)  # fmt: skip
-    assert old.new_state is functional_state and old.nnx_state is functional_state
-    assert old.new_step is FUNCTIONAL.new_step and old.nnx_step is FUNCTIONAL.new_step
+def test_the_old_field_names_build_the_same_port_and_warn_with_the_new_name():
+    with pytest.warns(DeprecationWarning, match='LoopPort field nnx_state is now new_state') as said:
+        old = LoopPort(name='old-names', nnx_model=lambda rngs: NnxMLP(rngs), nnx_state=functional_state,
+                       nnx_step=FUNCTIONAL.new_step, **BASE)  # fmt: skip
+    assert any('nnx_step is now new_step' in str(w.message) for w in said)
+    with pytest.warns(DeprecationWarning, match='use new_state='):
+        assert old.new_state is functional_state and old.nnx_state is functional_state
+    with pytest.warns(DeprecationWarning, match='use new_step='):
+        assert old.new_step is FUNCTIONAL.new_step and old.nnx_step is FUNCTIONAL.new_step
     other = functools.partial(functional_state, b2=0.9)
-    assert dataclasses.replace(old, nnx_state=other).new_state is other
-    assert dataclasses.replace(old, new_state=other).nnx_state is other
+    with pytest.warns(DeprecationWarning):
+        assert dataclasses.replace(old, nnx_state=other).new_state is other
+        assert dataclasses.replace(old, new_state=other).nnx_state is other
     assert dataclasses.replace(old, name='renamed').new_state is functional_state
+    with warnings.catch_warnings():  # the new names warn of nothing (the control)
+        warnings.simplefilter('error')
+        LoopPort(name='new-names', nnx_model=lambda rngs: NnxMLP(rngs), new_state=functional_state,
+                 new_step=FUNCTIONAL.new_step, **BASE)  # fmt: skip
 
 
 def pinned_step():

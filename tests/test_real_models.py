@@ -258,8 +258,8 @@ def attention_call(rows_of_keys=lambda keys: keys):
 
 ATTENTION = LoopPort(
     name='attention rows', legacy_model=LinenAttention, nnx_model=NnxAttention, make_data=attention_data,
-    legacy_state=attention_state, legacy_step=attention_step, nnx_call=attention_call(),
-    nnx_state=lambda m: (m, nnx.Optimizer(m, sgd(), wrt=nnx.Param)), init_args=lambda b: (b['x'],),
+    legacy_state=attention_state, legacy_step=attention_step, new_call=attention_call(),
+    new_state=lambda m: (m, nnx.Optimizer(m, sgd(), wrt=nnx.Param)), init_args=lambda b: (b['x'],),
     init_kwargs=lambda b: {'train': False}, default_batch=8, rng_modes=('per-device',),
 )  # fmt: skip
 
@@ -269,12 +269,12 @@ def test_nnx_attention_with_per_device_keys_matches_when_each_device_row_gets_it
     once = {'devices': 2, 'steps_per_call': 2, 'calls': 1, 'verdict': 'screen'}
     result = harness.check(ATTENTION, **once)
     assert result.report.match, [leaf for leaf in result.report.leaves if not leaf.ok]
-    swapped = dataclasses.replace(ATTENTION, nnx_call=attention_call(lambda keys: keys[::-1]))  # negative control
+    swapped = dataclasses.replace(ATTENTION, new_call=attention_call(lambda keys: keys[::-1]))  # negative control
     assert not harness.check(swapped, diagnose=False, **once).report.match
     # The same NNX code runs on its own, without the suite's bridge: [D, 2] keys, one row each.
     model = NnxAttention(nnx.Rngs(0))
     batch = jax.tree.map(jnp.asarray, attention_data(np.random.default_rng(0), 2, 8))
-    _, losses_K = ATTENTION.nnx_call((model, nnx.Optimizer(model, sgd(), wrt=nnx.Param)), RAW_KEYS, batch)
+    _, losses_K = ATTENTION.new_call((model, nnx.Optimizer(model, sgd(), wrt=nnx.Param)), RAW_KEYS, batch)
     assert losses_K.shape == (2,) and bool(jnp.all(jnp.isfinite(losses_K)))
 
 

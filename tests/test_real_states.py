@@ -64,8 +64,8 @@ def one_step(ts, batch):
 
 
 nnx_step = nnx.jit(one_step)
-STRUCT = LoopPort(**{**BASE, 'name': 'struct state', 'legacy_state': legacy_state, 'nnx_state': nnx_state},
-                  legacy_step=legacy_step, step_form='state', loss='loss', nnx_step=nnx_step)  # fmt: skip
+STRUCT = LoopPort(**{**BASE, 'name': 'struct state', 'legacy_state': legacy_state, 'new_state': nnx_state},
+                  legacy_step=legacy_step, step_form='state', loss='loss', new_step=nnx_step)  # fmt: skip
 
 
 def test_a_struct_state_without_a_step_is_read_and_its_counter_not_compared():
@@ -77,7 +77,7 @@ def test_a_struct_state_without_a_step_is_read_and_its_counter_not_compared():
     assert {'params', 'opt_state', 'losses'} <= groups and 'step' not in groups, groups
     assert any(n.startswith('not compared: step: the pmap train state holds no step counter') for n in result.notes)
     assert any(n.startswith('not compared: rng: a random key') for n in result.notes), result.notes
-    slipped = dataclasses.replace(STRUCT, nnx_state=lambda m: nnx_state(m, lr=0.0505))  # negative control
+    slipped = dataclasses.replace(STRUCT, new_state=lambda m: nnx_state(m, lr=0.0505))  # negative control
     assert not harness.check(slipped, devices=2, diagnose=False, **SCREEN).report.match
 
 
@@ -106,7 +106,7 @@ def test_a_state_the_comparison_cannot_read_is_refused_before_training(monkeypat
         raise AssertionError('a training step ran before the unreadable state was reported')
 
     monkeypatch.setattr(step_side.StepLegacySetup, 'call', trained)
-    monkeypatch.setattr(step_side.StepNnxSetup, 'call', trained)
+    monkeypatch.setattr(step_side.StepNewSetup, 'call', trained)
     port = dataclasses.replace(STRUCT, legacy_state=renamed_state, legacy_step=renamed_step)
     with pytest.raises(preflight.PreflightError) as e:
         harness.check(port, devices=2, **QUICK)
@@ -138,6 +138,6 @@ def holder_step(ts: Holder, batch):
 
 def test_an_nnx_train_state_the_comparison_cannot_read_is_refused_before_training():
     require_devices(2)
-    port = dataclasses.replace(STRUCT, nnx_state=Holder, nnx_step=holder_step)
+    port = dataclasses.replace(STRUCT, new_state=Holder, new_step=holder_step)
     with pytest.raises(preflight.PreflightError, match="port 'struct state': new_state returns what the comparison"):
         preflight.check(kinds.of(port), harness_config(port))

@@ -36,7 +36,7 @@ def test_cnn_matches_with_running_statistics_and_accuracy(devices, rng_mode):
     stats = [x for x in result.report.leaves if x.group == 'model_state']
     assert {x.path for x in stats} == {f'batch_stats/bn{i}/{s}' for i in (1, 2) for s in ('mean', 'var')}
     assert all(x.ok for x in stats)
-    assert result.legacy.eval_accuracy == result.nnx.eval_accuracy > 0.5  # chance is 0.1
+    assert result.legacy.eval_accuracy == result.new.eval_accuracy > 0.5  # chance is 0.1
     assert sides.replica_spread(result.legacy.raw) == 0.0  # pmap's replicas, statistics included, stay one
 
 
@@ -54,13 +54,13 @@ def test_swapping_rng_modes_between_the_sides_is_a_mismatch():
     cfg = config('cnn', devices=8)
     fed = made.make(wl, cfg)
     old = sides.run_legacy(kinds.of(wl), cfg, fed)
-    new = sides.run_nnx(kinds.of(wl), dataclasses.replace(cfg, rng_mode='global'), fed)
+    new = sides.run_new(kinds.of(wl), dataclasses.replace(cfg, rng_mode='global'), fed)
     report = compare.compare(sides.with_losses(old.final, old.losses), sides.with_losses(new.final, new.losses))
     assert not report.match
     assert not next(x for x in report.leaves if x.group == 'losses').ok
 
 
-def _final(name: str, devices: int, rng_mode: str, runs=(sides.run_legacy, sides.run_nnx)) -> list[dict]:
+def _final(name: str, devices: int, rng_mode: str, runs=(sides.run_legacy, sides.run_new)) -> list[dict]:
     """The final states and losses of the paths in ``runs`` (both by default); no verdict (this
     test compares runs across D itself)."""
     wl, cfg = workloads.get(name), config(name, devices=devices, rng_mode=rng_mode, calls=1)

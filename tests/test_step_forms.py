@@ -157,35 +157,35 @@ def nnx_carry_call(ts, key, batch_KxG):
 
 
 BASE = dict(name='forms', legacy_model=LinenMLP, nnx_model=lambda rngs: NnxMLP(rngs), make_data=make_data,
-            legacy_state=legacy_state, nnx_state=nnx_state, init_args=lambda b: (b['x'], False), default_batch=8,
+            legacy_state=legacy_state, new_state=nnx_state, init_args=lambda b: (b['x'], False), default_batch=8,
             rng_modes=('global',))  # fmt: skip
 KEY0 = jax.random.PRNGKey(7)
 FORMS = {
     'state, steps, no key': LoopPort(**BASE, legacy_step=train_step, step_form='state', loss='loss',
-                                     nnx_step=nnx_train_step),  # fmt: skip
+                                     new_step=nnx_train_step),  # fmt: skip
     'state_rng, steps, partial': LoopPort(**BASE, legacy_step=functools.partial(train_step, scale=2.0),
                                           step_form='state_rng', loss=lambda m: m['loss'] / m['denominator'],
-                                          nnx_step=functools.partial(nnx_train_step, scale=2.0)),  # fmt: skip
+                                          new_step=functools.partial(nnx_train_step, scale=2.0)),  # fmt: skip
     'state_rng, scan, fused nnx': LoopPort(**BASE, legacy_step=train_step, step_form='state_rng',
-                                           legacy_loop='scan', loss='loss', nnx_call=nnx_fused),  # fmt: skip
+                                           legacy_loop='scan', loss='loss', new_call=nnx_fused),  # fmt: skip
     'key in state': LoopPort(**{**BASE, 'legacy_state': functools.partial(legacy_state, rng=KEY0),
-                                'nnx_state': lambda m: (*nnx_state(m), nnx.Variable(KEY0))},
-                             legacy_step=train_step, step_form='state', loss='loss', nnx_step=nnx_train_step),
+                                'new_state': lambda m: (*nnx_state(m), nnx.Variable(KEY0))},
+                             legacy_step=train_step, step_form='state', loss='loss', new_step=nnx_train_step),
     'tuple state': LoopPort(**{**BASE, 'legacy_state': lambda v: (v['params'], tx().init(v['params']))},
-                            legacy_step=tuple_step, step_form='state', loss='loss', nnx_step=nnx_train_step),
-    'carry with metrics': LoopPort(**BASE, legacy_step=carry_step, loss='loss', nnx_call=nnx_carry_call),
+                            legacy_step=tuple_step, step_form='state', loss='loss', new_step=nnx_train_step),
+    'carry with metrics': LoopPort(**BASE, legacy_step=carry_step, loss='loss', new_call=nnx_carry_call),
     # As teams hand them over: the step already pmapped (p_train_step), the state a dict.
     'dict state, pmapped step': LoopPort(**{**BASE, 'legacy_state': dict_state},
                                          legacy_step=jax.pmap(dict_step, axis_name=AXIS), step_form='state',
-                                         loss='loss', nnx_step=nnx_train_step),
+                                         loss='loss', new_step=nnx_train_step),
 }  # fmt: skip
 NO_COUNTER = ('tuple state', 'dict state, pmapped step')  # pmap states that hold no step counter
 
 
 def _slip(port: LoopPort) -> LoopPort:
     """The same port with the NNX learning rate 1% high: a slip every form must catch."""
-    slipped = lambda m: (*nnx_state(m, lr=0.0505), *port.nnx_state(m)[2:])  # noqa: E731
-    return dataclasses.replace(port, nnx_state=slipped)
+    slipped = lambda m: (*nnx_state(m, lr=0.0505), *port.new_state(m)[2:])  # noqa: E731
+    return dataclasses.replace(port, new_state=slipped)
 
 
 @pytest.fixture(scope='module')
@@ -265,7 +265,7 @@ def test_forms_that_do_not_fit_together_exit_2_before_any_work():
     port = FORMS['state, steps, no key']
     for bad, message in [
         (dict(step_form='scan'), "step_form 'scan' is not one of"),
-        (dict(nnx_call=nnx_fused), 'exactly one of new_call'),
+        (dict(new_call=nnx_fused), 'exactly one of new_call'),
         (dict(step_form='carry', legacy_loop='steps'), "a 'carry' step returns its key chain"),
     ]:
         with pytest.raises(ConfigError, match=message):
@@ -302,9 +302,9 @@ def _nnx_no_opt(ts, batch):
         (dict(legacy_step=_other_axis), 'legacy_step raised NameError'),
         (dict(loss='los'), "loss 'los' is not in what legacy_step returns (metrics ['denominator', 'loss', 'mae'])"),
         (dict(loss=lambda m: m['loss'][:, None] * jnp.ones(3)), 'legacy_step gives an array of shape [2, 3]'),
-        (dict(nnx_step=nnx.jit(_nnx_no_opt)), 'new_step returned a train state of another structure'),
+        (dict(new_step=nnx.jit(_nnx_no_opt)), 'new_step returned a train state of another structure'),
         (
-            dict(nnx_groups=_bare_step),
+            dict(new_groups=_bare_step),
             "new_groups gives step as an array of shape []; expected the step group as {'step': counter}",
         ),
         (
@@ -348,7 +348,7 @@ def test_a_mistake_in_a_real_step_is_one_line_before_any_training(fields, line, 
         raise AssertionError('a training step ran before the mistake was reported')
 
     monkeypatch.setattr(step_side.StepLegacySetup, 'call', trained)
-    monkeypatch.setattr(step_side.StepNnxSetup, 'call', trained)
+    monkeypatch.setattr(step_side.StepNewSetup, 'call', trained)
     port = dataclasses.replace(FORMS['state, steps, no key'], **fields)
     with pytest.raises(preflight.PreflightError) as e:
         harness.check(port, devices=2, **QUICK)

@@ -57,9 +57,9 @@ def _bad(result) -> list[str]:
 def test_every_strategy_matches_pmap_on_the_wide_workload(strategy, devices):
     result = check('wide', devices, strategy=strategy)
     assert result.report.match, _bad(result)
-    split = [d for d in result.nnx.placement if any(a is not None for a in d.spec)]
+    split = [d for d in result.new.placement if any(a is not None for a in d.spec)]
     if strategy != 'shard_map' and devices > 1:  # every dim divides 8; a row-parallel bias stays whole by design
-        assert len(split) == (5 if strategy == 'tp' else 6), result.nnx.placement
+        assert len(split) == (5 if strategy == 'tp' else 6), result.new.placement
 
 
 @pytest.mark.parametrize(
@@ -84,16 +84,16 @@ def test_default_workloads_match_under_every_strategy(name, strategy):
 def test_fsdp_tp_on_every_mesh_shape(mesh):
     result = check('wide', 8, strategy='fsdp-tp', mesh=mesh)
     assert result.report.match, _bad(result)
-    assert result.nnx.mesh == dict(mesh)
+    assert result.new.mesh == dict(mesh)
 
 
 @pytest.mark.parametrize('strategy', ['dp', 'fsdp', 'tp', 'fsdp-tp'])
 def test_graph_form_matches_and_equals_the_split_form(strategy):
     graph, split = check('wide', 8, strategy=strategy, nnx_form='graph'), check('wide', 8, strategy=strategy)
     assert graph.report.match, _bad(graph)
-    np.testing.assert_array_equal(graph.nnx.losses, split.nnx.losses)
-    for path, a in split.nnx.final['params'].items():
-        np.testing.assert_array_equal(graph.nnx.final['params'][path], a, err_msg=path)
+    np.testing.assert_array_equal(graph.new.losses, split.new.losses)
+    for path, a in split.new.final['params'].items():
+        np.testing.assert_array_equal(graph.new.final['params'][path], a, err_msg=path)
 
 
 def test_placement_keeps_whole_what_the_axis_does_not_divide_and_says_so():
@@ -223,7 +223,7 @@ def test_negative_control_shard_map_without_the_cast_to_varying_gets_d_times_the
     monkeypatch.setattr(shard_map.jax.lax, 'pcast', lambda x, axis, to: x)
     trapped = harness.check(WIDE, devices=8, strategy='shard_map', diagnose=False, **QUICK)  # not the cached run
     assert not trapped.report.match
-    mu = trapped.nnx.final['opt_state']['0/mu/fc2/kernel'] / trapped.legacy.final['opt_state']['0/mu/fc2/kernel']
+    mu = trapped.new.final['opt_state']['0/mu/fc2/kernel'] / trapped.legacy.final['opt_state']['0/mu/fc2/kernel']
     assert np.median(mu) == pytest.approx(8.0, rel=1e-3)
 
 
@@ -238,5 +238,5 @@ def test_a_migrated_pmap_checkpoint_resumes_onto_a_sharded_mesh(strategy, form):
     config = RunConfig('wide', 8, steps_per_call=2, calls=2, strategy=strategy, nnx_form=form)
     result = resume.run(WIDE, config, CheckpointOptions(resume_at=2))
     assert result.report.match, _bad(result)
-    sharded = [d for d in result.nnx.placement if any(a is not None for a in d.spec)]
+    sharded = [d for d in result.new.placement if any(a is not None for a in d.spec)]
     assert len(sharded) >= 5 and result.resumed_at == 2

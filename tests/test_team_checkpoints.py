@@ -64,7 +64,7 @@ def test_a_teams_own_checkpoint_migrates_and_resumes_to_match(runs, name, tmp_pa
     migration, result, port, team_dir, _ = runs[name]
     assert migration.written and migration.step == 2 and not migration.unmapped
     assert result.report.match, [leaf for leaf in result.report.leaves if not leaf.ok]
-    assert result.resumed_at == 2 and len(result.nnx.losses) == 2
+    assert result.resumed_at == 2 and len(result.new.losses) == 2
     if name == 'imagenet_port':  # the TrainState's batch_stats are read; another port's state is refused
         assert any(p.legacy.startswith('model_state/batch_stats/') for p in migration.pairs)
         with pytest.raises(CheckpointError, match=r'does not fit the port.s train state: first mismatching leaf'):

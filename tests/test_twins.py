@@ -95,14 +95,14 @@ PER_DEVICE = LoopPort(
     legacy_state=lambda v: train_state.TrainState.create(apply_fn=LinenNet().apply, params=v['params'], tx=tx()),
     legacy_step=pmap_step,
     step_form='state_rng',
-    nnx_state=lambda model: (model, nnx.Optimizer(model, tx(), wrt=nnx.Param)),
-    nnx_step=nnx_step,
+    new_state=lambda model: (model, nnx.Optimizer(model, tx(), wrt=nnx.Param)),
+    new_step=nnx_step,
     init_args=lambda batch: (batch['x'],),
     axis_name=AXIS,
     default_batch=16,
     rng_modes=('per-device',),
 )
-MESH_SIZED = dataclasses.replace(PER_DEVICE, name='mesh-sized-noise', nnx_step=mesh_sized_step)
+MESH_SIZED = dataclasses.replace(PER_DEVICE, name='mesh-sized-noise', new_step=mesh_sized_step)
 
 
 def test_a_twin_at_one_device_keeps_the_per_device_keys():
@@ -122,7 +122,7 @@ def test_a_twin_that_draws_other_random_numbers_is_refused():
     the test above)."""
     require_devices(2)
     refused = harness.check(MESH_SIZED, devices=2, **QUICK)
-    assert refused.verdict.twin.startswith('refused: it draws other random numbers than the NNX run'), (
+    assert refused.verdict.twin.startswith("refused: it draws other random numbers than the new side's run"), (
         refused.verdict.lines()
     )
     assert refused.report.floor is None
@@ -136,7 +136,7 @@ def test_with_no_floor_the_diagnosis_says_why_no_twin_measured_one():
     """The ``unmeasured`` line gives the twin's own reason, not a guess about device counts."""
     ref = {'params': {'w': np.array([1.0], np.float32)}}
     off = compare.compare(ref, {'params': {'w': np.array([1.1], np.float32)}}, compare.FLOAT32_REDUCTION_ORDER)
-    why = 'refused: it draws other random numbers than the NNX run'
+    why = "refused: it draws other random numbers than the new side's run"
     kind, line = verdict.diagnose(off, '', None, False, why)
     assert kind == 'unmeasured' and line.endswith(f'no twin measured one: {why}'), line
     assert 'even batch' not in line

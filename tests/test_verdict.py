@@ -71,8 +71,8 @@ def test_gelu_slip_names_the_first_step_gradients():
 def test_dropout_keyed_differently_is_randomness(monkeypatch):
     """The NNX loop reseeds dropout from another key: the losses differ from step 1, the dropout-off re-run matches.
     The re-run traces the user's jitted call again without clearing JAX's caches (a notebook keeps its traces)."""
-    call = my_port.LOOP.nnx_call
-    port = dataclasses.replace(my_port.LOOP, nnx_call=lambda ts, key, b: call(ts, jax.random.fold_in(key, 7), b))
+    call = my_port.LOOP.new_call
+    port = dataclasses.replace(my_port.LOOP, new_call=lambda ts, key, b: call(ts, jax.random.fold_in(key, 7), b))
     cleared = []
     monkeypatch.setattr(jax, 'clear_caches', lambda: cleared.append(1))
     result = run(port, devices=2)
@@ -87,7 +87,7 @@ def test_a_step_counter_on_one_side_is_bookkeeping():
 
     result = run(dataclasses.replace(my_port.LOOP, legacy_groups=no_step), devices=2)
     assert kind(result) == 'bookkeeping'
-    assert 'step/step only on the nnx side' in result.verdict.diagnosis
+    assert 'step/step only on the new side' in result.verdict.diagnosis
 
 
 def test_identical_nans_are_non_finite_not_a_zero_difference():
@@ -109,7 +109,7 @@ def test_a_twin_that_changes_the_math_is_refused():
     port = workloads.get('mlp')
     config = RunConfig(workload='mlp', devices=2, steps_per_call=2, calls=1)
     fed, kind = made.make(port, config), kinds.of(port)
-    new = sides.run_nnx(kind, config, fed)
+    new = sides.run_new(kind, config, fed)
     honest, secret = (twin.run_twin(kind, config, fed, 1, lr_scale=s) for s in (1.0, 1.0 + 1e-3))
     assert rule.twin_refusal(new.losses, honest.losses) == ''
     assert rule.twin_refusal(new.losses, secret.losses).startswith('refused: its loss at step 2')

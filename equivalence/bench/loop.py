@@ -40,14 +40,14 @@ class Derived:
     notes: list[str]  # what could not be rebuilt, and why
 
 
-def _pure_call(setup: setups.NnxLoopSetup, plain_dict: bool) -> tuple[Callable, object]:
+def _pure_call(setup: setups.LoopNewSetup, plain_dict: bool) -> tuple[Callable, object]:
     """``(jax.jit(call over the split state), placed state)``: the port's call, traced once."""
     graphdef, state = nnx.split(setup.train_state)
     port, rng_mode = setup.port, setup.config.rng_mode
 
     def pure(state, keys, batch_KxG):
         with randomness.bridged(rng_mode):
-            ts, losses_K = port.nnx_call(nnx.merge(graphdef, state), keys, batch_KxG)
+            ts, losses_K = port.new_call(nnx.merge(graphdef, state), keys, batch_KxG)
         new = nnx.state(ts)
         return (nnx.to_pure_dict(new) if plain_dict else new), losses_K
 

@@ -255,7 +255,7 @@ def loop_variant(port: LoopPort, config: RunConfig, feed: Feed, k: int, name: st
     def call(args: tuple) -> jax.Array:
         before = None if 'state_arrays' in facts else state_arrays(setup.train_state)
         with randomness.bridged(setup.config.rng_mode):
-            setup.train_state, losses_K = port.nnx_call(setup.train_state, *args)
+            setup.train_state, losses_K = port.new_call(setup.train_state, *args)
         if before is not None:  # the first call: donated input buffers are deleted by it
             facts.update(state_arrays=len(before), donated_arrays=sum(a.is_deleted() for a in before))
         return losses_K

@@ -201,5 +201,5 @@ def resume_nnx(port: Port, config: RunConfig, legacy: LegacyRun, nnx_dir: str, s
     prepared = dataclasses.replace(legacy.prepared, config=config)
     restore = restorer(nnx_dir, config, step, key_chain(prepared, config, step))
     inputs = harness.resumed_inputs(prepared.inputs, Resume(step, config, restore), config.steps_per_call)
-    new = sides.run_nnx(prepared.kind, config, inputs, progress or sides.silent)
+    new = sides.run_new(prepared.kind, config, inputs, progress or sides.silent)
     return harness.judgement(prepared.kind, config, legacy.result, new, inputs, step)

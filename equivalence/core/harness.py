@@ -20,7 +20,7 @@ from equivalence.core.run import inputs as made
 from equivalence.core.run import randomness
 from equivalence.core.run.facts import has_batch_stats
 from equivalence.core.run.inputs import Inputs
-from equivalence.core.run.sides import PathResult, Progress, compared, run_legacy, run_nnx, silent
+from equivalence.core.run.sides import PathResult, Progress, compared, run_legacy, run_new, silent
 from equivalence.core.verdict import hints
 from equivalence.core.verdict.judge import RunResult, judged
 from equivalence.core.verdict.outcome import Outcome
@@ -94,11 +94,11 @@ def run(port: Port, config: RunConfig, progress: Progress | None = None, diagnos
         old = run_legacy(kind, config, inputs, progress, saving.after_legacy_call if saving else None)
         resume = saving.resume(prepared, old) if saving else None
         if resume is None:
-            new = run_nnx(kind, config, inputs, progress)
+            new = run_new(kind, config, inputs, progress)
             result = judgement(kind, config, old, new, inputs, diagnose=diagnose)
         else:
             resumed = resumed_inputs(inputs, resume, config.steps_per_call)
-            new = run_nnx(kind, resume.config, resumed, progress)
+            new = run_new(kind, resume.config, resumed, progress)
             result = judgement(kind, resume.config, old, new, resumed, resume.step, diagnose)
             result.config = config
         result.notes += [*(saving.notes if saving else ()), *(resume.notes if resume else ())]
@@ -125,7 +125,8 @@ def judgement(kind: Kind, config: RunConfig, old: PathResult, new: PathResult, i
         old = old.after(resumed_at, config.steps_per_call)
     tree, notes = compared(kind, old, new)
     result = judged(kind, config, old, new, inputs, tree, diagnose)
-    result.programs, result.notes, result.resumed_at = kind.programs(), [*result.notes, *notes], resumed_at
+    result.programs, result.new_side = kind.programs(), kind.new_side()
+    result.notes, result.resumed_at = [*result.notes, *notes], resumed_at
     return result
 
 

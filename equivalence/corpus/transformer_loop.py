@@ -84,8 +84,8 @@ LOOP = LoopPort(
     make_data=tf.make_data,
     legacy_state=linen_state,
     legacy_step=linen_step,
-    nnx_state=nnx_state(tf.make_tx()),
-    nnx_call=nnx_call,
+    new_state=nnx_state(tf.make_tx()),
+    new_call=nnx_call,
     init_args=lambda batch: (batch['x'], False),
     axis_name=AXIS,
     names=tf.NAMES,
@@ -97,7 +97,7 @@ LOOP = LoopPort(
 
 def optimizer_slip(name: str, tx: optax.GradientTransformation) -> LoopPort:
     """The loop port whose NNX side builds its optimizer as ``tx``; linen keeps ``make_tx()``."""
-    return dataclasses.replace(LOOP, name=name, nnx_state=nnx_state(tx))
+    return dataclasses.replace(LOOP, name=name, new_state=nnx_state(tx))
 
 
 ADAM_EPS_SLIP = optimizer_slip('tf-adam-eps', tf.make_tx(eps=1e-8))  # optax's default, not the linen side's 1e-9

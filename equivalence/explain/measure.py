@@ -60,7 +60,7 @@ def measure_nnx(setup: Any, args: tuple) -> PathMeasurement:
 
 
 def measure_nnx_loop(setup: Any, args: tuple) -> PathMeasurement:
-    """``setup``: ``setups.NnxLoopSetup``: the user's call, lowered over its split state."""
+    """``setup``: ``setups.LoopNewSetup``: the user's call, lowered over its split state."""
     fn, state = setup.as_pure_call()
     inputs = (state, *args)
     return measure(NNX_LOOP, fn.lower(*inputs).compile(), inputs, setup.config)

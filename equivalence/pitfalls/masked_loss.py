@@ -92,7 +92,7 @@ def run(devices: int) -> CaseResult:
     valid_last = valid - (devices - 1) * (batch // devices)
     return CaseResult(
         symptom=f'{valid} examples padded to {batch} ({valid_last} of {batch // devices} valid on the last device): '
-        f'step-1 loss {abs(wrong.legacy.losses[0] - wrong.nnx.losses[0]):.1e} off, losses up to '
+        f'step-1 loss {abs(wrong.legacy.losses[0] - wrong.new.losses[0]):.1e} off, losses up to '
         f'{wrong.report.max_abs("losses"):.1e}, params {wrong.report.max_abs("params"):.1e} after {config.steps} steps',
         threshold=f'loss and parameter difference > {DAMAGE:g}',
         damage_shown=min(wrong.report.max_abs('losses'), wrong.report.max_abs('params')) > DAMAGE,

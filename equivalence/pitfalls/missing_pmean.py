@@ -68,7 +68,7 @@ def run(devices: int) -> CaseResult:
     fixed = harness.run(wl, config)  # the suite's pmap step (with pmean) against the NNX reference
     variables, calls, rng = make_inputs(wl, config)
     pstate = run_wrong(wl, config, variables, calls, rng)
-    reference = fixed.nnx.final['params']
+    reference = fixed.new.final['params']
     spread = sides.replica_spread(pstate.params)
     replicas = [convert.flatten(jax.tree.map(lambda x, d=d: np.asarray(x)[d], pstate.params)) for d in range(devices)]
     to_ref = max(max_abs_diff(reference, r) for r in replicas)

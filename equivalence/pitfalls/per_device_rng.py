@@ -37,7 +37,7 @@ def run(devices: int) -> CaseResult:
     kind = kinds.of(wl)
     fed = Inputs(variables, calls, rng, name_mapping(wl, variables))
     legacy = {m: sides.run_legacy(kind, c, fed) for m, c in configs.items()}
-    nnx = {m: sides.run_nnx(kind, c, fed) for m, c in configs.items()}
+    nnx = {m: sides.run_new(kind, c, fed) for m, c in configs.items()}
     reports = {
         (a, b): compare.compare(
             sides.with_losses(legacy[a].final, legacy[a].losses), sides.with_losses(nnx[b].final, nnx[b].losses)

@@ -29,8 +29,8 @@ LOOP = LoopPort(
     make_data=old.make_data,
     legacy_state=lambda v: old.create_train_state(v['params'], v['batch_stats']),
     legacy_step=functools.partial(old.train_step, learning_rate_fn=old.learning_rate_fn),
-    nnx_state=lambda model: (model, new.create_optimizer(model)),
-    nnx_step=lambda ts, batch: new.train_step(*ts, batch),
+    new_state=lambda model: (model, new.create_optimizer(model)),
+    new_step=lambda ts, batch: new.train_step(*ts, batch),
     step_form='state',
     loss='loss',
     init_args=lambda batch: (batch['image'], False),  # ResNet.init(image, train=False)

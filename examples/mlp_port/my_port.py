@@ -52,8 +52,8 @@ LOOP = LoopPort(
     make_data=old.make_data,
     legacy_state=old.create_state,
     legacy_step=old.train_step,
-    nnx_state=nnx_state,
-    nnx_call=nnx_call,
+    new_state=nnx_state,
+    new_call=nnx_call,
     init_args=lambda batch: (batch[0], False),
     axis_name=old.AXIS,
     names={'Dense_0': 'fc1', 'LayerNorm_0': 'norm', 'Dense_1': 'fc2'},
@@ -67,8 +67,8 @@ LOOP = LoopPort(
 LOOP_FAST = dataclasses.replace(
     LOOP,
     name='mlp-port-loop-fast',
-    nnx_state=lambda model: new.split_state(model, nnx.Optimizer(model, new.make_tx(), wrt=nnx.Param)),
-    nnx_call=lambda ts, key, batch_KxG: new.train_calls_fast(ts, key, batch_KxG),
+    new_state=lambda model: new.split_state(model, nnx.Optimizer(model, new.make_tx(), wrt=nnx.Param)),
+    new_call=lambda ts, key, batch_KxG: new.train_calls_fast(ts, key, batch_KxG),
 )
 
 # Two porting slips, each a one-argument change on the NNX side.

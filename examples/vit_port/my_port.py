@@ -43,8 +43,8 @@ LOOP = LoopPort(
     nnx_model=lambda rngs: new.VisionTransformer(rngs=rngs),
     make_data=old.make_data,
     **legacy_port('bfloat16'),
-    nnx_state=lambda model: (model, new.create_optimizer(model, 'bfloat16')),
-    nnx_step=lambda ts, batch, key: new.train_step(*ts, batch, key),
+    new_state=lambda model: (model, new.create_optimizer(model, 'bfloat16')),
+    new_step=lambda ts, batch, key: new.train_step(*ts, batch, key),
     step_form='state_rng',
     init_args=lambda batch: (batch['image'], False),  # VisionTransformer.init(image, train=False)
     names=block_names,
@@ -55,7 +55,7 @@ LOOP_FLOAT32 = dataclasses.replace(
     LOOP,
     name='vit-port-float32',
     **legacy_port(None),
-    nnx_state=lambda model: (model, new.create_optimizer(model, None)),
+    new_state=lambda model: (model, new.create_optimizer(model, None)),
 )
 
 # A porting slip in one encoder block: its MLP's gelu exact, where linen's is the tanh approximation.
@@ -70,7 +70,7 @@ LOOP_GELU_SLIP = dataclasses.replace(LOOP, nnx_model=lambda rngs: new.VisionTran
 LOOP_DEVICE_KEYS = dataclasses.replace(
     LOOP,
     name='vit-port-device-keys',
-    nnx_step=lambda ts, batch, key: new.train_step(
+    new_step=lambda ts, batch, key: new.train_step(
         *ts, batch, jax.random.fold_in(key, jax.typeof(batch['image']).sharding.mesh.size)
     ),
 )

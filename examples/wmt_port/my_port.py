@@ -30,8 +30,8 @@ LOOP = LoopPort(
     legacy_step=functools.partial(
         old.train_step, learning_rate_fn=old.learning_rate_fn, label_smoothing=old.LABEL_SMOOTHING
     ),  # fmt: skip
-    nnx_state=lambda model: (model, new.create_optimizer(model)),
-    nnx_step=lambda ts, batch, key: new.train_step(*ts, batch, key),
+    new_state=lambda model: (model, new.create_optimizer(model)),
+    new_step=lambda ts, batch, key: new.train_step(*ts, batch, key),
     step_form='state_rng',
     rng_arg='dropout_rng',
     loss=lambda m: m['loss'] / m['denominator'],

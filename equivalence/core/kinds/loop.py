@@ -49,7 +49,12 @@ class Loop:
         return new_side.not_compared(setup.train_state)
 
     def loss_names(self) -> tuple[str, str]:
-        return "the pmap step's loss", "the NNX step's loss"
+        return "the pmap step's loss", "the new step's loss"
+
+    def new_side(self) -> str:
+        """What the new side is, as a report names it: NNX where the port has an NNX model, else linen
+        under ``jax.jit`` (its new state built from linen's variables)."""
+        return 'NNX' if self.port.nnx_model is not None else 'linen under jax.jit'
 
     def draws_random_numbers(self) -> None:
         """Unknown: the step is the port's own (its legacy twin is judged by its losses)."""
@@ -98,7 +103,7 @@ class FusedLoop(Loop):
         return adapters.wrapped_notes(self.port)
 
     def programs(self) -> tuple[str, str]:
-        return 'pmap(scan)', 'NNX sharded scan'
+        return 'pmap(scan)', 'NNX sharded scan' if self.port.nnx_model is not None else 'sharded scan (linen, jax.jit)'
 
     def key_draws_per_call(self, config: RunConfig) -> int:
         return 1

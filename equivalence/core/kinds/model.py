@@ -62,6 +62,10 @@ class Model:
     def programs(self) -> tuple[str, str]:
         return 'pmap(scan)', 'NNX sharded scan'
 
+    def new_side(self) -> str:
+        """What the new side is, as a report names it: the suite's own NNX loop."""
+        return 'NNX'
+
     def loss_names(self) -> tuple[str, str]:
         return tuple(getattr(f, '__qualname__', repr(f)) for f in (self.port.legacy_loss, self.port.nnx_loss))
 

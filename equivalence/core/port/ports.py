@@ -18,7 +18,7 @@ import dataclasses
 import functools
 import importlib
 import logging
-import operator
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -93,7 +93,8 @@ class LoopPort:
     other metrics are compared as a group of their own.
 
     The new side's fields were named ``nnx_state``, ``nnx_call``, ``nnx_step`` and ``nnx_groups``
-    when it had to be NNX; those names still work, as arguments and as attributes (``ALIASES``).
+    when it had to be NNX; those names still work, as arguments and as attributes, with a
+    ``DeprecationWarning`` that names the new field (``ALIASES``).
     """
 
     name: str
@@ -128,10 +129,19 @@ class LoopPort:
         port_fields.check(self)
 
 
-# The new side's fields under the names they had when it had to be NNX: accepted as arguments (the
+# The new side's fields under the names they had when it had to be NNX: still accepted as arguments (the
 # one given wins over its new name, so ``dataclasses.replace(port, nnx_state=...)`` works) and read as
-# attributes. ``dataclasses.replace`` copies only the fields, so the old names never shadow a new value.
+# attributes, each with a ``DeprecationWarning`` naming the new field. ``dataclasses.replace`` copies only
+# the fields, so the old names never shadow a new value.
 ALIASES = {'nnx_state': 'new_state', 'nnx_call': 'new_call', 'nnx_groups': 'new_groups', 'nnx_step': 'new_step'}
+
+
+def _deprecated(old: str, new: str, stacklevel: int) -> None:
+    warnings.warn(
+        f'LoopPort field {old} is now {new} (the new side need not be NNX): use {new}=',
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
 
 
 def _accepting_aliases(init: Callable) -> Callable:
@@ -139,15 +149,24 @@ def _accepting_aliases(init: Callable) -> Callable:
     def __init__(self, *args, **kwargs):
         for old, new in ALIASES.items():
             if old in kwargs:
+                _deprecated(old, new, 3)
                 kwargs[new] = kwargs.pop(old)
         init(self, *args, **kwargs)
 
     return __init__
 
 
+def _alias(old: str, new: str) -> property:
+    def read(self):
+        _deprecated(old, new, 3)
+        return getattr(self, new)
+
+    return property(read, doc=f'{new}, under its former name (deprecated)')
+
+
 LoopPort.__init__ = _accepting_aliases(LoopPort.__init__)
 for _old, _new in ALIASES.items():
-    setattr(LoopPort, _old, property(operator.attrgetter(_new), doc=f'{_new}, under its former name'))
+    setattr(LoopPort, _old, _alias(_old, _new))
 
 
 Port = ModelPort | LoopPort

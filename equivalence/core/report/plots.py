@@ -86,7 +86,7 @@ def location_figure(location, title: str) -> Figure:
             [i], [shown[i]], 'o', ms=14, mfc='none', color='tab:red', label=f'first that parts: {modules[i].legacy}'
         )
     ax.set_xticks(x, [m.legacy for m in modules], rotation=60, ha='right', fontsize=7)
-    place = f'where: {location.kind}' + (f' at {location.legacy} ↔ {location.nnx}' if location.legacy else '')
+    place = f'where: {location.kind}' + (f' at {location.legacy} ↔ {location.new}' if location.legacy else '')
     ax.set(
         title=f'{title}\n{place}',
         ylabel='output difference / allowed',
@@ -105,7 +105,7 @@ def write(result, directory: str) -> list[str]:
     first = getattr(result, 'resumed_at', 0) + 1  # NNX resumed from a checkpoint: the steps after it
     figures = {
         'losses.png': losses_figure(
-            result.legacy.losses, result.nnx.losses, c.steps_per_call, f'Per-step loss, both paths ({where})', first
+            result.legacy.losses, result.new.losses, c.steps_per_call, f'Per-step loss, both paths ({where})', first
         ),
         'divergence.png': divergence_figure(
             result.param_divergence(), c.steps_per_call, tol.atol, tol.rtol, f'Parameter divergence ({where})', first

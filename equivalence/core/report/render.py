@@ -23,19 +23,20 @@ def header(result: RunResult, backend: str) -> str:
 
 def placement_lines(result: RunResult) -> list[str]:
     """The NNX side's strategy: its mesh, how many parameters it split, and every one it kept whole."""
-    c, decisions = result.config, result.nnx.placement
+    c, decisions = result.config, result.new.placement
     if c.strategy == 'dp' or not decisions:
         return []
     split = [d for d in decisions if any(a is not None for a in d.spec)]
-    lines = [f'strategy {c.strategy} on mesh {result.nnx.mesh}: {len(split)} of {len(decisions)} '
+    lines = [f'strategy {c.strategy} on mesh {result.new.mesh}: {len(split)} of {len(decisions)} '
              'parameters and statistics split, the rest replicated']  # fmt: skip
     lines += [f'  kept whole: {d.path} {list(d.shape)}: {d.note}' for d in decisions if d.note]
     return [*lines, '']
 
 
 def loss_table(result: RunResult) -> list[str]:
-    rows = [f'{"step":>5}  {"legacy pmap loss":>17}  {"nnx sharded loss":>17}  {"|diff|":>9}']
-    for i, (a, b) in enumerate(zip(result.legacy.losses, result.nnx.losses, strict=True), start=result.resumed_at + 1):
+    new = 'nnx sharded loss' if result.new_side == 'NNX' else 'jit sharded loss'
+    rows = [f'{"step":>5}  {"legacy pmap loss":>17}  {new:>17}  {"|diff|":>9}']
+    for i, (a, b) in enumerate(zip(result.legacy.losses, result.new.losses, strict=True), start=result.resumed_at + 1):
         rows.append(f'{i:>5}  {a:>17.9f}  {b:>17.9f}  {abs(float(a) - float(b)):>9.2e}')
     return rows
 
@@ -91,7 +92,7 @@ def _flag(leaf) -> str:
 def accuracy_line(result: RunResult) -> list[str]:
     if result.legacy.eval_accuracy is None:
         return []
-    a, b = result.legacy.eval_accuracy, result.nnx.eval_accuracy
+    a, b = result.legacy.eval_accuracy, result.new.eval_accuracy
     return [f'held-out accuracy (running averages, no dropout): legacy pmap {a:.4f}, nnx sharded {b:.4f}', '']
 
 
@@ -156,6 +157,7 @@ def to_json(result: RunResult, versions: dict[str, str]) -> dict:
     return {
         'match': result.outcome is Outcome.MATCH,
         'outcome': result.outcome.label,
+        'new_side': result.new_side,
         'workload': c.workload,
         'devices': c.devices,
         'steps': c.steps,
@@ -166,13 +168,13 @@ def to_json(result: RunResult, versions: dict[str, str]) -> dict:
         'rng_mode': c.rng_mode,
         'perturb': c.perturb,
         'strategy': c.strategy,
-        'mesh': result.nnx.mesh,
+        'mesh': result.new.mesh,
         'nnx_form': c.nnx_form,
-        'placement': [{'path': d.path, 'spec': [a for a in d.spec], 'note': d.note} for d in result.nnx.placement],
+        'placement': [{'path': d.path, 'spec': [a for a in d.spec], 'note': d.note} for d in result.new.placement],
         'resumed_at': result.resumed_at,
         'notes': result.notes,
-        'losses': {'legacy': _floats(result.legacy.losses), 'nnx': _floats(result.nnx.losses)},
-        'eval_accuracy': {'legacy': result.legacy.eval_accuracy, 'nnx': result.nnx.eval_accuracy},
+        'losses': {'legacy': _floats(result.legacy.losses), 'new': _floats(result.new.losses)},
+        'eval_accuracy': {'legacy': result.legacy.eval_accuracy, 'new': result.new.eval_accuracy},
         'max_abs_diff': {g: _num(r.max_abs(g)) for g in GROUPS},
         'param_divergence_per_call': result.param_divergence(),
         'tolerance': {'rtol': r.tolerance.rtol, 'atol': r.tolerance.atol, 'reason': r.tolerance.reason},

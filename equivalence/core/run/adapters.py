@@ -74,7 +74,7 @@ def programs(port: LoopPort) -> tuple[str, str]:
     a new side with no NNX model (linen under ``jax.jit``) is not called NNX."""
     legacy_run = 'pmap(step) x K' if legacy_loop(port) == 'steps' else 'pmap(scan)'
     new_run = 'new_step x K' if port.new_step is not None else 'sharded scan'
-    return legacy_run, f'NNX {new_run}' if port.nnx_model is not None else f'{new_run} (no NNX model)'
+    return legacy_run, f'NNX {new_run}' if port.nnx_model is not None else f'{new_run} (linen, jax.jit)'
 
 
 def describe(port: LoopPort) -> str:
@@ -83,7 +83,8 @@ def describe(port: LoopPort) -> str:
     run = 'pmap(step) called K times per call' if legacy_loop(port) == 'steps' else 'pmap(scan(step))'
     nnx_run = 'new_step called K times per call' if port.new_step is not None else 'new_call, K steps per call'
     loss = 'the output' if port.loss is None else (repr(port.loss) if isinstance(port.loss, str) else 'loss=function')
-    return f'loop port: step{form[port.step_form]} as {run}; NNX {nnx_run}; loss read from {loss}'
+    new = 'NNX' if port.nnx_model is not None else 'linen under jax.jit'
+    return f'loop port: step{form[port.step_form]} as {run}; {new} {nnx_run}; loss read from {loss}'
 
 
 # -- reading what a step returns ---------------------------------------------------------------

@@ -100,7 +100,7 @@ def refusal(run: Draws, twin: Draws) -> str:
         return ''
     missing, extra = sum((run - twin).values()), sum((twin - run).values())
     return (
-        f'refused: it draws other random numbers than the NNX run ({missing} of {sum(run.values())} draws of the '
-        f'first call not drawn by the twin, {extra} drawn only by it): its spread would be randomness, not the '
+        f"refused: it draws other random numbers than the new side's run ({missing} of {sum(run.values())} draws "
+        f'of the first call not drawn by the twin, {extra} drawn only by it): its spread would be randomness, not the '
         'order of sums (a step that derives its keys from the mesh size or the device count does this)'
     )

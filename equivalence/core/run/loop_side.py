@@ -14,7 +14,7 @@ from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort
 from equivalence.core.run import adapters, randomness
 from equivalence.core.run.facts import model_holding
-from equivalence.core.run.setups import LegacySetup, NnxLoopSetup, nnx_mesh, twin_placed_inputs
+from equivalence.core.run.setups import LegacySetup, LoopNewSetup, nnx_mesh, twin_placed_inputs
 from equivalence.distributed import rows
 from legacy_pmap import train as legacy
 from nnx_sharded import sharding
@@ -42,13 +42,13 @@ def new_train_state(port: LoopPort, variables: dict, mapping: dict, mesh) -> Any
     return sharding.place_objects(port.new_state(new_source(port, variables, mapping)), mesh)
 
 
-def new_setup(port: LoopPort, config: RunConfig, variables: dict, mapping: dict) -> NnxLoopSetup:
+def new_setup(port: LoopPort, config: RunConfig, variables: dict, mapping: dict) -> LoopNewSetup:
     mesh = nnx_mesh(config)
-    return NnxLoopSetup(port, new_train_state(port, variables, mapping, mesh), mesh, config)
+    return LoopNewSetup(port, new_train_state(port, variables, mapping, mesh), mesh, config)
 
 
 @dataclasses.dataclass
-class TwinLoopSetup(NnxLoopSetup):
+class TwinLoopSetup(LoopNewSetup):
     """A loop port's twin: the user's own fused call on the twin mesh, keys of the checked run."""
 
     def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:

@@ -170,7 +170,7 @@ class NnxGraphSetup:
 
 
 @dataclasses.dataclass
-class NnxLoopSetup:
+class LoopNewSetup:
     """A loop port's NNX side: the user's fused call over the user's train state."""
 
     port: LoopPort

@@ -1,4 +1,4 @@
-"""Each side run call by call from the same seed and data (``run_legacy``, ``run_nnx``), and what of
+"""Each side run call by call from the same seed and data (``run_legacy``, ``run_new``), and what of
 their results is compared (``compared``). The setups come from the port's kind (``core.port.kind.Kind``:
 ``kind.legacy_setup``, ``kind.new_setup``), which is handed in, never asked of the port's class here.
 """
@@ -41,7 +41,7 @@ class PathResult:
         return dataclasses.replace(self, losses=self.losses[step:], params_per_call=per_call, metrics=cut)
 
 
-Progress = Callable[[str], None]  # called with 'legacy' or 'nnx' after each compiled call
+Progress = Callable[[str], None]  # called with 'legacy' or 'new' after each compiled call
 AfterCall = Callable[[Any, int, jax.Array], None]  # (setup, calls done, host key chain for the next call)
 
 
@@ -82,14 +82,14 @@ def run_legacy(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, a
     return result
 
 
-def run_nnx(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, after_call=None) -> PathResult:
+def run_new(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, after_call=None) -> PathResult:
     """The sharded path. With ``inputs.restore(setup) -> rng`` (``--resume-at``) a checkpoint is loaded
     into the setup, which returns its key chain: ``inputs.calls`` are then the ones after the checkpoint."""
     port, calls, rng = kind.port, inputs.calls, inputs.rng
     setup = kind.new_setup(config, inputs)
     if inputs.restore is not None:
         rng = inputs.restore(setup)
-    losses, per_call = run_calls(setup, calls, rng, None, progress, 'nnx', after_call)
+    losses, per_call = run_calls(setup, calls, rng, None, progress, 'new', after_call)
     raw = {NnxSetup: lambda: (setup.graphdef, setup.state), NnxGraphSetup: lambda: setup.ts}
     result = PathResult(setup.neutral(), losses, per_call, raw.get(type(setup), lambda: setup.train_state)())
     result.placement, result.mesh = getattr(setup, 'decisions', []), dict(setup.mesh.shape)
@@ -142,6 +142,6 @@ def compared(kind: Kind, old: PathResult, new: PathResult) -> tuple[Callable[[Pa
         return states.without(full(path), 'step') if notes else full(path)
 
     lines = [*kind.described(), *old.notes, *new.notes, *notes, *randomness.take_unbridged()]
-    lines += [f'not compared: metrics/{p}: only the {"pmap" if p in old.metrics else "NNX"} step reports it'
+    lines += [f'not compared: metrics/{p}: only the {"pmap" if p in old.metrics else "new"} step reports it'
               for p in one_side]  # fmt: skip
     return tree, list(dict.fromkeys(lines))

@@ -75,7 +75,7 @@ def legacy_setup(port: LoopPort, config: RunConfig, variables: dict) -> StepLega
 
 
 @dataclasses.dataclass
-class StepNnxSetup(setups.NnxLoopSetup):
+class StepNewSetup(setups.LoopNewSetup):
     """The NNX side of a loop port with a real step: the user's fused call, or their one step K times."""
 
     metrics: list = dataclasses.field(default_factory=list)
@@ -137,6 +137,6 @@ def pinned(port: LoopPort, mesh, error: ValueError) -> ConfigError:
     )
 
 
-def new_setup(port: LoopPort, config: RunConfig, source: Any, mesh) -> StepNnxSetup:
+def new_setup(port: LoopPort, config: RunConfig, source: Any, mesh) -> StepNewSetup:
     """``source``: what ``new_state`` takes (``loop_side.new_source``: the NNX model, or linen's variables)."""
-    return StepNnxSetup(port, sharding.place_objects(port.new_state(source), mesh), mesh, config)
+    return StepNewSetup(port, sharding.place_objects(port.new_state(source), mesh), mesh, config)

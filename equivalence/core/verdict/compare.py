@@ -24,7 +24,7 @@ class LeafDiff:
     floor_from: str = ''  # ... or 'legacy' where max |legacy - legacy twin| was larger and set it
     limit: float | None = None  # the max |nnx - legacy| allowed: FloorRule.limit
     noise_dominated: bool = False  # the floor itself is large: the final value cannot verify this leaf
-    one_sided: str = ''  # 'legacy' or 'nnx' when the leaf exists on that side only
+    one_sided: str = ''  # 'legacy' or 'new' when the leaf exists on that side only
 
     @property
     def name(self) -> str:
@@ -83,7 +83,7 @@ def compare(ref: Neutral, other: Neutral, tol: Tolerance = FLOAT32_REDUCTION_ORD
         a, b = ref.get(group, {}), other.get(group, {})
         for path in sorted(set(a) | set(b)):
             if path not in a or path not in b:
-                leaves.append(one_sided(group, path, 'legacy' if path in a else 'nnx'))
+                leaves.append(one_sided(group, path, 'legacy' if path in a else 'new'))
             else:
                 leaves.append(compare_leaf(group, path, a[path], b[path], tol))
     return Report(leaves, tol)
@@ -202,7 +202,7 @@ def nonfinite_note(ref: np.ndarray, other: np.ndarray) -> str:
     a, b = ~np.isfinite(ref), ~np.isfinite(other)
     if np.array_equal(a, b) and np.array_equal(ref[a], other[b], equal_nan=True):
         return f'non-finite on both sides alike ({int(a.sum()):,} elements)'
-    sides = [s for s, m in (('legacy', a), ('nnx', b)) if m.any()]
+    sides = [s for s, m in (('legacy', a), ('new', b)) if m.any()]
     return f'non-finite on the {" and ".join(sides)} side' if sides else 'non-finite in the twin'
 
 
@@ -224,7 +224,7 @@ def compare_to_floor(
         a, b, t, r = ref.get(group, {}), other.get(group, {}), twin.get(group, {}), (ref_twin or {}).get(group, {})
         for path in sorted(set(a) | set(b)):
             if path not in a or path not in b:
-                leaves.append(one_sided(group, path, 'legacy' if path in a else 'nnx'))
+                leaves.append(one_sided(group, path, 'legacy' if path in a else 'new'))
                 continue
             fed_by = fed.get(path) if group in ('params', 'ema') else None
             begin = (start or {}).get(path) if fed_by is not None else None

@@ -49,7 +49,7 @@ class Recorder:
 
 
 def grads(recorder: Recorder) -> dict[str, dict]:
-    """``{'legacy', 'nnx', 'twin'}`` -> the first gradient by NNX path (the twin's: NNX's without a
+    """``{'legacy', 'new', 'twin'}`` -> the first gradient by NNX path (the twin's: NNX's without a
     twin), as each optimizer was given it. Where the recorded steps cannot run, the plain probe's
     (``probe.first_steps``): the location then says why it has none, and the verdict is as it was."""
     kind, config, inputs = recorder.kind, recorder.config, recorder.inputs
@@ -58,15 +58,15 @@ def grads(recorder: Recorder) -> dict[str, dict]:
     except Exception:  # noqa: BLE001 -- a port's own error raises again below, as it always did
         twin_setup = kind.twin_setup(config, inputs, recorder.twin) if recorder.twin else None
         steps = probe.first_steps(kind, config, inputs, twin_setup)
-        return {side: steps[side].grads for side in ('legacy', 'nnx', 'twin')}
-    found = {side: recorded_grads(raw, side, inputs.mapping) for side in ('legacy', 'nnx', 'twin')}
-    return {**found, 'twin': found['twin'] or found['nnx']}
+        return {side: steps[side].grads for side in ('legacy', 'new', 'twin')}
+    found = {side: recorded_grads(raw, side, inputs.mapping) for side in ('legacy', 'new', 'twin')}
+    return {**found, 'twin': found['twin'] or found['new']}
 
 
 def grads_report(recorder: Recorder) -> compare.Report:
     """The first step's gradients of both sides, held to the floor of the twin's (0 without one)."""
     got = grads(recorder)
-    ref, other, floor = (rule.first_step_tree(grads=got[s]) for s in ('legacy', 'nnx', 'twin'))
+    ref, other, floor = (rule.first_step_tree(grads=got[s]) for s in ('legacy', 'new', 'twin'))
     return compare.compare_to_floor(ref, other, floor, MEASURED_FLOOR)
 
 
@@ -80,7 +80,7 @@ def deterministic_rerun_matches(kind: Kind, config: RunConfig, inputs: Inputs, r
     one, first = dataclasses.replace(config, calls=1), dataclasses.replace(inputs, calls=inputs.calls[:1])
     with randomness.dropout_off():
         old = sides.run_legacy(kind, one, first)
-        new = sides.run_nnx(kind, one, first)
+        new = sides.run_new(kind, one, first)
     leaf = next((x for x in report.leaves if x.name == 'first_step/loss'), None)
     limit = leaf.limit if leaf is not None and leaf.limit is not None else 0.0
     allowed = max(limit, MEASURED_FLOOR.min_ulps * compare.spacing32(float(old.losses[0])))

@@ -61,7 +61,7 @@ class _Session:
     """What is being recorded: one side at a time; the values arrive on JAX's callback threads."""
 
     def __init__(self):
-        self.side: str | None = None  # 'legacy', 'nnx' or 'twin' while a run is recorded; None: nothing
+        self.side: str | None = None  # 'legacy', 'new' or 'twin' while a run is recorded; None: nothing
         self.axis: str | None = None  # the legacy side's pmap axis: each device's rows are recorded
         self.mesh = None  # NNX: values are gathered onto this mesh before they leave
         self.raw: dict = {}  # side -> label -> (class, order, names, [(device, inputs, outputs)]), then Record
@@ -290,7 +290,7 @@ def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, n_twin: twin.Twin
     axis = kind.axis_name
     runs = {
         'legacy': (axis, None, lambda: sides.run_legacy(recording, one, fed)),
-        'nnx': (None, setups.nnx_mesh(one), lambda: sides.run_nnx(recording, one, fed)),
+        'new': (None, setups.nnx_mesh(one), lambda: sides.run_new(recording, one, fed)),
     }
     rows = None
     if n_twin:

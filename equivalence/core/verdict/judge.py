@@ -152,8 +152,8 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
         rerun = first_step.deterministic_rerun_matches(kind, config, inputs, report)
         done = [*done, f'deterministic re-run (dropout off) {"matches" if rerun else "differs"}']
     nonfinite = rule.nonfinite_line(
-        {'legacy': old.losses, 'nnx': new.losses},
-        {'legacy': old.final, 'nnx': new.final},
+        {'legacy': old.losses, 'new': new.losses},
+        {'legacy': old.final, 'new': new.final},
         first_step.data_nonfinite(inputs.whole_calls),
     )
     no_floor = twin_text if report.floor is None else ''
@@ -166,12 +166,13 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
 class RunResult:
     config: RunConfig
     legacy: PathResult
-    nnx: PathResult
+    new: PathResult
     report: compare.Report
     resumed_at: int = 0  # NNX resumed from a checkpoint of this step: losses and divergence cover the steps after it
     notes: list[str] = dataclasses.field(default_factory=list)  # lines the report prints under its header
     verdict: Any = None  # rule.Verdict: what was measured and, on MISMATCH, the diagnosis (judge)
     programs: tuple[str, str] = ('pmap(scan)', 'NNX sharded scan')  # how each side ran its K steps (header)
+    new_side: str = 'NNX'  # what the new side is: 'NNX', or 'linen under jax.jit' (kind.new_side)
 
     @property
     def outcome(self) -> Outcome:
@@ -180,7 +181,7 @@ class RunResult:
 
     def param_divergence(self) -> list[float]:
         """Max |nnx - legacy| over all parameters, after each call."""
-        pairs = zip(self.legacy.params_per_call, self.nnx.params_per_call, strict=True)
+        pairs = zip(self.legacy.params_per_call, self.new.params_per_call, strict=True)
         return [max(float(np.abs(a[k] - b[k]).max()) for k in a) for a, b in pairs]
 
 

@@ -51,7 +51,7 @@ def judge_step(
     """The first place the recorded first steps part (``results`` and ``raw`` of ``intercept.first_steps``);
     ``at`` > 1: the records of step ``at`` (its last) and the state after it, ``start`` the pmap side's
     parameters before it (NNX paths; nothing parted before it)."""
-    paired = pairs(raw.get('legacy', {}), raw.get('nnx', {}), mapping, port_kind.port.names)
+    paired = pairs(raw.get('legacy', {}), raw.get('new', {}), mapping, port_kind.port.names)
     modules = stages.modules_of(raw, paired) if paired else []
     step = stages.Step(port_kind, results, raw, mapping, variables, modules, paired, at, start)
     notes = _notes(port_kind, raw, paired, 'twin' in results)
@@ -107,15 +107,15 @@ class Note(NamedTuple):
 def _notes(port_kind: Kind, raw: dict, paired: dict, twin_ran: bool) -> list[Note]:
     """What was not paired or not observed, and why."""
     notes = []
-    calls = {side: [label for label in raw.get(side, {}) if label not in NOT_MODULES] for side in ('legacy', 'nnx')}
-    for side, what in (('legacy', 'the pmap step called no linen'), ('nnx', 'the NNX step called no NNX')):
+    calls = {side: [label for label in raw.get(side, {}) if label not in NOT_MODULES] for side in ('legacy', 'new')}
+    for side, what in (('legacy', 'the pmap step called no linen'), ('new', 'the new step called no flax')):
         if not calls[side]:
             text = f'not observed: {what} module the suite could intercept (an opaque or precompiled function, or '
             notes.append(Note(UNOBSERVED, text + 'no flax module): its forward pass is not localised'))
     left = [label for label in calls['legacy'] if label not in paired]
-    if calls['legacy'] and calls['nnx'] and left:
+    if calls['legacy'] and calls['new'] and left:
         shown = ', '.join(label or ROOT for label in left[:4]) + (f' and {len(left) - 4} more' if len(left) > 4 else '')
-        notes.append(Note(UNPAIRED, f'{len(paired)} of {len(calls["legacy"])} linen module calls paired with NNX '
+        notes.append(Note(UNPAIRED, f'{len(paired)} of {len(calls["legacy"])} linen module calls paired with new '
                           f'ones ({len(calls["nnx"])} recorded); not paired: {shown}'))  # fmt: skip
     if not twin_ran:
         text = 'no twin in this process: each value is held to 8 float32 spacings of its largest value'
@@ -156,7 +156,7 @@ def locate(port_kind: Kind, config: RunConfig, inputs: Inputs, recorder: Recorde
 
 def _first_parting(results: dict, steps: int) -> int | None:
     """The first step (1-based) after which the parameters part, each held to its floor; None: none."""
-    sides = [results.get(side) or results['nnx'] for side in ('legacy', 'nnx', 'twin')]
+    sides = [results.get(side) or results['new'] for side in ('legacy', 'new', 'twin')]
     for j in range(steps):
         if any(not leaf.ok for leaf in stages.held(*(r.params_per_call[j] for r in sides)).values()):
             return j + 1

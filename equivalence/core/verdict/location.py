@@ -14,7 +14,7 @@ class Module:
     """One paired module call, in the order the pmap side's calls finished."""
 
     legacy: str
-    nnx: str
+    new: str
     cls: str
     input_diff: float  # max |nnx - legacy| over its array inputs (the worst against what it was allowed)
     input_allowed: float | None
@@ -37,7 +37,7 @@ class Location:
 
     kind: str
     legacy: str
-    nnx: str
+    new: str
     figures: str
     modules: tuple[Module, ...] = ()
     first: int | None = None  # the index in ``modules`` of the first call that parts
@@ -46,7 +46,7 @@ class Location:
     def line(self) -> str:
         if self.kind in ('none', 'unlocated'):
             return f'where: {self.kind}: {self.figures}'
-        return f'where: {self.kind} at {self.legacy} ↔ {self.nnx}: {self.figures}'
+        return f'where: {self.kind} at {self.legacy} ↔ {self.new}: {self.figures}'
 
     def lines(self) -> list[str]:
         return [self.line(), *(f'  {note}' for note in self.notes)]
@@ -55,7 +55,7 @@ class Location:
         return {
             'kind': self.kind,
             'legacy': self.legacy,
-            'nnx': self.nnx,
+            'new': self.new,
             'figures': self.figures,
             'first_module': self.first,
             'notes': list(self.notes),

@@ -68,7 +68,7 @@ def trees(raw: dict, paired: dict[str, str]) -> tuple[dict, dict, dict]:
     inputs as far as both sides passed arrays, every output (one on one side only parts)."""
     out = ({}, {}, {})
     for old, new in paired.items():
-        a, b, t = raw['legacy'][old], raw['nnx'][new], raw.get('twin', {}).get(new)
+        a, b, t = raw['legacy'][old], raw['new'][new], raw.get('twin', {}).get(new)
         for which, tag in ((0, 'in'), (1, 'out')):
             n_a, n_b = len(a.values[0][which]), len(b.values[0][which])
             n_t = len(t.values[0][which]) if t is not None else 0

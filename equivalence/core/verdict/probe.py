@@ -102,13 +102,13 @@ def probe_config(config: RunConfig) -> RunConfig:
 
 
 def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, twin_setup=None) -> dict:
-    """``{'legacy', 'nnx', 'twin'}`` -> ``FirstStep`` of a model port (``kind.suite_loops``); ``twin_setup``
+    """``{'legacy', 'new', 'twin'}`` -> ``FirstStep`` of a model port (``kind.suite_loops``); ``twin_setup``
     is a fresh twin (``kind.twin_setup``); without one, 'twin' is the NNX side's own step (a floor of 0:
     only the ulp minimum applies)."""
     port, variables, calls, rng, mapping = kind.port, inputs.variables, inputs.calls, inputs.rng, inputs.mapping
     checked = nnx_first_step(kind.new_setup(probe_config(config), inputs), port, calls[0], rng)
     return {
         'legacy': legacy_first_step(port, config, variables, calls[0], rng, mapping),
-        'nnx': checked,
+        'new': checked,
         'twin': nnx_first_step(twin_setup, port, calls[0], rng) if twin_setup is not None else checked,
     }

@@ -119,7 +119,7 @@ def ulps(a: float, b: float) -> float:
     return abs(a - b) / spacing32(max(abs(a), abs(b)) or 1.0)
 
 
-def twin_refusal(nnx_losses: np.ndarray, twin_losses: np.ndarray, side: str = 'NNX') -> str:
+def twin_refusal(nnx_losses: np.ndarray, twin_losses: np.ndarray, side: str = 'new') -> str:
     """'' when the twin computes what the ``side`` run (NNX, or legacy for a legacy twin) computes;
     else why it is refused as a floor."""
     for k in range(min(2, len(nnx_losses))):
@@ -147,7 +147,7 @@ def twin_reordered_nothing(nnx_final: compare.Neutral, twin_final: compare.Neutr
         if p in twin_final.get(g, {}) and compare.is_float(np.asarray(a).dtype)
     ]
     if pairs and all(np.array_equal(a, b) for a, b in pairs):
-        return "refused: it ended in bitwise the NNX run's state: it summed the gradients in the same order, no floor"
+        return "refused: it ended in bitwise the new side's state: it summed the gradients in the same order, no floor"
     return ''
 
 

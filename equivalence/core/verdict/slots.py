@@ -80,7 +80,7 @@ def slot_names(slots: dict, params: dict) -> dict[str, list[str]]:
 def _moments(step: Step, params: dict, slots: dict) -> dict:
     """Slot -> ``implied.moments`` for each first or second moment (``mu``, ``trace``, ``nu``) that parts."""
     p0 = step.before()
-    ends = [step.final(side, 'opt_state') for side in ('legacy', 'nnx')]
+    ends = [step.final(side, 'opt_state') for side in ('legacy', 'new')]
     read = {}
     for slot, paths in slot_names(slots, params).items():
         kind = slot.rpartition('/')[2]
@@ -96,7 +96,7 @@ def _moments(step: Step, params: dict, slots: dict) -> dict:
 def implied_update(step: Step) -> str:
     """``implied.update`` on every parameter both sides hold, and any learning rate the state exposes."""
     start = step.before()
-    ends = [step.final(side, 'params') for side in ('legacy', 'nnx')]
+    ends = [step.final(side, 'params') for side in ('legacy', 'new')]
     keys = [k for k in start if all(k in e for e in ends)]
     if not keys:
         return 'nothing (no parameter is held by both sides)'
@@ -109,7 +109,7 @@ def implied_update(step: Step) -> str:
     g = cat(grads) / scale if all(k in grads for k in keys) else None
     text = implied.update(p0, cat(ends[0]) - p0, cat(ends[1]) - p0, g, scale != 1.0)
     rates = [
-        {k: v for k, v in step.final(side, 'opt_state').items() if 'learning_rate' in k} for side in ('legacy', 'nnx')
+        {k: v for k, v in step.final(side, 'opt_state').items() if 'learning_rate' in k} for side in ('legacy', 'new')
     ]
     shown = [f'{k} pmap {float(np.ravel(v)[0]):.6g}, NNX {float(np.ravel(rates[1][k])[0]):.6g}'
              for k, v in rates[0].items() if k in rates[1]]  # fmt: skip
@@ -119,6 +119,6 @@ def implied_update(step: Step) -> str:
 def update_is_zero(step: Step) -> bool:
     """Whether the pmap side's update moved no parameter both sides hold (a learning rate of 0 at this step)."""
     start = step.before()
-    ends = [step.final(side, 'params') for side in ('legacy', 'nnx')]
+    ends = [step.final(side, 'params') for side in ('legacy', 'new')]
     keys = [k for k in start if all(k in e for e in ends)]
     return bool(keys) and all(np.array_equal(np.asarray(ends[0][k]), np.asarray(start[k])) for k in keys)

@@ -71,15 +71,15 @@ class Step:
         return {new: old for old, new in self.mapping.items()}
 
     def final(self, side: str, group: str) -> dict:
-        result = self.results.get(side) or self.results['nnx']
+        result = self.results.get(side) or self.results['new']
         return result.final.get(group) or {}
 
     def held(self, group: str) -> dict[str, compare.LeafDiff]:
-        return held(self.final('legacy', group), self.final('nnx', group), self.final('twin', group))
+        return held(self.final('legacy', group), self.final('new', group), self.final('twin', group))
 
     def order(self, path: str) -> int:
         """When NNX module ``path``, or the one holding it, finished its first call (last when none)."""
-        done = {label: r.order for label, r in self.raw.get('nnx', {}).items() if '#' not in label}
+        done = {label: r.order for label, r in self.raw.get('new', {}).items() if '#' not in label}
         owners = [p for p in done if p not in NOT_MODULES and (not p or path == p or path.startswith(p + '/'))]
         return done[max(owners, key=len)] if owners else 1 << 30
 
@@ -107,7 +107,7 @@ def _fed(step: Step, i: int, m: Module) -> Location:
     return Location(
         'between',
         f'{before.legacy if before else "(the inputs)"} → {m.legacy}',
-        f'{before.nnx if before else "(the inputs)"} → {m.nnx}',
+        f'{before.new if before else "(the inputs)"} → {m.new}',
         f'everything before agrees; the input of {m.legacy} is {sci(m.input_diff)} apart (allowed '
         f'{sci(m.input_allowed)}): the code{f" after {before.legacy}" if before else ""} that feeds it differs '
         f'({what})',
@@ -120,7 +120,7 @@ def settings_differ(step: Step, m: Module) -> str:
     ``; its settings differ: epsilon 1e-06 ↔ 1e-05``."""
     legacy_label = '' if m.legacy == ROOT else m.legacy
     nnx_label = step.paired.get(legacy_label, '')
-    records = [step.raw.get('legacy', {}).get(legacy_label), step.raw.get('nnx', {}).get(nnx_label)]
+    records = [step.raw.get('legacy', {}).get(legacy_label), step.raw.get('new', {}).get(nnx_label)]
     if records[0] is None or records[1] is None:
         return ''
     a, b = (dict(r.settings) for r in records)
@@ -136,20 +136,20 @@ def _parted(step: Step, i: int, m: Module) -> Location:
     said = settings_differ(step, m)
     if 'Dropout' in m.cls:
         return Location(
-            'randomness', m.legacy, m.nnx, f'{inputs}, {apart}: the two sides draw other masks{said}', first=i
+            'randomness', m.legacy, m.new, f'{inputs}, {apart}: the two sides draw other masks{said}', first=i
         )
     if inside:
         what = 'the attention weights (scale, mask, softmax, dropout)' if 'Attention' in m.cls else BETWEEN
         return Location(
-            'between', f'{m.legacy} (inside)', f'{m.nnx} (inside)',
+            'between', f'{m.legacy} (inside)', f'{m.new} (inside)',
             f'{inputs} and its {len(inside)} submodule call(s) agree, {apart}: {what}{said}', first=i,
         )  # fmt: skip
-    return Location('module', m.legacy, m.nnx, f'{inputs}, {apart}: it computes something else{said}', first=i)
+    return Location('module', m.legacy, m.new, f'{inputs}, {apart}: it computes something else{said}', first=i)
 
 
 def loss(step: Step) -> Location | None:
-    sides = ('legacy', 'nnx', 'twin')
-    trees = [{'mean': np.float32((step.results.get(s) or step.results['nnx']).losses[-1])} for s in sides]
+    sides = ('legacy', 'new', 'twin')
+    trees = [{'mean': np.float32((step.results.get(s) or step.results['new']).losses[-1])} for s in sides]
     records = [step.raw.get(s, {}).get(LOSS) for s in sides]
     if records[0] is not None and records[1] is not None:
         like = records[1].values[0][1][0]
@@ -178,7 +178,7 @@ def _output_grad(step: Step) -> Location | None:
     agrees: it parts when the step trains on another loss than the other side's, reported or not (a loop
     port's reported loss may leave out the label smoothing it trains with). One factor between the sides
     is taken out first: the reduction (a mean per device, then pmean, against one global mean) scales it."""
-    records = [step.raw.get(side, {}).get(DOUT) for side in ('legacy', 'nnx', 'twin')]
+    records = [step.raw.get(side, {}).get(DOUT) for side in ('legacy', 'new', 'twin')]
     if records[0] is None or records[1] is None:
         return None
     new = intercept.value(records[1], 0, 1)
@@ -200,7 +200,7 @@ def _output_grad(step: Step) -> Location | None:
 
 
 def backward(step: Step) -> Location | None:
-    ref, other = step.grads('legacy'), step.grads('nnx')
+    ref, other = step.grads('legacy'), step.grads('new')
     if not ref or not other:
         return None
     judged = held(ref, other, step.grads('twin') or other)
@@ -234,11 +234,11 @@ def _momenta(step: Step, module: str) -> str:
     the module's recorded input (features on the last axis)."""
     before = {step.mapping.get(p, p): a for p, a in convert.flatten(step.variables.get('batch_stats', {})).items()}
     source = next((old for old, new in step.paired.items() if new == module), None)
-    record = step.raw['nnx'].get(module)
+    record = step.raw['new'].get(module)
     if step.step > 1 or f'{module}/mean' not in before or source is None or record is None or not record.values[0][0]:
         return ''
     said = []
-    for side in ('legacy', 'nnx'):
+    for side in ('legacy', 'new'):
         x = record.values[0][0][0]
         x = intercept.value(step.raw['legacy'][source], 0, 0, x) if side == 'legacy' else x
         mean = np.asarray(x, np.float64).reshape(-1, x.shape[-1]).mean(axis=0)
