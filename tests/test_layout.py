@@ -108,6 +108,7 @@ def test_implementations_stand_alone(graph):
 # nowhere else may code ask a port's class, nor the old predicate that stood for it.
 KIND_ROOMS = ('equivalence/core/port/', 'equivalence/core/kinds/')
 PORT_CLASSES = {'LoopPort', 'ModelPort', 'Port'}
+MAX_LINES = 350  # one job per file: no file of the suite longer than this
 
 
 def kind_branches(source: str) -> list[int]:
@@ -137,6 +138,13 @@ def test_a_ports_kind_is_asked_only_in_the_port_room_and_the_kinds():
         for line in kind_branches(path.read_text())
     ]
     assert not wrong, "a branch on a port's class outside core/port and core/kinds (ask the kind):\n" + '\n'.join(wrong)
+
+
+def test_no_file_of_the_suite_is_longer_than_its_one_job():
+    root = pathlib.Path(ROOT)
+    long = [f'{p.relative_to(root)}: {n} lines' for pkg in PACKAGES for p in sorted((root / pkg).rglob('*.py'))
+            if (n := len(p.read_text().splitlines())) > MAX_LINES]  # fmt: skip
+    assert not long, f'files over {MAX_LINES} lines (split them by what they do):\n' + '\n'.join(long)
 
 
 def test_the_rule_sees_a_circle():
