@@ -185,11 +185,13 @@ def place_state(state: Any, shardings: Any) -> Any:
 
 
 def place_objects(train_state: Any, mesh: Mesh) -> Any:
-    """NNX objects (a model, an ``nnx.Optimizer``, a tuple of them) or plain arrays, replicated.
+    """NNX objects (a model, an ``nnx.Optimizer``, a tuple of them) or plain arrays, replicated; a Python
+    scalar leaf (a flax ``TrainState.create``'s ``step`` outside ``jax.jit`` is the int 0) as it is, as the
+    team's own step is handed it.
 
     Every NNX object is a pytree in flax 0.12 (``nnx.Module`` and ``nnx.Optimizer`` derive from
     ``nnx.Pytree``), so one ``jax.tree.map`` returns the same structure holding placed arrays."""
-    return jax.tree.map(lambda x: put(x, replicated(mesh)), train_state)
+    return jax.tree.map(lambda x: x if isinstance(x, int | float | complex) else put(x, replicated(mesh)), train_state)
 
 
 def place_batch(batch_KxG: Any, mesh: Mesh) -> Any:

@@ -27,6 +27,7 @@ from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.report import render
 from equivalence.core.run import adapters
 from equivalence.core.run import inputs as made
+from equivalence.core.verdict.outcome import Outcome
 
 AXIS, FEATURES, HIDDEN, RATE = 'batch', 4, 8, 0.2
 QUICK = {'steps_per_call': 2, 'calls': 2}
@@ -293,3 +294,21 @@ def test_a_port_without_an_nnx_model_keeps_linen_names_and_needs_its_new_state()
         dataclasses.replace(LINEN_JIT, names={'Dense_0': 'fc1'})
     with pytest.raises(ConfigError, match='new_state is missing'):
         LoopPort(name='no-state', new_step=LINEN_JIT.new_step, **BASE)
+
+
+def created_outside_jit(model):
+    """lm1b_nnx's state as its ``TrainState.create`` line builds it, outside any ``jax.jit``: ``step`` stays
+    the Python int ``0`` (flax's own example converts it only because its set-up is jitted)."""
+    graphdef, params = nnx.split(model, nnx.Param)
+    return TrainState.create(apply_fn=graphdef.apply, params=params, tx=tx(), graphdef=graphdef)
+
+
+def test_a_train_state_created_outside_jit_with_a_python_step_is_placed_and_matches():
+    """It ended in exit 3: placing the state read ``.dtype`` of the int. A Python scalar is left as it is
+    (the team's jitted step takes it as its own code gives it); the run matches."""
+    require_devices(2)
+    port = dataclasses.replace(FUNCTIONAL, name='created-outside-jit', new_state=created_outside_jit)
+    assert created_outside_jit(NnxMLP(nnx.Rngs(0))).step == 0  # the form under test: a plain int
+    result = harness.check(port, devices=2, verdict='screen', **QUICK)
+    assert result.outcome is Outcome.MATCH, result.verdict.lines()
+    assert 'step/step' in {leaf.name for leaf in result.report.leaves}
