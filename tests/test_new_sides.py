@@ -260,10 +260,13 @@ def test_the_old_field_names_build_the_same_port_and_warn_with_the_new_name():
                  new_step=FUNCTIONAL.new_step, **BASE)  # fmt: skip
 
 
-def pinned_step():
-    """``linen_jit_step`` as benchmark code jits it: shardings on a mesh of every device, built once."""
+def pinned_step(inputs: bool = True):
+    """``linen_jit_step`` as benchmark code jits it: shardings on a mesh of every device, built once; with
+    ``inputs=False`` pinned by its ``out_shardings`` alone (a vision codebase's first jit trainer)."""
     mesh = Mesh(np.array(jax.devices()), ('batch',))
     replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P('batch'))
+    if not inputs:
+        return jax.jit(linen_jit_step, out_shardings=(replicated, replicated))
     return jax.jit(linen_jit_step, in_shardings=(replicated, rows, replicated), out_shardings=(replicated, replicated))
 
 
@@ -275,10 +278,12 @@ def test_the_new_step_gets_its_key_as_it_takes_it():
     assert adapters.new_rng_keyword(dataclasses.replace(LINEN_JIT, new_rng_arg='key')) == 'key'
 
 
-def test_a_step_pinned_to_every_device_run_on_fewer_is_the_ports_one_line():
-    """Not 'a bug in this suite' (exit 3): the port's, exit 2, with the two ways to run it. No pmap runs."""
+@pytest.mark.parametrize('inputs', [True, False], ids=['in-and-out-shardings', 'out-shardings-only'])
+def test_a_step_pinned_to_every_device_run_on_fewer_is_the_ports_one_line(inputs):
+    """Not 'a bug in this suite' (exit 3): the port's, exit 2, with the two ways to run it. No pmap runs.
+    Pinned by its ``out_shardings`` alone, JAX says 'incompatible devices' instead: the same line."""
     require_devices(4)
-    port = dataclasses.replace(LINEN_JIT, new_step=pinned_step())
+    port = dataclasses.replace(LINEN_JIT, new_step=pinned_step(inputs))
     config = RunConfig(workload=port.name, devices=2, batch_size=8, rng_mode='global', **QUICK)
     fed = made.make(port, config)
     calls, rng = fed.calls, fed.rng

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from equivalence.core.port import states
-from equivalence.core.port.config import ConfigError, RunConfig
+from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort
 from equivalence.core.run import randomness, setups
 from equivalence.core.run.adapters import (
@@ -97,12 +97,8 @@ class StepNewSetup(setups.LoopNewSetup):
 
     def call(self, args: tuple) -> np.ndarray:
         with randomness.bridged(self.config.rng_mode):
-            try:
+            with setups.pinned_to_its_mesh(self.port, self.mesh):
                 out_K = self._fused(*args) if self.port.new_step is None else self._steps(*args)
-            except ValueError as e:
-                if PINNED not in str(e):
-                    raise
-                raise pinned(self.port, self.mesh, e) from None
         losses_K, metrics = read_output(self.port, jax.tree.map(np.asarray, out_K))
         self.metrics.append(metrics)
         return losses_K
@@ -119,22 +115,6 @@ class StepNewSetup(setups.LoopNewSetup):
                 self.train_state, out = out
             outs.append(jax.tree.map(np.asarray, jax.block_until_ready(out)))
         return jax.tree.map(lambda *a: np.stack(a), *outs)
-
-
-PINNED = 'does not match the sharding on the respective arg'  # jax.jit's in_shardings against placed inputs
-
-
-def pinned(port: LoopPort, mesh, error: ValueError) -> ConfigError:
-    """A new step whose ``jax.jit`` names its own shardings (a mesh built from ``jax.devices()`` at import)
-    run on a mesh of other devices: the port's, exit 2, with the two ways to run it."""
-    field = 'new_step' if port.new_step is not None else 'new_call'
-    n, seen = mesh.size, len(jax.devices())
-    clause = str(error).split('. Got ', 1)[-1].splitlines()[0][:200]
-    return ConfigError(
-        f'port {port.name!r}: {field} is a jax.jit pinned to its own shardings ({clause}); the suite placed its '
-        f'inputs on {n} of the {seen} devices this process sees: run it with --devices {seen}, or in a process '
-        f'that sees {n} devices (JAX_NUM_CPU_DEVICES={n} on CPU)'
-    )
 
 
 def new_setup(port: LoopPort, config: RunConfig, source: Any, mesh) -> StepNewSetup:
