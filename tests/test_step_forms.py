@@ -295,10 +295,23 @@ def _nnx_no_opt(ts, batch):
     return ts[0], nnx_step_plain(ts, batch)  # returns the model alone as the new train state
 
 
+P_TRAIN_STEP = jax.pmap(train_step, axis_name=AXIS)  # upstream's own, pmapped where it is defined
+
+
+def _adapter_of_a_pmapped_step(state, batch):
+    """A small adapter around upstream's pmapped step (the direct form is recognised; this one is not)."""
+    state, metrics = P_TRAIN_STEP(state, batch)
+    return state, metrics
+
+
 @pytest.mark.parametrize(
     'fields, line',
     [
         (dict(legacy_step=_state_only), 'legacy_step returned a KeyedState; expected legacy_step(state, batch)'),
+        (
+            dict(legacy_step=_adapter_of_a_pmapped_step),
+            "legacy_step calls P_TRAIN_STEP, a jax.pmap'd function (test_step_forms.py:",
+        ),
         (dict(legacy_step=_other_axis), 'legacy_step raised NameError'),
         (dict(loss='los'), "loss 'los' is not in what legacy_step returns (metrics ['denominator', 'loss', 'mae'])"),
         (dict(loss=lambda m: m['loss'][:, None] * jnp.ones(3)), 'legacy_step gives an array of shape [2, 3]'),
@@ -329,6 +342,7 @@ def _nnx_no_opt(ts, batch):
     ],
     ids=[
         'no metrics',
+        'pmapped inside',
         'axis name',
         'loss key',
         'loss shape',
@@ -354,6 +368,8 @@ def test_a_mistake_in_a_real_step_is_one_line_before_any_training(fields, line, 
         harness.check(port, devices=2, **QUICK)
     text = str(e.value)
     assert line in text and '\n' not in text, text
+    if 'pmap' in line:  # what to call instead
+        assert 'call the function it wraps, P_TRAIN_STEP.__wrapped__' in text, text
     if 'NameError' in line:  # JAX's own words, then the user's frame, then the fix that fits the port
         assert 'unbound axis name: devices' in text and 'at test_step_forms.py:' in text, text
         assert "fix: the port declares axis_name='batch'" in text, text

@@ -103,6 +103,22 @@ def innermost_user(error: BaseException) -> Frame | None:
     return next((f for f, _ in reversed(frames(error)) if kind(f) == 'user'), None)
 
 
+def named_in_innermost_user(error: BaseException) -> dict[str, Any]:
+    """The values the innermost user frame names (its locals, free variables and the globals its code
+    reads), by name: what it was calling when it raised."""
+    tb, found = error.__traceback__, None
+    while tb is not None:
+        f = tb.tb_frame
+        if kind(Frame(f.f_globals.get('__name__', ''), f.f_code.co_filename, tb.tb_lineno, f.f_code.co_name)) == 'user':
+            found = f
+        tb = tb.tb_next
+    if found is None:
+        return {}
+    code, local = found.f_code, found.f_locals
+    names = (*code.co_names, *code.co_freevars, *code.co_varnames)
+    return {n: local[n] if n in local else found.f_globals[n] for n in names if n in local or n in found.f_globals}
+
+
 def _codes(fn: Any) -> list[Any]:
     """The code objects that run when the suite calls ``fn`` (a function, a partial, a jit, a class, a
     pmap of any of them, score_sde's ``pmap(partial(lax.scan, step))``)."""

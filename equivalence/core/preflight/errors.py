@@ -11,6 +11,7 @@ from equivalence.core.port import blame
 from equivalence.core.port.config import ConfigError
 from equivalence.core.port.naming import PortError
 from equivalence.core.port.ports import Port
+from equivalence.core.run import adapters
 from legacy_pmap import train as legacy
 
 EXPECTED = {
@@ -58,6 +59,14 @@ def line(port: Port, field: str, error: BaseException, expected: str = '') -> st
     field = blame.port_field(error, port) or field
     frame = blame.innermost_user(error)
     where = f' at {frame.where}' if frame else ''
+    inside = pmapped_inside(error)
+    if inside and frame is not None:  # the step calls upstream's own pmapped function: no device axis there
+        return (
+            f"port {port.name!r}: {field} calls {inside}, a jax.pmap'd function ({frame.where}), and the suite "
+            f'runs {field} under its own pmap, where a pmapped function sees no device axis '
+            f'({blame.first_line(error)}); fix: call the function it wraps, {inside}.__wrapped__, or give {inside} '
+            f'itself as {field}'
+        )
     text = f'port {port.name!r}: {field} raised {blame.first_line(error)}{where}'
     expected = expected or EXPECTED.get(field, '')
     text += f'; expected {expected}' if expected else ''
@@ -66,6 +75,11 @@ def line(port: Port, field: str, error: BaseException, expected: str = '') -> st
         if m:
             return text + '; fix: ' + fix.format(*m.groups(), axis=getattr(port, 'axis_name', legacy.AXIS))
     return text
+
+
+def pmapped_inside(error: BaseException) -> str:
+    """The name of a ``jax.pmap``'d function the innermost user frame calls, or '' (``adapters.pmapped``)."""
+    return next((n for n, v in blame.named_in_innermost_user(error).items() if adapters.pmapped(v) is not None), '')
 
 
 @contextlib.contextmanager

@@ -152,7 +152,7 @@ def _pmap_code() -> Any:
     return getattr(jax.pmap(lambda x: x), '__code__', None)
 
 
-def _pmapped(fn: Any) -> Any | None:
+def pmapped(fn: Any) -> Any | None:
     """What ``jax.pmap`` wrapped, if ``fn`` is a pmapped function (teams hand over ``p_train_step``), else None."""
     code = getattr(fn, '__code__', None)
     if (code is None or code is not _pmap_code()) and type(fn).__name__ != 'PmapFunction':
@@ -170,7 +170,7 @@ def _scanned(fn: Any) -> Any | None:
 def legacy_step(port: LoopPort) -> Callable:
     """The step the suite runs: ``legacy_step`` itself, or, when it is already pmapped (``jax.pmap(step)`` or
     score_sde's ``jax.pmap(partial(lax.scan, step))``), the step it wraps, under the suite's own pmap."""
-    inner = _pmapped(port.legacy_step)
+    inner = pmapped(port.legacy_step)
     if inner is None:
         return port.legacy_step
     return _scanned(inner) or inner
@@ -178,7 +178,7 @@ def legacy_step(port: LoopPort) -> Callable:
 
 def wrapped_notes(port: Any) -> list[str]:
     """The report's line saying that the suite ran what a pmapped ``legacy_step`` wraps; [] otherwise."""
-    inner = _pmapped(getattr(port, 'legacy_step', None))
+    inner = pmapped(getattr(port, 'legacy_step', None))
     if inner is None:
         return []
     step = _scanned(inner) or inner
