@@ -114,3 +114,9 @@ SLIP = dataclasses.replace(
     new_state=lambda model: new_state(model, tx(1.01e-2)),
     new_step=held(make_jit_step(tx(1.01e-2))),
 )
+
+
+def make_port() -> LoopPort:
+    """A factory: ``--workload pinned_port:make_port`` names it (docs/port.md: a port, or a function
+    returning one), and it builds its port afresh: no attribute of this module holds it."""
+    return dataclasses.replace(PORT, name='pinned-by-factory')

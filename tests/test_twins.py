@@ -21,12 +21,12 @@ from flax.training import train_state
 
 from equivalence import LoopPort
 from equivalence.core import harness, kinds
-from equivalence.core.port import workloads
+from equivalence.core.port import ports, workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.report import render as report
 from equivalence.core.run import inputs as made
 from equivalence.core.run import model_side, sides
-from equivalence.core.verdict import compare, legacy_twin
+from equivalence.core.verdict import compare, fresh, legacy_twin
 from equivalence.core.verdict import rule as verdict
 from equivalence.core.verdict.outcome import Outcome
 
@@ -149,6 +149,15 @@ def pinned():
         p.name: harness.check(p, devices=len(jax.devices()), locate=False, **QUICK)
         for p in (pinned_port.PORT, pinned_port.SLIP)
     }
+
+
+def test_a_port_a_factory_returns_is_loaded_by_its_factorys_name_in_the_fresh_process():
+    """``--workload pinned_port:make_port`` (a function returning the port): the fresh process loads it as it
+    was loaded, by the factory's name. It was 'not importable by name', and the run NOT VERIFIED. No JAX runs."""
+    port = ports.load('pinned_port:make_port')
+    assert fresh.locate(port, RunConfig(workload=port.name)) == 'pinned_port:make_port'
+    assert fresh.locate(pinned_port.PORT, RunConfig(workload=port.name)) == 'pinned_port:PORT'
+    assert fresh.locate(dataclasses.replace(port, name='unnamed'), RunConfig(workload='unnamed')) == ''  # the control
 
 
 def test_a_new_side_pinned_to_its_own_mesh_gets_its_floor_from_a_fresh_process(pinned):

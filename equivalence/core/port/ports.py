@@ -19,6 +19,7 @@ import functools
 import importlib
 import logging
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -212,8 +213,25 @@ def _users(spec: str, what: str, error: Exception) -> ConfigError:
     return out
 
 
+_LOADED: dict[int, tuple[weakref.ref, str]] = {}  # id(port) -> (the port, the spec it was loaded by)
+
+
+def loaded_as(port: Port) -> str:
+    """The ``package.module:NAME`` that ``load`` built ``port`` from ('' for one it did not): what a
+    fresh process loads it by, a factory's name included."""
+    held = _LOADED.get(id(port))
+    return held[1] if held is not None and held[0]() is port else ''
+
+
 def load(spec: str) -> Port:
     """``'package.module:NAME'`` -> the port it names (a port, or a function of no arguments returning one)."""
+    port = _load(spec)
+    key = id(port)
+    _LOADED[key] = (weakref.ref(port, lambda _, key=key: _LOADED.pop(key, None)), spec)
+    return port
+
+
+def _load(spec: str) -> Port:
     module_name, _, attr = spec.partition(':')
     if not module_name or not attr:
         raise ConfigError(f'--workload {spec!r}: a port is named package.module:NAME')
