@@ -317,3 +317,33 @@ def test_a_train_state_created_outside_jit_with_a_python_step_is_placed_and_matc
     result = harness.check(port, devices=2, verdict='screen', **QUICK)
     assert result.outcome is Outcome.MATCH, result.verdict.lines()
     assert 'step/step' in {leaf.name for leaf in result.report.leaves}
+
+
+def resharded_state(variables):
+    """Upstream's own state code, which needs concrete arrays: a reshard helper that rebuilds every leaf
+    from its single-device shards (``jax.make_array_from_single_device_arrays``), as a vision codebase's
+    first jit trainer does. Under ``jax.eval_shape`` it raises ('requires a list of concrete arrays')."""
+
+    def reshard(a):
+        a = jnp.asarray(a)
+        return jax.make_array_from_single_device_arrays(a.shape, a.sharding, [s.data for s in a.addressable_shards])
+
+    return jax.tree.map(reshard, linen_jit_state(variables))
+
+
+def test_a_new_state_that_needs_concrete_arrays_is_built_for_real_by_the_preflight():
+    """It ended in exit 2 ('new_state raised ValueError: ... requires a list of concrete arrays'), for code
+    that runs as it is in upstream's own trainer: traced abstractly first, the pre-flight builds it for
+    real where tracing cannot (docs/port.md). A new_state that is wrong when run for real is still the
+    port's one line (the control)."""
+    require_devices(2)
+    port = dataclasses.replace(LINEN_JIT, name='resharded', new_state=resharded_state)
+    result = harness.check(port, devices=2, verdict='screen', **QUICK)
+    assert result.outcome is Outcome.MATCH, result.verdict.lines()
+
+    def broken(variables):
+        resharded_state(variables)
+        raise KeyError('opt_state')  # wrong for real too
+
+    with pytest.raises(preflight.PreflightError, match=r"new_state raised KeyError: 'opt_state' at test_new_sides.py"):
+        harness.check(dataclasses.replace(port, new_state=broken), devices=2, **QUICK)

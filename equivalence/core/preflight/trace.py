@@ -3,11 +3,12 @@
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from equivalence.core.port import new_side
-from equivalence.core.port.config import RunConfig
+from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.port.ports import LoopPort, ModelPort, Port
 from equivalence.core.preflight.errors import HOST_ONLY, blamed, fail, kind
 from equivalence.core.run import adapters, facts, randomness, setups
@@ -127,18 +128,37 @@ def trace_nnx_model(port: ModelPort, config: RunConfig, batch_KxG: Any) -> Any:
     return ts
 
 
+NEW_STATE = 'new_state(nnx_model or, without one, linen_variables) -> your new train state'
+
+
 def nnx_train_state(port: LoopPort, variables: dict) -> Any:
     """The port's new train state, shapes only, built as the run builds it (``loop_side.new_source``):
-    from the abstract NNX model holding linen's weights, or from linen's abstract variables."""
-    with blamed(port, 'new_state', 'new_state(nnx_model or, without one, linen_variables) -> your new train state'):
+    from the abstract NNX model holding linen's weights, or from linen's abstract variables. Where it
+    cannot be traced (upstream state code that needs concrete arrays: a reshard helper rebuilding its
+    leaves from their shards), it is built for real, from zeros of linen's shapes or a fresh NNX model:
+    a mistake it makes then is the port's one line, as any other."""
+    try:
         if port.nnx_model is None:
             ts = jax.eval_shape(port.new_state, variables)
         else:
             ts = nnx.eval_shape(lambda: port.new_state(port.nnx_model(nnx.Rngs(0))))
+    except ConfigError:
+        raise
+    except Exception:  # noqa: BLE001 -- traced it raised: built for real below, where a mistake is the port's
+        ts = _built_for_real(port, variables)
+    with blamed(port, 'new_state', NEW_STATE):
         arrays = jax.tree.leaves(nnx.state(ts) if new_side.form(ts) == new_side.OBJECTS else ts)
     if not arrays:
         raise fail(port, 'new_state', f'returned {kind(ts)} holding no arrays; expected your new train state')
     return ts
+
+
+def _built_for_real(port: LoopPort, variables: dict) -> Any:
+    """``new_state`` run for real: on zeros of linen's abstract variables, or on the port's NNX model."""
+    with blamed(port, 'new_state', NEW_STATE):
+        if port.nnx_model is None:
+            return port.new_state(jax.tree.map(lambda v: jnp.zeros(v.shape, v.dtype), variables))
+        return port.new_state(port.nnx_model(nnx.Rngs(0)))
 
 
 def as_traced(ts: Any) -> tuple[Any, Any]:
