@@ -12,7 +12,7 @@ import sys
 import jax
 import ml_dtypes
 import numpy as np
-from conftest import ROOT
+from conftest import ROOT, require_devices
 
 from equivalence import cli
 from equivalence.core.run import facts
@@ -172,3 +172,81 @@ def test_workers_that_all_end_not_verified_end_the_run_with_5(tmp_path):
 
     assert launch.supervise([Ended(5), Ended(5)], str(tmp_path)) == (cli.EXIT_NOT_VERIFIED, None)
     assert launch.supervise([Ended(5), Ended(0)], str(tmp_path))[0] == cli.EXIT_WORKER_DIED  # they disagree
+
+
+# -- the start a parameter moved from: the one the port's own train state holds --------------------------
+
+import flax.linen as nn  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from flax.training import train_state  # noqa: E402
+
+from equivalence import LoopPort  # noqa: E402
+from equivalence.core import harness  # noqa: E402
+
+HEAD_BIAS = -6.9  # as upstream's init sets a classifier's head bias (a prior of about 1e-3)
+
+
+class Tiny(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(1, name='head')(jnp.tanh(nn.Dense(8)(x)))
+
+
+def bf16_momentum():
+    return optax.sgd(0.05, momentum=0.9, accumulator_dtype=BF16)
+
+
+def with_head_bias(params):
+    return {**params, 'head': {**params['head'], 'bias': jnp.full_like(params['head']['bias'], HEAD_BIAS)}}
+
+
+def tiny_loss(params, batch):
+    return jnp.mean((Tiny().apply({'params': params}, batch['x']) - batch['y']) ** 2)
+
+
+def tiny_pmap_step(state, batch):
+    loss, grads = jax.value_and_grad(tiny_loss)(state.params, batch)
+    return state.apply_gradients(grads=jax.lax.pmean(grads, 'batch')), {'loss': jax.lax.pmean(loss, 'batch')}
+
+
+@jax.jit
+def tiny_jit_step(state, batch):
+    loss, grads = jax.value_and_grad(tiny_loss)(state['params'], batch)
+    updates, opt_state = bf16_momentum().update(grads, state['opt_state'], state['params'])
+    return {'params': optax.apply_updates(state['params'], updates), 'opt_state': opt_state}, {'loss': loss}
+
+
+def tiny_data(rng, n_steps, batch):
+    x = rng.normal(size=(n_steps, batch, 4)).astype(np.float32)
+    return {'x': x, 'y': (HEAD_BIAS + 0.1 * x[..., :1]).astype(np.float32)}  # the bias starts where it belongs
+
+
+HEAD_PORT = LoopPort(
+    name='head-bias-prior',
+    legacy_model=Tiny,
+    make_data=tiny_data,
+    init_args=lambda batch: (batch['x'],),
+    legacy_state=lambda v: train_state.TrainState.create(
+        apply_fn=Tiny().apply, params=with_head_bias(v['params']), tx=bf16_momentum()
+    ),
+    legacy_step=tiny_pmap_step,
+    step_form='state',
+    loss='loss',
+    new_state=lambda v: {'params': with_head_bias(v['params']), 'opt_state': bf16_momentum().init(v['params'])},
+    new_step=tiny_jit_step,
+    default_batch=8,
+    rng_modes=('global',),
+)
+
+
+def test_a_parameter_is_allowed_bfloat16_steps_of_its_movement_from_where_the_ports_state_started_it():
+    """The allowance's ``moved`` term is the change since the start: the start is the parameter the port's
+    own ``legacy_state`` built (a head bias of -6.9, as upstream's init sets it), not linen's initial
+    variables (0): from 0 it read as a move of 6.9, one bfloat16 spacing there (0.031) allowed on every run."""
+    require_devices(2)
+    result = harness.check(HEAD_PORT, devices=2, steps_per_call=2, calls=2)
+    leaf = next(x for x in result.report.leaves if x.name == 'params/head/bias')
+    moved = float(np.abs(result.legacy.final['params']['head/bias'] - HEAD_BIAS).max())
+    assert moved < 0.2 and leaf.limit < bf16_spacing(1.0), (moved, leaf.limit)  # 0.031 read from 0; 0.0078 at 1
+    assert result.outcome is Outcome.MATCH, result.verdict.lines()

@@ -32,6 +32,8 @@ class PathResult:
     notes: list = dataclasses.field(default_factory=list)  # what this path could not compare, and why
     left_out: set = dataclasses.field(default_factory=set)  # metric paths not compared (named in notes)
     memory: dict | None = None  # NNX: bytes per device of one call (footprint.per_device); None: not measured
+    start: dict | None = None  # legacy: the parameters its train state started from (NNX paths), as its own
+    # legacy_state built them (an upstream init that sets a head bias to -6.9); None: not recorded
 
     def after(self, step: int, k: int) -> 'PathResult':
         """This run's losses, metrics and parameters after ``step`` (a new side resumed there is compared
@@ -70,8 +72,9 @@ def run_legacy(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, a
     """The pmap path; its leaves are named as the NNX side names them (``inputs.mapping``)."""
     port, mapping = kind.port, inputs.mapping
     setup = kind.legacy_setup(config, inputs)
+    start = _params(setup.neutral(), mapping)  # before the first call: what the port's own state holds
     losses, per_call = run_calls(setup, inputs.calls, inputs.rng, mapping, progress, 'legacy', after_call)
-    result = PathResult(convert.rename(setup.neutral(), mapping), losses, per_call, setup.pstate)
+    result = PathResult(convert.rename(setup.neutral(), mapping), losses, per_call, setup.pstate, start=start)
     result.metrics, result.notes = loop_metrics(setup), [*getattr(setup, 'notes', [])]
     result.left_out = set(getattr(setup, 'uneven', ()))
     result.notes += kind.legacy_notes(setup)

@@ -77,7 +77,7 @@ def judge(kind: Kind, config: RunConfig, old, new, inputs: Inputs, tree, diagnos
     floor = twin.farthest(
         trees(new, first[1]), [trees(tw, rule.first_step_tree(float(tw.losses[0]))) for tw in twins.values()]
     )
-    start = start_params(inputs.variables, inputs.mapping)
+    start = old.start if old.start is not None else start_params(inputs.variables, inputs.mapping)
     report = compare.compare_to_floor(trees(old, first[0]), trees(new, first[1]), floor, MEASURED_FLOOR, None, start)
     on = twin.describe(list(twins))
     on += f' in each of {jax.process_count()} processes' if jax.process_count() > 1 else ''

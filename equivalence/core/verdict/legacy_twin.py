@@ -71,7 +71,7 @@ def run(kind: Kind, config: RunConfig, old, new, twins: dict, inputs: Inputs):
     by_rows = config.rng_mode == 'per-device' and kind.draws_random_numbers()  # drawn as the run's D devices draw
     first = [{'params': tw.params_per_call[0]} for tw in twins.values()]
     twin_first = twin.farthest({'params': new.params_per_call[0]}, first).get('params', {})
-    fed, start = compare.feeding_dtypes(old.final), start_params(inputs.variables, inputs.mapping)
+    fed, start = compare.feeding_dtypes(old.final), old.start or start_params(inputs.variables, inputs.mapping)
     first_call = (new.params_per_call[0], twin_first, MEASURED_FLOOR, fed, start)
     excess = rule.early_excess(old.params_per_call[0], new.params_per_call[0], *first_call)
     if excess:
