@@ -74,7 +74,7 @@ def assert_same_run(multi: dict, single: dict) -> None:
     assert [leaf['name'] for leaf in multi['leaves']] == [leaf['name'] for leaf in single['leaves']]
     assert 'first_step/loss' in [leaf['name'] for leaf in multi['leaves']] and twin_ran(multi)
     assert all(leaf['ok'] for leaf in multi['leaves'])
-    for path in ('legacy', 'nnx'):
+    for path in ('legacy', 'new'):
         a, b = np.array(single['losses'][path]), np.array(multi['losses'][path])
         np.testing.assert_allclose(b, a, rtol=TOL.rtol, atol=TOL.atol, err_msg=f'{path} losses, 2 processes vs 1')
     for group, value in multi['max_abs_diff'].items():

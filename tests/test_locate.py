@@ -381,7 +381,7 @@ def test_a_batchnorm_momentum_is_its_statistics_located_through_the_verdict(tmp_
     loc = result.verdict.location
     assert result.verdict.kind == 'state' and loc is not None
     assert (loc.kind, loc.legacy, loc.new) == ('statistics', 'BatchNorm_0', 'norm'), loc.line()
-    assert 'legacy 0.9' in loc.figures and 'nnx 0.1' in loc.figures, loc.line()
+    assert 'legacy 0.9' in loc.figures and 'new 0.1' in loc.figures, loc.line()
     agree(loc)
     text = render.text(result, 'cpu').splitlines()
     assert text[text.index(f'diagnosis (state): {result.verdict.diagnosis}') + 1].startswith(
@@ -450,7 +450,7 @@ def test_where_the_recording_cannot_run_the_probe_and_the_verdict_are_as_before(
 
     port, config = workloads.get('mlp'), RunConfig(devices=DEVICES, batch_size=64)
     kind, fed = kinds.of(port), made.make(port, config)
-    probed = {side: types.SimpleNamespace(grads={'hidden/bias': np.zeros(3)}) for side in ('legacy', 'nnx', 'twin')}
+    probed = {side: types.SimpleNamespace(grads={'hidden/bias': np.zeros(3)}) for side in ('legacy', 'new', 'twin')}
     monkeypatch.setattr(intercept, 'first_steps', cannot)
     monkeypatch.setattr(probe, 'first_steps', lambda *args: probed)
     assert first_step.grads(Recorder(kind, config, fed, None)) == {s: p.grads for s, p in probed.items()}
