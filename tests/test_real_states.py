@@ -16,7 +16,9 @@ from test_step_forms import BASE, LinenMLP, tx
 
 from equivalence import LoopPort
 from equivalence.core import harness, kinds, preflight
+from equivalence.core.port import new_side
 from equivalence.core.run import step_side
+from equivalence.core.verdict.outcome import Outcome
 
 QUICK = {'steps_per_call': 2, 'calls': 2}
 SCREEN = {**QUICK, 'verdict': 'screen'}  # the fixed screen: what is checked here is the reading, not the floor
@@ -141,3 +143,22 @@ def test_an_nnx_train_state_the_comparison_cannot_read_is_refused_before_trainin
     port = dataclasses.replace(STRUCT, new_state=Holder, new_step=holder_step)
     with pytest.raises(preflight.PreflightError, match="port 'struct state': new_state returns what the comparison"):
         preflight.check(kinds.of(port), harness_config(port))
+
+
+def test_fields_that_the_ports_own_groups_read_are_not_said_to_be_left_out():
+    """With ``legacy_groups=`` reading ``weights`` and ``moments``, the report said 'not compared:
+    moments: tuple (... arrays): no NNX counterpart the suite reads (give legacy_groups=, ...)' on every
+    run, though those leaves were compared. What the groups read is compared; only the rest is listed."""
+    require_devices(2)
+    port = dataclasses.replace(
+        STRUCT,
+        legacy_state=renamed_state,
+        legacy_step=renamed_step,
+        legacy_groups=lambda s: {'params': s.weights, 'opt_state': s.moments},
+        new_groups=lambda ts: {**new_side.read_groups(ts), 'step': None},
+    )  # no counter: SGD
+    result = harness.check(port, devices=2, verdict='screen', **QUICK)
+    assert result.outcome is Outcome.MATCH, result.verdict.lines()
+    said = [n for n in result.notes if n.startswith('not compared: ')]
+    assert not any(n.startswith(('not compared: weights', 'not compared: moments')) for n in said), said
+    assert any(n.startswith('not compared: rng: a random key') for n in said), said  # what they do not read

@@ -43,10 +43,10 @@ class Loop:
         adapters.check(self.port)
 
     def legacy_notes(self, setup: Setup) -> list[str]:
-        return states.legacy_not_compared(legacy.unreplicate_to_host(setup.pstate))
+        return states.legacy_not_compared(legacy.unreplicate_to_host(setup.pstate), self.port.legacy_groups)
 
     def new_notes(self, setup: Setup) -> list[str]:
-        return new_side.not_compared(setup.train_state)
+        return new_side.not_compared(setup.train_state, self.port.new_groups)
 
     def loss_names(self) -> tuple[str, str]:
         return "the pmap step's loss", "the new step's loss"

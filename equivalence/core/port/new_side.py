@@ -111,16 +111,17 @@ def counter(named: dict[str, Any]) -> tuple[str, Any] | None:
     return None
 
 
-def not_compared(train_state: Any) -> list[str]:
-    """What the report says of the new train state: every field it does not read, and where the
-    counter came from when the state has no ``step`` of its own."""
+def not_compared(train_state: Any, groups=None) -> list[str]:
+    """What the report says of the new train state: every field it does not read (by name, or, given the
+    port's own ``groups``, every field none of whose arrays they hand on), and where the counter came from
+    when the state has no ``step`` of its own."""
     if form(train_state) == OBJECTS:
         return states.nnx_not_compared(train_state)
     named = fields(train_state) or {}
-    lines = []
+    lines, read = [], states.read_by(groups and (lambda ts: plain(groups(ts))), train_state)
     by_field = {f.name: f for f in dataclasses.fields(train_state)} if dataclasses.is_dataclass(train_state) else {}
     for name, value in named.items():
-        if name in states.READ:
+        if read(name, value):
             continue
         why = WHY.get(name) or (states.why_not_compared(by_field[name], value) if name in by_field else _why_key(value))
         lines.append(f'not compared: {name}: {why} (new side)')

@@ -38,20 +38,31 @@ def legacy_groups(state: Any) -> dict[str, Any]:
     return convert.legacy_groups(state)
 
 
-def legacy_not_compared(state: Any) -> list[str]:
+def legacy_not_compared(state: Any, groups=None) -> list[str]:
     """``not compared: <field>: <why>`` for every field (or key, of a dict) of a pmap-era train state
-    the groups do not read."""
+    the groups do not read: by name, or, where the port gives its own ``groups`` (``legacy_groups=``),
+    every field none of whose arrays the groups hand on."""
+    read = read_by(groups, state)
     if isinstance(state, Mapping):
-        return [f'not compared: {k}: {_why(str(k), v)}' for k, v in state.items() if k not in READ]
+        return [f'not compared: {k}: {_why(str(k), v)}' for k, v in state.items() if not read(str(k), v)]
     if not dataclasses.is_dataclass(state):
         return []
     lines = []
     for field in dataclasses.fields(state):
-        if field.name in READ:
+        if read(field.name, getattr(state, field.name)):
             continue
         value = getattr(state, field.name)
         lines.append(f'not compared: {field.name}: {_why(field.name, value, field.metadata)}')
     return lines
+
+
+def read_by(groups, state: Any):
+    """``(name, value) -> whether the comparison reads it``: by name (``READ``), or, given the port's own
+    ``groups``, whether they hand on an array of it (the same objects: groups pick fields, they do not copy)."""
+    if groups is None:
+        return lambda name, value: name in READ
+    handed = {id(x) for x in jax.tree.leaves(groups(state))}
+    return lambda name, value: any(id(x) in handed for x in jax.tree.leaves(value))
 
 
 def _why(name: str, value: Any, metadata: Mapping = MappingProxyType({})) -> str:
