@@ -263,12 +263,34 @@ def details(leaves: list[LeafDiff], n: int = 3) -> str:
     return shown + (f'; and {len(leaves) - n} more' if len(leaves) > n else '')
 
 
+SHOWN = 3  # leaves named per group and side; the rest counted
+
+
 def bookkeeping_line(sided: list[LeafDiff]) -> str:
-    fields = ', '.join(f'{leaf.name} only on the {leaf.one_sided} side' for leaf in sided)
-    return (
-        f"{fields}: nothing numeric differs here; map the field (the port's legacy_groups / new_groups), "
-        'or keep it on both sides'
-    )
+    """The leaves on one side only, by group and side (a few named, the rest counted), and what to do."""
+    by: dict[tuple[str, str], list[LeafDiff]] = {}
+    for leaf in sided:
+        by.setdefault((leaf.group, leaf.one_sided), []).append(leaf)
+    parts = []
+    for (group, side), leaves in by.items():
+        some = ', '.join(leaf.name for leaf in leaves[:SHOWN]) + (
+            f' and {len(leaves) - SHOWN} more' if len(leaves) > SHOWN else ''
+        )
+        parts.append(
+            f'{len(leaves)} {group} leaves only on the {side} side ({some})'
+            if len(leaves) > 1
+            else f'{some} only on the {side} side'
+        )
+    fix = "map the field (the port's legacy_groups / new_groups), or keep it on both sides"
+    if {group for group, _ in by} == {'opt_state'} and len({side for _, side in by}) == 2:
+        fix = (
+            'the two optimizer states have other structures (optax.chain(clip, adam) on one side, a bare adam '
+            'on the other, say): build the same transformation on both sides, or map them with legacy_groups / '
+            'new_groups'
+        )
+    elif any(group == 'ema' for group, _ in by):
+        fix += '; an EMA is read from an nnx.Module or a params tree under ema, ema_params or params_ema'
+    return f'{"; ".join(parts)}: nothing numeric differs here; {fix}'
 
 
 def nonfinite_line(losses: dict[str, np.ndarray], finals: dict[str, compare.Neutral], data_step: int | None) -> str:
