@@ -210,6 +210,15 @@ def test_each_step_form_matches_its_slip_does_not(results, form):
     assert slipped.report.floor is not None and slipped.verdict.twin == 'on 1 device(s)', slipped.verdict.lines()
 
 
+def test_a_step_that_takes_no_key_is_not_said_to_get_per_device_keys(results):
+    """The header said 'rng per-device' for a port whose key lives in its train state; a step handed its key
+    says its mode (the control)."""
+    assert 'rng none handed (the step keeps its key in its state)' in render.header(
+        results['state, steps, no key'], 'cpu'
+    )
+    assert ', rng global,' in render.header(results['state_rng, scan, fused nnx'], 'cpu')
+
+
 def test_a_flax_train_state_lists_what_it_does_not_compare(results):
     notes = results['key in state'].notes
     assert 'not compared: apply_fn: a static field (the model function), not an array' in notes

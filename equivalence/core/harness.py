@@ -125,7 +125,7 @@ def judgement(kind: Kind, config: RunConfig, old: PathResult, new: PathResult, i
         old = old.after(resumed_at, config.steps_per_call)
     tree, notes = compared(kind, old, new)
     result = judged(kind, config, old, new, inputs, tree, diagnose)
-    result.programs, result.new_side = kind.programs(), kind.new_side()
+    result.programs, result.new_side, result.keys = kind.programs(), kind.new_side(), kind.keys(config)
     result.notes, result.resumed_at = [*result.notes, *notes], resumed_at
     return result
 

@@ -51,6 +51,13 @@ class Loop:
     def loss_names(self) -> tuple[str, str]:
         return "the pmap step's loss", "the new step's loss"
 
+    def keys(self, config: RunConfig) -> str:
+        """How its steps get their keys, for the report's header: ``--rng``'s mode, or, for a step that takes
+        none (``step_form='state'``), that it keeps its own in its train state."""
+        if self.port.step_form == 'state':
+            return 'none handed (the step keeps its key in its state)'
+        return config.rng_mode
+
     def new_side(self) -> str:
         """What the new side is, as a report names it: NNX where the port has an NNX model, else linen
         under ``jax.jit`` (its new state built from linen's variables)."""

@@ -62,6 +62,10 @@ class Model:
     def programs(self) -> tuple[str, str]:
         return 'pmap(scan)', 'NNX sharded scan'
 
+    def keys(self, config: RunConfig) -> str:
+        """How its steps get their keys, for the report's header: ``--rng``'s mode."""
+        return config.rng_mode
+
     def new_side(self) -> str:
         """What the new side is, as a report names it: the suite's own NNX loop."""
         return 'NNX'

@@ -15,7 +15,7 @@ def header(result: RunResult, backend: str) -> str:
     return (
         f'{c.workload}: legacy {result.programs[0]} vs {result.programs[1]} on {c.devices} {backend} device(s), '
         f'{c.steps_per_call} steps/call x {c.calls} calls = {c.steps} steps, '
-        f'global batch {c.batch_size} ({c.per_device_batch}/device), rng {c.rng_mode}, seed {c.seed}'
+        f'global batch {c.batch_size} ({c.per_device_batch}/device), rng {result.keys or c.rng_mode}, seed {c.seed}'
         + (f', perturb {c.perturb:g}' if c.perturb else '')
         + (f', nnx-form {c.nnx_form}' if c.nnx_form != 'split' else '')
     )

@@ -173,6 +173,7 @@ class RunResult:
     verdict: Any = None  # rule.Verdict: what was measured and, on MISMATCH, the diagnosis (judge)
     programs: tuple[str, str] = ('pmap(scan)', 'NNX sharded scan')  # how each side ran its K steps (header)
     new_side: str = 'NNX'  # what the new side is: 'NNX', or 'linen under jax.jit' (kind.new_side)
+    keys: str = ''  # how the steps get their keys (kind.keys): the --rng mode, or that they take none
 
     @property
     def outcome(self) -> Outcome:
