@@ -86,6 +86,15 @@ def test_both_paths_all_reduce_the_gradients_once_per_step(mlp8):
     assert 1 / ALL_REDUCE_BYTES_FACTOR <= b / a <= ALL_REDUCE_BYTES_FACTOR, (a, b)
 
 
+def test_a_batchnorms_own_collectives_are_not_counted_among_the_gradients():
+    """cnn's linen BatchNorm averages its statistics over the pmap axis: a pmean in the forward pass, a psum
+    in its transpose. Counted among the 'gradient arrays' (11 for 10 parameters), it said the backward pass
+    combined more than the gradients; the parameters' gradients are one per leaf on both paths."""
+    for m in measure('cnn', devices=2):
+        params = [p for p in m.placements if p.group == 'params']
+        assert len(explain.gradient_operands(m)) == len(params), (m.path, len(params))
+
+
 def test_answers_follow_the_measurement_not_the_path(mlp8):
     """Negative controls on the pure analysis: remove the collectives, or keep only the batch."""
     _, nnx = mlp8

@@ -15,6 +15,7 @@ What it counts, and how:
 """
 
 import dataclasses
+import functools
 import linecache
 import os
 import re
@@ -134,6 +135,31 @@ class Module:
                 instrs[ins.name] = ins
                 comps[current].append(ins)
         return cls(text, instrs, comps, entry)
+
+    @functools.cached_property
+    def users(self) -> dict[str, list[Instr]]:
+        """Instruction name -> the instructions that take it as an operand."""
+        out: dict[str, list[Instr]] = {}
+        for ins in self.instrs.values():
+            for arg in ins.args:
+                out.setdefault(arg, []).append(ins)
+        return out
+
+    def leaves_the_backward_pass(self, name: str) -> bool:
+        """Whether the value ``name`` reaches an op outside the backward pass (the optimizer's, under no
+        ``transpose(jvp(...))``), through the ops that only move it (tuples, copies, reshapes): a finished
+        gradient does; a cotangent summed on its way back (a batch statistic's) stays in the backward pass."""
+        seen, todo = set(), [name]
+        while todo:
+            for user in self.users.get(todo.pop(), []):
+                if user.name in seen:
+                    continue
+                seen.add(user.name)
+                if user.op in MOVES:
+                    todo.append(user.name)
+                elif 'transpose(jvp' not in user.op_name:
+                    return True
+        return False
 
     def header(self) -> str:
         """``HloModule NAME, num_partitions=N`` (the attributes that say what was compiled)."""
@@ -268,11 +294,12 @@ def _operands(module: Module, ins: Instr) -> list[Operand]:
         dtype, dims = shapes[0]
         meta = parts.get(i, ins)
         made_by = producer.op_name
+        onward = meta.name if meta is not ins else ins.name
         out.append(
             Operand(
                 shape=short(dtype, dims),
                 bytes=nbytes(dtype, dims),
-                role=_role(made_by),
+                role=_role(made_by, meta.op_name, module.leaves_the_backward_pass(onward)),
                 written=_written(meta.op_name),
                 op_name=meta.op_name,
                 made_by=made_by,
@@ -282,12 +309,20 @@ def _operands(module: Module, ins: Instr) -> list[Operand]:
     return out
 
 
+MOVES = {'get-tuple-element', 'tuple', 'bitcast', 'copy', 'reshape', 'convert', 'all-reduce-done', 'copy-done'}
+
+
 def _is_part_of(user: Instr, ins: Instr) -> bool:
     return user.op == 'get-tuple-element' and user.args == (ins.name,) and ins.shape.startswith('(')
 
 
-def _role(made_by: str) -> str:
-    if 'transpose(jvp' in made_by:
+def _role(made_by: str, op_name: str, to_optimizer: bool) -> str:
+    """What a collective's operand is: a gradient where the backward pass made it and it goes on to the
+    optimizer; not where the collective is a forward one transposed (a linen BatchNorm's ``pmean`` of its
+    statistics sums their cotangent in the backward pass) or its result only goes back into the backward
+    pass (the partitioner's sum of an NNX BatchNorm's statistics' cotangent): those are the statistics'."""
+    backward_of_forward = 'transpose(jvp' in op_name and _written(op_name)
+    if 'transpose(jvp' in made_by and not backward_of_forward and to_optimizer:
         return 'gradient'
     return 'forward' if 'jvp(' in made_by else 'other'
 
