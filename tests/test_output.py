@@ -84,3 +84,27 @@ def test_write_json_replaces_with_usual_permissions_and_writes_nan_as_null(place
     umask = os.umask(0)
     os.umask(umask)
     assert stat.S_IMODE(os.stat(place / 'old.json').st_mode) == 0o666 & ~umask
+
+
+def test_a_directory_that_takes_no_new_file_is_refused_before_any_work(place, capsys):
+    """``/proc`` passes ``os.access`` for root, yet no file can be created in it: the check creates
+    (and removes) one, so ``--json``/``--plot`` there is exit 2 naming the flag, not exit 3 after training."""
+    from test_cli import validate
+
+    for check in (
+        lambda: output.check_file('/proc/report.json', False),
+        lambda: output.check_dir('/proc/figs', (), False),
+    ):
+        with pytest.raises(
+            ConfigError, match=r'^cannot write --(json|plot) /proc/\S+: no new (file|folder) can be created in /proc \('
+        ):
+            check()
+    with pytest.raises(SystemExit) as exit_:
+        validate('run', ['--json', '/proc/report.json'])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count('\n') == 1 and err.startswith('error: cannot write --json /proc/'), err
+    before = sorted(os.listdir(place))
+    output.check_file(str(place / 'new.json'), overwrite=False)
+    output.check_dir(str(place / 'adir'), ('a.png',), overwrite=False)
+    output.check_dir(str(place / 'figs'), ('a.png',), overwrite=False)
+    assert sorted(os.listdir(place)) == before and os.listdir(place / 'adir') == []  # the probes are gone

@@ -37,7 +37,7 @@ def check_dir(directory: str, files: tuple[str, ...], overwrite: bool, flag: str
         raise ConfigError(f'{flag} needs a directory name, got {directory!r}')
     target = os.path.realpath(directory)
     if not os.path.lexists(target):
-        _check_writable_dir(os.path.dirname(target), f'{flag} {directory}')
+        _check_writable_dir(os.path.dirname(target), f'{flag} {directory}', folder=True)
         return
     if not os.path.isdir(target):
         raise ConfigError(f'{flag} {directory} is not a directory')
@@ -50,13 +50,26 @@ def check_dir(directory: str, files: tuple[str, ...], overwrite: bool, flag: str
         raise ConfigError(f'{", ".join(existing)} exists; pass --overwrite to replace it')
 
 
-def _check_writable_dir(directory: str, what: str) -> None:
+def _check_writable_dir(directory: str, what: str, folder: bool = False) -> None:
+    """Raise unless a report can be created in ``directory``: tried, by creating (and removing) a file
+    there, or a folder with ``folder`` (``--plot DIR`` not there yet), for ``os.access`` says yes
+    where nothing can be created (root in ``/proc``, a read-only mount)."""
     if not os.path.exists(directory):
         raise ConfigError(f'cannot write {what}: directory {directory} does not exist')
     if not os.path.isdir(directory):
         raise ConfigError(f'cannot write {what}: {directory} is not a directory')
     if not os.access(directory, os.W_OK | os.X_OK):
         raise ConfigError(f'cannot write {what}: directory {directory} is not writable')
+    try:
+        if folder:
+            os.rmdir(tempfile.mkdtemp(prefix='.equivalence-probe-', dir=directory))
+        else:
+            fd, probe = tempfile.mkstemp(prefix='.equivalence-probe-', dir=directory)
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as e:
+        kind = 'folder' if folder else 'file'
+        raise ConfigError(f'cannot write {what}: no new {kind} can be created in {directory} ({e.strerror})') from None
 
 
 @contextlib.contextmanager
