@@ -97,7 +97,7 @@ def work(validated) -> int:
     rows = [run_case(pitfalls.load(name), n_devices) for name in ([args.only] if args.only else names)]
     print(table(rows, n_devices, jax.default_backend()))
     if args.json is not None:
-        output.write_json(args.json, json_report(rows, n_devices))
+        output.write_json(args.json, json_report(rows, n_devices), overwrite=args.overwrite)
     return cli.EXIT_MATCH if all(r['documented'] for r in rows) else cli.EXIT_MISMATCH
 
 
