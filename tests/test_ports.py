@@ -114,6 +114,22 @@ def test_loop_port_catches_a_layernorm_epsilon_slip():
     assert 'losses/per_step' in bad and any(b.startswith(('params/', 'opt_state/')) for b in bad), bad
 
 
+def test_assert_port_matches_fails_with_an_assertion_error_that_pytest_raises_catches():
+    """A slip is an ``AssertionError`` (``PortMismatch``, holding the report), as numpy.testing and chex
+    fail, so ``pytest.raises(AssertionError)`` around it passes; a mistake in the port too, shown as
+    its one ``error:`` line (``pytrace=False``, as ``pytest.fail`` showed it)."""
+    from equivalence.testing import PortInputError, PortMismatch, assert_port_matches
+
+    with pytest.raises(AssertionError) as slip:
+        assert_port_matches(my_port.MODEL_GELU_SLIP, devices=2, steps_per_call=1, calls=1, diagnose=False)
+    assert isinstance(slip.value, PortMismatch) and not slip.value.result.report.match
+    assert 'MISMATCH' in str(slip.value) and str(slip.value) == slip.value.report
+    unnamed = dataclasses.replace(my_port.MODEL, names=None)
+    with pytest.raises(AssertionError, match=r'^error: port .*closest NNX: fc1/kernel') as bad:
+        assert_port_matches(unnamed, devices=2, steps_per_call=1, calls=1)
+    assert isinstance(bad.value, PortInputError) and '\n' not in str(bad.value) and bad.value.pytrace is False
+
+
 # -- randomness inside the model ---------------------------------------------------------------------
 
 
