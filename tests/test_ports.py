@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT, assert_one_line_error, require_devices
+from conftest import ROOT, assert_one_line_error, require_devices, run_module
 from flax import nnx
 
 from equivalence.core import harness
@@ -104,6 +104,34 @@ def test_from_a_fresh_directory_the_loop_matches_and_bad_names_exit_2(tmp_path):
     assert loop.returncode == 0 and 'MATCH' in loop.stdout and 'rng global' in loop.stdout, loop.stderr
     names = cli('unnamed:PORT')
     assert_one_line_error(names, 'linen Dense_0/kernel [8, 32] float32, closest NNX: fc1/kernel [8, 32]')
+
+
+def test_a_workload_named_by_its_path_its_file_or_a_standard_module_name_says_what_to_name(tmp_path, monkeypatch):
+    """``./conv_port:MODEL`` (importlib: 'the package argument is required'), ``conv_port.py:MODEL``, and
+    a port file called ``random.py``, which Python's own ``random`` shadows (it is imported already)
+    or which shadows it (imported first, breaking every library that imports ``random``)."""
+    from equivalence.core.port import ports
+    from equivalence.core.port.config import ConfigError
+
+    for name in ('conv_port', 'random'):
+        (tmp_path / f'{name}.py').write_text('MODEL = None\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    expected = {
+        './conv_port:MODEL': 'names a path: name the module, --workload conv_port:MODEL, and run from its folder',
+        'ports/v2/conv_port.py:MODEL': 'names a path: name the module, --workload conv_port:MODEL, and run from its '
+        'folder (ports/v2) or put that folder on PYTHONPATH',
+        'conv_port.py:MODEL': 'names the file: drop .py, --workload conv_port:MODEL',
+        'random:MODEL': f"{tmp_path / 'random.py'} is shadowed by the standard library's random",
+    }
+    for spec, line in expected.items():
+        with pytest.raises(ConfigError) as e:
+            ports.load(spec)
+        assert str(e.value).startswith(f'--workload {spec!r} ') and line in str(e.value), e.value
+    assert 'rename the file, e.g. random_port.py, and pass --workload random_port:MODEL' in str(e.value)
+    # As a command the file comes first on the path: it shadows random, before the suite can start.
+    proc = run_module('equivalence.run', '--workload', 'random:MODEL', env={'PYTHONPATH': str(tmp_path)})
+    assert 'Traceback' not in proc.stderr
+    assert_one_line_error(proc, f"{tmp_path / 'random.py'} shadows the standard library's random")
 
 
 def test_loop_port_catches_a_layernorm_epsilon_slip():

@@ -18,6 +18,8 @@ import dataclasses
 import functools
 import importlib
 import logging
+import os
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -212,11 +214,64 @@ def _users(spec: str, what: str, error: Exception) -> ConfigError:
     return out
 
 
+_STDLIB = os.path.dirname(os.__file__)
+
+
+def _user_file(name: str) -> str | None:
+    """The file a top-level ``import name`` finds ahead of the standard library's module, if any
+    (``equivalence.stdlib_shadow.user_file``, which the library may not import: it is the commands')."""
+    for entry in sys.path:
+        folder = os.path.abspath(entry or os.curdir)
+        if folder == _STDLIB or entry.endswith('.zip'):
+            return None
+        for candidate in (os.path.join(folder, f'{name}.py'), os.path.join(folder, name, '__init__.py')):
+            if os.path.isfile(candidate):
+                return candidate
+    return None
+
+
+def _rename(name: str, attr: str) -> str:
+    return f'rename the file, e.g. {name}_port.py, and pass --workload {name}_port:{attr}'
+
+
+def _check_module_name(spec: str, module_name: str, attr: str) -> None:
+    """A module named as users name files: a path, a file name, or a standard-library module's name."""
+    if any(sep and sep in module_name for sep in ('/', '\\', os.sep, os.altsep)):
+        folder, file = os.path.split(module_name.replace('\\', '/'))
+        module = file.removesuffix('.py')
+        where = f'its folder ({folder})' if folder not in ('', '.') else 'its folder'
+        raise ConfigError(
+            f'--workload {spec!r} names a path: name the module, --workload {module}:{attr}, and run from {where} '
+            'or put that folder on PYTHONPATH'
+        )
+    if module_name.startswith('.'):
+        raise ConfigError(
+            f'--workload {spec!r} is a relative module name: name it in full, --workload '
+            f'{module_name.lstrip(".")}:{attr} (its folder on PYTHONPATH or the current directory)'
+        )
+    if module_name.endswith('.py'):
+        raise ConfigError(f'--workload {spec!r} names the file: drop .py, --workload {module_name[:-3]}:{attr}')
+    top = module_name.split('.', 1)[0]
+    if top not in sys.stdlib_module_names:
+        return
+    mine, loaded = _user_file(top), getattr(sys.modules.get(top), '__file__', None)
+    if mine is None:
+        raise ConfigError(
+            f"--workload {spec!r} names the standard library's {top}, not a port's module; " + _rename(top, attr)
+        )
+    if loaded is not None and os.path.realpath(loaded) == os.path.realpath(mine):
+        how = f"shadows the standard library's {top}: every library that imports {top} gets your file"
+    else:
+        how = f"is shadowed by the standard library's {top}" + (f' ({loaded}), imported first' if loaded else '')
+    raise ConfigError(f'--workload {spec!r} names a module of the standard library: {mine} {how}; {_rename(top, attr)}')
+
+
 def load(spec: str) -> Port:
     """``'package.module:NAME'`` -> the port it names (a port, or a function of no arguments returning one)."""
     module_name, _, attr = spec.partition(':')
     if not module_name or not attr:
         raise ConfigError(f'--workload {spec!r}: a port is named package.module:NAME')
+    _check_module_name(spec, module_name, attr)
     try:
         with _absl_warnings_off():
             module = importlib.import_module(module_name)
