@@ -134,6 +134,27 @@ def test_a_workload_named_by_its_path_its_file_or_a_standard_module_name_says_wh
     assert_one_line_error(proc, f"{tmp_path / 'random.py'} shadows the standard library's random")
 
 
+def test_a_mistake_in_another_port_of_the_module_names_that_port_and_its_line(tmp_path, monkeypatch):
+    """Importing the module builds every port in it: a wrong field in PORT_B, while PORT_A is asked for,
+    is said to be PORT_B's, at the line of the user's module that built it, not PORT_A's."""
+    from equivalence.core.port import ports
+    from equivalence.core.port.config import ConfigError
+
+    (tmp_path / 'two_ports.py').write_text(
+        'import dataclasses\nimport my_port\n\nPORT_A = my_port.MODEL\n'
+        "PORT_B = dataclasses.replace(\n    my_port.MODEL,\n    rng_modes='global',\n)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    field = "port 'mlp-port': rng_modes is the string 'global', not a tuple: use rng_modes=('global',)"
+    with pytest.raises(ConfigError) as e:
+        ports.load('two_ports:PORT_A')
+    assert str(e.value).startswith("--workload 'two_ports:PORT_A': importing two_ports failed building PORT_B ")
+    assert '(two_ports.py:5), not PORT_A, the port asked for: ' + field in str(e.value), e.value
+    with pytest.raises(ConfigError) as e:
+        ports.load('two_ports:PORT_B')
+    assert str(e.value) == f"--workload 'two_ports:PORT_B': PORT_B (two_ports.py:5): {field}"
+
+
 def test_loop_port_catches_a_layernorm_epsilon_slip():
     require_devices(8)
     result = harness.check(my_port.LOOP_EPSILON_SLIP, devices=8, steps_per_call=5, calls=2, diagnose=False)

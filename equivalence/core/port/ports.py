@@ -13,6 +13,7 @@ A batch is any pytree of arrays whose leaves lead with the batch axis; no key is
 Both levels go through ``equivalence.core.harness`` and the same comparison and report.
 """
 
+import ast
 import contextlib
 import dataclasses
 import functools
@@ -266,6 +267,37 @@ def _check_module_name(spec: str, module_name: str, attr: str) -> None:
     raise ConfigError(f'--workload {spec!r} names a module of the standard library: {mine} {how}; {_rename(top, attr)}')
 
 
+def _built_where(error: ConfigError, module_name: str, attr: str) -> str:
+    """Importing a module builds every port in it: the statement of the user's module that built the
+    bad one (``PORT_B = LoopPort(...)``, its line), named as the port asked for or as another one."""
+    frames = [f for f, _ in blame.frames(error) if blame.kind(f) == 'user']
+    module = next((f for f in reversed(frames) if f.function == '<module>'), None)
+    if module is None:
+        return ''
+    names = _assigned(module.file, module.line)
+    where = f'{os.path.basename(module.file)}:{module.line}'
+    if frames[-1] is not module:  # the constructor was called further in (a helper building the port)
+        where += f', via {frames[-1].where}'
+    if names == [attr]:
+        return f'{attr} ({where}): '
+    built = ', '.join(names) if names else 'a port'
+    return f'importing {module_name} failed building {built} ({where}), not {attr}, the port asked for: '
+
+
+def _assigned(file: str, line: int) -> list[str]:
+    """The names a top-level statement of ``file`` spanning ``line`` assigns (``PORT_B = ...``)."""
+    try:
+        with open(file) as f:
+            tree = ast.parse(f.read(), file)
+    except (OSError, SyntaxError, ValueError):
+        return []
+    for node in tree.body:
+        if node.lineno <= line <= (node.end_lineno or node.lineno):
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, 'target', None)]
+            return [t.id for t in targets if isinstance(t, ast.Name)]
+    return []
+
+
 def load(spec: str) -> Port:
     """``'package.module:NAME'`` -> the port it names (a port, or a function of no arguments returning one)."""
     module_name, _, attr = spec.partition(':')
@@ -275,8 +307,8 @@ def load(spec: str) -> Port:
     try:
         with _absl_warnings_off():
             module = importlib.import_module(module_name)
-    except ConfigError as e:  # a port built with a wrong field: its own line says which
-        raise ConfigError(f'--workload {spec!r}: {e}') from None
+    except ConfigError as e:  # a port built with a wrong field: which one, where, and whether it is the one asked for
+        raise ConfigError(f'--workload {spec!r}: {_built_where(e, module_name, attr)}{e}') from None
     except ModuleNotFoundError as e:
         raise ConfigError(f'--workload {spec!r}: cannot import {e.name!r} (is its folder on PYTHONPATH?)') from None
     except Exception as e:  # noqa: BLE001 -- the user's module failed: say so in one line
