@@ -12,6 +12,7 @@ MIN_DEVICES = 2  # replicas must be able to disagree
 EXIT_CODES = cli.exit_codes(
     'every case behaves as documented: the wrong version shows the damage, the fix matches',
     'some case does not',
+    workers=False,  # one process: no worker to die
 )
 
 
