@@ -60,7 +60,7 @@ def save_legacy(port, directory: str, step: int = 4) -> None:
     pstate = legacy.replicate(state, jax.local_devices()[:1])
     manager = legacy_checkpoints.make_manager(directory)
     with store.quiet():
-        legacy_checkpoints.save(manager, step, pstate, rng, {'seed': 0})
+        legacy_checkpoints.save(manager, step, pstate, rng, {'seed': 0, 'workload': port.name})  # as resume.record
     manager.close()
 
 
@@ -120,6 +120,27 @@ def test_a_field_without_an_nnx_place_is_exit_2_listing_it_unless_the_port_skips
     skipped = out.split("skipped, as the port's skip= says: ")[1].splitlines()[0].split('; ')
     assert sorted(skipped) == ['legacy counter [] int32', 'legacy dynamic_scale/fin_steps [] int32',
                                'legacy dynamic_scale/scale [] float32']  # fmt: skip
+
+
+def test_migrate_refuses_an_nnx_checkpoint_names_the_recorded_workload_and_a_moved_pair_verifies(checkpoints, tmp_path):
+    """An NNX checkpoint given as LEGACY_DIR is said to be one (not 'first mismatching leaf step: not in
+    the checkpoint'); a legacy one with the wrong --workload names the workload its meta records; the
+    manifest holds the legacy source relative to the NNX checkpoint, so the pair verifies once moved."""
+    code, _, err = command('migrate', str(checkpoints / 'mlp-nnx'), str(tmp_path / 'twice'), '--workload', 'mlp')
+    assert code == 2 and err.count('\n') == 1 and 'step 4 is already an NNX checkpoint' in err, err
+    assert 'migrated from' in err and 'nothing to migrate' in err and not (tmp_path / 'twice').exists()
+    code, _, err = command('migrate', str(checkpoints / 'mlp'), str(tmp_path / 'other'), '--workload', 'score')
+    assert code == 2 and 'first mismatching leaf' in err, err
+    assert "its meta records workload 'mlp', not 'score': pass --workload mlp" in err, err
+    moved = tmp_path / 'moved'
+    for name in ('mlp', 'mlp-nnx'):
+        shutil.copytree(checkpoints / name, moved / name)
+    record = manifest.read(str(moved / 'mlp-nnx'), 4)
+    assert record['legacy_dir'] == os.path.join('..', 'mlp') and record['legacy_dir_absolute'] == str(
+        checkpoints / 'mlp'
+    )
+    code, out, err = command('verify', str(moved / 'mlp-nnx'))  # the legacy source found through the manifest
+    assert code == 0 and f'{moved / "mlp"} step 4: ' in out and out.count('leaves match their sha256') == 2, out + err
 
 
 SCALED_SKIPPING = dataclasses.replace(SCALED, skip=('dynamic_scale', 'counter'))

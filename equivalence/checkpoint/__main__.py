@@ -29,7 +29,13 @@ def parse(argv: list[str] | None):
         'verify', help='check a migrated checkpoint against the sha256 migrate wrote', epilog=EXIT_CODES
     )
     verify.add_argument('nnx_dir', metavar='NNX_DIR', help='a checkpoint written by migrate')
-    verify.add_argument('legacy_dir', metavar='LEGACY_DIR', nargs='?', default=None, help='and its legacy source')
+    verify.add_argument(
+        'legacy_dir',
+        metavar='LEGACY_DIR',
+        nargs='?',
+        default=None,
+        help='and its legacy source (default: the one the manifest records, relative to NNX_DIR)',
+    )
     verify.add_argument('--step', type=int, default=None, help='the step to check (default: the latest complete)')
     return parser.parse_args(argv)
 
@@ -50,7 +56,7 @@ def work(validated) -> int:
     args, port = validated
     if args.command == 'verify':
         with store.quiet():
-            lines = manifest.verify(args.nnx_dir, args.legacy_dir, args.step)
+            lines = manifest.verify(args.nnx_dir, args.legacy_dir, args.step, find_legacy=True)
         print('\n'.join(lines))
         return cli.EXIT_MATCH
     try:

@@ -47,7 +47,8 @@ def write(nnx_dir: str, step: int, legacy_dir: str, nnx_state: Any, legacy_state
     record = {
         'format': FORMAT,
         'step': step,
-        'legacy_dir': os.path.abspath(legacy_dir),
+        'legacy_dir': os.path.relpath(os.path.abspath(legacy_dir), os.path.abspath(nnx_dir)),  # moves with the pair
+        'legacy_dir_absolute': os.path.abspath(legacy_dir),
         'nnx': hashes(nnx_state),
         'legacy': hashes(legacy_state),
         'pairs': pairs,
@@ -100,9 +101,20 @@ def latest(nnx_dir: str) -> int:
         return legacy_checkpoints.open_step(nnx_dir)[1]
 
 
-def verify(nnx_dir: str, legacy_dir: str | None = None, step: int | None = None, required: bool = True) -> list[str]:
-    """Re-read the NNX checkpoint (and the legacy one it came from) and check every leaf against the
-    manifest; ``CheckpointError`` (exit 2) naming the first leaf that differs. Lines for the report."""
+def recorded_legacy(nnx_dir: str, record: dict) -> tuple[str | None, str]:
+    """``(directory, as recorded)``: the legacy source the manifest names, relative to ``nnx_dir`` (so a
+    pair moved together still finds it), else by the absolute path it had; None when neither exists."""
+    relative, absolute = record.get('legacy_dir'), record.get('legacy_dir_absolute')
+    candidates = [os.path.normpath(os.path.join(nnx_dir, p)) for p in (relative, absolute) if p]
+    return next((c for c in candidates if os.path.isdir(c)), None), relative or absolute or '?'
+
+
+def verify(
+    nnx_dir: str, legacy_dir: str | None = None, step: int | None = None, required: bool = True, find_legacy=False
+) -> list[str]:
+    """Re-read the NNX checkpoint (and the legacy one it came from: ``legacy_dir``, or with ``find_legacy``
+    the one the manifest records) and check every leaf against the manifest; ``CheckpointError`` (exit 2)
+    naming the first leaf that differs. Lines for the report."""
     step = latest(nnx_dir) if step is None else step
     record = read(nnx_dir, step)
     if record is None:
@@ -111,6 +123,12 @@ def verify(nnx_dir: str, legacy_dir: str | None = None, step: int | None = None,
         return []
     compare(nnx_dir, step, record['nnx'], hashes(raw_state(nnx_dir, step)), 'NNX')
     lines = [f'{nnx_dir} step {step}: {len(record["nnx"])} leaves match their sha256']
+    if legacy_dir is None and find_legacy:
+        legacy_dir, recorded = recorded_legacy(nnx_dir, record)
+        if legacy_dir is None:
+            lines.append(
+                f'legacy source {recorded} (as the manifest records it) not found: not checked; pass LEGACY_DIR'
+            )
     if legacy_dir is not None:
         compare(legacy_dir, step, record['legacy'], hashes(raw_state(legacy_dir, step)), 'legacy')
         lines.append(f'{legacy_dir} step {step}: {len(record["legacy"])} leaves match their sha256')
