@@ -11,7 +11,7 @@ COMMANDS = (
     ('equivalence.bench', 'steps/s, dispatch and compile time of both paths and NNX variants, side by side'),
     ('equivalence.pitfalls', 'eleven porting traps, each run wrong (damage measured) and fixed (matches)'),
     ('equivalence.checkpoint migrate LEGACY_DIR NNX_DIR', 'a legacy (linen, pmap) checkpoint -> an NNX one'),
-    ('equivalence.checkpoint verify NNX_DIR', 'every leaf of a migrated checkpoint against its sha256'),
+    ('equivalence.checkpoint verify NNX_DIR', 'every file and leaf of a migrated checkpoint against its sha256'),
     ('equivalence.corpus', "the verdict's own test: correct ill-conditioned ports and slips, a confusion matrix"),
 )
 GUIDES = (

@@ -149,7 +149,8 @@ SCALED_SKIPPING = dataclasses.replace(SCALED, skip=('dynamic_scale', 'counter'))
 def flip_until_silent(nnx_dir) -> str:
     """Flip one bit of the arrays' (compressed) bytes at successive offsets until Orbax reads the
     checkpoint without an error but with another value: the silent case only the manifest catches.
-    Offsets where Orbax itself fails (DATA_LOSS) are put back. Returns the leaf the manifest names."""
+    Offsets where Orbax itself fails (DATA_LOSS) are put back. Returns the leaf the manifest names
+    (its leaves alone: the files' sha256 would name the file first)."""
     files = list((nnx_dir / '4' / 'state').glob('**/d/*'))  # OCDBT's per-process files and the merged copy
     size = max(f.stat().st_size for f in files)
     for offset in range(size // 2, size, 97)[:10]:
@@ -158,7 +159,7 @@ def flip_until_silent(nnx_dir) -> str:
             f.write_bytes(raw[:offset] + bytes([raw[offset] ^ 0x01]) + raw[offset + 1 :])
         try:
             with store.quiet():
-                manifest.verify(str(nnx_dir), step=4)
+                manifest.verify(str(nnx_dir), step=4, files=False)
         except CheckpointError as e:
             if 'does not match its manifest' in str(e):
                 return str(e).split(' leaf ')[1].split()[0]
@@ -172,14 +173,32 @@ def test_a_flipped_byte_is_caught_by_verify_and_by_the_resume_restore(checkpoint
     assert code == 0 and out.count('20 leaves match their sha256') == 2, out + err
     damaged = tmp_path / 'nnx'
     shutil.copytree(checkpoints / 'mlp-nnx', damaged)
-    leaf = flip_until_silent(damaged)
-    code, _, err = command('verify', str(damaged))
-    assert code == 2 and err.count('\n') == 1 and f'NNX leaf {leaf} does not match its manifest' in err, err
+    flip_until_silent(damaged)  # the leaf the flip changed is named by the leaves' sha256 alone
+    code, _, err = command('verify', str(damaged))  # and first by the sha256 of the file that holds it
+    assert code == 2 and err.count('\n') == 1 and 'step 4: file state/' in err and 'does not match its' in err, err
     config = RunConfig(workload='mlp', devices=1, steps_per_call=1, calls=1, batch_size=1, rng_mode='global')
     setup = kinds.of(MLP).new_setup(config, made.make(MLP, config))
-    with pytest.raises(CheckpointError, match=f'leaf {leaf} does not match its manifest'):
+    with pytest.raises(CheckpointError, match='file state/.* does not match its manifest'):
         resume.restorer(str(damaged), config, 4)(setup)  # --resume-at's restore, before anything is loaded
     resume.restorer(str(checkpoints / 'mlp-nnx'), config, 4)(setup)  # the intact one restores
+
+
+def test_verify_hashes_every_file_so_a_byte_no_leaf_reads_is_caught_naming_the_file(checkpoints, tmp_path):
+    """One byte flipped at offset 1000 of a per-process OCDBT data file: no leaf's hash need see it
+    (the leaves are read through the merged tree), so verify also holds every file of the step to the
+    sha256 migrate recorded, and names the file."""
+    damaged = tmp_path / 'nnx'
+    shutil.copytree(checkpoints / 'mlp-nnx', damaged)
+    record = manifest.read(str(damaged), 4)
+    on_disk = {str(p.relative_to(damaged / '4')) for p in (damaged / '4').rglob('*') if p.is_file()}
+    assert set(record['files']) == on_disk - {manifest.NAME}  # every file of the step but the manifest
+    data = max((damaged / '4' / 'state' / 'ocdbt.process_0' / 'd').iterdir(), key=lambda p: p.stat().st_size)
+    raw = data.read_bytes()
+    assert len(raw) > 1000
+    data.write_bytes(raw[:1000] + bytes([raw[1000] ^ 0xFF]) + raw[1001:])
+    code, _, err = command('verify', str(damaged))
+    name = str(data.relative_to(damaged / '4'))
+    assert code == 2 and err.count('\n') == 1 and f'step 4: file {name} does not match its manifest' in err, err
 
 
 def test_every_checkpoint_subcommand_answers_in_one_line(checkpoints, monkeypatch, tmp_path):

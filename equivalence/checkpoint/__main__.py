@@ -1,10 +1,11 @@
 """``python -m equivalence.checkpoint migrate LEGACY_DIR NNX_DIR``: a pmap-era checkpoint -> an NNX one;
-``python -m equivalence.checkpoint verify NNX_DIR [LEGACY_DIR]``: every leaf against its sha256.
+``python -m equivalence.checkpoint verify NNX_DIR [LEGACY_DIR]``: every file and leaf against its sha256.
 
 migrate writes nothing unless every legacy leaf has an NNX place (or the port's ``skip=`` names
 it), never writes where it reads, keeps an existing NNX_DIR unless --force, and writes a sha256
-per leaf beside the checkpoint; verify re-reads both checkpoints and names the first leaf whose
-bytes changed since (Orbax keeps no checksum of its own).
+per leaf and per file beside the checkpoint; verify hashes every file of the NNX step, re-reads
+both checkpoints, and names the first file or leaf whose bytes changed since (Orbax keeps no
+checksum of its own).
 """
 
 import sys
