@@ -179,6 +179,22 @@ def test_assert_port_matches_fails_with_an_assertion_error_that_pytest_raises_ca
     assert isinstance(bad.value, PortInputError) and '\n' not in str(bad.value) and bad.value.pytrace is False
 
 
+def test_init_args_is_given_a_batch_of_one_example_as_the_port_guide_says():
+    """``init_args`` and ``init_kwargs`` get one example with its batch axis kept, every leaf ``[1, ...]``
+    (``v[0, :1]`` of the first step of ``make_data``), and docs/port.md says so in those words."""
+    from equivalence.core.port.config import RunConfig
+    from equivalence.core.run.inputs import make_inputs
+
+    seen = []
+    port = dataclasses.replace(my_port.MODEL, init_args=lambda b: seen.append(b) or my_port.MODEL.init_args(b))
+    make_inputs(port, RunConfig(workload=port.name, devices=1, steps_per_call=2, calls=1, batch_size=4))
+    whole = port.make_data(np.random.default_rng(0), 2, 4)  # [steps, G, ...]
+    assert jax.tree.map(np.shape, seen[-1]) == jax.tree.map(lambda v: (1, *v.shape[2:]), whole)
+    with open(os.path.join(ROOT, 'docs', 'port.md')) as f:
+        guide = ' '.join(f.read().split())
+    assert 'a batch of one example, its batch axis kept: every leaf of shape `[1, ...]`' in guide
+
+
 # -- randomness inside the model ---------------------------------------------------------------------
 
 

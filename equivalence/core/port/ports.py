@@ -56,7 +56,7 @@ class ModelPort:
     nnx_loss: Callable  # (model, batch, noise) -> losses_B; BatchNorm statistics update in place
     make_data: Callable  # (np.random.Generator, n_steps, global_batch) -> pytree of [n_steps, global_batch, ...]
     make_tx: Callable  # (lr_scale: float) -> optax transformation; --perturb scales the NNX side's
-    init_args: Callable = _batch_only  # (batch of one example) -> positional args of the linen init
+    init_args: Callable = _batch_only  # (a batch of one example: leaves [1, ...]) -> positional args of the linen init
     init_kwargs: Callable | None = None  # (batch of one example) -> keyword args of the linen init: {'train': False}
     noise: Callable | None = None  # (key, batch shapes) -> pytree of per-example arrays, or None
     names: Names = None  # linen -> NNX paths: None (same), {prefix: prefix}, a function, or 'structure'
@@ -109,7 +109,7 @@ class LoopPort:
     new_state: Callable[[Any], Any] = None  # the NNX model holding linen's weights (or, without nnx_model, linen's
     # variables) -> your new train state: NNX objects, a TrainState of graphdef + nnx.State, or a pytree
     new_call: Callable | None = None  # (train_state, keys, batch_KxG) -> (train_state, out_K): K steps, one call
-    init_args: Callable = _batch_only  # (batch of one example) -> positional args of the linen init
+    init_args: Callable = _batch_only  # (a batch of one example: leaves [1, ...]) -> positional args of the linen init
     init_kwargs: Callable | None = None  # (batch of one example) -> keyword args of the linen init, as for ModelPort
     axis_name: str = 'batch'  # the pmap axis your step's lax.pmean names
     names: Names = None  # linen -> NNX paths, as for ModelPort
