@@ -18,6 +18,13 @@ pytest plugin ``equivalence.testing``. They load on first use, so that importing
 package still imports no JAX.
 """
 
+import sys as _sys
+
+if _sys.argv[:1] == ['-m']:  # a command starting (``python -m equivalence...``; argv[0] is '-m' until it runs)
+    from equivalence import stdlib_shadow as _stdlib_shadow
+
+    _stdlib_shadow.guard()  # a user's random.py shadowing the standard library's: one line, exit 2
+
 _PUBLIC = {
     'ModelPort': ('equivalence.core.port.ports', 'ModelPort'),
     'LoopPort': ('equivalence.core.port.ports', 'LoopPort'),

@@ -34,7 +34,8 @@ Inputs = TypeVar('Inputs')
 
 
 def exit_codes(ok: str, mismatch: str | None = None, workers: bool = True, unverified: str | None = None) -> str:
-    """The exit-code paragraph of a command's ``--help``."""
+    """The exit-code paragraph of a command's ``--help``: only the codes the command can give
+    (``workers``: it can run as several processes, so a worker can die)."""
     lines = ['exit codes:', f'  0  {ok}']
     lines += [f'  1  {mismatch}'] if mismatch else []
     lines += [
@@ -45,6 +46,7 @@ def exit_codes(ok: str, mismatch: str | None = None, workers: bool = True, unver
     ]
     lines += ['  4  several processes: a worker died or could not join (one line naming it)'] if workers else []
     lines += [f'  5  {unverified}'] if unverified else []
+    lines += [f'  {EXIT_INTERRUPTED}  interrupted (Ctrl-C): "interrupted" on stderr; no report is left half written']
     return '\n'.join(lines)
 
 

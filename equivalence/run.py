@@ -90,7 +90,7 @@ def work(validated) -> int:
     if not distributed.reports():  # several processes: process 0 writes the files
         return result.outcome.exit_code
     if args.json is not None:
-        output.write_json(args.json, render.to_json(result, render.versions()))
+        output.write_json(args.json, render.to_json(result, render.versions()), overwrite=args.overwrite)
     if args.plot is not None:
         from equivalence.core.report import plots
 

@@ -50,11 +50,37 @@ def require_devices(n: int) -> None:
         pytest.skip(f'needs {n} devices, JAX sees {have}; run with JAX_NUM_CPU_DEVICES={n} to simulate them')
 
 
+class PortMismatch(AssertionError):
+    """``assert_port_matches`` found the sides apart (MISMATCH or NOT VERIFIED): an ``AssertionError``,
+    as numpy.testing's and chex's assertions fail, so ``pytest.raises(AssertionError)`` catches it.
+    ``report``: the text shown (the header, the worst leaves, the verdict); ``result``: the ``RunResult``."""
+
+    def __init__(self, report: str, result):
+        super().__init__(report)
+        self.report, self.result = report, result
+
+
+class PortInputError(AssertionError, pytest.fail.Exception):
+    """A mistake in the port or the flags (a ``ConfigError``, or an exception the port's own code raised
+    while it trained): its one ``error: ...`` line. An ``AssertionError``, and pytest's own failure
+    without a traceback (``pytest.fail(..., pytrace=False)``, as before), so a test shows that line only."""
+
+    def __init__(self, line: str):
+        AssertionError.__init__(self, line)
+        pytest.fail.Exception.__init__(self, line, pytrace=False)
+
+    def __str__(self) -> str:
+        return self.msg
+
+
 def assert_port_matches(port, devices: int, steps_per_call: int = 2, calls: int = 2, **flags):
-    """Run both sides of ``port`` on ``devices`` devices and fail with the worst leaves unless
-    every leaf matches; returns the ``RunResult``. ``flags``: other ``RunConfig`` fields. Once the
+    """Run both sides of ``port`` on ``devices`` devices and raise ``PortMismatch`` (an
+    ``AssertionError``) with the worst leaves unless every leaf matches; returns the ``RunResult``.
+    A mistake in the port is ``PortInputError`` (an ``AssertionError`` too), its one ``error:`` line.
+    ``flags``: other ``RunConfig`` fields, and ``diagnose=False`` (``equivalence.check``). Once the
     process holds more than ``RELEASE_AT`` of the kernel's memory-map limit, the programs JAX keeps
     are released after the check (``equivalence.devices.release_compiled_programs``)."""
+    __tracebackhide__ = True  # a failure points at the test's line, not into this helper
     from equivalence.core import harness
     from equivalence.core.port import blame
     from equivalence.core.port.config import ConfigError
@@ -65,16 +91,17 @@ def assert_port_matches(port, devices: int, steps_per_call: int = 2, calls: int 
     try:
         result = harness.check(port, devices=devices, steps_per_call=steps_per_call, calls=calls, **flags)
     except ConfigError as e:  # a mistake in the port or the flags: its one line, not a traceback into the suite
-        pytest.fail(f'error: {e}', pytrace=False)
+        raise PortInputError(f'error: {e}') from None
     except Exception as e:
         line = blame.runtime_line(e)  # raised in the port's own code while it trained
         if line is None:
             raise
-        pytest.fail(f'error: {line}', pytrace=False)
+        raise PortInputError(f'error: {line}') from None
     finally:  # hundreds of checks in one session: their programs go before the map limit (as the corpus's)
         _devices.release_compiled_programs(RELEASE_AT)
     if result.outcome is not Outcome.MATCH:
-        pytest.fail('\n'.join([render.header(result, 'cpu'), *render.leaf_table(result), render.verdict(result)]))
+        report = '\n'.join([render.header(result, 'cpu'), *render.leaf_table(result), render.verdict(result)])
+        raise PortMismatch(report, result)
     return result
 
 
@@ -88,9 +115,9 @@ def assert_port_matches_across_processes(
     process cannot. Fails with the report unless every leaf matches; returns the JSON report.
     ``port`` is ``module:NAME``; the workers find the module in its folder, and this suite where
     the test found it. ``flags``: more ``run`` flags (``['--strategy', 'fsdp']``)."""
-    from equivalence.core.port import ports
+    from equivalence.core.port import loading
 
-    ports.load(port)  # a name that does not resolve fails here (ConfigError), before any worker starts
+    loading.load(port)  # a name that does not resolve fails here (ConfigError), before any worker starts
     module = sys.modules[port.partition(':')[0]]
     with tempfile.TemporaryDirectory(prefix='equivalence-processes-') as tmp:
         out = os.path.join(tmp, 'report.json')

@@ -1,5 +1,5 @@
 """Broken ports, each one realistic mistake: the example's good port (``examples/mlp_port``) with
-one field replaced. A case is a function of no arguments returning the port (``ports.load``
+one field replaced. A case is a function of no arguments returning the port (``loading.load``
 calls it), since a port whose field is wrong of its kind refuses to be built at all.
 
 ``CASES``: name -> (the port field its one line must name, the commands it is tried with).

@@ -60,7 +60,7 @@ def save_legacy(port, directory: str, step: int = 4) -> None:
     pstate = legacy.replicate(state, jax.local_devices()[:1])
     manager = legacy_checkpoints.make_manager(directory)
     with store.quiet():
-        legacy_checkpoints.save(manager, step, pstate, rng, {'seed': 0})
+        legacy_checkpoints.save(manager, step, pstate, rng, {'seed': 0, 'workload': port.name})  # as resume.record
     manager.close()
 
 
@@ -122,13 +122,35 @@ def test_a_field_without_an_nnx_place_is_exit_2_listing_it_unless_the_port_skips
                                'legacy dynamic_scale/scale [] float32']  # fmt: skip
 
 
+def test_migrate_refuses_an_nnx_checkpoint_names_the_recorded_workload_and_a_moved_pair_verifies(checkpoints, tmp_path):
+    """An NNX checkpoint given as LEGACY_DIR is said to be one (not 'first mismatching leaf step: not in
+    the checkpoint'); a legacy one with the wrong --workload names the workload its meta records; the
+    manifest holds the legacy source relative to the NNX checkpoint, so the pair verifies once moved."""
+    code, _, err = command('migrate', str(checkpoints / 'mlp-nnx'), str(tmp_path / 'twice'), '--workload', 'mlp')
+    assert code == 2 and err.count('\n') == 1 and 'step 4 is already an NNX checkpoint' in err, err
+    assert 'migrated from' in err and 'nothing to migrate' in err and not (tmp_path / 'twice').exists()
+    code, _, err = command('migrate', str(checkpoints / 'mlp'), str(tmp_path / 'other'), '--workload', 'score')
+    assert code == 2 and 'first mismatching leaf' in err, err
+    assert "its meta records workload 'mlp', not 'score': pass --workload mlp" in err, err
+    moved = tmp_path / 'moved'
+    for name in ('mlp', 'mlp-nnx'):
+        shutil.copytree(checkpoints / name, moved / name)
+    record = manifest.read(str(moved / 'mlp-nnx'), 4)
+    assert record['legacy_dir'] == os.path.join('..', 'mlp') and record['legacy_dir_absolute'] == str(
+        checkpoints / 'mlp'
+    )
+    code, out, err = command('verify', str(moved / 'mlp-nnx'))  # the legacy source found through the manifest
+    assert code == 0 and f'{moved / "mlp"} step 4: ' in out and out.count('leaves match their sha256') == 2, out + err
+
+
 SCALED_SKIPPING = dataclasses.replace(SCALED, skip=('dynamic_scale', 'counter'))
 
 
 def flip_until_silent(nnx_dir) -> str:
     """Flip one bit of the arrays' (compressed) bytes at successive offsets until Orbax reads the
     checkpoint without an error but with another value: the silent case only the manifest catches.
-    Offsets where Orbax itself fails (DATA_LOSS) are put back. Returns the leaf the manifest names."""
+    Offsets where Orbax itself fails (DATA_LOSS) are put back. Returns the leaf the manifest names
+    (its leaves alone: the files' sha256 would name the file first)."""
     files = list((nnx_dir / '4' / 'state').glob('**/d/*'))  # OCDBT's per-process files and the merged copy
     size = max(f.stat().st_size for f in files)
     for offset in range(size // 2, size, 97)[:10]:
@@ -137,7 +159,7 @@ def flip_until_silent(nnx_dir) -> str:
             f.write_bytes(raw[:offset] + bytes([raw[offset] ^ 0x01]) + raw[offset + 1 :])
         try:
             with store.quiet():
-                manifest.verify(str(nnx_dir), step=4)
+                manifest.verify(str(nnx_dir), step=4, files=False)
         except CheckpointError as e:
             if 'does not match its manifest' in str(e):
                 return str(e).split(' leaf ')[1].split()[0]
@@ -151,14 +173,32 @@ def test_a_flipped_byte_is_caught_by_verify_and_by_the_resume_restore(checkpoint
     assert code == 0 and out.count('20 leaves match their sha256') == 2, out + err
     damaged = tmp_path / 'nnx'
     shutil.copytree(checkpoints / 'mlp-nnx', damaged)
-    leaf = flip_until_silent(damaged)
-    code, _, err = command('verify', str(damaged))
-    assert code == 2 and err.count('\n') == 1 and f'NNX leaf {leaf} does not match its manifest' in err, err
+    flip_until_silent(damaged)  # the leaf the flip changed is named by the leaves' sha256 alone
+    code, _, err = command('verify', str(damaged))  # and first by the sha256 of the file that holds it
+    assert code == 2 and err.count('\n') == 1 and 'step 4: file state/' in err and 'does not match its' in err, err
     config = RunConfig(workload='mlp', devices=1, steps_per_call=1, calls=1, batch_size=1, rng_mode='global')
     setup = kinds.of(MLP).new_setup(config, made.make(MLP, config))
-    with pytest.raises(CheckpointError, match=f'leaf {leaf} does not match its manifest'):
+    with pytest.raises(CheckpointError, match='file state/.* does not match its manifest'):
         resume.restorer(str(damaged), config, 4)(setup)  # --resume-at's restore, before anything is loaded
     resume.restorer(str(checkpoints / 'mlp-nnx'), config, 4)(setup)  # the intact one restores
+
+
+def test_verify_hashes_every_file_so_a_byte_no_leaf_reads_is_caught_naming_the_file(checkpoints, tmp_path):
+    """One byte flipped at offset 1000 of a per-process OCDBT data file: no leaf's hash need see it
+    (the leaves are read through the merged tree), so verify also holds every file of the step to the
+    sha256 migrate recorded, and names the file."""
+    damaged = tmp_path / 'nnx'
+    shutil.copytree(checkpoints / 'mlp-nnx', damaged)
+    record = manifest.read(str(damaged), 4)
+    on_disk = {str(p.relative_to(damaged / '4')) for p in (damaged / '4').rglob('*') if p.is_file()}
+    assert set(record['files']) == on_disk - {manifest.NAME}  # every file of the step but the manifest
+    data = max((damaged / '4' / 'state' / 'ocdbt.process_0' / 'd').iterdir(), key=lambda p: p.stat().st_size)
+    raw = data.read_bytes()
+    assert len(raw) > 1000
+    data.write_bytes(raw[:1000] + bytes([raw[1000] ^ 0xFF]) + raw[1001:])
+    code, _, err = command('verify', str(damaged))
+    name = str(data.relative_to(damaged / '4'))
+    assert code == 2 and err.count('\n') == 1 and f'step 4: file {name} does not match its manifest' in err, err
 
 
 def test_every_checkpoint_subcommand_answers_in_one_line(checkpoints, monkeypatch, tmp_path):

@@ -5,6 +5,7 @@ import functools
 import importlib
 import json
 import os
+import re
 import subprocess
 import tempfile
 
@@ -190,17 +191,47 @@ def test_main_maps_every_outcome_to_its_exit_code(monkeypatch, capsys, tmp_path)
     assert 'Traceback (most recent call last)' in open(line.rsplit('full traceback in ', 1)[1]).read()
 
 
-@pytest.mark.parametrize('command', list(COMMANDS))
-def test_help_documents_the_exit_codes(command, capsys):
+# The exit codes each command can end with: 4 only where several processes can run (a worker died),
+# 1 only where there is a verdict or a case to fail, 5 only run's; 130 (Ctrl-C) everywhere (cli.main).
+CODES = {
+    ('equivalence.run', ()): {0, 1, 2, 3, 4, 5, 130},
+    ('equivalence.explain.__main__', ()): {0, 2, 3, 4, 130},
+    ('equivalence.bench.__main__', ()): {0, 2, 3, 4, 130},
+    ('equivalence.pitfalls.__main__', ()): {0, 1, 2, 3, 130},  # one process: no worker can die
+    ('equivalence.corpus.__main__', ()): {0, 1, 2, 3, 130},
+    ('equivalence.checkpoint.__main__', ()): {0, 2, 3, 130},
+    ('equivalence.checkpoint.__main__', ('migrate',)): {0, 2, 3, 130},
+    ('equivalence.checkpoint.__main__', ('verify',)): {0, 2, 3, 130},
+}
+ALL_CODES = {0, 1, 2, 3, 4, 5, 130}
+
+
+def listed_codes(text: str) -> set[int]:
+    """The codes an ``exit codes:`` paragraph lists, one per line: ``  0  every leaf ...``."""
+    paragraph = text.split('exit codes:', 1)[1].split('\n\n', 1)[0]
+    return {int(m) for m in re.findall(r'^  (\d+)  ', paragraph, flags=re.M)}
+
+
+@pytest.mark.parametrize('module, sub', list(CODES), ids=[' '.join((m, *s)) for m, s in CODES])
+def test_help_lists_exactly_the_exit_codes_the_command_can_give(module, sub, capsys):
     with pytest.raises(SystemExit) as exit_:
-        validate(command, ['--help'])
+        importlib.import_module(module).parse([*sub, '--help'])
     out = capsys.readouterr().out
     assert exit_.value.code == 0
-    for code in ('0  ', '2  bad input', '3  internal error: a bug in this suite, not a verdict on the port'):
+    assert listed_codes(out) == CODES[module, sub], out
+    for code in ('2  bad input', '3  internal error: a bug in this suite, not a verdict on the port', '130  '):
         assert '\n  ' + code in out, out
-    assert ('\n  1  ' in out) == (command in ('run', 'pitfalls'))
-    if command == 'explain':
+    if module == 'equivalence.explain.__main__':
         assert 'explain compiles one call' in ' '.join(out.split())
+
+
+def test_python_m_equivalence_lists_every_exit_code(capsys):
+    from equivalence.__main__ import main
+
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert listed_codes(out) == ALL_CODES, out
+    assert 'NOT VERIFIED' in out and 'interrupted' in out
 
 
 # Every command's --help names a port as package.module:NAME: test_docs.py, in-process (the process's start is

@@ -299,7 +299,7 @@ def broken_ports(draw) -> tuple[str, str, object]:
 @settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(case=broken_ports())
 def test_a_port_with_one_wrong_field_is_exit_2_in_one_line_naming_a_port_field(case, monkeypatch_module):
-    """Built (``ports.load``) and run (``python -m equivalence.run``, in-process): one line, exit 2,
+    """Built (``loading.load``) and run (``python -m equivalence.run``, in-process): one line, exit 2,
     naming a field of the port, the replaced one when its kind or arity is wrong; nothing trains."""
     import dataclasses
 

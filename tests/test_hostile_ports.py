@@ -70,12 +70,12 @@ def command_line(name: str, command: str, tmp_path) -> tuple:
 
 def pytest_helper(name: str) -> tuple[int, str, str]:
     """``assert_port_matches`` as a team's test calls it: a failed test with one line, or a pass."""
-    from equivalence.core.port import ports
+    from equivalence.core.port import loading
     from equivalence.core.port.config import ConfigError
     from equivalence.testing import assert_port_matches
 
     try:
-        port = ports.load(f'hostile_ports:{name}')
+        port = loading.load(f'hostile_ports:{name}')
         assert_port_matches(port, devices=2, batch_size=8)
     except ConfigError as e:  # the port refused to be built: the line its author sees at import
         return 2, '', f'error: {e}\n'

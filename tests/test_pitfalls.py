@@ -96,7 +96,7 @@ def test_6_scan_transform_metadata_changes_nothing_and_placing_the_batch_shards_
     assert r.details['unplaced'] == {'devices': 1, 'all_reduces': 0}
     assert r.details['placed']['devices'] == D and r.details['placed']['all_reduces'] >= 1
     assert r.details['placed']['max_abs_diff'] < base.TOL.atol
-    assert r.damage_shown and r.fix_matches
+    assert r.changes_nothing and not r.damage_shown and r.fix_matches and r.documented
 
 
 def test_6_negative_control_the_identity_check_sees_a_different_program():
@@ -193,6 +193,28 @@ def test_a_case_that_raises_is_a_row_that_does_not_pass():
     assert row['documented'] is False and row['symptom'] == 'case raised RuntimeError: boom'
     text = cli_main.table([row], D, 'cpu')
     assert '0 of 1 cases behave as documented; not: broken' in text
+
+
+def test_a_case_whose_wrong_version_changes_nothing_reads_no_damage_and_stays_documented():
+    """Case 6's row: the metadata was measured to change nothing (the same program, bitwise the same
+    results), so its damage column says none, not 'yes' beside 'no effect'; the pitfall is what it
+    fails to do (the batch stays on one device), which the symptom and the footnote say. Built from
+    a CaseResult, without running the case's JAX code."""
+    from equivalence.pitfalls import __main__ as cli_main
+
+    def result(changes_nothing):
+        return base.CaseResult('no effect (program and results bitwise identical ...: yes)', 't', damage_shown=False,
+                               fix='f', fix_matches=True, changes_nothing=changes_nothing)  # fmt: skip
+
+    case = types.SimpleNamespace(NUMBER=6, NAME='scan_transform_metadata', TITLE='t', DESCRIPTION='d')
+    row = cli_main.run_case(types.SimpleNamespace(**vars(case), run=lambda devices: result(True)), D)
+    assert row['documented'] and row['changes_nothing'] and not row['damage_shown']
+    text = cli_main.table([row], D, 'cpu')
+    line = next(x for x in text.splitlines() if x.startswith(' 6  scan_transform_metadata'))  # its row, then its fix
+    assert line.split()[2:4] == ['none+', 'yes'], line  # damage: none; fix matches: yes
+    assert '+ no damage of its own: the wrong version changes nothing, measured' in text
+    assert '1 of 1 cases behave as documented' in text
+    assert not result(False).documented  # had it changed something and shown no damage: not as documented
 
 
 # ---- the CLI, in a subprocess ----

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT, assert_one_line_error, require_devices
+from conftest import ROOT, assert_one_line_error, require_devices, run_module
 from flax import nnx
 
 from equivalence.core import harness
@@ -106,12 +106,93 @@ def test_from_a_fresh_directory_the_loop_matches_and_bad_names_exit_2(tmp_path):
     assert_one_line_error(names, 'linen Dense_0/kernel [8, 32] float32, closest NNX: fc1/kernel [8, 32]')
 
 
+def test_a_workload_named_by_its_path_its_file_or_a_standard_module_name_says_what_to_name(tmp_path, monkeypatch):
+    """``./conv_port:MODEL`` (importlib: 'the package argument is required'), ``conv_port.py:MODEL``, and
+    a port file called ``random.py``, which Python's own ``random`` shadows (it is imported already)
+    or which shadows it (imported first, breaking every library that imports ``random``)."""
+    from equivalence.core.port import loading
+    from equivalence.core.port.config import ConfigError
+
+    for name in ('conv_port', 'random'):
+        (tmp_path / f'{name}.py').write_text('MODEL = None\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    expected = {
+        './conv_port:MODEL': 'names a path: name the module, --workload conv_port:MODEL, and run from its folder',
+        'ports/v2/conv_port.py:MODEL': 'names a path: name the module, --workload conv_port:MODEL, and run from its '
+        'folder (ports/v2) or put that folder on PYTHONPATH',
+        'conv_port.py:MODEL': 'names the file: drop .py, --workload conv_port:MODEL',
+        'random:MODEL': f"{tmp_path / 'random.py'} is shadowed by the standard library's random",
+    }
+    for spec, line in expected.items():
+        with pytest.raises(ConfigError) as e:
+            loading.load(spec)
+        assert str(e.value).startswith(f'--workload {spec!r} ') and line in str(e.value), e.value
+    assert 'rename the file, e.g. random_port.py, and pass --workload random_port:MODEL' in str(e.value)
+    # As a command the file comes first on the path: it shadows random, before the suite can start.
+    proc = run_module('equivalence.run', '--workload', 'random:MODEL', env={'PYTHONPATH': str(tmp_path)})
+    assert 'Traceback' not in proc.stderr
+    assert_one_line_error(proc, f"{tmp_path / 'random.py'} shadows the standard library's random")
+
+
+def test_a_mistake_in_another_port_of_the_module_names_that_port_and_its_line(tmp_path, monkeypatch):
+    """Importing the module builds every port in it: a wrong field in PORT_B, while PORT_A is asked for,
+    is said to be PORT_B's, at the line of the user's module that built it, not PORT_A's."""
+    from equivalence.core.port import loading
+    from equivalence.core.port.config import ConfigError
+
+    (tmp_path / 'two_ports.py').write_text(
+        'import dataclasses\nimport my_port\n\nPORT_A = my_port.MODEL\n'
+        "PORT_B = dataclasses.replace(\n    my_port.MODEL,\n    rng_modes='global',\n)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    field = "port 'mlp-port': rng_modes is the string 'global', not a tuple: use rng_modes=('global',)"
+    with pytest.raises(ConfigError) as e:
+        loading.load('two_ports:PORT_A')
+    assert str(e.value).startswith("--workload 'two_ports:PORT_A': importing two_ports failed building PORT_B ")
+    assert '(two_ports.py:5), not PORT_A, the port asked for: ' + field in str(e.value), e.value
+    with pytest.raises(ConfigError) as e:
+        loading.load('two_ports:PORT_B')
+    assert str(e.value) == f"--workload 'two_ports:PORT_B': PORT_B (two_ports.py:5): {field}"
+
+
 def test_loop_port_catches_a_layernorm_epsilon_slip():
     require_devices(8)
     result = harness.check(my_port.LOOP_EPSILON_SLIP, devices=8, steps_per_call=5, calls=2, diagnose=False)
     assert not result.report.match
     bad = _bad(result)  # subtle: 1e-6 vs 1e-5 under unit-variance activations; the losses show it first
     assert 'losses/per_step' in bad and any(b.startswith(('params/', 'opt_state/')) for b in bad), bad
+
+
+def test_assert_port_matches_fails_with_an_assertion_error_that_pytest_raises_catches():
+    """A slip is an ``AssertionError`` (``PortMismatch``, holding the report), as numpy.testing and chex
+    fail, so ``pytest.raises(AssertionError)`` around it passes; a mistake in the port too, shown as
+    its one ``error:`` line (``pytrace=False``, as ``pytest.fail`` showed it)."""
+    from equivalence.testing import PortInputError, PortMismatch, assert_port_matches
+
+    with pytest.raises(AssertionError) as slip:
+        assert_port_matches(my_port.MODEL_GELU_SLIP, devices=2, steps_per_call=1, calls=1, diagnose=False)
+    assert isinstance(slip.value, PortMismatch) and not slip.value.result.report.match
+    assert 'MISMATCH' in str(slip.value) and str(slip.value) == slip.value.report
+    unnamed = dataclasses.replace(my_port.MODEL, names=None)
+    with pytest.raises(AssertionError, match=r'^error: port .*closest NNX: fc1/kernel') as bad:
+        assert_port_matches(unnamed, devices=2, steps_per_call=1, calls=1)
+    assert isinstance(bad.value, PortInputError) and '\n' not in str(bad.value) and bad.value.pytrace is False
+
+
+def test_init_args_is_given_a_batch_of_one_example_as_the_port_guide_says():
+    """``init_args`` and ``init_kwargs`` get one example with its batch axis kept, every leaf ``[1, ...]``
+    (``v[0, :1]`` of the first step of ``make_data``), and docs/port.md says so in those words."""
+    from equivalence.core.port.config import RunConfig
+    from equivalence.core.run.inputs import make_inputs
+
+    seen = []
+    port = dataclasses.replace(my_port.MODEL, init_args=lambda b: seen.append(b) or my_port.MODEL.init_args(b))
+    make_inputs(port, RunConfig(workload=port.name, devices=1, steps_per_call=2, calls=1, batch_size=4))
+    whole = port.make_data(np.random.default_rng(0), 2, 4)  # [steps, G, ...]
+    assert jax.tree.map(np.shape, seen[-1]) == jax.tree.map(lambda v: (1, *v.shape[2:]), whole)
+    with open(os.path.join(ROOT, 'docs', 'port.md')) as f:
+        guide = ' '.join(f.read().split())
+    assert 'a batch of one example, its batch axis kept: every leaf of shape `[1, ...]`' in guide
 
 
 # -- randomness inside the model ---------------------------------------------------------------------

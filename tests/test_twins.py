@@ -21,7 +21,7 @@ from flax.training import train_state
 
 from equivalence import LoopPort
 from equivalence.core import harness, kinds
-from equivalence.core.port import ports, workloads
+from equivalence.core.port import loading, workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.report import render as report
 from equivalence.core.run import inputs as made
@@ -154,7 +154,7 @@ def pinned():
 def test_a_port_a_factory_returns_is_loaded_by_its_factorys_name_in_the_fresh_process():
     """``--workload pinned_port:make_port`` (a function returning the port): the fresh process loads it as it
     was loaded, by the factory's name. It was 'not importable by name', and the run NOT VERIFIED. No JAX runs."""
-    port = ports.load('pinned_port:make_port')
+    port = loading.load('pinned_port:make_port')
     assert fresh.locate(port, RunConfig(workload=port.name)) == 'pinned_port:make_port'
     assert fresh.locate(pinned_port.PORT, RunConfig(workload=port.name)) == 'pinned_port:PORT'
     assert fresh.locate(dataclasses.replace(port, name='unnamed'), RunConfig(workload='unnamed')) == ''  # the control

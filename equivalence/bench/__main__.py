@@ -68,7 +68,7 @@ def work(validated) -> int:
     result = bench.run(wl, config, args.repeats, args.compile_repeats, strategy_configs)
     print(benchreport.text(result))
     if args.json is not None and distributed.reports():
-        output.write_json(args.json, benchreport.to_json(result))
+        output.write_json(args.json, benchreport.to_json(result), overwrite=args.overwrite)
     return cli.EXIT_MATCH
 
 

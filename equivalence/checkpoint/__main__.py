@@ -1,10 +1,11 @@
 """``python -m equivalence.checkpoint migrate LEGACY_DIR NNX_DIR``: a pmap-era checkpoint -> an NNX one;
-``python -m equivalence.checkpoint verify NNX_DIR [LEGACY_DIR]``: every leaf against its sha256.
+``python -m equivalence.checkpoint verify NNX_DIR [LEGACY_DIR]``: every file and leaf against its sha256.
 
 migrate writes nothing unless every legacy leaf has an NNX place (or the port's ``skip=`` names
 it), never writes where it reads, keeps an existing NNX_DIR unless --force, and writes a sha256
-per leaf beside the checkpoint; verify re-reads both checkpoints and names the first leaf whose
-bytes changed since (Orbax keeps no checksum of its own).
+per leaf and per file beside the checkpoint; verify hashes every file of the NNX step, re-reads
+both checkpoints, and names the first file or leaf whose bytes changed since (Orbax keeps no
+checksum of its own).
 """
 
 import sys
@@ -29,7 +30,13 @@ def parse(argv: list[str] | None):
         'verify', help='check a migrated checkpoint against the sha256 migrate wrote', epilog=EXIT_CODES
     )
     verify.add_argument('nnx_dir', metavar='NNX_DIR', help='a checkpoint written by migrate')
-    verify.add_argument('legacy_dir', metavar='LEGACY_DIR', nargs='?', default=None, help='and its legacy source')
+    verify.add_argument(
+        'legacy_dir',
+        metavar='LEGACY_DIR',
+        nargs='?',
+        default=None,
+        help='and its legacy source (default: the one the manifest records, relative to NNX_DIR)',
+    )
     verify.add_argument('--step', type=int, default=None, help='the step to check (default: the latest complete)')
     return parser.parse_args(argv)
 
@@ -50,7 +57,7 @@ def work(validated) -> int:
     args, port = validated
     if args.command == 'verify':
         with store.quiet():
-            lines = manifest.verify(args.nnx_dir, args.legacy_dir, args.step)
+            lines = manifest.verify(args.nnx_dir, args.legacy_dir, args.step, find_legacy=True)
         print('\n'.join(lines))
         return cli.EXIT_MATCH
     try:

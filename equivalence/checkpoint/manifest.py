@@ -5,8 +5,9 @@ file reads back as a wrong value with no error (FACTS.md). The manifest closes t
 It lives inside the step's directory (``NNX_DIR/<step>/equivalence-manifest.json``), so it
 travels with the checkpoint it describes, and holds three maps: ``nnx`` (path -> hash of the
 value written), ``legacy`` (path in the legacy train state -> hash of the value read) and
-``pairs`` (NNX path -> the legacy leaf it came from, by group: ``params/Dense_0/kernel``).
-A hash covers dtype, shape and bytes.
+``pairs`` (NNX path -> the legacy leaf it came from, by group: ``params/Dense_0/kernel``);
+and ``files`` (every file of the NNX step's directory but the manifest -> the sha256 of its
+bytes), so that bytes no leaf reads are checked too. A leaf's hash covers dtype, shape and bytes.
 """
 
 import hashlib
@@ -42,15 +43,53 @@ def path(nnx_dir: str, step: int) -> str:
     return os.path.join(nnx_dir, str(step), NAME)
 
 
+def file_hashes(step_dir: str) -> dict[str, str]:
+    """``{'state/ocdbt.process_0/d/2cbd...': sha256}`` of every file of a step's directory but the
+    manifest: the bytes no leaf reads too (OCDBT's per-process copies, metadata, the key and the record)."""
+    found = {}
+    for folder, dirs, files in os.walk(step_dir):
+        dirs.sort()
+        for name in sorted(files):
+            full = os.path.join(folder, name)
+            relative = os.path.relpath(full, step_dir).replace(os.sep, '/')
+            if relative in (NAME, NAME + '.tmp'):
+                continue
+            h = hashlib.sha256()
+            with open(full, 'rb') as f:
+                for chunk in iter(lambda: f.read(1 << 20), b''):
+                    h.update(chunk)
+            found[relative] = h.hexdigest()
+    return found
+
+
+def compare_files(nnx_dir: str, step: int, expected: dict[str, str]) -> None:
+    """Every file of the step's directory against the sha256 migrate recorded; the first that differs,
+    is missing or is new is named."""
+    found = file_hashes(os.path.join(nnx_dir, str(step)))
+    for name, want in expected.items():
+        if name not in found:
+            raise CheckpointError(f'{nnx_dir} step {step}: file {name} is missing (the manifest lists it)')
+        if found[name] != want:
+            raise CheckpointError(
+                f'{nnx_dir} step {step}: file {name} does not match its manifest (sha256 {found[name][:12]}... != '
+                f'{want[:12]}...): its bytes changed after migrate wrote it'
+            )
+    extra = sorted(set(found) - set(expected))
+    if extra:
+        raise CheckpointError(f'{nnx_dir} step {step}: file {extra[0]} is not in the manifest (added after migrate)')
+
+
 def write(nnx_dir: str, step: int, legacy_dir: str, nnx_state: Any, legacy_state: Any, pairs: dict[str, str]) -> str:
     """The manifest of one migrated step, written atomically (a torn manifest never reads as one)."""
     record = {
         'format': FORMAT,
         'step': step,
-        'legacy_dir': os.path.abspath(legacy_dir),
+        'legacy_dir': os.path.relpath(os.path.abspath(legacy_dir), os.path.abspath(nnx_dir)),  # moves with the pair
+        'legacy_dir_absolute': os.path.abspath(legacy_dir),
         'nnx': hashes(nnx_state),
         'legacy': hashes(legacy_state),
         'pairs': pairs,
+        'files': file_hashes(os.path.join(nnx_dir, str(step))),  # every byte of the step, read by a leaf or not
     }
     target = path(nnx_dir, step)
     with open(target + '.tmp', 'w') as f:
@@ -100,17 +139,46 @@ def latest(nnx_dir: str) -> int:
         return legacy_checkpoints.open_step(nnx_dir)[1]
 
 
-def verify(nnx_dir: str, legacy_dir: str | None = None, step: int | None = None, required: bool = True) -> list[str]:
-    """Re-read the NNX checkpoint (and the legacy one it came from) and check every leaf against the
-    manifest; ``CheckpointError`` (exit 2) naming the first leaf that differs. Lines for the report."""
+def recorded_legacy(nnx_dir: str, record: dict) -> tuple[str | None, str]:
+    """``(directory, as recorded)``: the legacy source the manifest names, relative to ``nnx_dir`` (so a
+    pair moved together still finds it), else by the absolute path it had; None when neither exists."""
+    relative, absolute = record.get('legacy_dir'), record.get('legacy_dir_absolute')
+    candidates = [os.path.normpath(os.path.join(nnx_dir, p)) for p in (relative, absolute) if p]
+    return next((c for c in candidates if os.path.isdir(c)), None), relative or absolute or '?'
+
+
+def verify(
+    nnx_dir: str,
+    legacy_dir: str | None = None,
+    step: int | None = None,
+    required: bool = True,
+    find_legacy: bool = False,
+    files: bool = True,
+) -> list[str]:
+    """Check a migrated checkpoint against its manifest: every file of the NNX step's directory (``files``)
+    and every leaf it restores, then every leaf of the legacy one it came from (``legacy_dir``, or with
+    ``find_legacy`` the one the manifest records); ``CheckpointError`` (exit 2) naming the first file or
+    leaf that differs. Lines for the report."""
     step = latest(nnx_dir) if step is None else step
     record = read(nnx_dir, step)
     if record is None:
         if required:
             raise CheckpointError(f'{nnx_dir} step {step} has no {NAME}: only checkpoints written by migrate carry one')
         return []
+    lines = []
+    if files and 'files' in record:
+        compare_files(nnx_dir, step, record['files'])
+        lines.append(f'{nnx_dir} step {step}: {len(record["files"])} files match their sha256')
+    elif files:
+        lines.append(f'{nnx_dir} step {step}: no sha256 per file (a manifest of an older migrate): leaves only')
     compare(nnx_dir, step, record['nnx'], hashes(raw_state(nnx_dir, step)), 'NNX')
-    lines = [f'{nnx_dir} step {step}: {len(record["nnx"])} leaves match their sha256']
+    lines.append(f'{nnx_dir} step {step}: {len(record["nnx"])} leaves match their sha256')
+    if legacy_dir is None and find_legacy:
+        legacy_dir, recorded = recorded_legacy(nnx_dir, record)
+        if legacy_dir is None:
+            lines.append(
+                f'legacy source {recorded} (as the manifest records it) not found: not checked; pass LEGACY_DIR'
+            )
     if legacy_dir is not None:
         compare(legacy_dir, step, record['legacy'], hashes(raw_state(legacy_dir, step)), 'legacy')
         lines.append(f'{legacy_dir} step {step}: {len(record["legacy"])} leaves match their sha256')

@@ -105,8 +105,12 @@ def migrate(legacy_dir: str, nnx_dir: str, port: Port, step: int | None = None, 
 
     _check_apart(legacy_dir, nnx_dir)
     _check_destination(nnx_dir, force)
+    recorded = _refuse_nnx(legacy_dir, step)
     preflight.check_states(kinds.of(port))
-    state, rng, meta = store.read_legacy(legacy_dir, _legacy_target(port), step)
+    try:
+        state, rng, meta = store.read_legacy(legacy_dir, _legacy_target(port), step)
+    except CheckpointError as e:  # another workload's checkpoint: the one it records is named
+        raise CheckpointError(f'{e}{_workload_hint(recorded, port)}' if 'does not fit' in str(e) else str(e)) from None
     legacy_leaves, mapping, outside, skipped = _legacy_leaves(port, state)
     abstract = nnx_checkpoints.state_dict(nnx.eval_shape(layout.nnx_init(port)))
     places = layout.group_places(port)
@@ -130,6 +134,43 @@ def migrate(legacy_dir: str, nnx_dir: str, port: Port, step: int | None = None, 
     _together('equivalence-migrate-manifest-written')
     migration.written = True
     return migration
+
+
+def _refuse_nnx(legacy_dir: str, step: int | None) -> dict | None:
+    """An NNX checkpoint given as the legacy one (one migrate wrote, or an NNX run saved) is said to be
+    one, not read as a legacy state that lacks every leaf. Returns the legacy checkpoint's meta (the
+    suite's own layout), or None for a team's layout."""
+    found = store.suite_record(legacy_dir, step)
+    if found is None:
+        return None
+    step, names, meta = found
+    signs = [f'migrated from {meta["migrated_from"]}'] if 'migrated_from' in meta else []
+    if os.path.isfile(manifest.path(legacy_dir, step)):
+        signs.append(f'it holds the {manifest.NAME} migrate writes')
+    if {'model', 'optimizer'} <= names and 'params' not in names:
+        signs.append(f"its state holds {', '.join(sorted(names))}: the NNX train state's layout")
+    if signs:
+        raise CheckpointError(
+            f'{legacy_dir} step {step} is already an NNX checkpoint ({"; ".join(signs)}): nothing to migrate; '
+            f'migrate reads a legacy (linen, pmap) one, and python -m equivalence.checkpoint verify {legacy_dir} '
+            'checks this one'
+        )
+    return meta
+
+
+def _workload_hint(meta: dict | None, port: Port) -> str:
+    """The workload a legacy checkpoint's meta records (the suite's saves do: ``resume.record``), if not the port's."""
+    from equivalence.core.port import workloads
+
+    recorded = (meta or {}).get('workload')
+    if not recorded or recorded == port.name:
+        return ''
+    flag = (
+        f'--workload {recorded}'
+        if recorded in workloads.WORKLOADS
+        else f'the --workload of the port named {recorded!r}'
+    )
+    return f'; its meta records workload {recorded!r}, not {port.name!r}: pass {flag}'
 
 
 def _check_apart(legacy_dir: str, nnx_dir: str) -> None:

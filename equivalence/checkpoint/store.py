@@ -11,10 +11,13 @@ that it closes as soon as one read fails, and the reads still in flight then pri
 import contextlib
 import io
 import logging
+import os
 import sys
 import time
 from collections.abc import Iterator
 from typing import Any
+
+import orbax.checkpoint as ocp
 
 from equivalence.checkpoint import foreign
 from equivalence.core.port.config import ConfigError
@@ -77,3 +80,15 @@ def read_nnx(directory: str, target: dict, step: int | None = None) -> tuple[dic
     """``(state, rng, meta)`` of an NNX checkpoint, placed as ``target``'s shardings say."""
     with reading(directory):
         return nnx_checkpoints.restore(directory, target, step)
+
+
+def suite_record(directory: str, step: int | None = None) -> tuple[int, set[str], dict] | None:
+    """``(step, top-level names of its state, its meta)`` of a checkpoint in the suite's own layout
+    (either side's: ``state``, ``rng``, ``meta``), read without a target; None for a team's layout."""
+    with reading(directory):
+        if not os.path.isdir(directory) or foreign.locate(directory, step) is not None:
+            return None
+        manager, step = legacy_checkpoints.open_step(directory, step)
+        tree = manager.item_metadata(step)['state']
+        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+    return step, set(tree.keys()) if hasattr(tree, 'keys') else set(), dict(meta or {})

@@ -95,7 +95,7 @@ def work(validated) -> int:
     s = sensitivity.measure(sens, lambda case: progress(case, ladder=True)) if sens else None
     print(table.text(entries, cases, s, jax.default_backend()))
     if args.json is not None:
-        output.write_json(args.json, table.to_json(cases, s))
+        output.write_json(args.json, table.to_json(cases, s), overwrite=args.overwrite)
     return cli.EXIT_MATCH if not table.wrong_cases(cases, s) else cli.EXIT_MISMATCH
 
 

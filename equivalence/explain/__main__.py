@@ -47,7 +47,7 @@ def work(validated) -> int:
     print(answers_text(r))
     print(strategy_text(r))
     if args.json is not None and distributed.reports():
-        output.write_json(args.json, r)
+        output.write_json(args.json, r, overwrite=args.overwrite)
     return cli.EXIT_MATCH
 
 

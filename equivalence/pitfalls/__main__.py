@@ -12,6 +12,7 @@ MIN_DEVICES = 2  # replicas must be able to disagree
 EXIT_CODES = cli.exit_codes(
     'every case behaves as documented: the wrong version shows the damage, the fix matches',
     'some case does not',
+    workers=False,  # one process: no worker to die
 )
 
 
@@ -56,9 +57,18 @@ def run_case(module, n_devices: int) -> dict:
     return {**header, **row, 'seconds': round(time.perf_counter() - start, 1)}
 
 
+NO_DAMAGE_OF_ITS_OWN = (
+    '+'  # ASCII (a report read on any terminal): the footnote of a wrong version measured to change nothing (case 6)
+)
+
+
 def damage_cell(row: dict) -> str:
+    """What was measured: 'yes'; 'none+', the wrong version changes nothing (the trap is what it does
+    not do); 'no*', a hazard not forced on this machine; 'no', the damage did not show."""
     if row['damage_shown']:
         return 'yes'
+    if row.get('changes_nothing'):
+        return 'none' + NO_DAMAGE_OF_ITS_OWN
     return 'no*' if not row.get('damage_required', True) else 'no'
 
 
@@ -73,8 +83,15 @@ def table(rows: list[dict], n_devices: int, backend: str) -> str:
         lines.append(f'{r["number"]:>2}  {r["name"]:<24}  {damage_cell(r):<6}  {fix:<11}  {r["symptom"]}')
     lines += ['', 'fixed versions:']
     lines += [f'{r["number"]:>2}  {r["name"]:<24}  {r["fix"]}' for r in rows]
+    notes = []
+    if any(not r['damage_shown'] and r.get('changes_nothing') for r in rows):
+        notes.append(
+            f'{NO_DAMAGE_OF_ITS_OWN} no damage of its own: the wrong version changes nothing, measured (the same '
+            'program, bitwise the same results); the trap is what it fails to do, in the symptom'
+        )
     if any(not r['damage_shown'] and not r.get('damage_required', True) for r in rows):
-        lines += ['', '* a hazard that cannot be forced on every machine; see the case module docstring']
+        notes.append('* a hazard that cannot be forced on every machine; see the case module docstring')
+    lines += ['', *notes] if notes else []
     bad = [r['name'] for r in rows if not r['documented']]
     verdict = f'{len(rows) - len(bad)} of {len(rows)} cases behave as documented'
     return '\n'.join([*lines, '', verdict + (f'; not: {", ".join(bad)}' if bad else '')])
@@ -97,7 +114,7 @@ def work(validated) -> int:
     rows = [run_case(pitfalls.load(name), n_devices) for name in ([args.only] if args.only else names)]
     print(table(rows, n_devices, jax.default_backend()))
     if args.json is not None:
-        output.write_json(args.json, json_report(rows, n_devices))
+        output.write_json(args.json, json_report(rows, n_devices), overwrite=args.overwrite)
     return cli.EXIT_MATCH if all(r['documented'] for r in rows) else cli.EXIT_MISMATCH
 
 

@@ -26,11 +26,15 @@ class CaseResult:
     fix_matches: bool  # the fixed version matches the reference within TOL (or runs where the wrong one fails)
     details: dict[str, Any] = dataclasses.field(default_factory=dict)  # the figures behind both lines, JSON-able
     damage_required: bool = True  # False only where the damage is a hazard that cannot be forced (see case 9)
+    # The wrong version was measured to change nothing (case 6: the same program, bitwise the same results):
+    # no damage of its own, damage_shown False; the trap is what it fails to do, which the symptom says.
+    changes_nothing: bool = False
 
     @property
     def documented(self) -> bool:
-        """The case behaves as its description says: damage shown (where it can be forced) and the fix matches."""
-        return self.fix_matches and (self.damage_shown or not self.damage_required)
+        """The case behaves as its description says: damage shown (where it can be forced), or measured to
+        change nothing where that is the trap, and the fix matches."""
+        return self.fix_matches and (self.damage_shown or self.changes_nothing or not self.damage_required)
 
 
 def first_line(error: BaseException) -> str:

@@ -97,7 +97,8 @@ def run(devices: int) -> CaseResult:
         f'{yes(no_effect)}); the unplaced batch ran on {wrong["devices"]} of {devices} devices, '
         f'{wrong["all_reduces"]} all-reduces',
         threshold='identical program and results with the metadata, and the unplaced batch on 1 device, 0 all-reduces',
-        damage_shown=no_effect and wrong['devices'] == 1 and wrong['all_reduces'] == 0,
+        damage_shown=False,  # nothing differs: the trap is what it does not do (the batch stays on one device)
+        changes_nothing=no_effect and wrong['devices'] == 1 and wrong['all_reduces'] == 0,
         fix=f'no transform_metadata, batch placed P(None, {sharding.DATA!r}): {fix["devices"]} devices, '
         f'{fix["all_reduces"]} all-reduce(s), max |diff| to the 1-device run {fix_diff:.1e}',
         fix_matches=fix['devices'] == devices and fix['all_reduces'] > 0 and fix_ok,

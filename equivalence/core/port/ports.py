@@ -13,18 +13,13 @@ A batch is any pytree of arrays whose leaves lead with the batch axis; no key is
 Both levels go through ``equivalence.core.harness`` and the same comparison and report.
 """
 
-import contextlib
 import dataclasses
 import functools
-import importlib
-import logging
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import Any
 
-from equivalence.core.port import blame, port_fields
-from equivalence.core.port.config import ConfigError
+from equivalence.core.port import port_fields
 from equivalence.core.port.naming import Names
 from equivalence.core.port.tolerance import FLOAT32_REDUCTION_ORDER, Tolerance
 
@@ -54,7 +49,7 @@ class ModelPort:
     nnx_loss: Callable  # (model, batch, noise) -> losses_B; BatchNorm statistics update in place
     make_data: Callable  # (np.random.Generator, n_steps, global_batch) -> pytree of [n_steps, global_batch, ...]
     make_tx: Callable  # (lr_scale: float) -> optax transformation; --perturb scales the NNX side's
-    init_args: Callable = _batch_only  # (batch of one example) -> positional args of the linen init
+    init_args: Callable = _batch_only  # (a batch of one example: leaves [1, ...]) -> positional args of the linen init
     init_kwargs: Callable | None = None  # (batch of one example) -> keyword args of the linen init: {'train': False}
     noise: Callable | None = None  # (key, batch shapes) -> pytree of per-example arrays, or None
     names: Names = None  # linen -> NNX paths: None (same), {prefix: prefix}, a function, or 'structure'
@@ -107,7 +102,7 @@ class LoopPort:
     new_state: Callable[[Any], Any] = None  # the NNX model holding linen's weights (or, without nnx_model, linen's
     # variables) -> your new train state: NNX objects, a TrainState of graphdef + nnx.State, or a pytree
     new_call: Callable | None = None  # (train_state, keys, batch_KxG) -> (train_state, out_K): K steps, one call
-    init_args: Callable = _batch_only  # (batch of one example) -> positional args of the linen init
+    init_args: Callable = _batch_only  # (a batch of one example: leaves [1, ...]) -> positional args of the linen init
     init_kwargs: Callable | None = None  # (batch of one example) -> keyword args of the linen init, as for ModelPort
     axis_name: str = 'batch'  # the pmap axis your step's lax.pmean names
     names: Names = None  # linen -> NNX paths, as for ModelPort
@@ -178,87 +173,3 @@ def init_inputs(port: Port, example: Any) -> tuple[tuple, dict]:
     ``init_kwargs`` (``__call__(self, inputs, *, train)`` takes ``train`` by keyword only)."""
     kwargs = port.init_kwargs(example) if port.init_kwargs is not None else {}
     return port.init_args(example), kwargs
-
-
-@contextlib.contextmanager
-def _absl_warnings_off():
-    """A port's module may import libraries that warn on import through absl (flax's
-    ``checkpoints`` module: 'Tensorflow library not found'): not the user's problem, and not a
-    line of the command's output."""
-    logger = logging.getLogger('absl')
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
-def _kind(cls: type) -> str:
-    """' (an nnx.Module)', ' (a linen Module)' or '' for a class that a port's name names."""
-    bases = {(c.__module__, c.__name__) for c in cls.__mro__}
-    if ('flax.nnx.module', 'Module') in bases:
-        return ' (an nnx.Module)'
-    if ('flax.linen.module', 'Module') in bases:
-        return ' (a linen Module)'
-    return ''
-
-
-def _users(spec: str, what: str, error: Exception) -> ConfigError:
-    """The user's module or factory raised: one line naming it and the user's frame (exit 2)."""
-    frame = blame.innermost_user(error)
-    line = f'--workload {spec!r}: {what} raised {blame.first_line(error)}' + (f' at {frame.where}' if frame else '')
-    out = ConfigError(line)
-    out.whole = blame.whole_text(error) if blame.elided(error) else ''
-    return out
-
-
-_LOADED: dict[int, tuple[weakref.ref, str]] = {}  # id(port) -> (the port, the spec it was loaded by)
-
-
-def loaded_as(port: Port) -> str:
-    """The ``package.module:NAME`` that ``load`` built ``port`` from ('' for one it did not): what a
-    fresh process loads it by, a factory's name included."""
-    held = _LOADED.get(id(port))
-    return held[1] if held is not None and held[0]() is port else ''
-
-
-def load(spec: str) -> Port:
-    """``'package.module:NAME'`` -> the port it names (a port, or a function of no arguments returning one)."""
-    port = _load(spec)
-    key = id(port)
-    _LOADED[key] = (weakref.ref(port, lambda _, key=key: _LOADED.pop(key, None)), spec)
-    return port
-
-
-def _load(spec: str) -> Port:
-    module_name, _, attr = spec.partition(':')
-    if not module_name or not attr:
-        raise ConfigError(f'--workload {spec!r}: a port is named package.module:NAME')
-    try:
-        with _absl_warnings_off():
-            module = importlib.import_module(module_name)
-    except ConfigError as e:  # a port built with a wrong field: its own line says which
-        raise ConfigError(f'--workload {spec!r}: {e}') from None
-    except ModuleNotFoundError as e:
-        raise ConfigError(f'--workload {spec!r}: cannot import {e.name!r} (is its folder on PYTHONPATH?)') from None
-    except Exception as e:  # noqa: BLE001 -- the user's module failed: say so in one line
-        raise _users(spec, f'importing {module_name}', e) from None
-    if not hasattr(module, attr):
-        raise ConfigError(f'--workload {spec!r}: {module_name} has no attribute {attr!r}')
-    port = getattr(module, attr)
-    if isinstance(port, type):  # a model (or any class) named where the port belongs: calling it is no answer
-        raise ConfigError(
-            f'--workload {spec!r} is a class{_kind(port)}, not a port: name a ModelPort or LoopPort '
-            'built around it, or a function of no arguments returning one (docs/port.md)'
-        )
-    if callable(port) and not isinstance(port, Port):
-        try:
-            port = port()
-        except ConfigError as e:
-            raise ConfigError(f'--workload {spec!r}: {e}') from None
-        except Exception as e:  # noqa: BLE001 -- the user's factory failed: its line, exit 2
-            raise _users(spec, f'{attr}()', e) from None
-    if not isinstance(port, Port):
-        raise ConfigError(f'--workload {spec!r} is a {type(port).__name__}, not an equivalence ModelPort or LoopPort')
-    return port

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from equivalence.core.port import ports
+from equivalence.core.port import loading, ports
 from equivalence.core.port.config import ConfigError
 from equivalence.core.port.ports import ModelPort
 from legacy_pmap import losses as legacy_losses
@@ -171,7 +171,7 @@ WORKLOADS: dict[str, ModelPort] = {
 def get(name: str) -> ports.Port:
     """A built-in workload, or a user's port named ``package.module:NAME``."""
     if ':' in name:
-        return ports.load(name)
+        return loading.load(name)
     if name not in WORKLOADS:
         choices = ', '.join(WORKLOADS)
         raise ConfigError(f'unknown workload {name!r}; choose one of {choices}, or a port as package.module:NAME')

@@ -44,12 +44,12 @@ def why_not(config: Any, resumed: bool) -> str:
 
 def locate(port: Any, config: Any) -> str:
     """What a fresh process loads the port by: a built-in's name or ``module:NAME``; '' when none names it."""
-    from equivalence.core.port import ports, workloads
+    from equivalence.core.port import loading, workloads
 
     if config.workload in workloads.WORKLOADS and workloads.WORKLOADS[config.workload] == port:
         return config.workload
-    if ports.loaded_as(port):  # loaded by name, a factory's too: the fresh process loads it the same way
-        return ports.loaded_as(port)
+    if loading.loaded_as(port):  # loaded by name, a factory's too: the fresh process loads it the same way
+        return loading.loaded_as(port)
     found = [
         (name, attr)
         for name, module in list(sys.modules.items())
