@@ -49,6 +49,22 @@ def test_legacy_batchnorm_without_axis_name_is_a_mismatch():
     assert {'model_state', 'losses', 'params'} <= failed
 
 
+def test_a_model_ports_batchnorm_naming_another_axis_is_told_the_suites_axis():
+    """A linen ``BatchNorm(axis_name='data')`` in a ``ModelPort``: the fix said 'the port declares
+    axis_name='batch': set axis_name='data'', a field a ModelPort does not have. It names the suite's
+    pmap axis, and what to change in the model. No training runs (the pre-flight stops it)."""
+    from equivalence.core import preflight
+    from equivalence.pitfalls import batchnorm_axis_name
+
+    require_devices(2)
+    port = batchnorm_axis_name.workload('data')
+    with pytest.raises(preflight.PreflightError) as e:
+        harness.check(port, devices=2, steps_per_call=1, calls=1)
+    text = str(e.value)
+    assert 'unbound axis name: data' in text and 'the port declares' not in text, text
+    assert "fix: the suite's pmap names its axis 'batch': give the model's collectives (a linen BatchNorm's " in text
+
+
 def test_swapping_rng_modes_between_the_sides_is_a_mismatch():
     wl = workloads.get('cnn')
     cfg = config('cnn', devices=8)

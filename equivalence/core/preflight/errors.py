@@ -31,6 +31,14 @@ FIXES = (  # (pattern in the error, fix); {axis} is the port's axis_name
 )
 
 
+# A model port's step is the suite's, under a pmap that names its axis ``legacy_pmap.train.AXIS``: a model port
+# has no axis_name of its own to set, so the fix is in the model.
+SUITE_AXIS = (
+    "the suite's pmap names its axis {axis!r}: give the model's collectives (a linen BatchNorm's axis_name, a "
+    'pmean or psum) the name {axis!r} while training (a ModelPort has no axis_name field)'
+)
+
+
 # What code that runs eagerly on the host (np.asarray of a result, a Python branch on a value) raises
 # when traced: such a callable cannot be checked abstractly, so the pre-flight leaves it to the run.
 HOST_ONLY = (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError)
@@ -72,6 +80,8 @@ def line(port: Port, field: str, error: BaseException, expected: str = '') -> st
     text += f'; expected {expected}' if expected else ''
     for pattern, fix in FIXES:
         m = pattern.search(str(error))
+        if m and pattern is FIXES[0][0] and not hasattr(port, 'axis_name'):  # a model port: the suite's pmap axis
+            fix = SUITE_AXIS
         if m:
             return text + '; fix: ' + fix.format(*m.groups(), axis=getattr(port, 'axis_name', legacy.AXIS))
     return text
