@@ -1,6 +1,7 @@
 """The benchmark's table, targets and JSON: ratios against legacy pmap(scan) are what count."""
 
 import statistics
+import textwrap
 
 from equivalence.bench import advice
 from equivalence.bench.result import BenchResult  # noqa: F401 -- part of this module's API
@@ -77,7 +78,7 @@ def header(r: BenchResult) -> list[str]:
     c, m = r.config, r.machine
     sim = ' (simulated)' if m['backend'] == 'cpu' and m['simulated_cpu_devices'] else ''
     v = m['versions']
-    return [
+    lines = [
         f'{c.workload}: {c.devices} {m["backend"]} device(s){sim}, K={c.steps_per_call} steps per fused call, '
         f'global batch {c.batch_size}, rng {c.rng_mode}, {r.repeats} repeats x {c.calls} calls per variant',
         f'machine: {m["cpu_cores_usable"]} of {m["cpu_cores"]} CPU cores ({m["cpu_model"]}), {m["device_kind"]}, '
@@ -85,26 +86,28 @@ def header(r: BenchResult) -> list[str]:
         f'jaxlib {v["jaxlib"]}, flax {v["flax"]}, optax {v["optax"]}, numpy {v["numpy"]}',
         f'method: {METHOD["inputs"]}; {METHOD["timed_call"]}',
     ]
+    return [wrapped for line in lines for wrapped in textwrap.wrap(line, 118, subsequent_indent='  ')]
 
 
 def variant_rows(r: BenchResult) -> list[str]:
-    rows = [
-        f'{"variant":<40} {"K":>3}  {"steps/s median [min, max]":>27}  {"vs legacy (same K)":>18}  '
-        f'{"dispatch ms":>11}  {"call ms":>8}  {"cpu ms":>7}  {"compile s":>9}  {"args B/dev":>10}  '
-        f'{"temp B/dev":>10}  {"vs dp args/temp":>15}  first call vs legacy'
-    ]
+    """Two tables of one row per variant, each under 120 characters: speed, then compile, memory, agreement."""
+    speed = [f'{"variant":<40} {"K":>3}  {"steps/s median [min, max]":>27}  {"vs legacy, same K":>18}  '
+             f'{"dispatch":>8}  {"call ms":>8}  {"cpu ms":>7}']  # fmt: skip
+    other = [f'{"variant":<40} {"compile s":>9}  {"args B/dev":>10}  {"temp B/dev":>10}  {"vs dp":>9}  '
+             'first call vs legacy']  # fmt: skip
     for v in r.variants:
         s, base, agree = stats(r.steps(v.name)), r.baseline(v), r.agreement(v)
         check = ('same' if agree.max_abs == 0 else f'{agree.max_abs:.1e}') + ('' if agree.ok else ' NO')
         recompiled = sum(b.compiles for b in r.blocks[v.name])
         ms = [r.median(v.name, f) for f in ('dispatch_ms', 'call_ms', 'cpu_ms')]
-        rows.append(
-            f'{v.label:<40} {v.steps_per_call:>3}  {s["median"]:>9.0f} [{s["min"]:>7.0f}, {s["max"]:>7.0f}]  '
-            f'{r.median(v.name) / r.median(base):>6.2f}x {base:<10}  {ms[0]:>11.3f}  {ms[1]:>8.3f}  {ms[2]:>7.2f}  '
-            f'{statistics.median(r.compiles[v.name].seconds):>9.2f}  {memory_cells(r, v)}  {check}'
+        speed.append(
+            f'{v.label[:40]:<40} {v.steps_per_call:>3}  {s["median"]:>9.0f} [{s["min"]:>7.0f}, {s["max"]:>7.0f}]  '
+            f'{r.median(v.name) / r.median(base):>6.2f}x {base[:11]:<11}  {ms[0]:>8.3f}  {ms[1]:>8.3f}  {ms[2]:>7.2f}'
             + (f'  ({recompiled} recompiles while timed!)' if recompiled else '')
         )
-    return rows
+        compile_s = statistics.median(r.compiles[v.name].seconds)
+        other.append(f'{v.label[:40]:<40} {compile_s:>9.2f}  {memory_cells(r, v)}  {check}')
+    return [*speed, '', *other]
 
 
 def memory_cells(r: BenchResult, v: Variant) -> str:
@@ -116,7 +119,7 @@ def memory_cells(r: BenchResult, v: Variant) -> str:
     if dp is not None and dp.steps_per_call == v.steps_per_call:
         base = r.compiles['nnx'].hlo
         ratio = '/'.join(f'{hlo[f] / base[f]:.2f}' if base[f] else '-' for f in ('argument_bytes', 'temp_bytes'))
-    return f'{hlo["argument_bytes"]:>10}  {hlo["temp_bytes"]:>10}  {ratio:>15}'
+    return f'{hlo["argument_bytes"]:>10}  {hlo["temp_bytes"]:>10}  {ratio:>9}'
 
 
 HLO_COLUMNS = {  # summary field -> column header
@@ -134,15 +137,18 @@ HLO_COLUMNS = {  # summary field -> column header
 
 
 def hlo_rows(r: BenchResult) -> list[str]:
-    rows = [
+    """The compiled programs' counts, in two tables of half the columns each (under 120 characters)."""
+    rows = textwrap.wrap(
         'compiled programs (instructions in the HLO text; ops/step = all-reduced arrays in the scan body, '
         'ops/call = outside it; on CPU each is one rendezvous of all devices):',
-        f'  {"variant":<40}' + ''.join(f'{h:>11}' for h in HLO_COLUMNS.values()),
-    ]
+        118,
+    )
     programs = [(v.label, r.compiles[v.name].hlo) for v in r.variants]
     programs += [(f'nnx shipped, K={k} (compile scaling)', t.hlo) for k, t in r.scaling.items()]
-    for label, summary in programs:
-        rows.append(f'  {label:<40}' + ''.join(f'{summary[c]:>11}' for c in HLO_COLUMNS))
+    columns = list(HLO_COLUMNS)
+    for half in (columns[:5], columns[5:]):
+        rows.append(f'  {"variant":<40}' + ''.join(f'{HLO_COLUMNS[c]:>11}' for c in half))
+        rows += [f'  {label[:40]:<40}' + ''.join(f'{summary[c]:>11}' for c in half) for label, summary in programs]
     return rows
 
 
