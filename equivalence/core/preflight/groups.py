@@ -46,7 +46,7 @@ def new_groups(port: LoopPort, ts: Any, field: str) -> dict | None:
     state, rebuild = as_traced(ts)
     fn = port.new_groups or new_side.read_groups
     try:
-        return jax.eval_shape(lambda s: fn(rebuild(s)), state)
+        groups = jax.eval_shape(lambda s: fn(rebuild(s)), state)
     except HOST_ONLY:  # reads values on the host: only the run can check it
         return None
     except TypeError as e:
@@ -60,12 +60,13 @@ def new_groups(port: LoopPort, ts: Any, field: str) -> dict | None:
         ) from None
     except Exception as e:  # noqa: BLE001
         raise raised(port, field, e, 'new_groups(train_state) -> {group: tree}') from None
+    return _a_dict(port, field, groups)
 
 
 def legacy_groups(port: LoopPort, state: Any, reader=convert.legacy_groups) -> dict:
     fn = port.legacy_groups or reader
     try:
-        return jax.eval_shape(fn, state)
+        groups = jax.eval_shape(fn, state)
     except HOST_ONLY:  # reads values on the host: only the run can check it
         return None
     except Exception as e:  # noqa: BLE001
@@ -78,6 +79,14 @@ def legacy_groups(port: LoopPort, state: Any, reader=convert.legacy_groups) -> d
             '(params, opt_state, step); fix: give the port legacy_groups='
             "lambda state: {'params': ..., 'opt_state': ..., 'step': {'step': ...}}",
         ) from None
+    return _a_dict(port, 'legacy_groups' if port.legacy_groups else 'legacy_state', groups)
+
+
+def _a_dict(port: Port, field: str, groups: Any) -> Any:
+    """``groups`` as read, when not None (None is what reading on the host gives, below)."""
+    if groups is None:
+        raise fail(port, field, "returns None; expected a dict of groups with 'params' (and 'opt_state', 'step')")
+    return groups
 
 
 def _check_params(port: Port, field: str, groups: Any, expected: set[str]) -> None:
