@@ -16,7 +16,7 @@ import traceback
 from collections.abc import Callable
 from typing import NoReturn, TypeVar
 
-from equivalence import devices
+from equivalence import compilation_cache, devices
 from equivalence.core.port import blame
 from equivalence.core.port.config import ConfigError
 from equivalence.core.verdict.outcome import Outcome
@@ -55,6 +55,12 @@ class OneLineParser(argparse.ArgumentParser):
 
     def __init__(self, **kwargs):
         super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+        self.add_argument(
+            compilation_cache.FLAG,
+            action='store_true',
+            help="compile every program afresh: do not read or write JAX's persistent compilation cache "
+            '(on by default, in ~/.cache/equivalence/jax or $JAX_COMPILATION_CACHE_DIR)',
+        )
         # Python 3.13's rule: '-1e-3' and '-.5' are values, not flags (3.11 knows only '-1' and '-0.5').
         self._negative_number_matcher = re.compile(r'^-\.?\d')
 
@@ -203,6 +209,7 @@ def main(
     2 on bad input, 3 on anything unexpected (a bug here, which must not read as a mismatch)."""
     try:
         devices.simulate_cpu_devices()  # before anything imports jax
+        compilation_cache.use(argv)  # before the port is imported
         validated = validate(inputs, argv)
         if os.environ.get(INJECT_INTERNAL_ERROR) == '1':
             raise RuntimeError(f'injected by {INJECT_INTERNAL_ERROR}=1')

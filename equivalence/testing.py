@@ -5,7 +5,8 @@ In your ``conftest.py``, before anything imports JAX::
     pytest_plugins = ['equivalence.testing']
 
 This requests simulated CPU devices (8, unless ``JAX_NUM_CPU_DEVICES`` or ``XLA_FLAGS``
-chose a count) and silences the one warning pmap-era code always raises (donating the
+chose a count), turns on JAX's persistent compilation cache (``equivalence.compilation_cache``:
+``EQUIVALENCE_COMPILATION_CACHE=0`` turns it off) and silences the one warning pmap-era code always raises (donating the
 batch, as score_sde did: no output can reuse it). Then, in a test::
 
     @pytest.mark.parametrize('devices', [1, 2, 4, 8])
@@ -28,9 +29,11 @@ from collections.abc import Sequence
 
 import pytest
 
+from equivalence import compilation_cache as _compilation_cache
 from equivalence import devices as _devices
 
 _devices.simulate_cpu_devices()
+_compilation_cache.use([])  # a second test session reads its programs from disk
 
 WARNINGS = ('ignore:Some donated buffers were not usable',)  # the batch, donated as score_sde did
 RELEASE_AT = 0.5  # share of the kernel's memory-map limit past which a check releases compiled programs

@@ -23,10 +23,14 @@ for flag, value in (('xla_backend_optimization_level', '1'), ('xla_cpu_use_fusio
     if flag not in os.environ.get('XLA_FLAGS', ''):
         os.environ['XLA_FLAGS'] = f'{os.environ.get("XLA_FLAGS", "")} --{flag}={value}'.strip()
 
-# XLA's persistent compilation cache is not turned on here (a segmentation fault inside its
-# serialisation once, and entries some CPUs reject: shared_programs.py). Instead the tests of one
-# pytest worker share the programs they compile, in memory. Set JAX_COMPILATION_CACHE_DIR yourself
-# to use the persistent cache too (the commands the tests start inherit it).
+# XLA's persistent compilation cache, on by default in the commands and the plugin
+# (equivalence/compilation_cache.py), is turned off here, for the commands the tests start too (a
+# segmentation fault inside its serialisation once, and entries some CPUs reject: shared_programs.py;
+# and a test must not read what an earlier run left in ~/.cache). Instead the tests of one pytest worker
+# share the programs they compile, in memory. One test turns it on, in a directory of its own
+# (test_cost.py). Set JAX_COMPILATION_CACHE_DIR yourself to use it in every test.
+if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
+    os.environ['EQUIVALENCE_COMPILATION_CACHE'] = '0'
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
