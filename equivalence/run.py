@@ -58,15 +58,18 @@ def inputs(argv: list[str] | None, n_available: int | None = None):
     return args, wl, config, checkpoints
 
 
-def progress_bar(total: int):
-    """A tqdm bar on stderr, shown only on a terminal and only once a run has taken 3 s; a worker
-    of several processes logs one line per call instead."""
+def progress(total: int):
+    """``(bar, tick, say)``: each stage on stderr as it begins and ends, terminal or not (``clock.Lines``);
+    on a terminal, a tqdm bar over the compiled calls too, naming the stage that runs; a worker of
+    several processes logs one line per call as well."""
+    from equivalence.core.run import clock
+
     if not sys.stderr.isatty():
-        return None, (distributed.progress_log(total) if distributed.several() else None)
+        return None, (distributed.progress_log(total) if distributed.several() else None), clock.Lines(sys.stderr)
     from tqdm import tqdm
 
-    bar = tqdm(total=total, unit='call', desc='compiled calls', file=sys.stderr, delay=3.0, leave=False)
-    return bar, lambda path: (bar.set_postfix_str(path, refresh=False), bar.update())
+    bar = tqdm(total=total, unit='call', desc='compiled calls', file=sys.stderr, leave=False)
+    return bar, lambda path: (bar.set_postfix_str(path, refresh=False), bar.update()), clock.Lines(sys.stderr, bar=bar)
 
 
 def work(validated) -> int:
@@ -77,13 +80,13 @@ def work(validated) -> int:
 
     args, wl, config, checkpoints = validated
     warnings.filterwarnings('ignore', message='Some donated buffers were not usable')  # the batch, as score_sde
-    bar, tick = progress_bar(checkpoints.calls_to_run(config))
+    bar, tick, say = progress(checkpoints.calls_to_run(config))
     if checkpoints.requested:  # legacy saves; with --resume-at, NNX resumes from the migrated checkpoint
         from equivalence.checkpoint import resume
 
-        result = resume.run(wl, config, checkpoints, progress=tick)
+        result = resume.run(wl, config, checkpoints, progress=tick, say=say)
     else:
-        result = harness.run(wl, config, progress=tick)
+        result = harness.run(wl, config, progress=tick, say=say)
     if bar is not None:
         bar.close()
     print(render.text(result, jax.default_backend()))

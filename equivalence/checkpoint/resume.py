@@ -164,9 +164,10 @@ def key_chain(prepared: Prepared, config: RunConfig, step: int):
     return lambda: adapters.chain_at(draws, config, prepared.inputs.rng, step // config.steps_per_call)
 
 
-def run(port: Port, config: RunConfig, options: CheckpointOptions, progress=None, nnx_devices: int | None = None):
+def run(port: Port, config: RunConfig, options: CheckpointOptions, progress=None, nnx_devices: int | None = None,
+        say=None):  # fmt: skip
     """``harness.run`` with legacy checkpoints; with ``resume_at``, NNX resumes from the migrated one."""
-    return harness.run(port, config, progress, checkpoints=Checkpoints(options, nnx_devices))
+    return harness.run(port, config, progress, checkpoints=Checkpoints(options, nnx_devices), say=say)
 
 
 # -- the same, in parts (tests, and a team resuming by hand) ------------------------------------

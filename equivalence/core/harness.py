@@ -16,8 +16,8 @@ from equivalence.core import kinds, preflight
 from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.port.kind import Kind
 from equivalence.core.port.ports import Port
+from equivalence.core.run import clock, randomness
 from equivalence.core.run import inputs as made
-from equivalence.core.run import randomness
 from equivalence.core.run.facts import has_batch_stats
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.run.sides import PathResult, Progress, compared, run_legacy, run_new, silent
@@ -49,9 +49,11 @@ def prepare(port: Port, config: RunConfig, n_steps: int | None = None) -> Prepar
     two sides' names, once), then its inputs made. ``config`` must have passed ``validate``. ``n_steps``:
     the steps the pre-flight asks ``make_data`` for (bench's pool)."""
     kind = kinds.of(port)
-    mapping = preflight.check(kind, config, n_steps)
+    with clock.stage('pre-flight (the port traced abstractly)'):
+        mapping = preflight.check(kind, config, n_steps)
     randomness.take_unbridged()  # what earlier runs traced is theirs
-    return Prepared(kind, config, made.make(port, config, mapping))
+    with clock.stage('inputs (data, keys, initial variables)'):
+        return Prepared(kind, config, made.make(port, config, mapping))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,25 +82,37 @@ class CheckpointSession(Protocol):
 
 
 def run(port: Port, config: RunConfig, progress: Progress | None = None, diagnose: bool = True,
-        checkpoints: Checkpoints | None = None) -> RunResult:  # fmt: skip
+        checkpoints: Checkpoints | None = None, say: clock.Say | None = None) -> RunResult:  # fmt: skip
     """Both paths, then the comparison of parameters, optimizer state, EMA, stats, losses, judged.
 
     ``config`` has passed ``validate`` (the commands validate before any work; ``check`` does it here).
     The two sides' variable names are paired by the pre-flight, before any training (``naming.PortError``).
     ``progress``, if given, is called after each of the 2 * C compiled calls. ``diagnose=False``: a MISMATCH
     is neither diagnosed nor located (a run whose match alone is read, as the masked-loss hint's on 1
-    device). ``checkpoints``: legacy saves, and the new side resumed from one (``Checkpoints``)."""
+    device). ``checkpoints``: legacy saves, and the new side resumed from one (``Checkpoints``). ``say``:
+    told each stage as it begins and ends (``clock.Lines``); every stage is measured (``RunResult.timing``)."""
+    with clock.measuring(say) as measured:
+        result = _run(port, config, progress or silent, diagnose, checkpoints)
+    result.timing = measured.summary()
+    return result
+
+
+def _run(port: Port, config: RunConfig, progress: Progress, diagnose: bool, checkpoints) -> RunResult:
     prepared = prepare(port, config)
-    kind, inputs, progress = prepared.kind, prepared.inputs, progress or silent
+    kind, inputs = prepared.kind, prepared.inputs
+    legacy_program, new_program = kind.programs()
     with checkpoints.session(prepared) if checkpoints is not None else contextlib.nullcontext() as saving:
-        old = run_legacy(kind, config, inputs, progress, saving.after_legacy_call if saving else None)
+        with clock.stage(f'legacy side: {legacy_program}, {len(inputs.calls)} calls (compiled, run)'):
+            old = run_legacy(kind, config, inputs, progress, saving.after_legacy_call if saving else None)
         resume = saving.resume(prepared, old) if saving else None
         if resume is None:
-            new = run_new(kind, config, inputs, progress)
+            with clock.stage(f'new side: {new_program}, {len(inputs.calls)} calls (compiled, run)'):
+                new = run_new(kind, config, inputs, progress)
             result = judgement(kind, config, old, new, inputs, diagnose=diagnose)
         else:
             resumed = resumed_inputs(inputs, resume, config.steps_per_call)
-            new = run_new(kind, resume.config, resumed, progress)
+            with clock.stage(f'new side: {new_program}, resumed at step {resume.step} (compiled, run)'):
+                new = run_new(kind, resume.config, resumed, progress)
             result = judgement(kind, resume.config, old, new, resumed, resume.step, diagnose)
             result.config = config
         result.notes += [*(saving.notes if saving else ()), *(resume.notes if resume else ())]
@@ -124,7 +138,8 @@ def judgement(kind: Kind, config: RunConfig, old: PathResult, new: PathResult, i
     if resumed_at:
         old = old.after(resumed_at, config.steps_per_call)
     tree, notes = compared(kind, old, new)
-    result = judged(kind, config, old, new, inputs, tree, diagnose)
+    with clock.stage('verdict'):
+        result = judged(kind, config, old, new, inputs, tree, diagnose)
     result.programs, result.new_side, result.keys = kind.programs(), kind.new_side(), kind.keys(config)
     result.notes, result.resumed_at = [*result.notes, *notes], resumed_at
     return result
@@ -135,7 +150,8 @@ def _matches_on_one(port: Port, config: RunConfig) -> bool:
     if jax.process_count() != 1 or config.strategy != 'dp':
         return False
     try:
-        return run(port, dataclasses.replace(config, devices=1), diagnose=False).outcome is Outcome.MATCH
+        with clock.stage('hint: the same run on 1 device'):
+            return run(port, dataclasses.replace(config, devices=1), diagnose=False).outcome is Outcome.MATCH
     except ConfigError:
         return False
 

@@ -4,6 +4,7 @@ import platform
 
 import numpy as np
 
+from equivalence.core.run import clock
 from equivalence.core.verdict.judge import RunResult
 from equivalence.core.verdict.outcome import Outcome
 
@@ -147,6 +148,7 @@ def text(result: RunResult, backend: str) -> str:
             *leaf_table(result),
             '',
             *accuracy_line(result),
+            *([clock.line(result.timing)] if result.timing else []),
             verdict(result),
         ]
     )
@@ -196,6 +198,7 @@ def to_json(result: RunResult, versions: dict[str, str]) -> dict:
             }
             for leaf in r.leaves
         ],
+        'timing': result.timing,
         'versions': versions,
     }
 

@@ -40,7 +40,7 @@ import numpy as np
 
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
-from equivalence.core.run import facts, footprint
+from equivalence.core.run import clock, facts, footprint
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.run.sides import PathResult, compared
 from equivalence.core.verdict import compare, first_step, fresh, legacy_twin, locate, rule, twin, unverified
@@ -114,11 +114,13 @@ def legacy_floor(kind: Kind, config: RunConfig, old, new, inputs: Inputs, twins:
         return None, None, [f'legacy twin not run: {cannot}'], ()
     grads, done = None, []
     if kind.observes_grads:
-        grads = first_step.grads_report(recorder)
+        with clock.stage("first-step gradients (each side's first step recorded)"):
+            grads = first_step.grads_report(recorder)
         done.append(f'first-step gradients {"agree" if grads.match else "differ"}')
         if not grads.match:
             return grads, None, done, ()
-    other, said, raised = legacy_twin.run(kind, config, old, new, twins, inputs)
+    with clock.stage('legacy twin (the pmap side on another device count)'):
+        other, said, raised = legacy_twin.run(kind, config, old, new, twins, inputs)
     return grads, other, [*done, said], raised
 
 
@@ -132,7 +134,8 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
         if cannot:
             done = [*done, f'first-step gradients not probed: {cannot}']
         else:
-            grads = first_step.grads_report(recorder)
+            with clock.stage("first-step gradients (each side's first step recorded)"):
+                grads = first_step.grads_report(recorder)
             report = dataclasses.replace(report, leaves=[*report.leaves, *grads.leaves])
             done = [*done, f'first-step gradients {"agree" if grads.match else "differ"}']
     noisy, errors = tuple(leaf for leaf in report.leaves if leaf.noise_dominated), tuple(errors)
@@ -149,7 +152,8 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
     if dropout and cannot:
         done = [*done, f'deterministic re-run (dropout off) not run: {cannot}']
     elif dropout:
-        rerun = first_step.deterministic_rerun_matches(kind, config, inputs, report)
+        with clock.stage('deterministic re-run (dropout off)'):
+            rerun = first_step.deterministic_rerun_matches(kind, config, inputs, report)
         done = [*done, f'deterministic re-run (dropout off) {"matches" if rerun else "differs"}']
     nonfinite = rule.nonfinite_line(
         {'legacy': old.losses, 'new': new.losses},
@@ -174,6 +178,7 @@ class RunResult:
     programs: tuple[str, str] = ('pmap(scan)', 'NNX sharded scan')  # how each side ran its K steps (header)
     new_side: str = 'NNX'  # what the new side is: 'NNX', or 'linen under jax.jit' (kind.new_side)
     keys: str = ''  # how the steps get their keys (kind.keys): the --rng mode, or that they take none
+    timing: dict | None = None  # what each stage cost (clock.Clock.summary): wall, compile seconds, programs
 
     @property
     def outcome(self) -> Outcome:

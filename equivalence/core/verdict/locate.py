@@ -34,6 +34,7 @@ import numpy as np
 
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
+from equivalence.core.run import clock
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.verdict import slots, stages
 from equivalence.core.verdict.first_step import Recorder
@@ -180,7 +181,8 @@ def attach(verdict, port_kind: Kind, config: RunConfig, inputs: Inputs, recorder
     if cannot:
         return dataclasses.replace(verdict, location=Location('unlocated', '', '', f'not run: {cannot}'))
     try:
-        found = locate(port_kind, config, inputs, recorder)
+        with clock.stage('where the sides part (the first step recorded, module by module)'):
+            found = locate(port_kind, config, inputs, recorder)
     except Exception as e:  # noqa: BLE001 -- the verdict stands; the location says why there is none
         found = Location('unlocated', '', '', f'the locating run raised {type(e).__name__}: {str(e)[:200]}')
     said = trust(verdict.kind, found)

@@ -45,7 +45,7 @@ import numpy as np
 from equivalence.core.port import blame
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind as PortKind
-from equivalence.core.run import draws, footprint, sides
+from equivalence.core.run import clock, draws, footprint, sides
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.run.model_side import Reordered, TwinKind
 from equivalence.core.verdict import compare, fresh, rule
@@ -183,7 +183,8 @@ def measure(kind: PortKind, config: RunConfig, new, inputs: Inputs, counts: tupl
         if len(twins) == TWINS or n in twins:
             continue
         try:
-            tw, drawn, in_fresh, raised = one_twin(kind, config, inputs, n, limit, built)
+            with clock.stage(f'twin {describe([n])}'):
+                tw, drawn, in_fresh, raised = one_twin(kind, config, inputs, n, limit, built)
         except TwinNotRun as e:
             why.append((n, str(e)))
             errors += e.errors
@@ -193,7 +194,9 @@ def measure(kind: PortKind, config: RunConfig, new, inputs: Inputs, counts: tupl
         if not refusal and devices_of(n, config) == config.devices:
             refusal = rule.twin_reordered_nothing(new.final, tw.final)
         if not refusal and drawn is not None:
-            drawn_by_run = drawn_by_run or [run_draws(kind, config, inputs)]  # once, when a twin needs it
+            if not drawn_by_run:  # once, when a twin needs it
+                with clock.stage("the run's first call again, its random draws recorded"):
+                    drawn_by_run = [run_draws(kind, config, inputs)]
             refusal = draws.refusal(drawn_by_run[0], drawn)
         if refusal:
             why.append((n, f'{refusal} ({describe([n])}{" in a fresh process" if in_fresh else ""})'))

@@ -1,0 +1,92 @@
+"""What a check costs, as it measures it (``core/run/clock.py``): its stages said on stderr as they
+happen, piped or not; its ``timing`` in the JSON and its one ``time:`` line; and JAX's persistent
+compilation cache (``equivalence/compilation_cache.py``), which makes a second check of the same port
+read its programs instead of compiling them, also for a port that stubs ``tensorflow``. Figures of
+seconds are not asserted (shared machines): only what the counts and the lines say."""
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+from conftest import ROOT
+
+from equivalence.core.run import clock
+
+STUB_PORT = """
+import sys, types
+sys.modules['tensorflow'] = types.ModuleType('tensorflow')  # as ports of score_sde stub it: __spec__ None
+from equivalence.core.port.workloads import WORKLOADS
+PORT = WORKLOADS['mlp']
+"""
+
+
+def _check(tmp_path, cache, json_name: str) -> tuple[subprocess.CompletedProcess, dict]:
+    env = {**os.environ, 'EQUIVALENCE_COMPILATION_CACHE': str(cache), 'PYTHONPATH': f'{tmp_path}{os.pathsep}{ROOT}'}
+    env.pop('JAX_COMPILATION_CACHE_DIR', None)
+    out = tmp_path / json_name
+    argv = ['--workload', 'stub_port:PORT', '--devices', '2', '--calls', '2', '--steps-per-call', '2', '--json', out]
+    proc = subprocess.run([sys.executable, '-m', 'equivalence.run', *map(str, argv)], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc, json.loads(out.read_text())['timing']
+
+
+def test_a_second_check_reads_its_programs_from_the_cache_and_says_its_stages_as_they_happen(tmp_path):
+    """Two checks of a port that stubs tensorflow, in two processes, stderr piped: the first compiles
+    and writes the cache; the second reads every program it runs from it (none compiled afresh), and no
+    cache read fails. Both say each stage on stderr, and the text ends on the time line above the verdict."""
+    (tmp_path / 'stub_port.py').write_text(STUB_PORT)
+    cache = tmp_path / 'cache'
+    first, t1 = _check(tmp_path, cache, 'first.json')
+    second, t2 = _check(tmp_path, cache, 'second.json')
+    assert t1['programs'] > 0 and t1['cached'] == 0 and any(cache.iterdir())
+    assert t2['programs'] == t2['cached'] > 0, t2  # every program read, none compiled
+    for proc, timing in ((first, t1), (second, t2)):
+        assert 'Error reading persistent compilation cache' not in proc.stderr, proc.stderr[-2000:]
+        said = proc.stderr.strip().splitlines()
+        names = [s['name'] for s in timing['stages'] if s['depth'] <= 1]
+        assert all(any(line.lstrip().startswith(name) for line in said) for name in names), (names, said)
+        stage_line = r' \.\.\.( \d+\.\d s( \(.*\))?)?$|: done in \d+\.\d s'  # a stage with parts: its name, then them
+        assert all(re.search(stage_line, line) for line in said), said
+        *_, time_line, verdict = proc.stdout.strip().splitlines()
+        assert time_line.startswith(f'time: {timing["wall_s"]:.1f} s') and verdict.startswith('MATCH')
+    top = [s['name'] for s in t1['stages'] if s['depth'] == 0]
+    assert [clock.short(n) for n in top] == ['pre-flight', 'inputs', 'legacy side', 'new side', 'verdict'], top
+
+
+def test_stage_lines_begin_when_slow_nest_under_their_stage_and_say_a_failure_only_once_begun():
+    """``clock.Lines``: a stage said when it has run its delay, its seconds appended to the same line; a
+    stage with parts said before them; a quick stage one line as it ends; a quick failure says nothing
+    (the command's error line is then the only line), a slow one that it failed."""
+    import time
+
+    out = io.StringIO()
+    c = clock.Clock(clock.Lines(out, delay=0.05))
+    with c.stage('verdict'):
+        with c.stage('twin on 1 device(s)'):
+            time.sleep(0.2)
+            assert out.getvalue() == 'verdict ...\n  twin on 1 device(s) ...'  # begun, as it happens
+        with c.stage('quick'):
+            pass
+    try:
+        with c.stage('pre-flight'):
+            raise ValueError
+    except ValueError:
+        pass
+    try:
+        with c.stage('slow'):
+            time.sleep(0.2)
+            raise ValueError
+    except ValueError:
+        pass
+    assert out.getvalue() == textwrap.dedent("""\
+        verdict ...
+          twin on 1 device(s) ... 0.2 s
+          quick ... 0.0 s
+        verdict: done in 0.2 s
+        slow ... failed after 0.2 s
+    """), out.getvalue()
