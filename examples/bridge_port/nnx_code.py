@@ -7,9 +7,10 @@ model and its optimizer, with no ``pmean``: the loss is the mean over the global
 
 The key rule of the bridge: ``ToNNX.__call__`` hands linen ``{name: stream()}`` of an ``nnx.Rngs``
 (``fold_in(key, count)``: not the key) and a plain key array as ``{'params': key}``, which linen's
-``make_rng('dropout')`` falls back to. So ``model(x, rngs=dropout_rng)`` hands linen the very key
-the pmap step hands ``apply(rngs={'dropout': dropout_rng})``; ``rngs=nnx.Rngs(dropout=dropout_rng)``,
-or the model's own stream reseeded with it, hands it another.
+``make_rng('dropout')`` falls back to. So ``rngs=nnx.Rngs(dropout=dropout_rng)``, or the model's own
+stream reseeded with it, hands linen another key than the pmap step's ``apply(rngs={'dropout': ...})``
+(``train_step_reseeded``, the slip). ``train_step`` hands it the key itself through ``KeyRngs``;
+``train_step_raw_key`` hands the key array (the same masks; the suite's bridge refuses it today).
 """
 
 import jax.numpy as jnp
