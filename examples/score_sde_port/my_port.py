@@ -15,7 +15,7 @@ model, ``nnx.Optimizer(model, tx, wrt=nnx.Param)``, an EMA, K steps fused by ``n
   steps in one ``nnx.jit(nnx.scan)`` that keeps score_sde's per-device keys, each device's rows of
   the global batch drawn from that device's key (vmapped, as docs/port.md shows).
 
-The port is 30 lines: ``legacy_step`` is ``p_train_step`` itself (the suite runs the step it wraps
+The port is about 30 lines: ``legacy_step`` is ``p_train_step`` itself (the suite runs the step it wraps
 under its own pmap), ``rng_modes=('per-device',)`` hands both sides the same ``[D, 2]`` keys, and
 ``new_groups`` reads the chain's Adam state as score_sde's Adam moments. Not compared, and said so:
 the legacy state's ``lr`` and ``ema_rate`` (hyperparameters kept in score_sde's ``State``).
