@@ -7,7 +7,10 @@ momentum on 2 devices, which the float32 rule called a MISMATCH (docs/verdict.md
 alone: its slip (the exact gelu in one block, caught by the float32 losses) is left to its own tests,
 and the precision rule's negative control here is ``test_corpus``'s bfloat16 slip (the ViT check costs
 about 25 s of the suite's 2-core time). Their own ``test_port.py`` runs D in {1, 2, 4, 8} (minutes on 2
-cores); here one device count, and the slip but for the ViT's, to keep the suite's time."""
+cores); here one device count, and the slip but for the ViT's, to keep the suite's time. ``score_sde_port``
+(score_sde's ``pmap(partial(lax.scan, step))`` with per-device keys, against ``nnx.jit(nnx.scan)`` over
+model, optimizer and EMA) and ``bridge_port`` (a linen model wrapped by ``nnx.bridge.ToNNX``, trained in
+NNX) at 2."""
 
 import os
 import shutil
@@ -21,6 +24,8 @@ SELECTED = {  # example -> the tests of its test_port.py run here
     'functional_nnx_port': 'D2 or slip',
     'linen_jit_port': 'D2 or slip',
     'vit_port': 'loop-2',  # its slip: its own test_port; bfloat16's negative control here: test_corpus
+    'score_sde_port': 'D2 or slip',
+    'bridge_port': 'D2 or slip',
 }
 
 
