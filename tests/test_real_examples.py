@@ -25,7 +25,7 @@ SELECTED = {  # example -> the tests of its test_port.py run here
     'linen_jit_port': 'D2 or slip',
     'vit_port': 'loop-2',  # its slip: its own test_port; bfloat16's negative control here: test_corpus
     'score_sde_port': 'D2 or slip',
-    'bridge_port': 'D2 or slip',
+    'bridge_port': 'D2 or slip or key_array',
 }
 
 

@@ -20,10 +20,11 @@ So an NNX step that reseeds the wrapper with the pmap step's key, or calls it wi
 ``LOOP_RNGS_SLIP``, exit 1, from the first step. ``LOOP`` hands linen the key itself: a
 ``nnx.Rngs`` whose ``items()`` yield the streams' keys (``nnx_code.KeyRngs``). ``LOOP_RAW_KEY`` hands
 the key array as it is (``rngs=dropout_rng``: linen gets ``{'params': key}``, and ``make_rng('dropout')``
-falls back to it): the same masks bit for bit when the model draws from no stream but ``dropout``,
-yet the suite refuses it today (exit 2: its Dropout bridge looks for a ``'dropout'`` key).
+falls back to it): the same masks bit for bit when the model draws from no stream but ``dropout``; the suite's
+bridge follows linen's fallback too, and it MATCHes.
 
 python -m equivalence.run --workload my_port:LOOP             # exit 0: MATCH
+python -m equivalence.run --workload my_port:LOOP_RAW_KEY     # exit 0: the key array, linen's fallback
 python -m equivalence.run --workload my_port:LOOP_RNGS_SLIP   # exit 1: the wrapped Dropouts draw other masks
 python -m pytest                                              # D = 1, 2, 4, 8 and the slip
 """
@@ -61,6 +62,5 @@ LOOP_RNGS_SLIP = dataclasses.replace(
     new_step=lambda ts, batch, key: new.train_step_reseeded(*ts, batch, key),
 )
 
-# The plainest form, the key array itself (linen's 'params' fallback): runs and matches on its own,
-# refused by the suite's Dropout bridge today (exit 2).
+# The plainest form, the key array itself (linen's 'params' fallback): matches, here and on its own.
 LOOP_RAW_KEY = dataclasses.replace(LOOP, new_step=lambda ts, batch, key: new.train_step_raw_key(*ts, batch, key))

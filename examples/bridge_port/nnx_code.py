@@ -10,7 +10,7 @@ The key rule of the bridge: ``ToNNX.__call__`` hands linen ``{name: stream()}`` 
 ``make_rng('dropout')`` falls back to. So ``rngs=nnx.Rngs(dropout=dropout_rng)``, or the model's own
 stream reseeded with it, hands linen another key than the pmap step's ``apply(rngs={'dropout': ...})``
 (``train_step_reseeded``, the slip). ``train_step`` hands it the key itself through ``KeyRngs``;
-``train_step_raw_key`` hands the key array (the same masks; the suite's bridge refuses it today).
+``train_step_raw_key`` hands the key array (the same masks, by linen's 'params' fallback).
 """
 
 import jax.numpy as jnp

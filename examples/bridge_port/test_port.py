@@ -12,6 +12,12 @@ def test_port_matches(devices):
     assert_port_matches(my_port.LOOP, devices=devices, steps_per_call=2, calls=2)
 
 
+def test_the_key_array_itself_matches():
+    """``rngs=dropout_rng``: linen draws from the 'params' key it is handed, as apply's 'dropout' one."""
+    require_devices(2)
+    assert_port_matches(my_port.LOOP_RAW_KEY, devices=2, steps_per_call=2, calls=2)
+
+
 def test_a_slip_is_caught():
     """The wrapper's own nnx.Rngs reseeded with the step's key: linen draws other masks, the losses part."""
     require_devices(2)

@@ -25,11 +25,11 @@ def test_a_slip_in_one_encoder_block_is_caught():
     catch it. Not in the first step: the zero-initialised head makes every logit 0 whatever the encoder
     computes; nor in 4 steps, where the encoder has barely trained."""
     result = check(my_port.LOOP_GELU_SLIP, devices=2, steps_per_call=5, calls=4, diagnose=False)
-    assert not result.report.match and not result.report.unverified
+    assert result.outcome.label == 'MISMATCH'
     assert [leaf.name for leaf in result.report.leaves if not leaf.ok] == ['losses/per_step']
 
 
 def test_other_random_numbers_are_not_verified():
     """The NNX step folds the device count into its dropout key: no MATCH, NOT VERIFIED."""
     result = check(my_port.LOOP_DEVICE_KEYS, devices=2, steps_per_call=2, calls=2)
-    assert not result.report.match and result.report.unverified
+    assert result.outcome.label == 'NOT VERIFIED'

@@ -100,7 +100,8 @@ def accuracy_line(result: RunResult) -> list[str]:
 def verdict(result: RunResult) -> str:
     """The last line: the outcome (``result.outcome``), with the leaves and figures that give it."""
     bad = [leaf for leaf in result.report.leaves if not leaf.ok]
-    sums = ', '.join(f'{g} {_abs(result.report.max_abs(g))}' for g in GROUPS)
+    present = {leaf.group for leaf in result.report.leaves}
+    sums = ', '.join(f'{g} {_abs(result.report.max_abs(g))}' for g in GROUPS if g in present)  # no EMA: no ema
     noisy = sum(leaf.noise_dominated for leaf in result.report.leaves)
     noisy_text = f', {noisy} noise-dominated (not verified by value)' if noisy else ''
     n, outcome = len(result.report.leaves), result.outcome

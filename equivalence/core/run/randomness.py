@@ -78,10 +78,12 @@ def _linen_interceptor(next_fun, args, kwargs, context):
     def key():
         if kwargs.get('rng') is not None:
             return kwargs['rng']
-        if module.rng_collection not in module.scope.rngs:
-            stream = module.rng_collection
+        stream = module.rng_collection
+        if stream not in module.scope.rngs and 'params' in module.scope.rngs:
+            stream = 'params'  # linen's own fallback (Scope.make_rng): a model handed one key, as ToNNX(rngs=key)
+        if stream not in module.scope.rngs:
             raise PortError(f'the linen {module.name} draws from the {stream!r} stream, but no key was given')
-        return module.scope.rngs[module.rng_collection].rng  # the root key given to apply(rngs=...)
+        return module.scope.rngs[stream].rng  # the root key given to apply(rngs=...)
 
     # linen under pmap, or linen under jax.jit as a loop port's new side: the bridge knows which (its axis)
     return _apply(x, module.rate, module.broadcast_dims, deterministic, key, legacy_side=bridge.axis_name is not None)

@@ -71,8 +71,8 @@ def linen_attention_call(next_fun, args, kwargs, module: nn.Module):
         return next_fun(*args, **kwargs)
     if bridge.example_keys is not None:
         key = jax.random.PRNGKey(0)  # not drawn from: level 1 masks come from the per-example keys
-    elif module.has_rng('dropout'):
-        key = module.scope.rngs['dropout'].rng  # the root key given to apply(rngs=...), as for Dropout
+    elif module.has_rng('dropout') or module.has_rng('params'):  # linen falls back on 'params' (Scope.make_rng)
+        key = module.scope.rngs['dropout' if module.has_rng('dropout') else 'params'].rng  # the root key, as Dropout
     else:
         return next_fun(*args, **kwargs)  # the layer asks for a key itself and says what is missing
     return next_fun(*args, **{**kwargs, 'dropout_rng': key})
@@ -103,7 +103,7 @@ def _make_rng(original: Callable) -> Callable:
     def make_rng(self, name: str = 'params'):
         if masks._state() is not None and name != 'params':
             path = '/'.join(self.scope.path) or type(self).__name__
-            if not self.has_rng(name):
+            if not self.has_rng(name) and not self.has_rng('params'):  # linen falls back on 'params'
                 raise PortError(
                     f'the linen layer {path} ({type(self).__name__}) draws from the {name!r} stream with make_rng, '
                     'which the suite does not bridge, and no key was given: draw those numbers in the port '
