@@ -78,8 +78,15 @@ def run_pytest_in(folder, *args: str, env: dict[str, str] | None = None, timeout
 def assert_one_line_error(proc: subprocess.CompletedProcess, expected: str) -> None:
     """Bad input: exit 2, one ``error: ...`` line on stderr naming the problem, no traceback."""
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = proc.stderr.strip().splitlines()
+    lines = message_lines(proc.stderr)
     assert len(lines) == 1 and lines[0].startswith('error: ') and expected in lines[0], proc.stderr
+
+
+def message_lines(stderr: str) -> list[str]:
+    """stderr's lines less the stages a check says as it works (``clock.is_stage_line``): its messages."""
+    from equivalence.core.run import clock
+
+    return [line for line in stderr.strip().splitlines() if not clock.is_stage_line(line)]
 
 
 # Two workers (pyproject's addopts). The tests of one file share what they build (module fixtures,

@@ -21,7 +21,7 @@ import tempfile
 
 import numpy as np
 import pytest
-from conftest import run_module
+from conftest import message_lines, run_module
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -318,9 +318,10 @@ def test_a_port_with_one_wrong_field_is_exit_2_in_one_line_naming_a_port_field(c
             code = run_command.main(argv)
         except SystemExit as e:
             code = e.code
-    line = err.getvalue()
+    said = message_lines(err.getvalue())  # the stages it ran said before, if any
+    line = '\n'.join(said) + '\n'
     event(f'{field}: ' + line.split(': ', 2)[-1][:40])
-    assert code == 2 and line.count('\n') == 1 and line.startswith('error: '), (field, value, code, line)
+    assert code == 2 and len(said) == 1 and line.startswith('error: '), (field, value, code, err.getvalue())
     assert 'Traceback' not in out.getvalue() + line
     named = {f.name for f in dataclasses.fields(ports.LoopPort)} | {f.name for f in dataclasses.fields(ports.ModelPort)}
     assert any(f in line for f in named), line

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import ROOT, assert_one_line_error, require_devices, run_module
+from conftest import ROOT, assert_one_line_error, message_lines, require_devices, run_module
 
 from equivalence import devices
 from equivalence.checkpoint import migrate
@@ -217,7 +217,7 @@ def assert_ended_with_one_line(proc: subprocess.Popen, t0: float, pids: list[int
     elapsed = time.monotonic() - t0
     assert proc.returncode == launch.EXIT_WORKER_DIED, stderr
     assert elapsed < BOUND_S, elapsed
-    lines = stderr.strip().splitlines()
+    lines = message_lines(stderr)
     assert len(lines) == 1 and lines[0].startswith('error: ') and all(e in lines[0] for e in expected), stderr
     assert not [pid for pid in pids if alive(pid)]
     return lines[0]
@@ -310,7 +310,7 @@ def test_a_worker_that_cannot_reach_the_coordinator_fails_within_its_timeout():
     elapsed = time.monotonic() - t0
     assert proc.returncode == launch.EXIT_WORKER_DIED, proc.stderr
     assert elapsed < 3 + 15, elapsed  # the timeout, plus JAX's import on a loaded machine
-    lines = proc.stderr.strip().splitlines()
+    lines = message_lines(proc.stderr)
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith('error: process 1 of 2: no run formed through') and '--init-timeout 3' in lines[0]
     assert 'cannot be reached' in lines[0]

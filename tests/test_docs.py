@@ -23,7 +23,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, run_pytest_in
+from conftest import ROOT, message_lines, run_pytest_in
 
 from equivalence import cli
 from equivalence.distributed import launch, worker
@@ -197,7 +197,7 @@ def test_documented_command_line_passes_its_commands_validation(cmd, monkeypatch
     err = capsys.readouterr().err
     if cmd.refused:
         assert code == 2, f'{cmd}\nis marked as refused input, but exit {code}'
-        lines = err.strip().splitlines()
+        lines = message_lines(err)
         assert len(lines) == 1 and lines[0].startswith('error: '), f'{cmd}\n{err}'
     else:
         assert code == 0, f'{cmd}\nis refused (exit {code}):\n{err}'

@@ -13,7 +13,7 @@ import sys
 
 import jax
 import pytest
-from conftest import require_devices, run_module
+from conftest import message_lines, require_devices, run_module
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -180,23 +180,30 @@ def test_explain_cli_prints_and_writes_the_same_answers(tmp_path, capsys):
 @pytest.mark.parametrize('args, expected', [(['--batch-size', '100'], 'not divisible'), (['--devices', 'x'], 'int')])
 def test_explain_bad_input_exits_2_with_one_line(args, expected):
     proc = cli('equivalence.explain', *args)
-    lines = proc.stderr.strip().splitlines()
+    lines = message_lines(proc.stderr)
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith('error: ') and expected in lines[0]
 
 
 # run --plot's two figures, kept unless --overwrite: test_cli.py's matching run writes them.
 
 
-def test_progress_bar_only_on_a_terminal(monkeypatch):
+def test_a_bar_only_on_a_terminal_and_the_stages_said_either_way(monkeypatch):
+    """Piped (not a terminal): no bar, each stage on its own lines; a terminal: the bar over the calls too,
+    naming the stage that runs, each stage written whole as it ends."""
+    from equivalence.core.run import clock
+
     class Terminal(io.StringIO):
         def isatty(self):
             return True
 
     monkeypatch.setattr(sys, 'stderr', io.StringIO())
-    assert run.progress_bar(4) == (None, None)
+    bar, tick, say = run.progress(4)
+    assert bar is None and tick is None and isinstance(say, clock.Lines) and say.bar is None
     monkeypatch.setattr(sys, 'stderr', Terminal())
-    bar, tick = run.progress_bar(4)
-    for path in ('legacy', 'legacy', 'nnx', 'nnx'):
-        tick(path)
-    assert bar.n == 4 and bar.total == 4
+    bar, tick, say = run.progress(4)
+    with clock.measuring(say) as c, c.stage('legacy side: pmap(scan), 2 calls'):
+        assert bar.desc == 'legacy side: pmap(scan), 2 calls'
+        for path in ('legacy', 'legacy', 'new', 'new'):
+            tick(path)
+    assert bar.n == 4 and bar.total == 4 and 'legacy side: pmap(scan), 2 calls ... ' in sys.stderr.getvalue()
     bar.close()

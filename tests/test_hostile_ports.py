@@ -12,7 +12,7 @@ import time
 
 import hostile_ports
 import pytest
-from conftest import run_module
+from conftest import message_lines, run_module
 
 from equivalence.core.run import setups
 
@@ -94,7 +94,7 @@ def test_a_hostile_port_is_one_line_naming_its_field(case, no_training, tmp_path
     else:
         code, out, err = invoke(*command_line(name, command, tmp_path))
     seconds = time.monotonic() - t0
-    lines = err.strip().splitlines()
+    lines = message_lines(err)
     assert code == 2, (code, out, err)
     assert 'Traceback' not in out + err
     assert len(lines) == 1 and lines[0].startswith('error: '), err
@@ -120,7 +120,7 @@ def test_a_long_error_keeps_its_culprit_on_the_line_and_its_whole_text_in_a_file
     line break: the one line keeps its head and that clause; the whole text is in the file it names."""
     monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path))
     code, _, err = invoke(_main('run'), ['--workload', 'hostile_ports:legacy_step_raises_long', *QUICK])
-    [line] = err.strip().splitlines()
+    [line] = message_lines(err)
     assert code == 2 and line.startswith("error: port 'mlp-port-loop': legacy_step raised ValueError: Sharding passed")
     assert ' ... ' in line and 'for arg type: uint32[2,2]' in line and len(line) < 800, line
     path = line.rsplit('whole text in ', 1)[1]
@@ -139,7 +139,7 @@ def test_under_processes_a_workers_mistake_in_the_port_is_its_one_line_not_a_dea
     proc = run_module('equivalence.run', '--workload', 'hostile_ports:legacy_step_pmean_other_axis', '--processes',
                       '2', '--devices', '4', *QUICK[2:], env={'PYTHONPATH': os.path.dirname(__file__)})  # fmt: skip
     assert proc.returncode == 2, proc.stderr
-    [line] = proc.stderr.strip().splitlines()
+    [line] = message_lines(proc.stderr)
     assert line.startswith("error: port 'mlp-port-loop': legacy_step raised NameError") and line.endswith(
         "fix: the port declares axis_name='batch': set axis_name='data' or pmean over 'batch'"
     ), line

@@ -488,14 +488,3 @@ def test_a_twin_that_ran_in_a_fresh_process_is_not_run_again_for_the_location():
     assert first_step.here(1, config) == 1 and first_step.here(None, config) is None
     assert first_step.here(1, config, fresh=(1,)) is None
     assert first_step.here(10**6, config) is None  # more devices than this process sees
-
-
-def test_where_the_diagnosis_and_the_location_disagree_the_location_is_trusted():
-    """The diagnosis reads the run's end; the location, step 1 against its floors. A forward slip whose
-    first loss agrees (a zero-initialised head) reads as 'update' to the diagnosis: the location says
-    which to believe. Where both say the same, nothing is added (the control)."""
-    module = locate.Location('module', 'LayerNorm_0', 'norm', 'its output parts')
-    assert 'trust this line' in locate.trust('update', module)[0]
-    assert locate.trust('math', module) == [] and locate.trust('', module) == []
-    assert locate.trust('optimizer', dataclasses.replace(module, kind='update')) == []
-    assert locate.trust('update', dataclasses.replace(module, kind='none')) == []

@@ -119,8 +119,10 @@ def line(timing: dict) -> str:
     spent = costs(timing)
     depth = min((s['depth'] for s in timing['stages']), default=0)
     top = [s for s in timing['stages'] if s['depth'] == depth]
-    return f'time: {timing["wall_s"]:.1f} s' + (f' ({spent})' if spent else '') + (
-        '; ' + ', '.join(f'{short(s["name"])} {s["wall_s"]:.1f} s' for s in top) if top else ''
+    return (
+        f'time: {timing["wall_s"]:.1f} s'
+        + (f' ({spent})' if spent else '')
+        + ('; ' + ', '.join(f'{short(s["name"])} {s["wall_s"]:.1f} s' for s in top) if top else '')
     )
 
 
@@ -205,6 +207,15 @@ class Lines:
             self._tail = None
         self.stream.write(text)
         self.stream.flush()
+
+
+STAGE_LINE = re.compile(r' \.\.\.( \d+\.\d s( \(.*\))?| failed after \d+\.\d s)?$|: (done in|failed after) \d+\.\d s')
+
+
+def is_stage_line(line: str) -> bool:
+    """Whether ``line`` of stderr is a stage's (``Lines``), not a message: what a script reading a
+    command's error line skips."""
+    return not line.startswith(('error:', 'internal error')) and STAGE_LINE.search(line) is not None
 
 
 _CURRENT: Clock | None = None

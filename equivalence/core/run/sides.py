@@ -51,9 +51,13 @@ def silent(path: str) -> None:
     pass
 
 
-def run_calls(setup, calls: list, rng, mapping, progress: Progress, path: str, after_call: AfterCall | None = None):
-    """Every call in order, one in flight; the losses and the parameters after each call."""
+def run_calls(setup, calls: list, rng, mapping, progress: Progress, path: str, after_call: AfterCall | None = None,
+              before_call: Callable[[], None] | None = None):  # fmt: skip
+    """Every call in order, one in flight; the losses and the parameters after each call. ``before_call``:
+    told before the first call, once the setup is built (the recording keeps nothing from building it)."""
     losses, per_call = [], []
+    if before_call is not None:
+        before_call()
     for i, batch_KxG in enumerate(calls):
         rng, args = setup.call_args(rng, batch_KxG)
         losses.append(setup.call(args))
@@ -68,12 +72,13 @@ def _params(neutral: convert.Neutral, mapping: dict[str, str] | None) -> dict[st
     return convert.rename(neutral, mapping)['params'] if mapping else neutral['params']
 
 
-def run_legacy(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, after_call=None) -> PathResult:
+def run_legacy(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, after_call=None,
+               before_call=None) -> PathResult:  # fmt: skip
     """The pmap path; its leaves are named as the NNX side names them (``inputs.mapping``)."""
     port, mapping = kind.port, inputs.mapping
     setup = kind.legacy_setup(config, inputs)
     start = _params(setup.neutral(), mapping)  # before the first call: what the port's own state holds
-    losses, per_call = run_calls(setup, inputs.calls, inputs.rng, mapping, progress, 'legacy', after_call)
+    losses, per_call = run_calls(setup, inputs.calls, inputs.rng, mapping, progress, 'legacy', after_call, before_call)
     result = PathResult(convert.rename(setup.neutral(), mapping), losses, per_call, setup.pstate, start=start)
     result.metrics, result.notes = loop_metrics(setup), [*getattr(setup, 'notes', [])]
     result.left_out = set(getattr(setup, 'uneven', ()))
@@ -85,14 +90,15 @@ def run_legacy(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, a
     return result
 
 
-def run_new(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, after_call=None) -> PathResult:
+def run_new(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, after_call=None,
+            before_call=None) -> PathResult:  # fmt: skip
     """The sharded path. With ``inputs.restore(setup) -> rng`` (``--resume-at``) a checkpoint is loaded
     into the setup, which returns its key chain: ``inputs.calls`` are then the ones after the checkpoint."""
     port, calls, rng = kind.port, inputs.calls, inputs.rng
     setup = kind.new_setup(config, inputs)
     if inputs.restore is not None:
         rng = inputs.restore(setup)
-    losses, per_call = run_calls(setup, calls, rng, None, progress, 'new', after_call)
+    losses, per_call = run_calls(setup, calls, rng, None, progress, 'new', after_call, before_call)
     raw = {NnxSetup: lambda: (setup.graphdef, setup.state), NnxGraphSetup: lambda: setup.ts}
     result = PathResult(setup.neutral(), losses, per_call, raw.get(type(setup), lambda: setup.train_state)())
     result.placement, result.mesh = getattr(setup, 'decisions', []), dict(setup.mesh.shape)

@@ -1,22 +1,18 @@
 """Every module call of the first step, recorded on both sides: what went in, what came out.
 
 The first step runs once more on each side (the pmap side, NNX, and the NNX twin), through the
-same loops (``run.sides``, ``twin``) for one step, from the inputs the checked runs got: the first
-step's batch and the first call's keys. While they run, every linen module call is intercepted
-(``nn.intercept_methods``) and every NNX module class's ``__call__`` is wrapped for the duration
-(the randomness bridge's Dropout too, which replaces ``nnx.Dropout.__call__`` while it is active).
-A recorded value leaves the compiled program through ``jax.debug.callback``, so it works inside
-pmap, scan, jit and grad, in the suite's loops and in a loop port's own. A model port's losses
-and optimizer are wrapped as well: the per-example losses (``LOSS``) and the gradients its
+same loops (``run.sides``, ``twin``), from the inputs the checked runs got. Every linen module call
+is intercepted (``nn.intercept_methods``) and every NNX module class's ``__call__`` wrapped (the
+randomness bridge's Dropout too); a value leaves the program through ``jax.debug.callback``, so it
+works inside pmap, scan, jit, grad, and (one callback above every vmap) ``vmap``, in the suite's loops
+and in a loop port's own; a copy an NNX transform makes (``nnx.remat``, ``nnx.scan``) is named as its
+original (``recorded.copy_path``). A model port's per-example losses (``LOSS``) and the gradients its
 optimizer is given (``GRADS``, the pmap side's after its pmean) are recorded the same way.
-
-On the pmap side each device's rows are recorded (``lax.axis_index``) and joined into the global
-batch (``value``); on the NNX side a value is gathered onto the run's mesh before it leaves. A
-sharded run's twin (``twin.Reordered``) holds the batch's rows interleaved: its values are put back
-in the run's row order once read (``_in_order``). What a callback is handed is kept, not read,
-until the run is over: JAX puts it on CPU device 0, whose program is waiting for the callback, and
+On the pmap side each device's rows are recorded (``lax.axis_index``) and joined (``recorded.value``);
+on the NNX side a value is gathered onto the run's mesh before it leaves; a ``twin.Reordered`` twin's
+rows are put back in the run's order (``recorded.in_order``). What a callback is handed is kept, not
+read, until the run is over: JAX puts it on CPU device 0, whose program is waiting for the callback, and
 reading it there waits on a collective that waits on that device (a deadlock seen at 8 devices).
-``equivalence.core.verdict.locate`` judges the records.
 """
 
 import contextlib
@@ -24,7 +20,7 @@ import dataclasses
 import functools
 import itertools
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -41,20 +37,12 @@ from equivalence.core.port.ports import ModelPort
 from equivalence.core.run import facts, randomness, setups, sides
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.verdict import probe, twin
+from equivalence.core.verdict.recorded import Record, copy_path, host, in_order, unbatched, value
 
 LOSS, GRADS = '<loss>', '<grads>'  # recorded values that are no module's
 DOUT = '<d output>'  # the cotangent of the outermost module's output: d(training loss) / d(output)
 NOT_MODULES = (LOSS, GRADS, DOUT)
-
-
-class Record(NamedTuple):
-    """One call on one side (a module's, or ``LOSS`` / ``GRADS``), read back onto the host."""
-
-    cls: str  # the module's class name
-    order: int  # when the call finished, in its trace
-    names: tuple | None  # GRADS: each value's parameter path
-    values: dict  # device index -> (inputs, outputs): lists of host arrays
-    settings: tuple = ()  # the module's own scalar settings at trace time: (name, value) pairs (``settings``)
+__all__ = ['Record', 'value', 'first_steps', 'recording_port', 'settings', 'step_batch']  # Record, value: recorded's
 
 
 class _Session:
@@ -67,7 +55,9 @@ class _Session:
         self.raw: dict = {}  # side -> label -> (class, order, names, [(device, inputs, outputs)]), then Record
         self.counts: list = []  # [trace state, {path: calls so far}] per trace seen
         self.order = 0
+        self.call = 0  # the recorded run's calls so far (one step each): a value is kept with its call
         self.paths: dict[int, str] = {}  # NNX: id(module) -> its path under the outermost module called
+        self.modules: list = []  # NNX: (path, module) of the outermost call's graph
         self.active: set[int] = set()  # NNX: modules whose __call__ is running
         self.linen_active: set[int] = set()  # linen: the same
 
@@ -77,21 +67,12 @@ _RECORDINGS = jax.make_user_context(None)  # a jit cache key: each recording's t
 _SESSIONS = itertools.count(1)
 
 
-def _store(label: str, cls: str, order: int, names, settings: tuple, device, inputs, outputs) -> None:
-    """Keep what a callback was handed, unread (see the module docstring); ``_host`` reads it."""
+def _store(label: str, cls: str, order: int, names, settings: tuple, layout: tuple, device, inputs, outputs) -> None:
+    """Keep what a callback was handed, unread (see the module docstring); ``host`` reads it."""
     side = _SESSION.side
     if side is not None:
         entry = _SESSION.raw.setdefault(side, {}).setdefault(label, (cls, order, names, [], settings))
-        entry[3].append((device, list(inputs), list(outputs)))
-
-
-def _host(raw: dict) -> dict[str, Record]:
-    """Every kept value read onto the host, keyed by device index: of several steps, the last."""
-    read = lambda arrays: [np.asarray(a) for a in arrays]  # noqa: E731
-    return {
-        label: Record(cls, order, names, {int(np.asarray(d)): (read(i), read(o)) for d, i, o in values}, settings)
-        for label, (cls, order, names, values, settings) in raw.items()
-    }
+        entry[3].append((_SESSION.call, device, list(inputs), list(outputs), layout, order))
 
 
 def _arrays(tree: Any) -> list:
@@ -143,14 +124,22 @@ def _emit(label: str, cls: str, inputs: Any, outputs: Any, names: tuple | None =
     s = _SESSION
     s.order += 1
     ins, outs = _arrays(inputs), _arrays(outputs)
-    if s.mesh is not None:  # gathered here: a callback on a sharded value would make XLA do it, loudly
-        ins, outs = ([_whole(a, s.mesh) for a in xs] for xs in (ins, outs))
     try:
         device = jax.lax.axis_index(s.axis) if s.axis else 0
     except NameError:  # outside the pmap: one value
         device = 0
     said = settings(module) if module is not None else ()
-    jax.debug.callback(functools.partial(_store, label, cls, s.order, names, said), device, ins, outs)
+    values, levels, above = unbatched([*ins, *outs])
+    ins, outs = values[: len(ins)], values[len(ins) :]
+    layout = (tuple(levels[: len(ins)]), tuple(levels[len(ins) :]))
+    store = functools.partial(_store, label, cls, s.order, names, said, layout)
+    from jax._src import core
+
+    with core.set_current_trace(above) if above is not None else contextlib.nullcontext():
+        # above every vmap, one callback: the whole batch at once
+        if s.mesh is not None:  # gathered here: a callback on a sharded value would make XLA do it, loudly
+            ins, outs = ([_whole(a, s.mesh) for a in xs] for xs in (ins, outs))
+        jax.debug.callback(store, device, ins, outs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -204,8 +193,11 @@ def _nnx_call(method: Callable) -> Callable:
         if s.side is None or id(self) in s.active:  # a subclass's __call__ calling its parent's: once
             return method(self, *args, **kwargs)
         if not s.active:  # the outermost call: every module under it by path
-            s.paths = {id(m): '/'.join(map(str, p)) for p, m in nnx.iter_graph(self) if isinstance(m, nnx.Module)}
+            s.modules = [('/'.join(map(str, p)), m) for p, m in nnx.iter_graph(self) if isinstance(m, nnx.Module)]
+            s.paths = {id(m): p for p, m in s.modules}
         path = s.paths.get(id(self))
+        if path is None and s.active:  # a copy an NNX transform made (nnx.remat, nnx.scan): its original's
+            path = copy_path(self, s.modules, s.active, s.paths)
         if path is None:
             return method(self, *args, **kwargs)
         s.active.add(id(self))
@@ -289,8 +281,16 @@ def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, n_twin: twin.Twin
     fed = dataclasses.replace(inputs, calls=first)
     axis = kind.axis_name
     runs = {
-        'legacy': (axis, None, lambda: sides.run_legacy(recording, one, fed)),
-        'new': (None, setups.nnx_mesh(one), lambda: sides.run_new(recording, one, fed)),
+        'legacy': (
+            axis,
+            None,
+            lambda: sides.run_legacy(recording, one, fed, after_call=_next_call, before_call=_first_call),
+        ),
+        'new': (
+            None,
+            setups.nnx_mesh(one),
+            lambda: sides.run_new(recording, one, fed, after_call=_next_call, before_call=_first_call),
+        ),
     }
     rows = None
     if n_twin:
@@ -299,52 +299,50 @@ def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, n_twin: twin.Twin
         runs['twin'] = (
             None,
             built.mesh,
-            lambda: twin.run_twin(recording, one, dataclasses.replace(fed, whole=None), n_twin, setup=built),
+            lambda: twin.run_twin(
+                recording,
+                one,
+                dataclasses.replace(fed, whole=None),
+                n_twin,
+                setup=built,
+                after_call=_next_call,
+                before_call=_first_call,
+            ),  # fmt: skip
         )
     abstract = facts.abstract_model(kind.port)  # None: a new side of linen alone (nn.intercept_methods sees it)
     graph = nnx.iter_graph(abstract) if abstract is not None else ()
     classes = {type(m) for _, m in graph if isinstance(m, nnx.Module)}
     results, s = {}, _SESSION
-    s.raw, s.counts, s.order = {}, [], 0
+    s.raw, s.counts, s.order, s.call = {}, [], 0, 0
     try:
         with _patched(classes), _RECORDINGS(next(_SESSIONS)):
             for side, (s.axis, mesh, run) in runs.items():
-                s.side, s.mesh = side, mesh if kind.records_on_mesh else None
+                s.side, s.mesh, s.call = side, mesh if kind.records_on_mesh else None, -1  # building: not kept
                 results[side] = run()
                 jax.effects_barrier()
                 s.side = None
-                s.raw[side] = _host(s.raw.get(side, {}))
+                s.raw[side] = host(s.raw.get(side, {}))
     finally:
         s.side, s.mesh, s.axis = None, None, None
         randomness.take_unbridged()  # the checked runs' lines were taken; these are the same layers'
     if rows is not None:
-        s.raw['twin'] = {label: _in_order(record, rows) for label, record in s.raw['twin'].items()}
+        s.raw['twin'] = {label: in_order(record, rows) for label, record in s.raw['twin'].items()}
     return results, s.raw
 
 
-def _in_order(record: Record, rows: np.ndarray) -> Record:
-    """A ``Reordered`` twin's record with the batch's rows put back in the run's order: its position i
-    held example ``rows[i]`` (every value whose leading axis is the batch's; the gradients are sums)."""
-    if record.cls == 'grads':
-        return record
-
-    def back(a: np.ndarray) -> np.ndarray:
-        if a.ndim == 0 or a.shape[0] != len(rows):
-            return a
-        out = np.empty_like(a)
-        out[rows] = a
-        return out
-
-    values = {d: ([back(a) for a in ins], [back(a) for a in outs]) for d, (ins, outs) in record.values.items()}
-    return record._replace(values=values)
+def _first_call() -> None:
+    """Before the first recorded call, once its setup is built: what building it called (a linen model
+    initialised inside ``nnx.bridge.ToNNX``) was not the step, and is dropped."""
+    jax.effects_barrier()
+    side = _SESSION.raw.get(_SESSION.side, {})
+    for label in [k for k, entry in side.items() if all(call < 0 for call, *_ in entry[3])]:
+        del side[label]
+    for entry in side.values():
+        entry[3][:] = [e for e in entry[3] if e[0] >= 0]
+    _SESSION.call = 0
 
 
-def value(record: Record, index: int, which: int, like: np.ndarray | None = None) -> np.ndarray:
-    """Input (``which`` 0) or output (1) ``index`` of a call as the global batch: each device's rows
-    in order, unless device 0's value alone has the other side's shape ``like`` (a value every
-    device holds: the gradients after their pmean)."""
-    per_device = [record.values[d][which][index] for d in sorted(record.values)]
-    joined = np.concatenate(per_device) if len(per_device) > 1 and per_device[0].ndim else per_device[0]
-    if like is not None and joined.shape != like.shape and per_device[0].shape == like.shape:
-        return per_device[0]
-    return joined
+def _next_call(setup, calls_done: int, rng) -> None:
+    """After each recorded call: its callbacks have all run (``effects_barrier``); what follows is the next's."""
+    jax.effects_barrier()
+    _SESSION.call = calls_done

@@ -139,9 +139,13 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
             report = dataclasses.replace(report, leaves=[*report.leaves, *grads.leaves])
             done = [*done, f'first-step gradients {"agree" if grads.match else "differ"}']
     noisy, errors = tuple(leaf for leaf in report.leaves if leaf.noise_dominated), tuple(errors)
+    seen = locate.Seen(
+        {'legacy': float(old.losses[0]), 'new': float(new.losses[0])} if inputs.restore is None else {},
+        frozenset(leaf.path for leaf in noisy if leaf.group == 'params'),
+    )
     if report.match:
         matched = Verdict(True, config.verdict, tuple(done), twin=twin_text, noise_dominated=noisy, errors=errors)
-        return report, locate.attach(matched, kind, config, inputs, recorder)  # only when --locate asks
+        return report, locate.attach(matched, kind, config, inputs, recorder, seen)  # only when --locate asks
     if not diagnose:  # only its match is read: no gradients probed, no re-run, not located
         return report, Verdict(False, config.verdict, tuple(done), twin=twin_text, noise_dominated=noisy, errors=errors)
     rerun = None
@@ -163,7 +167,9 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
     no_floor = twin_text if report.floor is None else ''
     diagnosed, line = rule.diagnose(report, nonfinite, rerun, grads is not None, no_floor)
     mismatch = Verdict(False, config.verdict, tuple(done), diagnosed, line, twin_text, noisy, errors)
-    return report, locate.attach(mismatch, kind, config, inputs, recorder)
+    data_step = first_step.data_nonfinite(inputs.whole_calls) if nonfinite else None
+    seen = dataclasses.replace(seen, nonfinite=nonfinite, data_step=data_step)
+    return report, locate.attach(mismatch, kind, config, inputs, recorder, seen)
 
 
 @dataclasses.dataclass

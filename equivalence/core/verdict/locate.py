@@ -36,25 +36,28 @@ from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
 from equivalence.core.run import clock
 from equivalence.core.run.inputs import Inputs
-from equivalence.core.verdict import slots, stages
+from equivalence.core.verdict import compare, slots, stages
 from equivalence.core.verdict.first_step import Recorder
 from equivalence.core.verdict.intercept import NOT_MODULES
 from equivalence.core.verdict.location import ROOT, Location
 from equivalence.core.verdict.pairing import pairs
+from equivalence.core.verdict.rule import MEASURED_FLOOR
 from equivalence.core.verdict.slots import FIRST
 
 WARMUP = 'the first update is 0'  # what a 'none' at step 1 says under a warmup from 0
 
 
 def judge_step(
-    port_kind: Kind, results: dict, raw: dict, mapping: dict[str, str], variables: dict, at: int = 1, start=None
-) -> Location:
+    port_kind: Kind, results: dict, raw: dict, mapping: dict[str, str], variables: dict, at: int = 1, start=None,
+    noisy=frozenset(),
+) -> Location:  # fmt: skip
     """The first place the recorded first steps part (``results`` and ``raw`` of ``intercept.first_steps``);
     ``at`` > 1: the records of step ``at`` (its last) and the state after it, ``start`` the pmap side's
-    parameters before it (NNX paths; nothing parted before it)."""
+    parameters before it (NNX paths; nothing parted before it); ``noisy``: the parameters the verdict
+    found noise-dominated, never the place."""
     paired = pairs(raw.get('legacy', {}), raw.get('new', {}), mapping, port_kind.port.names)
     modules = stages.modules_of(raw, paired) if paired else []
-    step = stages.Step(port_kind, results, raw, mapping, variables, modules, paired, at, start)
+    step = stages.Step(port_kind, results, raw, mapping, variables, modules, paired, at, start, noisy)
     notes = _notes(port_kind, raw, paired, 'twin' in results)
     for stage in (stages.forward, stages.loss, stages.backward, stages.statistics, slots.update):
         found = stage(step)
@@ -117,7 +120,7 @@ def _notes(port_kind: Kind, raw: dict, paired: dict, twin_ran: bool) -> list[Not
     if calls['legacy'] and calls['new'] and left:
         shown = ', '.join(label or ROOT for label in left[:4]) + (f' and {len(left) - 4} more' if len(left) > 4 else '')
         notes.append(Note(UNPAIRED, f'{len(paired)} of {len(calls["legacy"])} linen module calls paired with new '
-                          f'ones ({len(calls["nnx"])} recorded); not paired: {shown}'))  # fmt: skip
+                          f'ones ({len(calls["new"])} recorded); not paired: {shown}'))  # fmt: skip
     if not twin_ran:
         text = 'no twin in this process: each value is held to 8 float32 spacings of its largest value'
         notes.append(Note(NO_TWIN, text))
@@ -130,36 +133,78 @@ def _notes(port_kind: Kind, raw: dict, paired: dict, twin_ran: bool) -> list[Not
 MAX_STEPS = 8  # the most steps recorded to find the first that parts
 
 
-def locate(port_kind: Kind, config: RunConfig, inputs: Inputs, recorder: Recorder) -> Location:
+@dataclasses.dataclass(frozen=True)
+class Seen:
+    """What the verdict measured of the checked runs, which a place must agree with: each side's first
+    loss (a recording that does not reproduce it parts by itself), the parameters it found
+    noise-dominated (never the place), and what was not finite."""
+
+    first_losses: dict = dataclasses.field(default_factory=dict)  # 'legacy', 'new' -> the run's first loss
+    noisy: frozenset = frozenset()  # parameter paths (the new side's names)
+    nonfinite: str = ''  # the verdict's line where a NaN or Inf appeared ('' none)
+    data_step: int | None = None  # the first step whose batch holds NaN or Inf
+
+
+def locate(
+    port_kind: Kind, config: RunConfig, inputs: Inputs, recorder: Recorder, seen: Seen | None = None
+) -> Location:
     """Where the first step parts (``inputs``: the checked runs' inputs; ``recorder``: their first step,
-    recorded once, shared with the gradient probe). Where
+    recorded once, shared with the gradient probe; ``seen``: what the verdict measured). Where
     nothing parts on step 1, the checked runs' first steps (up to ``MAX_STEPS``) are recorded again, the
     first whose parameters part is found, and that step is judged as step 1 was: a warmup whose first
     update is 0 hides an optimizer's eps or nesterov on step 1, a schedule that differs later shows
-    where it starts."""
-    mapping = inputs.mapping
-    found = judge_step(port_kind, *recorder.runs, mapping, inputs.variables)
+    where it starts. A recording that does not reproduce the run it records names no place."""
+    seen, mapping = seen or Seen(), inputs.mapping
+    noisy = seen.noisy
+    if seen.data_step is not None:
+        return Location('unlocated', '', '', f'not located: the batch of step {seen.data_step} holds NaN or Inf, on '
+                        'both sides; what each side makes of it is the non-finite line above')  # fmt: skip
+    apart = _not_reproduced(recorder.runs[0], seen)
+    if apart:
+        return Location('unlocated', '', '', f'not located: {apart}')
+    found = judge_step(port_kind, *recorder.runs, mapping, inputs.variables, noisy=noisy)
     steps = min(MAX_STEPS, sum(jax.tree.leaves(call)[0].shape[0] for call in inputs.calls))
     if found.kind != 'none' or steps < 2:
         return found
     for n in sorted({2, steps}):  # step 2 first: where a warmup's zero first update hid the slip, one run
         results, raw = recorder.steps(n)
-        at = _first_parting(results, n)
+        at = _first_parting(results, n, noisy)
         if at is not None:
             break
     if at is None:
-        return judge_step(port_kind, results, raw, mapping, inputs.variables, at=steps)
+        return judge_step(port_kind, results, raw, mapping, inputs.variables, at=steps, noisy=noisy)
     if at < n:
         results, raw = recorder.steps(at)
     start = results['legacy'].params_per_call[at - 2] if at > 1 else None
-    return judge_step(port_kind, results, raw, mapping, inputs.variables, at=at, start=start)
+    return judge_step(port_kind, results, raw, mapping, inputs.variables, at=at, start=start, noisy=noisy)
 
 
-def _first_parting(results: dict, steps: int) -> int | None:
+def _not_reproduced(results: dict, seen: Seen) -> str:
+    """'' when each recorded side's first loss is its checked run's, to the rounding that compiling the
+    step alone (K = 1, with the recording in it) may change: ``MIN_ULPS`` float32 spacings; else which
+    side's recording computes something else (a transform the recording does not follow, a step that
+    reads the recording's own state): then nothing it recorded may name a place."""
+    for side, ran in seen.first_losses.items():
+        recorded = results.get(side)
+        if recorded is None or not len(recorded.losses) or ran is None:
+            continue
+        a, b = float(ran), float(recorded.losses[0])
+        if not (np.isfinite(a) and np.isfinite(b)):
+            continue
+        if abs(a - b) > MEASURED_FLOOR.min_ulps * compare.spacing32(max(abs(a), abs(b))):
+            name = 'pmap' if side == 'legacy' else 'new'
+            return (f"the {name} side's first step, recorded module by module, does not reproduce its run (loss "
+                    f'{b:.9g}, where the run had {a:.9g}): the recording computes something else, and nothing it '
+                    'recorded is evidence')  # fmt: skip
+    return ''
+
+
+def _first_parting(results: dict, steps: int, noisy=frozenset()) -> int | None:
     """The first step (1-based) after which the parameters part, each held to its floor; None: none."""
     sides = [results.get(side) or results['new'] for side in ('legacy', 'new', 'twin')]
     for j in range(steps):
-        if any(not leaf.ok for leaf in stages.held(*(r.params_per_call[j] for r in sides)).values()):
+        trees = (r.params_per_call[j] for r in sides)
+        if any(not leaf.ok for leaf in stages.held(*trees, siblings=True, noisy=noisy).values()):
             return j + 1
     return None
 
@@ -171,7 +216,7 @@ def _first_update_is_0(results: dict, variables: dict, mapping: dict[str, str]) 
     return all(np.array_equal(after[k], start[k]) for k in after if k in start)
 
 
-def attach(verdict, port_kind: Kind, config: RunConfig, inputs: Inputs, recorder: Recorder):
+def attach(verdict, port_kind: Kind, config: RunConfig, inputs: Inputs, recorder: Recorder, seen: Seen | None = None):
     """``verdict`` (``rule.Verdict``) with its ``location``: on MISMATCH, or on MATCH when
     ``config.locate`` asks (never when it is False); where it cannot run (several processes, after
     --resume-at) or raises, the location says so and the verdict stands."""
@@ -182,31 +227,7 @@ def attach(verdict, port_kind: Kind, config: RunConfig, inputs: Inputs, recorder
         return dataclasses.replace(verdict, location=Location('unlocated', '', '', f'not run: {cannot}'))
     try:
         with clock.stage('where the sides part (the first step recorded, module by module)'):
-            found = locate(port_kind, config, inputs, recorder)
+            found = locate(port_kind, config, inputs, recorder, seen)
     except Exception as e:  # noqa: BLE001 -- the verdict stands; the location says why there is none
         found = Location('unlocated', '', '', f'the locating run raised {type(e).__name__}: {str(e)[:200]}')
-    said = trust(verdict.kind, found)
-    return dataclasses.replace(verdict, location=dataclasses.replace(found, notes=(*found.notes, *said)))
-
-
-AGREES = {  # a location's kind -> the diagnosis kinds (rule.diagnose) that say the same
-    'module': ('math',),
-    'between': ('math',),
-    'randomness': ('randomness',),
-    'loss': ('math', 'update'),
-    'backward': ('update',),
-    'statistics': ('state',),
-    'update': ('optimizer', 'update'),
-}
-
-
-def trust(kind: str, found: Location) -> list[str]:
-    """A note when the diagnosis's ``kind`` and the location's disagree: which one to believe."""
-    if not kind or found.kind not in AGREES or kind in AGREES[found.kind]:
-        return []
-    return [
-        f'the diagnosis says {kind}, this line says {found.kind}: trust this line. It holds each module call, the '
-        "loss, the gradients and the optimizer's slots of the first step to their own floors; the diagnosis reads "
-        'the leaves after training, when the difference has spread (a first loss that agrees, as a zero-initialised '
-        'head or a warmup gives, hides a forward slip from it)'
-    ]
+    return dataclasses.replace(verdict, location=found)

@@ -18,10 +18,34 @@ from equivalence.core.verdict.rule import MEASURED_FLOOR
 BETWEEN = 'the code between them (an activation, a residual, a mask)'
 
 
-def held(ref: dict, other: dict, twin_: dict) -> dict[str, compare.LeafDiff]:
-    """Every leaf held to its floor (``twin_`` missing a leaf: floor 0), by path."""
+def held(ref: dict, other: dict, twin_: dict, siblings: bool = False, noisy=frozenset()) -> dict[str, compare.LeafDiff]:
+    """Every leaf held to its floor (``twin_`` missing a leaf: floor 0), by path.
+
+    ``siblings`` (parameters, gradients, optimizer slots): a leaf may also differ by ``MIN_ULPS`` float32
+    spacings of the largest value among its module's leaves of that tree. A bias before a GroupNorm or a
+    BatchNorm has a true gradient of 0: what it holds is what is left of sums of terms the size of its
+    kernel's gradient, rounding only, and the twin may sum it in the very order NNX does (a floor of 0).
+    ``noisy``: the parameters the verdict found noise-dominated (by path): they, and every slot of
+    theirs, are never where the sides part (their difference is reordering)."""
     report = compare.compare_to_floor({'g': ref}, {'g': other}, {'g': twin_}, MEASURED_FLOOR)
-    return {leaf.path: leaf for leaf in report.leaves}
+    scale: dict[str, float] = {}
+    if siblings:
+        for path, a in ref.items():
+            if compare.is_float(np.asarray(a).dtype):
+                owner = path.rpartition('/')[0]
+                scale[owner] = max(scale.get(owner, 0.0), float(np.abs(np.asarray(a, np.float64)).max(initial=0.0)))
+    out = {}
+    for leaf in report.leaves:
+        if leaf.limit is not None and not leaf.ok:
+            if any(leaf.path == p or leaf.path.endswith('/' + p) for p in noisy):
+                leaf = dataclasses.replace(leaf, ok=True, noise_dominated=True)
+            elif siblings and leaf.max_abs <= MEASURED_FLOOR.min_ulps * compare.spacing32(
+                scale.get(leaf.path.rpartition('/')[0], 0.0)
+            ):
+                allowed = MEASURED_FLOOR.min_ulps * compare.spacing32(scale[leaf.path.rpartition('/')[0]])
+                leaf = dataclasses.replace(leaf, ok=True, limit=allowed, noise_dominated=True)
+        out[leaf.path] = leaf
+    return out
 
 
 def worst(leaves: list) -> compare.LeafDiff | None:
@@ -57,6 +81,7 @@ class Step:
     paired: dict[str, str]
     step: int = 1  # the step judged (a later one: nothing parted before it)
     start: dict | None = None  # the pmap side's parameters before the judged step (NNX paths); None: step 1's
+    noisy: frozenset = frozenset()  # parameters the verdict found noise-dominated: never the place (``held``)
 
     def before(self) -> dict[str, np.ndarray]:
         """The parameters before the judged step, by NNX path."""
@@ -75,7 +100,8 @@ class Step:
         return result.final.get(group) or {}
 
     def held(self, group: str) -> dict[str, compare.LeafDiff]:
-        return held(self.final('legacy', group), self.final('new', group), self.final('twin', group))
+        return held(self.final('legacy', group), self.final('new', group), self.final('twin', group),
+                    siblings=group != 'model_state', noisy=self.noisy)  # fmt: skip
 
     def order(self, path: str) -> int:
         """When NNX module ``path``, or the one holding it, finished its first call (last when none)."""
@@ -203,7 +229,7 @@ def backward(step: Step) -> Location | None:
     ref, other = step.grads('legacy'), step.grads('new')
     if not ref or not other:
         return None
-    judged = held(ref, other, step.grads('twin') or other)
+    judged = held(ref, other, step.grads('twin') or other, siblings=True, noisy=step.noisy)
     bad = sorted((leaf for leaf in judged.values() if not leaf.ok), key=lambda leaf: -step.order(leaf.path))
     if not bad:
         return None

@@ -123,6 +123,8 @@ def run_twin(
     lr_scale=None,
     record: draws.FirstCall | None = None,
     setup=None,
+    after_call=None,
+    before_call=None,
 ):
     """The twin's ``PathResult``: its final state, per-step losses and parameters after each call, run on
     ``inputs.whole_calls`` (the whole batch); with ``inputs.restore(setup) -> rng`` (``--resume-at``) it
@@ -138,8 +140,8 @@ def run_twin(
 
     def run():
         with draws.recording(record.log) if record else contextlib.nullcontext():
-            after_call = record.after_call if record else None
-            losses, per_call = sides.run_calls(setup, calls, rng, None, sides.silent, 'twin', after_call)
+            after = record.after_call if record else after_call
+            losses, per_call = sides.run_calls(setup, calls, rng, None, sides.silent, 'twin', after, before_call)
         return setup.neutral(), losses, sides.loop_metrics(setup), per_call
 
     final, losses, metrics, per_call = gather.together(run)

@@ -1,0 +1,172 @@
+"""What a recording callback hands over, read back onto the host in the run's layout (``intercept``
+records; the locator reads): a module call's values by device (``Record``), each device's rows joined
+into the global batch (``value``), a value recorded under ``vmap`` put back whole (``unbatched``: one
+callback above every vmap, its batch axes first), a ``Reordered`` twin's rows put back in the run's
+order (``in_order``), and a copy that an NNX transform made of a module recognised by its variables'
+shapes (``stacked_or_same``).
+"""
+
+from typing import Any, NamedTuple
+
+import numpy as np
+from flax import nnx
+
+
+class Record(NamedTuple):
+    """One call on one side (a module's, or ``LOSS`` / ``GRADS``), read back onto the host."""
+
+    cls: str  # the module's class name
+    order: int  # when the call finished, in its trace
+    names: tuple | None  # GRADS: each value's parameter path
+    values: dict  # device index -> (inputs, outputs): lists of host arrays
+    settings: tuple = ()  # the module's own scalar settings at trace time: (name, value) pairs (``settings``)
+    calls: int = 1  # how often it was called in the step on one device (a scan's iterations): values the first
+
+
+def host(raw: dict) -> dict[str, Record]:
+    """Every kept value read onto the host, keyed by device index: of several steps, the last; of a
+    module called several times in a step on a device (each iteration of ``nn.scan`` / ``nnx.scan``, a
+    forward pass recomputed by ``remat``), its first call, which nothing of the step's own calls fed
+    (``Record.calls`` counts them); a value recorded under ``vmap`` with its batch axes in front,
+    outermost first (``unbatched``)."""
+
+    def read(arrays, layouts):
+        return [batch_axes_first(np.asarray(a), levels) for a, levels in zip(arrays, layouts, strict=True)]
+
+    out = {}
+    for label, (cls, order, names, values, settings) in raw.items():
+        last = max(call for call, *_ in values)
+        first: dict = {}
+        counts: dict = {}
+        for call, d, i, o, lay, traced in values:
+            if call == last:
+                d = int(np.asarray(d))
+                counts[d] = counts.get(d, 0) + 1
+                first.setdefault(d, (read(i, lay[0]), read(o, lay[1])))
+                order = traced  # when it finished in the step's own trace
+        out[label] = Record(cls, order, names, first, settings, max(counts.values()))
+    return out
+
+
+def batch_axes_first(x: np.ndarray, levels: tuple) -> np.ndarray:
+    """``x`` as the trace above every ``vmap`` held it, each vmap's axis moved to the front (outermost
+    first); a value one vmap does not map is repeated along its axis, as that vmap sees it."""
+    for k, (axis, size) in enumerate(levels):
+        if axis is None:
+            x = np.broadcast_to(np.expand_dims(x, k), (*x.shape[:k], size, *x.shape[k:]))
+        else:
+            x = np.moveaxis(x, k + axis, k)
+    return x
+
+
+def unbatched(arrays: list) -> tuple[list, list, Any]:
+    """``(values, levels, trace)``: what ``vmap`` tracers hold, whole, with each one's batch axis per vmap
+    (outermost first: ``(axis or None, size)``), and the trace above every vmap, where one callback gets
+    the whole batch. Under ``vmap`` (``nnx.vmap``: the forward pass vmapped over each device's rows, as
+    docs/port.md shows) a callback is otherwise unrolled into one per element, in no fixed order, and the
+    elements could not be put back together. Without vmap: ``(arrays, [() ...], None)``. JAX's own
+    tracers (``BatchTracer``, and ``JVPTracer``'s primal under a vmap: ``vmap(grad(...))``); JAX is pinned."""
+    from jax._src.interpreters import ad, batching
+
+    chains = []
+    for x in arrays:
+        chain = []  # (trace, axis), innermost first
+        while isinstance(x, batching.BatchTracer | ad.JVPTracer):
+            if isinstance(x, ad.JVPTracer):
+                x = x.primal
+                continue
+            chain.append((x._trace, x.batch_dim if isinstance(x.batch_dim, int) else None))
+            x = x.val
+        chains.append((x, chain))
+    traces = {id(t): t for _, chain in chains for t, _ in chain}
+    if not traces:
+        return arrays, [() for _ in arrays], None
+
+    def depth(t) -> int:
+        n = 0
+        while getattr(t, 'parent_trace', None) is not None:
+            t, n = t.parent_trace, n + 1
+        return n
+
+    order = sorted(traces.values(), key=depth)  # outermost first
+    values, levels = [], []
+    for x, chain in chains:
+        axes = {id(t): axis for t, axis in chain}
+        values.append(x)
+        levels.append(tuple((axes.get(id(t)), t.axis_data.size) for t in order))
+    return values, levels, order[0].parent_trace
+
+
+def in_order(record: Record, rows: np.ndarray) -> Record:
+    """A ``Reordered`` twin's record with the batch's rows put back in the run's order: its position i
+    held example ``rows[i]`` (every value whose leading axis is the batch's; the gradients are sums)."""
+    if record.cls == 'grads':
+        return record
+
+    def back(a: np.ndarray) -> np.ndarray:
+        if a.ndim >= 2 and a.shape[0] != len(rows) and a.shape[0] * a.shape[1] == len(rows):  # [D, B / D, ...]
+            return back(a.reshape(len(rows), *a.shape[2:])).reshape(a.shape)
+        if a.ndim == 0 or a.shape[0] != len(rows):
+            return a
+        out = np.empty_like(a)
+        out[rows] = a
+        return out
+
+    values = {d: ([back(a) for a in ins], [back(a) for a in outs]) for d, (ins, outs) in record.values.items()}
+    return record._replace(values=values)
+
+
+def value(record: Record, index: int, which: int, like: np.ndarray | None = None) -> np.ndarray:
+    """Input (``which`` 0) or output (1) ``index`` of a call as the global batch: each device's rows
+    in order, unless device 0's value alone has the other side's shape ``like`` (a value every
+    device holds: the gradients after their pmean); laid out as ``like`` where it holds the same rows
+    split over a leading axis (``[D, B / D, ...]``: a forward pass vmapped over each device's rows)."""
+    per_device = [record.values[d][which][index] for d in sorted(record.values)]
+    joined = np.concatenate(per_device) if len(per_device) > 1 and per_device[0].ndim else per_device[0]
+    if like is not None and joined.shape != like.shape and per_device[0].shape == like.shape:
+        return per_device[0]
+    if like is not None and joined.shape != like.shape and rows_split(joined.shape, like.shape):
+        return joined.reshape(like.shape)
+    return joined
+
+
+def rows_split(a: tuple, b: tuple) -> bool:
+    """Whether one shape is the other with its leading axis split in two (``[B, ...]``, ``[D, B / D, ...]``)."""
+    short, long_ = (a, b) if len(a) < len(b) else (b, a)
+    return len(long_) == len(short) + 1 and len(short) > 0 and long_[0] * long_[1] == short[0] and (
+        long_[2:] == short[1:])  # fmt: skip
+
+
+def shapes(module: nnx.Module) -> dict[str, tuple]:
+    return {
+        '/'.join(map(str, p)): tuple(v.shape) for p, v in nnx.to_flat_state(nnx.state(module)) if hasattr(v, 'shape')
+    }
+
+
+def stacked_or_same(outer: dict, inner: dict) -> bool:
+    return (
+        bool(inner)
+        and outer.keys() == inner.keys()
+        and all(outer[k] == inner[k] or outer[k][1:] == inner[k] for k in inner)
+    )
+
+
+def copy_path(module: nnx.Module, modules: list, active: set, paths: dict) -> str | None:
+    """The path of the module that ``module`` is a copy of, inside an NNX transform (``nnx.remat`` and
+    ``nnx.scan`` call their function on modules merged anew): the one module of the outermost call's
+    graph of its class whose variables have its shapes (a scanned stack's: with the stack's leading
+    axis); None where none or several do (not recorded, rather than recorded as another's). Its own
+    submodules are named under it (in ``paths``). ``modules``: (path, module) of the outermost call's graph;
+    ``active``: the modules whose call is running."""
+    want = shapes(module)
+    found = [
+        (p, m) for p, m in modules
+        if type(m) is type(module) and stacked_or_same(shapes(m), want) and id(m) not in active
+    ]  # fmt: skip
+    if len(found) != 1:
+        return None
+    path = found[0][0]
+    for sub, m in nnx.iter_graph(module):
+        if isinstance(m, nnx.Module):
+            paths[id(m)] = '/'.join([path, *map(str, sub)]) if sub else path
+    return path
