@@ -86,6 +86,7 @@ class LegacySetup:
         """One compiled call; keeps the new state, returns the K losses (blocks: one call in flight)."""
         with self.context():
             (_, self.pstate), loss_DxK = self.p_train_step(*args)
+        self.device_losses = loss_DxK  # every device's: a step that does not pmean its loss reports each its own
         return legacy.unreplicate_to_host(loss_DxK)
 
     def neutral(self) -> convert.Neutral:

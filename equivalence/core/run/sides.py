@@ -34,6 +34,7 @@ class PathResult:
     memory: dict | None = None  # NNX: bytes per device of one call (footprint.per_device); None: not measured
     start: dict | None = None  # legacy: the parameters its train state started from (NNX paths), as its own
     # legacy_state built them (an upstream init that sets a head bias to -6.9); None: not recorded
+    device_losses: np.ndarray | None = None  # legacy: the last call's losses on every device, [D, K]
 
     def after(self, step: int, k: int) -> 'PathResult':
         """This run's losses, metrics and parameters after ``step`` (a new side resumed there is compared
@@ -79,7 +80,8 @@ def run_legacy(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, a
     setup = kind.legacy_setup(config, inputs)
     start = _params(setup.neutral(), mapping)  # before the first call: what the port's own state holds
     losses, per_call = run_calls(setup, inputs.calls, inputs.rng, mapping, progress, 'legacy', after_call, before_call)
-    result = PathResult(convert.rename(setup.neutral(), mapping), losses, per_call, setup.pstate, start=start)
+    result = PathResult(convert.rename(setup.neutral(), mapping), losses, per_call, setup.pstate, start=start,
+                        device_losses=getattr(setup, 'device_losses', None))  # fmt: skip
     result.metrics, result.notes = loop_metrics(setup), [*getattr(setup, 'notes', [])]
     result.left_out = set(getattr(setup, 'uneven', ()))
     result.notes += kind.legacy_notes(setup)

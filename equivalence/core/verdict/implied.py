@@ -31,13 +31,18 @@ def fit(d: np.ndarray, x: np.ndarray) -> tuple[float, float]:
     return c, 1 - float((d - c * x) @ (d - c * x) / (d @ d))
 
 
-def update(p0: np.ndarray, u_old: np.ndarray, u_new: np.ndarray, g: np.ndarray | None, assumed: bool) -> str:
+def update(p0: np.ndarray, u_old: np.ndarray, u_new: np.ndarray, g: np.ndarray | None, assumed: bool,
+           kernels: np.ndarray | None = None) -> str:  # fmt: skip
     """What the first updates ``u_old`` (pmap) and ``u_new`` (NNX) from ``p0`` imply, given the pmap
-    side's gradient ``g`` (None: not observed; ``assumed``: estimated from Adam's first moment)."""
+    side's gradient ``g`` (None: not observed; ``assumed``: estimated from Adam's first moment);
+    ``kernels``: which elements are of a parameter of two or more axes (a weight decay masked to them)."""
     live = np.abs(u_old) > 0
     if not live.any():
         return NO_UPDATE
     d = u_new - u_old
+    masked = masked_decay(d, p0, kernels)
+    if masked:
+        return masked
     fits = {'lr': fit(d, u_old), 'decay': fit(d, p0)}
     eps = (adam_eps(g, u_old), adam_eps(g, u_new)) if g is not None else (None, None)
     if eps[1] is not None:
@@ -63,6 +68,24 @@ def update(p0: np.ndarray, u_old: np.ndarray, u_new: np.ndarray, g: np.ndarray |
 
 
 NO_UPDATE = 'no update on the pmap side (a learning rate of 0 at this step)'
+
+
+def masked_decay(d: np.ndarray, p0: np.ndarray, kernels: np.ndarray | None) -> str:
+    """'' unless the updates differ by a multiple of the parameter on the kernels alone and by nothing
+    elsewhere (r² >= ``EXPLAINED`` there, the rest within a thousandth of it): a weight decay masked to
+    the kernels (``optax.add_decayed_weights(wd, mask=...)``, or ``adamw``'s ``mask``) on one side only."""
+    if kernels is None or not kernels.any() or kernels.all():
+        return ''
+    c, r2 = fit(d[kernels], p0[kernels])
+    rest = float(np.abs(d[~kernels]).max(initial=0.0))
+    if r2 < EXPLAINED or rest > 1e-3 * float(np.abs(d[kernels]).max(initial=0.0)):
+        return ''
+    return (
+        f'a difference of {c:.3g} x the parameter on the kernels (r² {r2:.3f}) and none on the biases and '
+        'scales: a weight decay masked to the kernels on one side (new - pmap); c is -lr x decay where it is '
+        'decoupled (adamw), -decay where it is added after the learning-rate scale (add_decayed_weights after '
+        'scale_by_learning_rate)'
+    )
 
 
 def adam_eps(g: np.ndarray, u: np.ndarray) -> float | None:

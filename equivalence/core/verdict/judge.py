@@ -140,8 +140,11 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
             done = [*done, f'first-step gradients {"agree" if grads.match else "differ"}']
     noisy, errors = tuple(leaf for leaf in report.leaves if leaf.noise_dominated), tuple(errors)
     seen = locate.Seen(
-        {'legacy': float(old.losses[0]), 'new': float(new.losses[0])} if inputs.restore is None else {},
+        {'legacy': float(old.losses[0]), 'new': float(new.losses[0])}
+        if inputs.restore is None and old is not None and new is not None
+        else {},
         frozenset(leaf.path for leaf in noisy if leaf.group == 'params'),
+        failed=frozenset(leaf.group for leaf in report.leaves if not leaf.ok),
     )
     if report.match:
         matched = Verdict(True, config.verdict, tuple(done), twin=twin_text, noise_dominated=noisy, errors=errors)

@@ -32,11 +32,12 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from equivalence.core.port import states
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
 from equivalence.core.run import clock
 from equivalence.core.run.inputs import Inputs
-from equivalence.core.verdict import compare, slots, stages
+from equivalence.core.verdict import collectives, compare, slots, stages
 from equivalence.core.verdict.first_step import Recorder
 from equivalence.core.verdict.intercept import NOT_MODULES
 from equivalence.core.verdict.location import ROOT, Location
@@ -47,19 +48,60 @@ from equivalence.core.verdict.slots import FIRST
 WARMUP = 'the first update is 0'  # what a 'none' at step 1 says under a warmup from 0
 
 
+TRAINING = ('forward', 'loss', 'backward', 'update')  # stages that say the training itself differs
+
+
+def stages_for(failed: frozenset) -> frozenset:
+    """The stages a place may be in, given the groups of the leaves the verdict found outside their floors
+    (``failed``, after the whole run; empty: a MATCH, located on request, where every stage may be).
+    One answer: a place in the forward pass, the loss, the backward pass or the update says the training
+    differs, which parameters and optimizer state that agree after every call deny; so where only the EMA
+    differs the place is the EMA, where only running statistics do, the statistics, and where only the
+    reported losses do, the loss (or the pmap step's own collective on it)."""
+    if not failed:
+        return frozenset((*TRAINING, 'statistics', 'ema', 'collective'))
+    allowed = set()
+    if failed & {'params', 'opt_state', 'first_step', 'step'}:
+        allowed |= {*TRAINING, 'statistics', 'ema', 'collective'}
+    if 'losses' in failed:
+        allowed |= {'forward', 'loss', 'collective'}
+    if 'model_state' in failed:
+        allowed.add('statistics')
+    if 'ema' in failed:
+        allowed.add('ema')
+    return frozenset(allowed)
+
+
+STAGES = (  # (what each stage is, the function), in the order the first step runs them
+    ('forward', stages.forward), ('loss', stages.loss), ('backward', stages.backward),
+    ('statistics', stages.statistics), ('update', slots.update), ('ema', stages.ema),
+)  # fmt: skip
+
+
 def judge_step(
     port_kind: Kind, results: dict, raw: dict, mapping: dict[str, str], variables: dict, at: int = 1, start=None,
-    noisy=frozenset(),
+    noisy=frozenset(), allowed: frozenset = stages_for(frozenset()), exact: bool = True,
 ) -> Location:  # fmt: skip
     """The first place the recorded first steps part (``results`` and ``raw`` of ``intercept.first_steps``);
     ``at`` > 1: the records of step ``at`` (its last) and the state after it, ``start`` the pmap side's
-    parameters before it (NNX paths; nothing parted before it); ``noisy``: the parameters the verdict
-    found noise-dominated, never the place."""
+    parameters before it (NNX paths; nothing parted before it, where ``exact``; else only on the steps
+    recorded before); ``noisy``: the parameters the verdict found noise-dominated, never the place;
+    ``allowed``: the stages the verdict's leaves leave possible (``stages_for``)."""
     paired = pairs(raw.get('legacy', {}), raw.get('new', {}), mapping, port_kind.port.names)
     modules = stages.modules_of(raw, paired) if paired else []
     step = stages.Step(port_kind, results, raw, mapping, variables, modules, paired, at, start, noisy)
     notes = _notes(port_kind, raw, paired, 'twin' in results)
-    for stage in (stages.forward, stages.loss, stages.backward, stages.statistics, slots.update):
+    legacy = results.get('legacy')
+    pmap_side = None if legacy is None or at > 1 or 'collective' not in allowed else (
+        collectives.gradients_not_averaged(legacy.raw, getattr(port_kind.port, 'legacy_groups', None)
+                                           or states.legacy_groups)
+        or collectives.loss_not_averaged(legacy.device_losses, results['new'].losses)
+    )  # fmt: skip
+    if pmap_side is not None:
+        return dataclasses.replace(pmap_side, modules=tuple(modules), notes=tuple(n.text for n in notes))
+    for name, stage in STAGES:
+        if name not in allowed:
+            continue
         found = stage(step)
         if found is not None and stage is stages.loss and any(note.tag == UNOBSERVED for note in notes):
             found = Location('unlocated', '', '', f'the first loss parts ({found.figures}), and the forward pass '
@@ -71,7 +113,8 @@ def judge_step(
                 warmup = (
                     "; step 1's update is 0, as warmup gives" if _first_update_is_0(results, variables, mapping) else ''
                 )
-                figures = f'on step {at} (nothing parts before it{warmup}): {figures}'
+                before = 'nothing parts before it' if exact else 'nothing parted on steps 1 and 2'
+                figures = f'{"on" if exact else "by"} step {at} ({before}{warmup}): {figures}'
             return dataclasses.replace(found, figures=figures, modules=tuple(modules), notes=tuple(said))
     checked = 'the loss, the gradients, ' if step.grads('legacy') else 'the loss, '
     later = 'the sides part later (a schedule, or growth from rounding)'
@@ -142,6 +185,7 @@ class Seen:
     first_losses: dict = dataclasses.field(default_factory=dict)  # 'legacy', 'new' -> the run's first loss
     noisy: frozenset = frozenset()  # parameter paths (the new side's names)
     nonfinite: str = ''  # the verdict's line where a NaN or Inf appeared ('' none)
+    failed: frozenset = frozenset()  # the groups of the leaves outside their floors ('params', 'ema', ...)
     data_step: int | None = None  # the first step whose batch holds NaN or Inf
 
 
@@ -155,14 +199,14 @@ def locate(
     update is 0 hides an optimizer's eps or nesterov on step 1, a schedule that differs later shows
     where it starts. A recording that does not reproduce the run it records names no place."""
     seen, mapping = seen or Seen(), inputs.mapping
-    noisy = seen.noisy
+    noisy, allowed = seen.noisy, stages_for(seen.failed)
     if seen.data_step is not None:
         return Location('unlocated', '', '', f'not located: the batch of step {seen.data_step} holds NaN or Inf, on '
                         'both sides; what each side makes of it is the non-finite line above')  # fmt: skip
     apart = _not_reproduced(recorder.runs[0], seen)
     if apart:
         return Location('unlocated', '', '', f'not located: {apart}')
-    found = judge_step(port_kind, *recorder.runs, mapping, inputs.variables, noisy=noisy)
+    found = judge_step(port_kind, *recorder.runs, mapping, inputs.variables, noisy=noisy, allowed=allowed)
     steps = min(MAX_STEPS, sum(jax.tree.leaves(call)[0].shape[0] for call in inputs.calls))
     if found.kind != 'none' or steps < 2:
         return found
@@ -171,12 +215,18 @@ def locate(
         at = _first_parting(results, n, noisy)
         if at is not None:
             break
+        start = results['legacy'].params_per_call[n - 2]
+        found = judge_step(port_kind, results, raw, mapping, inputs.variables, at=n, start=start, noisy=noisy,
+                           allowed=allowed, exact=n == 2)  # fmt: skip
+        if found.kind != 'none':  # the parameters agree and the EMA or the statistics do not, by step n
+            return found
     if at is None:
-        return judge_step(port_kind, results, raw, mapping, inputs.variables, at=steps, noisy=noisy)
+        return found
     if at < n:
         results, raw = recorder.steps(at)
     start = results['legacy'].params_per_call[at - 2] if at > 1 else None
-    return judge_step(port_kind, results, raw, mapping, inputs.variables, at=at, start=start, noisy=noisy)
+    return judge_step(port_kind, results, raw, mapping, inputs.variables, at=at, start=start, noisy=noisy,
+                      allowed=allowed)  # fmt: skip
 
 
 def _not_reproduced(results: dict, seen: Seen) -> str:

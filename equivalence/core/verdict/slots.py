@@ -107,7 +107,8 @@ def implied_update(step: Step) -> str:
         grads = {next((k for k in keys if name.endswith('/' + k)), ''): v for name, v in mu.items()}
         scale = 1 - implied.NESTEROV_B1
     g = cat(grads) / scale if all(k in grads for k in keys) else None
-    text = implied.update(p0, cat(ends[0]) - p0, cat(ends[1]) - p0, g, scale != 1.0)
+    kernels = np.concatenate([np.full(np.size(start[k]), np.ndim(start[k]) >= 2) for k in keys])
+    text = implied.update(p0, cat(ends[0]) - p0, cat(ends[1]) - p0, g, scale != 1.0, kernels)
     rates = [
         {k: v for k, v in step.final(side, 'opt_state').items() if 'learning_rate' in k} for side in ('legacy', 'new')
     ]

@@ -18,7 +18,9 @@ from equivalence.core.verdict.rule import MEASURED_FLOOR
 BETWEEN = 'the code between them (an activation, a residual, a mask)'
 
 
-def held(ref: dict, other: dict, twin_: dict, siblings: bool = False, noisy=frozenset()) -> dict[str, compare.LeafDiff]:
+def held(
+    ref: dict, other: dict, twin_: dict, siblings: bool = False, noisy=frozenset(), owner=None
+) -> dict[str, compare.LeafDiff]:
     """Every leaf held to its floor (``twin_`` missing a leaf: floor 0), by path.
 
     ``siblings`` (parameters, gradients, optimizer slots): a leaf may also differ by ``MIN_ULPS`` float32
@@ -26,26 +28,67 @@ def held(ref: dict, other: dict, twin_: dict, siblings: bool = False, noisy=froz
     BatchNorm has a true gradient of 0: what it holds is what is left of sums of terms the size of its
     kernel's gradient, rounding only, and the twin may sum it in the very order NNX does (a floor of 0).
     ``noisy``: the parameters the verdict found noise-dominated (by path): they, and every slot of
-    theirs, are never where the sides part (their difference is reordering)."""
+    theirs, are never where the sides part (their difference is reordering). And with ``siblings``, a leaf
+    may differ by ``SAFETY`` times the twin's relative floor pooled over the tree's leaves (``pooled``)
+    times its largest value: on one step the twin can sum a leaf in the very order NNX does (a floor of 0
+    there) while reordering moves the leaves beside it, so a leaf's own floor alone names rounding as a
+    place (score_sde's Adam first moments, NNX / pmap 1 to 1 over 27 leaves, 'unevenly'). ``owner(path)``:
+    whose leaves are siblings (default: the module, the path less its last name); an optimizer slot's
+    and a gradient's are the whole slot's (``slot_owner``): behind a head initialised at 1e-10 of its
+    scale (score_sde's), every gradient before it is 1e-20 and sums of much larger terms, rounding only."""
     report = compare.compare_to_floor({'g': ref}, {'g': other}, {'g': twin_}, MEASURED_FLOOR)
     scale: dict[str, float] = {}
+    rel = pooled(other, twin_) if siblings else 0.0
+    owner = owner or (lambda path: path.rpartition('/')[0])
     if siblings:
         for path, a in ref.items():
             if compare.is_float(np.asarray(a).dtype):
-                owner = path.rpartition('/')[0]
-                scale[owner] = max(scale.get(owner, 0.0), float(np.abs(np.asarray(a, np.float64)).max(initial=0.0)))
+                whose = owner(path)
+                scale[whose] = max(scale.get(whose, 0.0), float(np.abs(np.asarray(a, np.float64)).max(initial=0.0)))
     out = {}
     for leaf in report.leaves:
         if leaf.limit is not None and not leaf.ok:
             if any(leaf.path == p or leaf.path.endswith('/' + p) for p in noisy):
                 leaf = dataclasses.replace(leaf, ok=True, noise_dominated=True)
-            elif siblings and leaf.max_abs <= MEASURED_FLOOR.min_ulps * compare.spacing32(
-                scale.get(leaf.path.rpartition('/')[0], 0.0)
-            ):
-                allowed = MEASURED_FLOOR.min_ulps * compare.spacing32(scale[leaf.path.rpartition('/')[0]])
-                leaf = dataclasses.replace(leaf, ok=True, limit=allowed, noise_dominated=True)
+            elif siblings:
+                top = float(np.abs(np.asarray(ref[leaf.path], np.float64)).max(initial=0.0))
+                beside = MEASURED_FLOOR.min_ulps * compare.spacing32(scale.get(owner(leaf.path), 0.0))
+                allowed = max(leaf.limit, beside, MEASURED_FLOOR.safety * rel * top)
+                if leaf.max_abs <= allowed:
+                    leaf = dataclasses.replace(leaf, ok=True, limit=allowed)
         out[leaf.path] = leaf
     return out
+
+
+def slot_owner(params: dict):
+    """An optimizer-state leaf's slot (``0/mu`` of ``0/mu/block/fc/kernel``), given the parameters' paths; a
+    gradient's (a parameter's own path): the whole tree ('')."""
+    names = sorted(params, key=len, reverse=True)
+
+    def owner(path: str) -> str:
+        param = next((p for p in names if path == p or path.endswith('/' + p)), None)
+        return path[: -len(param) - 1] if param and path != param else ''
+
+    return owner
+
+
+POOLED = 90  # the percentile of the leaves' relative twin floors a tree's pooled floor is
+
+
+def pooled(nnx: dict, twin_: dict) -> float:
+    """The twin's relative floor over a tree's leaves, ``|nnx - twin| / max |nnx|`` per leaf, at its
+    ``POOLED``th percentile (a few noise-dominated leaves, whose relative floor is about 1, do not set it);
+    0 where no twin differs."""
+    rels = []
+    for path, a in nnx.items():
+        b = twin_.get(path)
+        a = np.asarray(a)
+        if b is None or not compare.is_float(a.dtype) or np.shape(b) != a.shape:
+            continue
+        top = float(np.abs(a.astype(np.float64)).max(initial=0.0))
+        if top > 0:
+            rels.append(float(np.abs(a.astype(np.float64) - np.asarray(b, np.float64)).max(initial=0.0)) / top)
+    return float(np.percentile(rels, POOLED)) if rels else 0.0
 
 
 def worst(leaves: list) -> compare.LeafDiff | None:
@@ -100,8 +143,9 @@ class Step:
         return result.final.get(group) or {}
 
     def held(self, group: str) -> dict[str, compare.LeafDiff]:
+        owner = slot_owner(self.final('legacy', 'params')) if group == 'opt_state' else None
         return held(self.final('legacy', group), self.final('new', group), self.final('twin', group),
-                    siblings=group != 'model_state', noisy=self.noisy)  # fmt: skip
+                    siblings=group != 'model_state', noisy=self.noisy, owner=owner)  # fmt: skip
 
     def order(self, path: str) -> int:
         """When NNX module ``path``, or the one holding it, finished its first call (last when none)."""
@@ -161,8 +205,18 @@ def _parted(step: Step, i: int, m: Module) -> Location:
     inside = [c for c in step.modules[:i] if m.legacy == ROOT or c.legacy.startswith(m.legacy + '/')]
     said = settings_differ(step, m)
     if 'Dropout' in m.cls:
+        bridged = any(r.cls == 'ToNNX' for r in step.raw.get('new', {}).values())
+        rule = (
+            (
+                "; the new side's linen runs inside nnx.bridge.ToNNX, which hands linen fold_in(key, count) of each "
+                'stream, not the key the pmap step gives apply(rngs=...) (docs/ladder.md, the bridge rung: hand it '
+                'the key itself)'
+            )
+            if bridged
+            else ''
+        )
         return Location(
-            'randomness', m.legacy, m.new, f'{inputs}, {apart}: the two sides draw other masks{said}', first=i
+            'randomness', m.legacy, m.new, f'{inputs}, {apart}: the two sides draw other masks{said}{rule}', first=i
         )
     if inside:
         what = 'the attention weights (scale, mask, softmax, dropout)' if 'Attention' in m.cls else BETWEEN
@@ -229,7 +283,7 @@ def backward(step: Step) -> Location | None:
     ref, other = step.grads('legacy'), step.grads('new')
     if not ref or not other:
         return None
-    judged = held(ref, other, step.grads('twin') or other, siblings=True, noisy=step.noisy)
+    judged = held(ref, other, step.grads('twin') or other, siblings=True, noisy=step.noisy, owner=slot_owner(ref))
     bad = sorted((leaf for leaf in judged.values() if not leaf.ok), key=lambda leaf: -step.order(leaf.path))
     if not bad:
         return None
@@ -278,3 +332,47 @@ def _momenta(step: Step, module: str) -> str:
 def initial_params(variables: dict, mapping: dict[str, str]) -> dict[str, np.ndarray]:
     """The parameters before step 1 (linen's ``variables``), by NNX path."""
     return {mapping.get(p, p): a for p, a in convert.flatten(variables.get('params', {})).items()}
+
+
+def ema(step: Step) -> Location | None:
+    """The EMA, where the parameters and the optimizer state agree after the step and it does not: its
+    update differs (the decay, the leaves it follows, the precision of its arithmetic). The decay each
+    side's update implies is read where the EMA before the step is known: the parameters before it,
+    on step 1, or on a later step that followed only updates of 0 (a warmup from 0), for an EMA that
+    starts as the parameters (as score_sde's and flax's do): ``ema = d ema_before + (1 - d) params``."""
+    bad = [leaf for leaf in step.held('ema').values() if not leaf.ok]
+    if not bad:
+        return None
+    leaf = worst(bad)
+    decays = _decays(step)
+    said = f"; the decay each side's update implies: {decays}" if decays else ''
+    return Location(
+        'ema', 'the EMA', 'the EMA',
+        f'the forward pass, the loss, the gradients, the parameters and the optimizer state agree {step.after}; '
+        f'the EMA does not (ema/{leaf.path} {sci(leaf.max_abs)} apart, allowed {sci(leaf.limit)}): its update '
+        f'differs{said}',
+    )  # fmt: skip
+
+
+def _decays(step: Step) -> str:
+    before = step.before()
+    if step.step > 1 and step.start is not None:
+        first = initial_params(step.variables, step.mapping)
+        if any(not np.array_equal(step.start[k], first[k]) for k in first if k in step.start):
+            return ''  # the EMA before this step is not known here
+        before = first
+    said = []
+    for side in ('legacy', 'new'):
+        ema_, params = step.final(side, 'ema'), step.final(side, 'params')
+        keys = [k for k in ema_ if k in params and k in before]
+        if not keys:
+            return ''
+        cat = lambda d, keys=keys: np.concatenate([np.asarray(d[k], np.float64).ravel() for k in keys])  # noqa: E731
+        x, y = cat(before) - cat(params), cat(ema_) - cat(params)
+        d, r2 = implied.fit(y, x)
+        if r2 < 0.99:
+            return ''
+        said.append(f'{"pmap" if side == "legacy" else "new"} {d:.6g}')
+    same = said[0].split()[1] == said[1].split()[1]
+    return ', '.join(said) + (' (the same decay: the arithmetic of the update differs, its precision or order)'
+                              if same else '')  # fmt: skip
