@@ -358,7 +358,9 @@ def test_an_optimizer_slip_that_warmup_hides_on_step_1_is_located_on_step_2(step
         return
     assert (loc.kind, loc.legacy) == ('update', 'the update rule'), loc.line()
     assert loc.figures.startswith("on step 2 (nothing parts before it; step 1's update is 0"), loc.line()
-    assert 'NNX steps 1.01 x' in loc.figures and 'the parameters after step 2 do not' in loc.figures, loc.line()
+    assert 'the new side steps 1.01 x' in loc.figures and 'the parameters after step 2 do not' in loc.figures, (
+        loc.line()
+    )
     agree(loc)
 
 

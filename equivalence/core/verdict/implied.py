@@ -51,10 +51,12 @@ def update(p0: np.ndarray, u_old: np.ndarray, u_new: np.ndarray, g: np.ndarray |
     form, (c, r2) = max(fits.items(), key=lambda kv: kv[1][1])
     if r2 < EXPLAINED:
         ratio = float(np.median(u_new[live] / u_old[live]))
-        return f'NNX steps {ratio:.6g} x the pmap side (median), not one step factor, weight decay or eps alone'
+        return (
+            f'the new side steps {ratio:.6g} x the pmap side (median), not one step factor, weight decay or eps alone'
+        )
     if form == 'lr':
         first = (1 + 2 * NESTEROV_B1) / (1 + NESTEROV_B1)
-        text = f'NNX steps {1 + c:.6g} x the pmap side (r² {r2:.3f})'
+        text = f'the new side steps {1 + c:.6g} x the pmap side (r² {r2:.3f})'
         if min(abs(1 + c - first), abs(1 / (1 + c) - first)) < 1e-3 * first:
             return text + f', what nesterov gives Adam (b1 {NESTEROV_B1}) on its first step: {first:.4f}'
         return text + ': a learning rate or schedule value that differs by that factor, or a gradient scale'

@@ -22,7 +22,9 @@ def update(step: Step) -> Location | None:
     said = implied_update(step)
     said = f'; the update implies: {said}' if bad_param is not None or update_is_zero(step) else (
         '; the parameters after one step agree')  # fmt: skip
-    read = _moments(step, params, slots)
+    # What a slot's values imply assumes its first update from 0 (Adam's mu is (1 - b1) g, SGD's trace is g):
+    # on a later step a momentum that differs parts the slots by no one factor, which is not the gradients.
+    read = _moments(step, params, slots) if step.step == 1 else {}
     uneven = next(((s, m) for s, m in read.items() if s.rpartition('/')[2] in FIRST and m.factor is None), None)
     if uneven is not None and uneven[1].uneven:
         slot, m = uneven

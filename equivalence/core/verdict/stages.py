@@ -1,6 +1,6 @@
 """The stages of the first step the locator holds to their floors, in order: the forward pass, module by
-module (``forward``), the loss (``loss``), the backward pass (``backward``), the running statistics
-(``statistics``); the update is ``slots``'. Each returns a ``Location``, or None where nothing parts.
+module (``forward``), the loss (``loss``), the backward pass (``backward``); the update is ``slots``', the
+running statistics and the EMA ``averages``'. Each returns a ``Location``, or None where nothing parts.
 """
 
 import dataclasses
@@ -9,7 +9,7 @@ import numpy as np
 
 from equivalence.core.port import convert
 from equivalence.core.port.kind import Kind
-from equivalence.core.verdict import compare, implied, intercept, pairing
+from equivalence.core.verdict import compare, intercept, pairing
 from equivalence.core.verdict.intercept import DOUT, LOSS, NOT_MODULES
 from equivalence.core.verdict.location import ROOT, Location, Module, over, sci
 from equivalence.core.verdict.pairing import recorded_grads
@@ -295,84 +295,6 @@ def backward(step: Step) -> Location | None:
     )  # fmt: skip
 
 
-def statistics(step: Step) -> Location | None:
-    module = lambda path: path.partition('/')[2].rpartition('/')[0]  # noqa: E731 -- batch_stats/bn1/mean -> bn1
-    bad = sorted((x for x in step.held('model_state').values() if not x.ok), key=lambda x: step.order(module(x.path)))
-    if not bad:
-        return None
-    leaf, stat = bad[0], bad[0].path.partition('/')[2]
-    return Location(
-        'statistics', step.inverse.get(stat, stat).rpartition('/')[0], module(leaf.path),
-        f'the forward pass, the loss and the gradients agree; {leaf.path} after one step is {sci(leaf.max_abs)} '
-        f'apart (allowed {sci(leaf.limit)}): its running statistics are updated differently'
-        + _momenta(step, module(leaf.path)),
-    )  # fmt: skip
-
-
-def _momenta(step: Step, module: str) -> str:
-    """The momentum of each side's one-step update of ``module``'s mean, its batch mean taken from
-    the module's recorded input (features on the last axis)."""
-    before = {step.mapping.get(p, p): a for p, a in convert.flatten(step.variables.get('batch_stats', {})).items()}
-    source = next((old for old, new in step.paired.items() if new == module), None)
-    record = step.raw['new'].get(module)
-    if step.step > 1 or f'{module}/mean' not in before or source is None or record is None or not record.values[0][0]:
-        return ''
-    said = []
-    for side in ('legacy', 'new'):
-        x = record.values[0][0][0]
-        x = intercept.value(step.raw['legacy'][source], 0, 0, x) if side == 'legacy' else x
-        mean = np.asarray(x, np.float64).reshape(-1, x.shape[-1]).mean(axis=0)
-        m = implied.momentum(
-            before[f'{module}/mean'], step.final(side, 'model_state')[f'batch_stats/{module}/mean'], mean
-        )
-        said.append(f'{side} {m:.4g}' if m is not None else f'{side} -')
-    return f'; the momentum its one-step update of the mean implies: {", ".join(said)}'
-
-
 def initial_params(variables: dict, mapping: dict[str, str]) -> dict[str, np.ndarray]:
     """The parameters before step 1 (linen's ``variables``), by NNX path."""
     return {mapping.get(p, p): a for p, a in convert.flatten(variables.get('params', {})).items()}
-
-
-def ema(step: Step) -> Location | None:
-    """The EMA, where the parameters and the optimizer state agree after the step and it does not: its
-    update differs (the decay, the leaves it follows, the precision of its arithmetic). The decay each
-    side's update implies is read where the EMA before the step is known: the parameters before it,
-    on step 1, or on a later step that followed only updates of 0 (a warmup from 0), for an EMA that
-    starts as the parameters (as score_sde's and flax's do): ``ema = d ema_before + (1 - d) params``."""
-    bad = [leaf for leaf in step.held('ema').values() if not leaf.ok]
-    if not bad:
-        return None
-    leaf = worst(bad)
-    decays = _decays(step)
-    said = f"; the decay each side's update implies: {decays}" if decays else ''
-    return Location(
-        'ema', 'the EMA', 'the EMA',
-        f'the forward pass, the loss, the gradients, the parameters and the optimizer state agree {step.after}; '
-        f'the EMA does not (ema/{leaf.path} {sci(leaf.max_abs)} apart, allowed {sci(leaf.limit)}): its update '
-        f'differs{said}',
-    )  # fmt: skip
-
-
-def _decays(step: Step) -> str:
-    before = step.before()
-    if step.step > 1 and step.start is not None:
-        first = initial_params(step.variables, step.mapping)
-        if any(not np.array_equal(step.start[k], first[k]) for k in first if k in step.start):
-            return ''  # the EMA before this step is not known here
-        before = first
-    said = []
-    for side in ('legacy', 'new'):
-        ema_, params = step.final(side, 'ema'), step.final(side, 'params')
-        keys = [k for k in ema_ if k in params and k in before]
-        if not keys:
-            return ''
-        cat = lambda d, keys=keys: np.concatenate([np.asarray(d[k], np.float64).ravel() for k in keys])  # noqa: E731
-        x, y = cat(before) - cat(params), cat(ema_) - cat(params)
-        d, r2 = implied.fit(y, x)
-        if r2 < 0.99:
-            return ''
-        said.append(f'{"pmap" if side == "legacy" else "new"} {d:.6g}')
-    same = said[0].split()[1] == said[1].split()[1]
-    return ', '.join(said) + (' (the same decay: the arithmetic of the update differs, its precision or order)'
-                              if same else '')  # fmt: skip
