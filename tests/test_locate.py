@@ -499,3 +499,12 @@ def test_where_the_diagnosis_and_the_location_disagree_the_location_is_trusted()
     assert locate.trust('math', module) == [] and locate.trust('', module) == []
     assert locate.trust('optimizer', dataclasses.replace(module, kind='update')) == []
     assert locate.trust('update', dataclasses.replace(module, kind='none')) == []
+
+
+def test_unpaired_module_calls_are_a_note_not_an_error():
+    """A linen call with no NNX call paired to it is said in a note (the ViT example's slips raised
+    KeyError: 'nnx' here, and their location was 'unlocated')."""
+    raw = {'legacy': {'Dense_0': None, 'Dropout_0': None}, 'new': {'fc': None}}
+    notes = locate._notes(types.SimpleNamespace(observes_grads=True), raw, {'Dense_0': 'fc'}, True)
+    said = [note.text for note in notes if note.tag == locate.UNPAIRED]
+    assert said == ['1 of 2 linen module calls paired with new ones (1 recorded); not paired: Dropout_0'], said

@@ -117,7 +117,7 @@ def _notes(port_kind: Kind, raw: dict, paired: dict, twin_ran: bool) -> list[Not
     if calls['legacy'] and calls['new'] and left:
         shown = ', '.join(label or ROOT for label in left[:4]) + (f' and {len(left) - 4} more' if len(left) > 4 else '')
         notes.append(Note(UNPAIRED, f'{len(paired)} of {len(calls["legacy"])} linen module calls paired with new '
-                          f'ones ({len(calls["nnx"])} recorded); not paired: {shown}'))  # fmt: skip
+                          f'ones ({len(calls["new"])} recorded); not paired: {shown}'))  # fmt: skip
     if not twin_ran:
         text = 'no twin in this process: each value is held to 8 float32 spacings of its largest value'
         notes.append(Note(NO_TWIN, text))
