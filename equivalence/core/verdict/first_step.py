@@ -79,8 +79,7 @@ def deterministic_rerun_matches(kind: Kind, config: RunConfig, inputs: Inputs, r
     with no cache cleared."""
     one, first = dataclasses.replace(config, calls=1), dataclasses.replace(inputs, calls=inputs.calls[:1])
     with randomness.dropout_off():
-        old = sides.run_legacy(kind, one, first)
-        new = sides.run_new(kind, one, first)
+        old, new = sides.both_sides(kind, one, first)
     leaf = next((x for x in report.leaves if x.name == 'first_step/loss'), None)
     limit = leaf.limit if leaf is not None and leaf.limit is not None else 0.0
     allowed = max(limit, MEASURED_FLOOR.min_ulps * compare.spacing32(float(old.losses[0])))

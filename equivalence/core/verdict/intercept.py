@@ -304,17 +304,28 @@ def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, n_twin: twin.Twin
     abstract = facts.abstract_model(kind.port)  # None: a new side of linen alone (nn.intercept_methods sees it)
     graph = nnx.iter_graph(abstract) if abstract is not None else ()
     classes = {type(m) for _, m in graph if isinstance(m, nnx.Module)}
-    results, s = {}, _SESSION
+    results, s, compiling = dict.fromkeys(runs), _SESSION, None
     s.raw, s.counts, s.order = {}, [], 0
     try:
         with _patched(classes), _RECORDINGS(next(_SESSIONS)):
-            for side, (s.axis, mesh, run) in runs.items():
+            # The pmap side is traced first, as it always was, and compiles on a thread while the new side
+            # and the twin run; it runs last, its values recorded then (a callback reads the side as it runs).
+            s.side, s.axis, s.mesh = 'legacy', axis, None
+            legacy_setup = recording.legacy_setup(one, fed)
+            compiling = sides.prefetch(legacy_setup, fed)
+            s.side = None
+            runs['legacy'] = (axis, None, lambda: sides.run_legacy(recording, one, fed, setup=legacy_setup))
+            for side, (s.axis, mesh, run) in [*list(runs.items())[1:], ('legacy', runs['legacy'])]:
                 s.side, s.mesh = side, mesh if kind.records_on_mesh else None
+                if side == 'legacy' and compiling is not None:
+                    compiling.result()
                 results[side] = run()
                 jax.effects_barrier()
                 s.side = None
                 s.raw[side] = _host(s.raw.get(side, {}))
     finally:
+        if compiling is not None:
+            compiling.result()  # no compile left running, whatever raised
         s.side, s.mesh, s.axis = None, None, None
         randomness.take_unbridged()  # the checked runs' lines were taken; these are the same layers'
     if rows is not None:
