@@ -5,11 +5,12 @@ No timing is asserted: speed is reported by the benchmark, not tested.
 
 import functools
 import json
+import os
 import subprocess
 
 import numpy as np
 import pytest
-from conftest import assert_one_line_error, run_module
+from conftest import ROOT, assert_one_line_error, run_module
 
 from equivalence import cli
 from equivalence.bench import __main__ as bench_main
@@ -127,3 +128,37 @@ def test_program_summary_counts_ops_and_where_the_all_reduces_run():
     assert (s['all_reduce'], s['transpose'], s['copy'], s['while']) == (2, 1, 1, 1)
     assert (s['all_reduce_operands_per_step'], s['all_reduce_operands_per_call']) == (2, 1)
     assert s['all_reduce_bytes'] == 4 * (30 + 20 * 30 + 5)
+
+
+def test_cost_mode_times_a_check_and_a_slips_mismatch_against_the_two_bare_runs(tmp_path):
+    """``--cost`` on a loop port and its slip, one repeat: the bare runs, the check and the slip's check
+    each ran in a process of its own; the ratios are of the walls it reports; the MATCH computed the
+    bare runs' losses; the MISMATCH says its diagnosis and where the sides part; the text says it all.
+    No timing is asserted."""
+    out = tmp_path / 'cost.json'
+    example = os.path.join(ROOT, 'examples', 'mlp_port')
+    args = ['--cost', '--workload', 'my_port:LOOP', '--slip', 'my_port:LOOP_EPSILON_SLIP', '--devices', '2']
+    args += ['--steps-per-call', '1', '--calls', '1', '--repeats', '1', '--json', str(out)]
+    proc = run_module('equivalence.bench', *args, env={'PYTHONPATH': os.pathsep.join([example, ROOT])})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    subjects = report['subjects']
+    assert report['mode'] == 'cost' and report['repeats'] == 1 and set(subjects) == {'bare', 'match', 'mismatch'}
+    bare, match, slip = subjects['bare'], subjects['match'], subjects['mismatch']
+    assert bare['config'] == {'devices': 2, 'steps_per_call': 1, 'calls': 1, 'batch_size': 64, 'seed': 0,
+                              'rng': 'global', 'strategy': 'dp'}  # fmt: skip
+    for s in subjects.values():
+        assert len(s['wall_s']['values']) == 1 and s['wall_s']['values'][0] > 0 and s['programs']['median'] > 0
+        assert s['same_losses_every_repeat'] and s['process_s']['median'] >= s['wall_s']['median']
+    assert [st['name'].split(' ')[0] for st in bare['stages']] == ['inputs', 'legacy', 'new']
+    assert {'pre-flight', 'inputs', 'verdict'} <= {st['name'].split(' (')[0] for st in match['stages']}
+    for s in (match, slip):
+        assert s['ratio_vs_bare'] == s['wall_s']['median'] / bare['wall_s']['median']
+    assert match['outcome'] == 'MATCH' and report['check_losses_are_the_bare_runs']
+    assert slip['outcome'] == 'MISMATCH' and slip['diagnosis'] and slip['where'].startswith('where: ')
+    assert 'epsilon 1e-06 ↔ 1e-05' in slip['where'], slip['where']
+    assert [(t['threshold'], t['outcome_expected']) for t in report['targets']] == [(1.25, 'MATCH'), (2.0, 'MISMATCH')]
+    assert {'cpu_cores', 'load_avg_1m', 'load_avg_1m_end', 'versions'} <= set(report['machine'])
+    text = proc.stdout
+    assert text.startswith('cost of a check: my_port:LOOP on 2 device(s), K=1 x C=1'), text[:200]
+    assert f'{match["ratio_vs_bare"]:.2f}x' in text and slip['where'] in text and 'targets (ratio of medians)' in text

@@ -55,7 +55,13 @@ def test_a_second_check_reads_its_programs_from_the_cache_and_says_its_stages_as
         *_, time_line, verdict = proc.stdout.strip().splitlines()
         assert time_line.startswith(f'time: {timing["wall_s"]:.1f} s') and verdict.startswith('MATCH')
     top = [s['name'] for s in t1['stages'] if s['depth'] == 0]
-    assert [clock.short(n) for n in top] == ['pre-flight', 'inputs', 'legacy side', 'new side', 'verdict'], top
+    # a model port's two programs are the suite's: both traced and compiled on threads, then each side runs
+    sides = ['legacy side', 'new side'] * 2
+    # linen's initialisation compiles on a thread while the pre-flight runs
+    assert [clock.short(n) for n in top] == ['initial variables', 'pre-flight', 'inputs', *sides, 'verdict'], top
+    at = [s for s in t1['stages'] if s['depth'] == 0]
+    assert [s['name'].endswith(('compiled on a thread', '(run)')) for s in at[3:7]] == [True] * 4, top
+    assert sum(s['programs'] for s in at[3:5]) >= 2  # each program counted where it was handed over
 
 
 def test_stage_lines_begin_when_slow_nest_under_their_stage_and_say_a_failure_only_once_begun():
@@ -90,3 +96,23 @@ def test_stage_lines_begin_when_slow_nest_under_their_stage_and_say_a_failure_on
         verdict: done in 0.2 s
         slow ... failed after 0.2 s
     """), out.getvalue()
+
+
+def test_work_handed_to_a_thread_counts_in_the_stage_that_handed_it_over():
+    """``clock.on_thread``: a compile on the thread counts in the stages open where the work was handed over
+    (even once they have ended), not in the stage open in the other thread meanwhile; the check's totals
+    count it once. An error on the thread is kept, never raised: the work is only ever a head start."""
+    import threading
+
+    with clock.measuring() as c:
+        started = threading.Event()
+        with clock.stage('legacy side: traced, compiled on a thread') as handed:
+            work = clock.on_thread(lambda: (started.wait(5), c.compiled(2.0, 'jit(_fun)'), 'compiled')[-1])
+        with clock.stage('new side: compiled, run') as other:
+            c.compiled(1.0, 'jit(train_calls)')
+            started.set()
+            assert work.result() == 'compiled' and work.error is None
+        failed = clock.on_thread(lambda: 1 / 0)
+        assert failed.result() is None and isinstance(failed.error, ZeroDivisionError)
+    assert (handed.compile_s, handed.programs, other.compile_s, other.programs) == (2.0, 1, 1.0, 1)
+    assert (c.compile_s, c.programs, dict(c.names)) == (3.0, 2, {'jit(_fun)': 1, 'jit(train_calls)': 1})

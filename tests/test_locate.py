@@ -29,7 +29,7 @@ from equivalence.core.port.config import RunConfig
 from equivalence.core.report import plots, render
 from equivalence.core.run import inputs as made
 from equivalence.core.run import model_side
-from equivalence.core.verdict import first_step, implied, intercept, locate, location, probe, rule
+from equivalence.core.verdict import first_step, implied, locate, location, probe, recorded_run, rule
 from equivalence.core.verdict.first_step import Recorder
 from equivalence.corpus import batchnorm
 
@@ -453,7 +453,7 @@ def test_where_the_recording_cannot_run_the_probe_and_the_verdict_are_as_before(
     port, config = workloads.get('mlp'), RunConfig(devices=DEVICES, batch_size=64)
     kind, fed = kinds.of(port), made.make(port, config)
     probed = {side: types.SimpleNamespace(grads={'hidden/bias': np.zeros(3)}) for side in ('legacy', 'new', 'twin')}
-    monkeypatch.setattr(intercept, 'first_steps', cannot)
+    monkeypatch.setattr(recorded_run, 'first_steps', cannot)
     monkeypatch.setattr(probe, 'first_steps', lambda *args: probed)
     assert first_step.grads(Recorder(kind, config, fed, None)) == {s: p.grads for s, p in probed.items()}
     mismatch = locate.attach(rule.Verdict(False, 'measured', ()), kind, config, fed, Recorder(kind, config, fed, None))
@@ -490,3 +490,12 @@ def test_a_twin_that_ran_in_a_fresh_process_is_not_run_again_for_the_location():
     assert first_step.here(1, config) == 1 and first_step.here(None, config) is None
     assert first_step.here(1, config, fresh=(1,)) is None
     assert first_step.here(10**6, config) is None  # more devices than this process sees
+
+
+def test_unpaired_module_calls_are_a_note_not_an_error():
+    """A linen call with no NNX call paired to it is said in a note (the ViT example's slips raised
+    KeyError: 'nnx' here, and their location was 'unlocated')."""
+    raw = {'legacy': {'Dense_0': None, 'Dropout_0': None}, 'new': {'fc': None}}
+    notes = locate._notes(types.SimpleNamespace(observes_grads=True), raw, {'Dense_0': 'fc'}, True)
+    said = [note.text for note in notes if note.tag == locate.UNPAIRED]
+    assert said == ['1 of 2 linen module calls paired with new ones (1 recorded); not paired: Dropout_0'], said

@@ -2,6 +2,8 @@
 
 Fused steps/s (median, min, max over interleaved repeats), one step per call, compile
 time, host dispatch time per call, what XLA built, and PASS/FAIL against the targets.
+With --cost: what a whole check costs against the two bare runs it checks (the pmap side and
+the new side, each compiled once), each repeat in fresh processes, a --slip's MISMATCH too.
 A benchmark, not a test: a FAIL is reported, not an exit code.
 """
 
@@ -19,9 +21,23 @@ def parse(argv: list[str] | None):
 
     parser = cli.OneLineParser(prog='python -m equivalence.bench', description=__doc__, epilog=EXIT_CODES)
     strategies = 'also time the NNX call under these: S[,S...] or all (default: dp only)'
-    cli.add_run_flags(parser, list(WORKLOADS), 'calls per variant in one repeat (default 20)', 20, strategies)
+    calls = "calls per variant in one repeat (default 20); with --cost the check's C calls (default 4, as run)"
+    cli.add_run_flags(parser, list(WORKLOADS), calls, None, strategies)
     parser.add_argument('--nnx-form', default='split', help='form of the --strategy variants: split or graph')
-    parser.add_argument('--repeats', type=int, default=10, help='R interleaved repeats of every variant (default 10)')
+    parser.add_argument('--repeats', type=int, default=None,
+                        help='R interleaved repeats of every variant (default 10; with --cost 3)')  # fmt: skip
+    parser.add_argument(
+        '--cost',
+        action='store_true',
+        help="time the port's check against its two bare runs (the pmap side and the new side, "
+        'each compiled once), each repeat in fresh processes with the compilation cache off',
+    )
+    parser.add_argument(
+        '--slip',
+        default=None,
+        metavar='NAME',
+        help='with --cost: a slipped port (package.module:NAME) whose MISMATCH is timed too',
+    )
     parser.add_argument('--compile-repeats', type=int, default=3, help='fresh compiles timed per variant (default 3)')
     cli.add_output_flags(parser, 'write the results as JSON')
     distributed.add_flags(parser)
@@ -40,6 +56,12 @@ def inputs(argv: list[str] | None, n_available: int | None = None):
     from equivalence.core.port.config import STRATEGIES, ConfigError, check_count, parse_mesh
 
     args = parse(argv)
+    if args.cost:
+        return cost_inputs(args, n_available)
+    if args.slip is not None:
+        raise ConfigError('--slip names the MISMATCH that --cost times; add --cost')
+    args.calls = 20 if args.calls is None else args.calls
+    args.repeats = 10 if args.repeats is None else args.repeats
     check_count('--repeats', args.repeats, MAX_REPEATS)
     check_count('--compile-repeats', args.compile_repeats, MAX_REPEATS)
     base = argparse.Namespace(**{**vars(args), 'strategy': 'dp', 'mesh': None})
@@ -58,17 +80,59 @@ def inputs(argv: list[str] | None, n_available: int | None = None):
     return args, wl, config, extra
 
 
+def cost_inputs(args, n_available: int | None):
+    """``--cost``'s flags checked: ``(args, spec, RunConfig, (slip spec, its RunConfig) or None)``."""
+    import argparse
+
+    from equivalence.core.port.config import ConfigError, check_count
+
+    if args.processes != 1:
+        raise ConfigError('--cost runs each repeat as one process of its own; --processes does not apply')
+    if ',' in args.strategy or args.strategy == 'all':
+        raise ConfigError(f'--cost checks one placement, as run does: --strategy S, got {args.strategy!r}')
+    args.calls = 4 if args.calls is None else args.calls
+    args.repeats = 3 if args.repeats is None else args.repeats
+    check_count('--repeats', args.repeats, MAX_REPEATS)
+    _, config = cli.run_config(args, n_available)
+    slip = None
+    if args.slip is not None:
+        _, slip_config = cli.run_config(argparse.Namespace(**{**vars(args), 'workload': args.slip}), n_available)
+        slip = (args.slip, slip_config)
+    return args, args.workload, config, slip
+
+
 def work(validated) -> int:
     from equivalence import bench
     from equivalence.bench import report as benchreport
     from equivalence.core.report import output
 
+    if validated[0].cost:
+        return cost_work(validated)
     args, wl, config, strategy_configs = validated
     warnings.filterwarnings('ignore', message='Some donated buffers were not usable')  # the batch, as score_sde
     result = bench.run(wl, config, args.repeats, args.compile_repeats, strategy_configs)
     print(benchreport.text(result))
     if args.json is not None and distributed.reports():
         output.write_json(args.json, benchreport.to_json(result), overwrite=args.overwrite)
+    return cli.EXIT_MATCH
+
+
+def cost_work(validated) -> int:
+    from equivalence.bench import cost
+    from equivalence.core.report import output
+
+    args, spec, config, slip = validated
+    try:
+        result = cost.run(spec, config, slip, args.repeats)
+    except cost.RepeatFailed as e:
+        if not e.port:
+            raise
+        from equivalence.core.port.config import ConfigError
+
+        raise ConfigError(str(e)) from None  # the port's own mistake, said in one line (exit 2)
+    print(cost.text(result))
+    if args.json is not None:
+        output.write_json(args.json, result, overwrite=args.overwrite)
     return cli.EXIT_MATCH
 
 

@@ -20,7 +20,7 @@ from equivalence.core.run import clock, randomness
 from equivalence.core.run import inputs as made
 from equivalence.core.run.facts import has_batch_stats
 from equivalence.core.run.inputs import Inputs
-from equivalence.core.run.sides import PathResult, Progress, compared, run_legacy, run_new, silent
+from equivalence.core.run.sides import PathResult, Progress, both_sides, compared, run_legacy, run_new, silent
 from equivalence.core.verdict import hints
 from equivalence.core.verdict.judge import RunResult, judged
 from equivalence.core.verdict.outcome import Outcome
@@ -49,11 +49,31 @@ def prepare(port: Port, config: RunConfig, n_steps: int | None = None) -> Prepar
     two sides' names, once), then its inputs made. ``config`` must have passed ``validate``. ``n_steps``:
     the steps the pre-flight asks ``make_data`` for (bench's pool)."""
     kind = kinds.of(port)
+    with clock.stage("initial variables: linen's initialisation traced, compiled on a thread"):
+        started, compiling = _init_aside(port, config)
     with clock.stage('pre-flight (the port traced abstractly)'):
-        mapping = preflight.check(kind, config, n_steps)
+        try:
+            mapping = preflight.check(kind, config, n_steps)
+        except Exception:
+            if compiling is not None:
+                compiling.result()  # no compile left running while the port's mistake is said
+            raise
     randomness.take_unbridged()  # what earlier runs traced is theirs
     with clock.stage('inputs (data, keys, initial variables)'):
-        return Prepared(kind, config, made.make(port, config, mapping))
+        if compiling is not None:
+            compiling.result()
+        return Prepared(kind, config, made.make(port, config, mapping, started))
+
+
+def _init_aside(port: Port, config: RunConfig) -> tuple:
+    """``(made.start's, its linen initialisation compiling on a thread)`` while the pre-flight runs; ``(None,
+    None)`` where the port cannot start so (the pre-flight then says why, and the inputs start afresh)."""
+    try:
+        started = made.start(port, config)
+        lowered = started.lowered()
+    except Exception:  # noqa: BLE001 -- the pre-flight says the port's mistake, in its words
+        return None, None
+    return started, clock.on_thread(lowered.compile)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,11 +120,27 @@ def run(port: Port, config: RunConfig, progress: Progress | None = None, diagnos
 def _run(port: Port, config: RunConfig, progress: Progress, diagnose: bool, checkpoints) -> RunResult:
     prepared = prepare(port, config)
     kind, inputs = prepared.kind, prepared.inputs
+    resumed = False
+    if checkpoints is None:
+        old, new = both_sides(kind, config, inputs, progress)
+        result = judgement(kind, config, old, new, inputs, diagnose=diagnose)
+    else:
+        result, resumed = _with_checkpoints(prepared, progress, diagnose, checkpoints)
+    if diagnose and not resumed:  # the hint runs both sides again on 1 device: part of a MISMATCH's diagnosis
+        on_one = lambda: _matches_on_one(port, config)  # noqa: E731
+        result.notes += hints.masked_loss(config.devices, inputs.calls[0], result.outcome, on_one)
+    return result
+
+
+def _with_checkpoints(prepared: Prepared, progress: Progress, diagnose: bool, checkpoints) -> tuple[RunResult, bool]:
+    """``(the result, whether the new side resumed)``: one side after the other, the legacy run saving after
+    its calls, the new side resumed from one of them where asked."""
+    kind, config, inputs = prepared.kind, prepared.config, prepared.inputs
     legacy_program, new_program = kind.programs()
-    with checkpoints.session(prepared) if checkpoints is not None else contextlib.nullcontext() as saving:
+    with checkpoints.session(prepared) as saving:
         with clock.stage(f'legacy side: {legacy_program}, {len(inputs.calls)} calls (compiled, run)'):
-            old = run_legacy(kind, config, inputs, progress, saving.after_legacy_call if saving else None)
-        resume = saving.resume(prepared, old) if saving else None
+            old = run_legacy(kind, config, inputs, progress, saving.after_legacy_call)
+        resume = saving.resume(prepared, old)
         if resume is None:
             with clock.stage(f'new side: {new_program}, {len(inputs.calls)} calls (compiled, run)'):
                 new = run_new(kind, config, inputs, progress)
@@ -115,11 +151,8 @@ def _run(port: Port, config: RunConfig, progress: Progress, diagnose: bool, chec
                 new = run_new(kind, resume.config, resumed, progress)
             result = judgement(kind, resume.config, old, new, resumed, resume.step, diagnose)
             result.config = config
-        result.notes += [*(saving.notes if saving else ()), *(resume.notes if resume else ())]
-    if diagnose and resume is None:  # the hint runs both sides again on 1 device: part of a MISMATCH's diagnosis
-        on_one = lambda: _matches_on_one(port, config)  # noqa: E731
-        result.notes += hints.masked_loss(config.devices, inputs.calls[0], result.outcome, on_one)
-    return result
+        result.notes += [*saving.notes, *(resume.notes if resume else ())]
+    return result, resume is not None
 
 
 def resumed_inputs(inputs: Inputs, resume: Resume, k: int) -> Inputs:

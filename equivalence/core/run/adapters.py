@@ -252,7 +252,9 @@ def legacy_program(port: LoopPort, devices) -> Callable:
     one = one_step(port)
     if port.step_form == 'carry':  # the key chain is the scan's carry, as the step expects
         fused = legacy.make_fused_call(legacy_step(port), devices, port.axis_name)
-        return lambda pstate, batch, keys: _unpack_carry(fused((keys, pstate), batch))
+        carry = lambda pstate, batch, keys: _unpack_carry(fused((keys, pstate), batch))  # noqa: E731
+        carry.lowered = lambda pstate, batch, keys: [fused.lower((keys, pstate), batch)]  # setups.LegacySetup.lowered
+        return carry
     if legacy_loop(port) == 'scan':
         scan = lambda state, batch_K, keys_K: jax.lax.scan(lambda s, xs: one(s, *xs), state, (batch_K, keys_K))  # noqa: E731
         return jax.pmap(scan, axis_name=port.axis_name, devices=devices, donate_argnums=1)
@@ -267,6 +269,11 @@ def legacy_program(port: LoopPort, devices) -> Callable:
             outs.append(jax.tree.map(_host_rows, jax.block_until_ready(out)))  # one step in flight (FACTS)
         return pstate, jax.tree.map(lambda *a: np.stack(a, axis=1), *outs)
 
+    def lowered(pstate, batch_nxK, keys_nxK) -> list:  # its first step's program (the K steps share it)
+        at_0 = lambda v: v[:, 0]  # noqa: E731
+        return [p_step.lower(pstate, jax.tree.map(at_0, batch_nxK), None if keys_nxK is None else at_0(keys_nxK))]
+
+    run.lowered = lowered  # setups.LegacySetup.lowered
     return run
 
 

@@ -3,9 +3,11 @@ programs it compiled (JAX's own backend-compile events, ``jax.monitoring``), and
 begins and ends (``Lines``), so that a person sees where a check is while it works.
 
 One clock runs at a time (``measuring``); code anywhere below opens a stage with ``stage(name)``, which
-does nothing when no clock runs (a library call that did not ask). Stages nest: a compile counts in
-every stage open when it happens, whichever thread compiles (compiles that overlap, on threads, count
-in each, and the check's compile seconds may pass its wall).
+does nothing when no clock runs (a library call that did not ask). Stages nest, in the thread that opens
+them: a compile counts in every stage its thread has open when it happens. Work handed to a thread of
+its own (``on_thread``: a program compiled while the other side runs) counts in the stages open where it
+was handed over, even once they have ended: such a stage's compile seconds may pass its wall, and the
+check's compile seconds may pass its wall too.
 """
 
 import collections
@@ -32,9 +34,11 @@ class Stage:
     compile_s: float = 0.0  # seconds XLA compiled during it
     programs: int = 0  # programs compiled during it
     cached: int = 0  # programs read from the persistent compilation cache instead
+    thread: int = dataclasses.field(default=0, repr=False, compare=False)  # the thread that opened it
 
     def to_json(self) -> dict:
-        return {k: round(v, 3) if isinstance(v, float) else v for k, v in dataclasses.asdict(self).items()}
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k != 'thread'}
+        return {k: round(v, 3) if isinstance(v, float) else v for k, v in fields.items()}
 
 
 class Say(Protocol):
@@ -52,18 +56,24 @@ class Clock:
         self.say, self.parent = say, parent
         self._base = parent._base + len(parent._open) if parent is not None else 0  # its stages' depth, said
         self._open: list[Stage] = []
+        self._lent: dict[int, list[Stage]] = {}  # a thread of handed-over work -> the stages it counts in
         self._began = time.perf_counter()
         self._lock = threading.Lock()
         self.compile_s, self.programs, self.cached = 0.0, 0, 0  # every compile while it ran
         self.names: collections.Counter = collections.Counter()  # program name -> times compiled
 
+    def _counting(self) -> list[Stage]:
+        """The stages a compile in this thread counts in: those it has open, and those lent to it."""
+        me = threading.get_ident()
+        return [*self._lent.get(me, ()), *(st for st in self._open if st.thread == me)]
+
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[Stage]:
-        st = Stage(name, self._base + len(self._open))
         with self._lock:
+            st = Stage(name, self._base + len(self._counting()), thread=threading.get_ident())
             self.stages.append(st)
             self._open.append(st)
-        if self.say is not None:
+        if self.say is not None and not self._lent.get(st.thread):  # a handed-over thread's stages are not said
             self.say.begin(st)
         began, failed = time.perf_counter(), True
         try:
@@ -73,12 +83,12 @@ class Clock:
             st.wall_s = time.perf_counter() - began
             with self._lock:
                 self._open.remove(st)
-            if self.say is not None:
+            if self.say is not None and not self._lent.get(st.thread):
                 self.say.end(st, failed)
 
     def compiled(self, seconds: float, name: str = '?') -> None:
         with self._lock:
-            for st in self._open:
+            for st in self._counting():
                 st.compile_s += seconds
                 st.programs += 1
             self.compile_s, self.programs = self.compile_s + seconds, self.programs + 1
@@ -88,11 +98,19 @@ class Clock:
 
     def hit(self) -> None:
         with self._lock:
-            for st in self._open:
+            for st in self._counting():
                 st.cached += 1
             self.cached += 1
         if self.parent is not None:
             self.parent.hit()
+
+    def lend(self, stages: list[Stage]) -> None:
+        """This thread's compiles count in ``stages`` (and in those it opens) until ``lend([])``."""
+        with self._lock:
+            if stages:
+                self._lent[threading.get_ident()] = list(stages)
+            else:
+                self._lent.pop(threading.get_ident(), None)
 
     def summary(self) -> dict:
         """The check's wall, compile seconds and programs (every compile while it ran), and every stage."""
@@ -256,6 +274,42 @@ def _listen() -> None:
     jax.monitoring.register_event_duration_secs_listener(on_duration)
     jax.monitoring.register_event_listener(on_event)
     _LISTENING = True
+
+
+class OnThread:
+    """Work handed to a thread of its own (``on_thread``); ``result()`` waits for it: its value, or None
+    where it raised (the error is kept in ``error``: work handed over is never the only try)."""
+
+    def __init__(self, fn):
+        self.value, self.error = None, None
+        chain, clock = [], _CURRENT
+        while clock is not None:  # a child clock's compiles count in its parent's stages too
+            with clock._lock:
+                chain.append((clock, clock._counting()))
+            clock = clock.parent
+
+        def work():
+            for c, lent in chain:
+                c.lend(lent)
+            try:
+                self.value = fn()
+            except BaseException as e:  # noqa: BLE001 -- kept; the caller does the work again, as it would have
+                self.error = e
+            finally:
+                for c, _ in chain:
+                    c.lend([])
+
+        self._thread = threading.Thread(target=work, name='equivalence-on-thread', daemon=True)
+        self._thread.start()
+
+    def result(self):
+        self._thread.join()
+        return self.value
+
+
+def on_thread(fn) -> OnThread:
+    """``fn()`` on a thread of its own, now; its compiles count in the stages open here (``Clock.lend``)."""
+    return OnThread(fn)
 
 
 @contextlib.contextmanager

@@ -9,14 +9,17 @@ So the twin's draws are compared with the run's themselves.
 
 Every sampler of ``jax.random`` takes its bits from one function, ``prng.random_bits``
 (jax 0.10). While ``recording`` is active it is replaced by one that also hands a digest of
-the bits to the host (``jax.debug.callback``): their shape, their sum and a position-weighted
-sum, both in uint32 with wraparound, so exact whatever order the reduction runs in and
-whatever the sharding. A first call is run under a ``jax.make_user_context`` of its own, so
-every jitted function is traced afresh (with the callbacks) and the run's own compiled
-programs are left as they are: the checked run's first call is run again so, while a twin records
-its own run (recording may change its rounding, never its arithmetic; it is a reordering twin
-still). Two runs draw the same numbers when the multisets of their digests are equal (the order
-of callbacks is not fixed).
+what the bits are drawn from to the host (``jax.debug.callback``): the shape and width of the
+bits, the PRNG, and the keys' data, its sum and a position-weighted sum, both in uint32 with
+wraparound, so exact whatever order the reduction runs in and whatever the sharding. The bits are
+a function of exactly these (JAX's random numbers never depend on the sharding), so two draws with
+the same digest draw the same bits, and the digest needs no bit computed for it: a program of the
+draws alone (``alone``) keeps only the keys' derivation. A first call is run under a
+``jax.make_user_context`` of its own, so every jitted function is traced afresh (with the
+callbacks) and the run's own compiled programs are left as they are: the checked run's first call
+is traced so, while a twin records its own run (recording may change its rounding, never its
+arithmetic; it is a reordering twin still). Two runs draw the same numbers when the multisets of
+their digests are equal (the order of callbacks is not fixed).
 """
 
 import collections
@@ -28,13 +31,13 @@ import jax
 import jax.numpy as jnp
 from jax._src.random import prng  # the one function every jax.random sampler draws its bits from
 
-Draws = collections.Counter  # (shape, sum, weighted sum) -> times drawn
+Draws = collections.Counter  # ((bits' shape, bit width, PRNG), keys' sum, weighted sum) -> times drawn
 _RECORDING = jax.make_user_context(default_value=False)  # a jit cache key: traces made while recording are their own
 _GOLDEN = 2654435761  # Knuth's multiplicative hash: position weights that differ for every position
 
 
-def _digest(bits: jax.Array) -> tuple[jax.Array, jax.Array]:
-    flat = bits.astype(jnp.uint32).ravel()
+def _digest(data: jax.Array) -> tuple[jax.Array, jax.Array]:
+    flat = data.astype(jnp.uint32).ravel()
     weights = jnp.arange(flat.size, dtype=jnp.uint32) * jnp.uint32(_GOLDEN) + jnp.uint32(1)
     return jnp.sum(flat, dtype=jnp.uint32), jnp.sum(flat * weights, dtype=jnp.uint32)
 
@@ -45,14 +48,16 @@ _log: list | None = None  # where the callbacks of the recording under way appen
 
 @contextlib.contextmanager
 def recording(log: list) -> Iterator[None]:
-    """Every random draw traced or run eagerly in this block appends ``(shape, sum, weighted sum)`` to
-    ``log`` when it runs (``jax.effects_barrier()`` waits for them)."""
+    """Every random draw traced or run eagerly in this block appends its digest (``Draws``' key) to ``log``
+    when it runs (``jax.effects_barrier()`` waits for them)."""
     global _log
     original, _log = prng.random_bits, log
 
     def random_bits(keys, bit_width, shape):
         bits = original(keys, bit_width, shape)
-        jax.debug.callback(functools.partial(_record, tuple(bits.shape)), *_digest(bits))
+        data = jax.random.key_data(keys) if jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key) else keys
+        said = (tuple(bits.shape), int(bit_width), str(getattr(keys.dtype, '_impl', keys.dtype)))
+        jax.debug.callback(functools.partial(_record, said), *_digest(data))
         return bits
 
     prng.random_bits = random_bits
@@ -64,9 +69,9 @@ def recording(log: list) -> Iterator[None]:
         prng.random_bits, _log = original, None
 
 
-def _record(shape: tuple, total, weighted) -> None:
+def _record(drawn: tuple, total, weighted) -> None:
     if _log is not None:
-        _log.append((shape, int(total), int(weighted)))
+        _log.append((drawn, int(total), int(weighted)))
 
 
 class FirstCall:
@@ -85,12 +90,38 @@ class FirstCall:
 
 def first_call(setup, batch_KxG, rng) -> Draws:
     """What ``setup``'s first call (``call_args`` then ``call``, as ``sides.run_calls`` runs it) draws.
-    ``setup`` is consumed: build one for this alone."""
+    Where the call traces as one function of arrays (``setup.as_pure_call``), from a program of its draws
+    alone (``alone``); else the call itself is run again, and ``setup`` is consumed: build one for this."""
+    try:
+        return alone(setup, batch_KxG, rng)
+    except Exception:  # noqa: BLE001 -- a call that does host work while it runs: run as it is, below
+        pass
     log: list = []
     with recording(log):
         _, args = setup.call_args(rng, batch_KxG)
         setup.call(args)
         jax.effects_barrier()
+    return Draws(log)
+
+
+def alone(setup, batch_KxG, rng) -> Draws:
+    """The draws of ``setup``'s first call from a program that computes nothing else: the call traced
+    with the recording (``as_pure_call``), every value that no draw needs removed (JAX's own dead-code
+    elimination, ``dce_jaxpr``: the model, its gradients and the optimizer go, the keys, counters and
+    draws stay), and run once. The draws are integers computed by the same operations from the same
+    inputs as in the call itself, so they are its draws, bit for bit, for a fraction of its compile
+    (score_sde's fused call: its whole program is compiled again otherwise). ``setup`` is not consumed."""
+    from jax._src import core
+    from jax._src.interpreters import partial_eval as pe
+
+    fn, state = setup.as_pure_call()
+    _, args = setup.call_args(rng, batch_KxG)
+    log: list = []
+    with recording(log):
+        closed = jax.make_jaxpr(fn)(state, *args)
+        jaxpr, used = pe.dce_jaxpr(closed.jaxpr, [False] * len(closed.jaxpr.outvars), instantiate=False)
+        kept = [x for x, keep in zip(jax.tree.leaves((state, *args)), used, strict=True) if keep]
+        jax.jit(functools.partial(core.eval_jaxpr, jaxpr, closed.consts))(*kept)
     return Draws(log)
 
 

@@ -42,19 +42,31 @@ class Inputs:
         return 'several processes' if jax.process_count() > 1 else ''
 
 
-def make(port: Port, config: RunConfig, mapping: dict | None = None) -> Inputs:
+def make(port: Port, config: RunConfig, mapping: dict | None = None, started: 'Start | None' = None) -> Inputs:
     """The inputs of a run of ``port`` under ``config``: ``make_inputs``, the names paired once
     (``mapping``, when the pre-flight has paired them already), every row of each call where this
-    process reads only some."""
-    variables, calls, rng = make_inputs(port, config)
+    process reads only some. ``started``: ``start``'s, made already (its init compiled meanwhile)."""
+    variables, calls, rng = make_inputs(port, config, started)
     mapping = name_mapping(port, variables) if mapping is None else mapping
     whole = global_calls(port, config) if jax.process_count() > 1 else None
     return Inputs(variables, calls, rng, mapping, whole)
 
 
-def make_inputs(port: Port, config: RunConfig) -> tuple[dict, list, jax.Array]:
-    """Linen variables, the data of each call (pytrees of ``[K, G, ...]``; with several processes,
-    only this process's rows ``[K, G*n/D, ...]``), and the training key."""
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """What ``make_inputs`` makes before linen's initialisation runs: the data, the key chain, and the
+    initialisation as one ``jax.jit`` (``lowered``: traced, for a thread to compile while the pre-flight runs)."""
+
+    calls: list
+    rng: jax.Array
+    init_rng: jax.Array
+    init: Callable  # jax.jit(key -> linen's variables)
+
+    def lowered(self):
+        return self.init.lower(self.init_rng)
+
+
+def start(port: Port, config: RunConfig) -> Start:
     whole = global_calls(port, config)
     calls = [rows.local_batch(batch_KxG, config.devices, input_rows(config)) for batch_KxG in whole]
     rng, init_rng = jax.random.split(jax.random.PRNGKey(config.seed))
@@ -63,7 +75,14 @@ def make_inputs(port: Port, config: RunConfig) -> tuple[dict, list, jax.Array]:
     # One compiled program, not one per operation (10 of the 21 s of a cold ResNet run were op by op);
     # the pre-flight has traced this init already (abstractly), and on the built-ins it is bitwise the same.
     init = jax.jit(lambda key: port.legacy_model().init({'params': key, 'dropout': key}, *args, **kwargs))
-    return dict(init(init_rng)), calls, rng
+    return Start(calls, rng, init_rng, init)
+
+
+def make_inputs(port: Port, config: RunConfig, started: Start | None = None) -> tuple[dict, list, jax.Array]:
+    """Linen variables, the data of each call (pytrees of ``[K, G, ...]``; with several processes,
+    only this process's rows ``[K, G*n/D, ...]``), and the training key. ``started``: ``start``'s."""
+    s = started or start(port, config)
+    return dict(s.init(s.init_rng)), s.calls, s.rng
 
 
 def global_calls(port: Port, config: RunConfig) -> list:

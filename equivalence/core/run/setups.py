@@ -92,6 +92,14 @@ class LegacySetup:
     def neutral(self) -> convert.Neutral:
         return convert.groups_to_neutral(self.groups(legacy.unreplicate_to_host(self.pstate)))
 
+    def lowered(self, args: tuple) -> list:
+        """The programs the call of ``args`` compiles, traced here (in its context) and none compiled: what
+        a thread may compile while the other side runs (``sides.prefetch``); the call then finds them in
+        JAX's cache. A pmap, or the suite's own program of a real step form (``adapters.legacy_program``)."""
+        program = self.p_train_step
+        with self.context():
+            return [program.lower(*args)] if hasattr(program, 'lower') else program.lowered(*args)
+
 
 def placed_inputs(setup, rng, batch_KxG) -> tuple[jax.Array, tuple]:
     """``(next rng, (keys, batch_KxG))`` of one NNX call, placed on ``setup.mesh``."""
@@ -127,6 +135,10 @@ class NnxSetup:
 
     def neutral(self) -> convert.Neutral:
         return convert.nnx_to_neutral(self.graphdef, gather.to_host(self.state))
+
+    def lowered(self, args: tuple) -> list:
+        """The suite's own program of this call, traced here (``LegacySetup.lowered``)."""
+        return [self.fused.lower(*args)]
 
     def view(self) -> nnx.Module:
         """The train state it trains, as one object (a copy: ``restored`` takes it back)."""

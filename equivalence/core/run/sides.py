@@ -13,7 +13,7 @@ import numpy as np
 from equivalence.core.port import convert, states
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
-from equivalence.core.run import footprint, randomness
+from equivalence.core.run import clock, footprint, randomness
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.run.setups import NnxGraphSetup, NnxSetup
 from legacy_pmap import train as legacy
@@ -73,11 +73,28 @@ def _params(neutral: convert.Neutral, mapping: dict[str, str] | None) -> dict[st
     return convert.rename(neutral, mapping)['params'] if mapping else neutral['params']
 
 
+def prefetch(setup, inputs: Inputs) -> clock.OnThread | None:
+    """The programs of ``setup``'s first call compiled on a thread of their own, from now on, where the setup
+    can trace them without running them (``lowered``: the pmap side, the suite's own NNX program), so that
+    they compile while the other side runs; its first call then finds them in JAX's cache. None where it
+    cannot (the team's own new call, whose programs only its first call compiles; a restored key chain).
+    Never raises: a call whose programs are not ready compiles them itself, as it always did."""
+    lower = getattr(setup, 'lowered', None)
+    if lower is None or inputs.rng is None:
+        return None
+    try:
+        programs = lower(setup.call_args(inputs.rng, inputs.calls[0])[1])
+    except Exception:  # noqa: BLE001 -- the first call traces again and raises its own error
+        return None
+    return clock.on_thread(lambda: [p.compile() for p in programs])
+
+
 def run_legacy(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, after_call=None,
-               before_call=None) -> PathResult:  # fmt: skip
-    """The pmap path; its leaves are named as the NNX side names them (``inputs.mapping``)."""
+               before_call=None, setup=None) -> PathResult:  # fmt: skip
+    """The pmap path; its leaves are named as the NNX side names them (``inputs.mapping``). ``setup``: built
+    already (``prefetch``), else here."""
     port, mapping = kind.port, inputs.mapping
-    setup = kind.legacy_setup(config, inputs)
+    setup = setup or kind.legacy_setup(config, inputs)
     start = _params(setup.neutral(), mapping)  # before the first call: what the port's own state holds
     losses, per_call = run_calls(setup, inputs.calls, inputs.rng, mapping, progress, 'legacy', after_call, before_call)
     result = PathResult(convert.rename(setup.neutral(), mapping), losses, per_call, setup.pstate, start=start,
@@ -93,11 +110,12 @@ def run_legacy(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, a
 
 
 def run_new(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, after_call=None,
-            before_call=None) -> PathResult:  # fmt: skip
+            before_call=None, setup=None) -> PathResult:  # fmt: skip
     """The sharded path. With ``inputs.restore(setup) -> rng`` (``--resume-at``) a checkpoint is loaded
-    into the setup, which returns its key chain: ``inputs.calls`` are then the ones after the checkpoint."""
+    into the setup, which returns its key chain: ``inputs.calls`` are then the ones after the checkpoint.
+    ``setup``: built already (``prefetch``), else here."""
     port, calls, rng = kind.port, inputs.calls, inputs.rng
-    setup = kind.new_setup(config, inputs)
+    setup = setup or kind.new_setup(config, inputs)
     if inputs.restore is not None:
         rng = inputs.restore(setup)
     losses, per_call = run_calls(setup, calls, rng, None, progress, 'new', after_call, before_call)
@@ -112,6 +130,45 @@ def run_new(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, afte
         logits = port.nnx_predict(setup.model, data['x'])
         result.eval_accuracy = accuracy(logits, data['y'])
     return result
+
+
+def both_sides(kind: Kind, config: RunConfig, inputs: Inputs, progress: Progress = silent) -> tuple:
+    """``(legacy, new)`` ``PathResult``s, each program compiled once, while the other side works (``prefetch``):
+    the pmap side's program compiles on a thread while the new side's are traced, compiled and run (a
+    team's own new call compiles its programs as it runs), or, where the new side's program is the suite's
+    own, both compile on threads at once; then each side runs its calls. Each side computes what it would
+    alone: the same programs, from the same inputs. Where a side raises, no compile is left running."""
+    (legacy_program, new_program), c = kind.programs(), len(inputs.calls)
+    compiling: list[clock.OnThread | None] = [None, None]
+    try:
+        with clock.stage(f'legacy side: {legacy_program} built and traced, compiled on a thread'):
+            legacy_setup = kind.legacy_setup(config, inputs)
+            compiling[0] = prefetch(legacy_setup, inputs)
+        new_setup = new = None
+        if kind.suite_loops:  # the new side's program is the suite's own: it compiles on a thread too
+            with clock.stage(f'new side: {new_program} built and traced, compiled on a thread'):
+                new_setup = kind.new_setup(config, inputs)
+                compiling[1] = prefetch(new_setup, inputs)
+        if compiling[1] is None:  # the team's own call: compiled as it runs, while the pmap side compiles
+            with clock.stage(f'new side: {new_program}, {c} calls (compiled, run)'):
+                new = run_new(kind, config, inputs, progress, setup=new_setup)
+        with clock.stage(f'legacy side: {legacy_program}, {c} calls (run)'):
+            _wait(compiling[0])
+            old = run_legacy(kind, config, inputs, progress, setup=legacy_setup)
+        if new is None:
+            with clock.stage(f'new side: {new_program}, {c} calls (run)'):
+                _wait(compiling[1])
+                new = run_new(kind, config, inputs, progress, setup=new_setup)
+    except Exception:
+        for pending in compiling:
+            _wait(pending)
+        raise
+    return old, new
+
+
+def _wait(pending: clock.OnThread | None) -> None:
+    if pending is not None:
+        pending.result()
 
 
 def loop_metrics(setup) -> dict[str, np.ndarray]:

@@ -4,15 +4,17 @@ runs ``adapters.legacy_program`` (pmap(step) K times, or pmap(scan(step))), the 
 """
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from equivalence.core.port import states
+from equivalence.core.port import new_side, states
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort
 from equivalence.core.run import randomness, setups
@@ -115,6 +117,27 @@ class StepNewSetup(setups.LoopNewSetup):
                 self.train_state, out = out
             outs.append(jax.tree.map(np.asarray, jax.block_until_ready(out)))
         return jax.tree.map(lambda *a: np.stack(a), *outs)
+
+    def as_pure_call(self) -> tuple[Callable, Any]:
+        """``(jax.jit(call over split state), typed state)``, as ``LoopNewSetup``'s, of the new step run K
+        times in one function where the port gives ``new_step`` (what ``draws.alone`` traces)."""
+        if self.port.new_step is None:
+            return super().as_pure_call()
+        objects = new_side.form(self.train_state) != new_side.PYTREE
+        graphdef, state = nnx.split(self.train_state) if objects else (None, self.train_state)
+        step, rng_mode = new_step_call(self.port), self.config.rng_mode
+
+        def pure(state, keys: list, batches: list):
+            ts, outs = nnx.merge(graphdef, state) if objects else state, []
+            with randomness.bridged(rng_mode):
+                for key, batch in zip(keys, batches, strict=True):
+                    out = step(ts, batch, key)
+                    if returns_state(out, ts):
+                        ts, out = out
+                    outs.append(out)
+            return (nnx.state(ts) if objects else ts), outs
+
+        return jax.jit(pure, keep_unused=True), state
 
 
 def new_setup(port: LoopPort, config: RunConfig, source: Any, mesh) -> StepNewSetup:

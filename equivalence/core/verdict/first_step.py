@@ -13,7 +13,7 @@ from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
 from equivalence.core.run import randomness, sides
 from equivalence.core.run.inputs import Inputs
-from equivalence.core.verdict import compare, intercept, probe, rule, twin
+from equivalence.core.verdict import compare, probe, recorded_run, rule, twin
 from equivalence.core.verdict.pairing import recorded_grads
 from equivalence.core.verdict.rule import MEASURED_FLOOR
 
@@ -40,12 +40,12 @@ class Recorder:
 
     @functools.cached_property
     def runs(self) -> tuple[dict, dict]:
-        """``({side: PathResult}, {side: {label: Record}})`` of the first step (``intercept.first_steps``)."""
-        return intercept.first_steps(self.kind, self.config, self.inputs, self.twin)
+        """``({side: PathResult}, {side: {label: Record}})`` of the first step (``recorded_run.first_steps``)."""
+        return recorded_run.first_steps(self.kind, self.config, self.inputs, self.twin)
 
     def steps(self, n: int) -> tuple[dict, dict]:
         """The first ``n`` steps recorded (a fresh recording: only the first one is kept)."""
-        return intercept.first_steps(self.kind, self.config, self.inputs, self.twin, n)
+        return recorded_run.first_steps(self.kind, self.config, self.inputs, self.twin, n)
 
 
 def grads(recorder: Recorder) -> dict[str, dict]:
@@ -79,8 +79,7 @@ def deterministic_rerun_matches(kind: Kind, config: RunConfig, inputs: Inputs, r
     with no cache cleared."""
     one, first = dataclasses.replace(config, calls=1), dataclasses.replace(inputs, calls=inputs.calls[:1])
     with randomness.dropout_off():
-        old = sides.run_legacy(kind, one, first)
-        new = sides.run_new(kind, one, first)
+        old, new = sides.both_sides(kind, one, first)
     leaf = next((x for x in report.leaves if x.name == 'first_step/loss'), None)
     limit = leaf.limit if leaf is not None and leaf.limit is not None else 0.0
     allowed = max(limit, MEASURED_FLOOR.min_ulps * compare.spacing32(float(old.losses[0])))

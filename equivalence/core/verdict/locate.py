@@ -82,7 +82,7 @@ def judge_step(
     port_kind: Kind, results: dict, raw: dict, mapping: dict[str, str], variables: dict, at: int = 1, start=None,
     noisy=frozenset(), allowed: frozenset = stages_for(frozenset()), exact: bool = True,
 ) -> Location:  # fmt: skip
-    """The first place the recorded first steps part (``results`` and ``raw`` of ``intercept.first_steps``);
+    """The first place the recorded first steps part (``results`` and ``raw`` of ``recorded_run.first_steps``);
     ``at`` > 1: the records of step ``at`` (its last) and the state after it, ``start`` the pmap side's
     parameters before it (NNX paths; nothing parted before it, where ``exact``; else only on the steps
     recorded before); ``noisy``: the parameters the verdict found noise-dominated, never the place;

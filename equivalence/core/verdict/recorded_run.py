@@ -1,0 +1,115 @@
+"""Each side's first steps run with every module call recorded (``first_steps``): the pmap side, the new
+side and the twin, one call a step, under ``intercept``'s patched module calls; what building a setup
+called is dropped (``_first_call``), each call's records kept apart (``_next_call``).
+"""
+
+import dataclasses
+
+import jax
+from flax import nnx
+
+from equivalence.core.port.config import RunConfig
+from equivalence.core.port.kind import Kind
+from equivalence.core.run import facts, randomness, setups, sides
+from equivalence.core.run.inputs import Inputs
+from equivalence.core.verdict import probe, twin
+from equivalence.core.verdict.intercept import _RECORDINGS, _SESSION, _SESSIONS, _patched
+from equivalence.core.verdict.recorded import host, in_order
+
+
+def step_batch(calls: list, j: int):
+    """Step ``j``'s global batch ``[1, G, ...]`` (0-based, counted over every call's steps)."""
+    k = jax.tree.leaves(calls[0])[0].shape[0]
+    return jax.tree.map(lambda v: v[j % k : j % k + 1], calls[j // k])
+
+
+def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, n_twin: twin.TwinKind | None, steps: int = 1):
+    """``({side: PathResult after ``steps`` steps}, {side: {label: Record}})``: the first ``steps``
+    steps of each side (legacy, nnx, and twin when ``n_twin``: a count, or a sharded run's
+    ``twin.Reordered``), each a call of its own, every module call recorded; a ``Record`` holds the
+    last step's values (a call starts when the one before it has ended, its callbacks with it). Every
+    trace is made afresh, keyed apart by a user context of this recording's own (``_RECORDINGS``): a
+    loop port's jitted functions trace again with the recording in them, and no other run takes a
+    recording trace, nor does this one take theirs; nothing is cleared."""
+    one = dataclasses.replace(probe.probe_config(config), steps_per_call=1, calls=steps)
+    first, recording = [step_batch(inputs.calls, j) for j in range(steps)], kind.recording()
+    fed = dataclasses.replace(inputs, calls=first)
+    axis = kind.axis_name
+    runs = {
+        'legacy': (
+            axis,
+            None,
+            lambda: sides.run_legacy(recording, one, fed, after_call=_next_call, before_call=_first_call),
+        ),
+        'new': (
+            None,
+            setups.nnx_mesh(one),
+            lambda: sides.run_new(recording, one, fed, after_call=_next_call, before_call=_first_call),
+        ),
+    }
+    rows = None
+    if n_twin:
+        built = recording.twin_setup(one, inputs, n_twin)
+        rows = getattr(built, 'rows', None)  # a Reordered twin holds the batch's rows in this order
+        runs['twin'] = (
+            None,
+            built.mesh,
+            lambda: twin.run_twin(
+                recording,
+                one,
+                dataclasses.replace(fed, whole=None),
+                n_twin,
+                setup=built,
+                after_call=_next_call,
+                before_call=_first_call,
+            ),  # fmt: skip
+        )
+    abstract = facts.abstract_model(kind.port)  # None: a new side of linen alone (nn.intercept_methods sees it)
+    graph = nnx.iter_graph(abstract) if abstract is not None else ()
+    classes = {type(m) for _, m in graph if isinstance(m, nnx.Module)}
+    results, s, compiling = dict.fromkeys(runs), _SESSION, None
+    s.raw, s.counts, s.order, s.call = {}, [], 0, 0
+    try:
+        with _patched(classes), _RECORDINGS(next(_SESSIONS)):
+            # The pmap side is traced first, as it always was, and compiles on a thread while the new side
+            # and the twin run; it runs last, its values recorded then (a callback reads the side as it runs).
+            s.side, s.axis, s.mesh, s.call = 'legacy', axis, None, -1  # building: not kept
+            legacy_setup = recording.legacy_setup(one, fed)
+            compiling = sides.prefetch(legacy_setup, fed)
+            s.side = None
+            runs['legacy'] = (axis, None, lambda: sides.run_legacy(
+                recording, one, fed, after_call=_next_call, before_call=_first_call, setup=legacy_setup))  # fmt: skip
+            for side, (s.axis, mesh, run) in [*list(runs.items())[1:], ('legacy', runs['legacy'])]:
+                s.side, s.mesh, s.call = side, mesh if kind.records_on_mesh else None, -1  # building: not kept
+                if side == 'legacy' and compiling is not None:
+                    compiling.result()
+                results[side] = run()
+                jax.effects_barrier()
+                s.side = None
+                s.raw[side] = host(s.raw.get(side, {}))
+    finally:
+        if compiling is not None:
+            compiling.result()  # no compile left running, whatever raised
+        s.side, s.mesh, s.axis = None, None, None
+        randomness.take_unbridged()  # the checked runs' lines were taken; these are the same layers'
+    if rows is not None:
+        s.raw['twin'] = {label: in_order(record, rows) for label, record in s.raw['twin'].items()}
+    return results, s.raw
+
+
+def _first_call() -> None:
+    """Before the first recorded call, once its setup is built: what building it called (a linen model
+    initialised inside ``nnx.bridge.ToNNX``) was not the step, and is dropped."""
+    jax.effects_barrier()
+    side = _SESSION.raw.get(_SESSION.side, {})
+    for label in [k for k, entry in side.items() if all(call < 0 for call, *_ in entry[3])]:
+        del side[label]
+    for entry in side.values():
+        entry[3][:] = [e for e in entry[3] if e[0] >= 0]
+    _SESSION.call = 0
+
+
+def _next_call(setup, calls_done: int, rng) -> None:
+    """After each recorded call: its callbacks have all run (``effects_barrier``); what follows is the next's."""
+    jax.effects_barrier()
+    _SESSION.call = calls_done
