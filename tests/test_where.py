@@ -3,6 +3,8 @@ mlp example's loop port with an EMA (``where_ports.py``): the kind it names and 
 so, and the correct port (the negative control) located nowhere. A wrong place is worse than none:
 the NaN batch is not located at all."""
 
+import functools
+import os
 import re
 
 import pytest
@@ -10,11 +12,17 @@ import where_ports as wp
 from conftest import require_devices
 
 from equivalence.core import harness
+from equivalence.core.report import plots
+
+
+@functools.cache
+def checked(name: str):
+    require_devices(2)
+    return harness.check(wp.PORTS[name], devices=2, steps_per_call=2, calls=2, locate=True)
 
 
 def located(name: str):
-    require_devices(2)
-    result = harness.check(wp.PORTS[name], devices=2, steps_per_call=2, calls=2, locate=True)
+    result = checked(name)
     return result.outcome.label, result.verdict.location
 
 
@@ -44,3 +52,29 @@ def test_where_names_the_stage_that_parts_or_nothing(name, kind, figures):
     assert loc is not None and loc.kind == kind, (name, loc and loc.line())
     for figure in figures:  # regular expressions: a decay fitted in float64 to float32 arithmetic
         assert re.search(figure, loc.line()), (name, figure, loc.line())
+
+
+def test_the_pictures_show_the_floors_the_failed_leaves_and_the_stage_that_parts(tmp_path):
+    """The EMA-rate slip's pictures (issue 40: the divergence picture drew the fixed screen's atol, under
+    which every point of a MISMATCH sat, and the location picture marked nothing): the leaves' measured
+    limits with the failed ones named, the loss difference against its allowed line, and the stage strip
+    with the EMA marked, every stage the verdict's leaves rule out said so."""
+    result = checked('ema-rate')
+    loc = result.verdict.location
+    assert {'forward', 'update'} <= set(loc.ruled_out) and 'ema' not in loc.ruled_out, loc
+    leaves = result.report.leaves
+    failed = {x.name for x in leaves if not x.ok}
+    assert failed and all(name.startswith('ema/') for name in failed), failed
+    figure = plots.divergence_figure(result.param_divergence(), 2, leaves, 'MISMATCH', screen=(1e-6, 1e-6))
+    named = {t.get_text() for t in figure.axes[1].texts}
+    assert named and named <= failed, (named, failed)
+    assert figure.axes[1].get_title().startswith(f'{len(failed)} of ')
+    losses = next(x for x in leaves if x.group == 'losses')
+    figure = plots.losses_figure(result.legacy.losses, result.new.losses, 2, 'MISMATCH', leaf=losses)
+    assert figure.axes[1].get_yscale() == 'log'
+    assert any(list(line.get_ydata()[:1]) == [losses.limit] for line in figure.axes[1].lines)  # its allowed line
+    strip = plots.location_figure(loc, 'where').axes[0]
+    said = [t.get_text() for t in strip.texts]
+    assert said[said.index('ema') + 1] == 'parts here' and said[said.index('update') + 1].startswith('ruled out')
+    written = plots.write(result, str(tmp_path))
+    assert [os.path.basename(p) for p in written] == list(plots.FILES) and all(os.path.getsize(p) for p in written)

@@ -41,6 +41,7 @@ from equivalence.core.verdict import averages, collectives, compare, slots, stag
 from equivalence.core.verdict.first_step import Recorder
 from equivalence.core.verdict.intercept import NOT_MODULES
 from equivalence.core.verdict.location import ROOT, Location
+from equivalence.core.verdict.location import STAGES as STAGE_NAMES
 from equivalence.core.verdict.pairing import pairs
 from equivalence.core.verdict.rule import MEASURED_FLOOR
 from equivalence.core.verdict.slots import FIRST
@@ -99,11 +100,15 @@ def judge_step(
     )  # fmt: skip
     if pmap_side is not None:
         return dataclasses.replace(pmap_side, modules=tuple(modules), notes=tuple(n.text for n in notes))
+    agreed = ['collective'] if legacy is not None and at == 1 and 'collective' in allowed else []
     for name, stage in STAGES:
         if name not in allowed:
             continue
         found = stage(step)
+        if found is None and (name != 'backward' or step.grads('legacy')):  # gradients not observed: not judged
+            agreed.append(name)
         if found is not None and stage is stages.loss and any(note.tag == UNOBSERVED for note in notes):
+            agreed = [a for a in agreed if a != 'forward']  # not observed: not judged
             found = Location('unlocated', '', '', f'the first loss parts ({found.figures}), and the forward pass '
                              'was not observed on both sides: not localised further')  # fmt: skip
         if found is not None:
@@ -115,7 +120,8 @@ def judge_step(
                 )
                 before = 'nothing parts before it' if exact else 'nothing parted on steps 1 and 2'
                 figures = f'{"on" if exact else "by"} step {at} ({before}{warmup}): {figures}'
-            return dataclasses.replace(found, figures=figures, modules=tuple(modules), notes=tuple(said))
+            return dataclasses.replace(found, figures=figures, modules=tuple(modules), notes=tuple(said),
+                                       agreed=tuple(agreed))  # fmt: skip
     checked = 'the loss, the gradients, ' if step.grads('legacy') else 'the loss, '
     later = 'the sides part later (a schedule, or growth from rounding)'
     if at > 1:
@@ -137,7 +143,7 @@ def judge_step(
         'none', '', '',
         f'nothing parts on {first}: {len(modules)} module calls, {checked}the statistics, the parameters and '
         f'the optimizer state are within their floors; {later}',
-        tuple(modules), None, tuple(note.text for note in notes),
+        tuple(modules), None, tuple(note.text for note in notes), tuple(agreed),
     )  # fmt: skip
 
 
@@ -280,4 +286,5 @@ def attach(verdict, port_kind: Kind, config: RunConfig, inputs: Inputs, recorder
             found = locate(port_kind, config, inputs, recorder, seen)
     except Exception as e:  # noqa: BLE001 -- the verdict stands; the location says why there is none
         found = Location('unlocated', '', '', f'the locating run raised {type(e).__name__}: {str(e)[:200]}')
-    return dataclasses.replace(verdict, location=found)
+    ruled_out = tuple(s for s in STAGE_NAMES if s not in stages_for(seen.failed)) if seen is not None else ()
+    return dataclasses.replace(verdict, location=dataclasses.replace(found, ruled_out=ruled_out))

@@ -3,6 +3,7 @@ that say so, and the module calls it read (``Module``). ``locate`` finds it; the
 """
 
 import dataclasses
+import enum
 
 import numpy as np
 
@@ -30,18 +31,50 @@ class Module:
         return over(self.output_diff, self.output_allowed)
 
 
+class Where(enum.StrEnum):
+    """What a ``Location`` names: a place in the first step, or ``NONE`` (nothing parts there) or
+    ``UNLOCATED`` (no place could be named with evidence). A ``str``: it prints as its value."""
+
+    MODULE = 'module'  # a module call's output parts while its input agrees
+    BETWEEN = 'between'  # a module's input parts while the call before it agreed: the code between them
+    RANDOMNESS = 'randomness'  # a module's random draws (a Dropout's mask) differ
+    LOSS = 'loss'  # the model's output agrees, the loss does not
+    BACKWARD = 'backward'  # the loss agrees, the gradients do not
+    STATISTICS = 'statistics'  # the running statistics (BatchNorm's) are updated differently
+    UPDATE = 'update'  # the gradients agree, the optimizer's update does not (a slot, the update rule)
+    EMA = 'ema'  # the parameters agree, the EMA does not
+    COLLECTIVE = 'collective'  # the pmap step's own collective: a loss or gradients not pmean'd
+    NONE = 'none'
+    UNLOCATED = 'unlocated'
+
+    @property
+    def stage(self) -> str | None:
+        """The stage of the step it lies in (``STAGES``), None for ``NONE`` and ``UNLOCATED``."""
+        forward = (Where.MODULE, Where.BETWEEN, Where.RANDOMNESS)
+        return 'forward' if self in forward else None if self in (Where.NONE, Where.UNLOCATED) else self.value
+
+
+# The stages of one step, in the order it runs them: what the location picture draws, the one that parts marked.
+STAGES = ('forward', 'loss', 'backward', 'collective', 'statistics', 'update', 'ema')
+
+
 @dataclasses.dataclass(frozen=True)
 class Location:
-    """Where the first step parts: ``kind`` (module, between, randomness, loss, backward, statistics,
-    update, none, unlocated), the linen and NNX places, and the figures that say so."""
+    """Where the first step parts: ``kind`` (a ``Where``), the linen and NNX places, and the figures that
+    say so."""
 
-    kind: str
+    kind: Where  # given as its value ('module', ...) or a member
     legacy: str
     new: str
     figures: str
     modules: tuple[Module, ...] = ()
     first: int | None = None  # the index in ``modules`` of the first call that parts
     notes: tuple[str, ...] = ()  # what was not paired or not observed, and why
+    agreed: tuple[str, ...] = ()  # the ``STAGES`` held to their floors before it, and found agreeing
+    ruled_out: tuple[str, ...] = ()  # the ``STAGES`` the verdict's own leaves rule out (``locate.stages_for``)
+
+    def __post_init__(self):
+        object.__setattr__(self, 'kind', Where(self.kind))  # an unknown kind raises here, where it is made
 
     def line(self) -> str:
         if self.kind in ('none', 'unlocated'):
@@ -53,12 +86,14 @@ class Location:
 
     def to_json(self) -> dict:
         return {
-            'kind': self.kind,
+            'kind': self.kind.value,
             'legacy': self.legacy,
             'new': self.new,
             'figures': self.figures,
             'first_module': self.first,
             'notes': list(self.notes),
+            'agreed': list(self.agreed),
+            'ruled_out': list(self.ruled_out),
             'modules': [dataclasses.asdict(m) for m in self.modules],
         }
 
