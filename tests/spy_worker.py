@@ -67,8 +67,8 @@ def install(record: dict) -> None:
 
     original_inputs = made.make_inputs
 
-    def make_inputs(port, config):
-        variables, calls, rng = original_inputs(port, config)
+    def make_inputs(port, config, started=None):
+        variables, calls, rng = original_inputs(port, config, started)
         record['read'] = first(calls[0])
         return variables, calls, rng
 

@@ -10,9 +10,14 @@ import re
 import pytest
 import where_ports as wp
 from conftest import require_devices
+from where_ports import my_port
 
-from equivalence.core import harness
+from equivalence.core import harness, kinds
+from equivalence.core.port.config import RunConfig
 from equivalence.core.report import plots
+from equivalence.core.run import inputs as made
+from equivalence.core.verdict import hidden, locate
+from equivalence.core.verdict.first_step import Recorder
 
 
 @functools.cache
@@ -78,3 +83,22 @@ def test_the_pictures_show_the_floors_the_failed_leaves_and_the_stage_that_parts
     assert said[said.index('ema') + 1] == 'parts here' and said[said.index('update') + 1].startswith('ruled out')
     written = plots.write(result, str(tmp_path))
     assert [os.path.basename(p) for p in written] == list(plots.FILES) and all(os.path.getsize(p) for p in written)
+
+
+def test_a_match_whose_parameters_are_noise_dominated_is_held_module_by_module_on_the_first_step():
+    """A MATCH with noise-dominated parameters proves nothing of them (score_sde's DDPM hid a changed time
+    embedding behind its zero-initialised output convolution: every leaf within its floor, exit 0): its
+    first step is held module by module. The mlp example's LayerNorm epsilon slip, recorded as the verdict
+    records it, gives one failing leaf at the LayerNorm; the correct loop gives none (the negative control)."""
+    require_devices(2)
+    for port, parts in ((my_port.LOOP, None), (my_port.LOOP_EPSILON_SLIP, 'norm')):
+        config = RunConfig(workload=port.name, devices=2, steps_per_call=1, calls=1, batch_size=port.default_batch,
+                           rng_mode=port.rng_modes[0])  # fmt: skip
+        kind, fed = kinds.of(port), made.make(port, config)
+        seen = locate.Seen(noisy=frozenset({'fc1/bias'}))  # as if the verdict found it noise-dominated
+        leaves, said = hidden.first_step_leaves(Recorder(kind, config, fed, 1), seen)
+        if parts is None:
+            assert leaves == [] and 'within their floors' in said, said
+        else:
+            assert [(x.group, x.path, x.ok) for x in leaves] == [('first_step', f'forward/{parts}/output', False)]
+            assert leaves[0].max_abs > leaves[0].limit, leaves

@@ -43,7 +43,7 @@ from equivalence.core.port.kind import Kind
 from equivalence.core.run import clock, facts, footprint
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.run.sides import PathResult, compared
-from equivalence.core.verdict import compare, first_step, fresh, legacy_twin, locate, rule, twin, unverified
+from equivalence.core.verdict import compare, first_step, fresh, hidden, legacy_twin, locate, rule, twin, unverified
 from equivalence.core.verdict.first_step import Recorder
 from equivalence.core.verdict.outcome import Outcome
 from equivalence.core.verdict.rule import MEASURED_FLOOR, Verdict
@@ -146,6 +146,17 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
         frozenset(leaf.path for leaf in noisy if leaf.group == 'params'),
         failed=frozenset(leaf.group for leaf in report.leaves if not leaf.ok),
     )
+    if (
+        hidden.needed(report, seen)
+        and diagnose
+        and not cannot
+        and config.verdict != 'screen'
+        and config.locate is not False
+    ):
+        with clock.stage('the first step held module by module (noise-dominated leaves cannot verify)'):
+            extra, said = hidden.first_step_leaves(recorder, seen)
+        report, done = dataclasses.replace(report, leaves=[*report.leaves, *extra]), [*done, said]
+        seen = dataclasses.replace(seen, failed=seen.failed | {leaf.group for leaf in extra})
     if report.match:
         matched = Verdict(True, config.verdict, tuple(done), twin=twin_text, noise_dominated=noisy, errors=errors)
         return report, locate.attach(matched, kind, config, inputs, recorder, seen)  # only when --locate asks

@@ -209,7 +209,7 @@ def locate(
     if seen.data_step is not None:
         return Location('unlocated', '', '', f'not located: the batch of step {seen.data_step} holds NaN or Inf, on '
                         'both sides; what each side makes of it is the non-finite line above')  # fmt: skip
-    apart = _not_reproduced(recorder.runs[0], seen)
+    apart = not_reproduced(recorder.runs[0], seen)
     if apart:
         return Location('unlocated', '', '', f'not located: {apart}')
     found = judge_step(port_kind, *recorder.runs, mapping, inputs.variables, noisy=noisy, allowed=allowed)
@@ -235,7 +235,7 @@ def locate(
                       allowed=allowed)  # fmt: skip
 
 
-def _not_reproduced(results: dict, seen: Seen) -> str:
+def not_reproduced(results: dict, seen: Seen) -> str:
     """'' when each recorded side's first loss is its checked run's, to the rounding that compiling the
     step alone (K = 1, with the recording in it) may change: ``MIN_ULPS`` float32 spacings; else which
     side's recording computes something else (a transform the recording does not follow, a step that
