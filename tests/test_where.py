@@ -7,6 +7,7 @@ import functools
 import os
 import re
 
+import optax
 import pytest
 import where_ports as wp
 from conftest import require_devices
@@ -14,6 +15,7 @@ from where_ports import my_port
 
 from equivalence.core import harness, kinds
 from equivalence.core.port.config import RunConfig
+from equivalence.core.port.naming import PortError
 from equivalence.core.report import plots
 from equivalence.core.run import inputs as made
 from equivalence.core.verdict import hidden, locate
@@ -102,3 +104,17 @@ def test_a_match_whose_parameters_are_noise_dominated_is_held_module_by_module_o
         else:
             assert [(x.group, x.path, x.ok) for x in leaves] == [('first_step', f'forward/{parts}/output', False)]
             assert leaves[0].max_abs > leaves[0].limit, leaves
+
+
+def test_optimizer_states_of_another_structure_are_a_port_error_before_training():
+    """A new side whose optax chain wraps the same Adam in another structure (clip first): no leaf of the two
+    optimizer states pairs, and every one was compared on one side only, a MISMATCH of bookkeeping with
+    'where: update at opt_state 0/count' (a place, with '-' for its figures). It is the port's reading,
+    said before training (exit 2), with the fix; the same chain on both sides is no error (the control)."""
+    require_devices(2)
+    chain = optax.chain(optax.clip_by_global_norm(1e9), wp.legacy_tx())
+    with pytest.raises(PortError, match=r'another structure .* pmap side holds 0/count, 0/mu, 0/nu, the new side '
+                                        r'1/0/count, 1/0/mu, 1/0/nu'):  # fmt: skip
+        harness.check(wp.port('chain', new_tx=chain), devices=2, steps_per_call=1, calls=1, diagnose=False)
+    same = harness.check(wp.port('chain-both', tx=chain), devices=2, steps_per_call=1, calls=1, diagnose=False)
+    assert same.outcome.label == 'MATCH', same.outcome

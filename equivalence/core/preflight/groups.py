@@ -25,10 +25,45 @@ def check_groups(
         _check_params(port, field, groups, expect)
         check_shapes(port, field, groups, collections)
     field = 'new_groups' if port.new_groups else 'new_state'
+    legacy = groups
     groups = new_groups(port, nnx_ts, field)
     if groups is not None:
         _check_params(port, field, groups, {mapping.get(p, p) for p in expect})
         check_shapes(port, field, groups, collections)
+    if legacy is not None and groups is not None:
+        _check_opt_states(port, field, legacy, groups)
+
+
+def _check_opt_states(port: Port, field: str, legacy: dict, new: dict) -> None:
+    """Both optimizer states of one structure: slots in common (``0/mu``, ``1/0/trace``, ``0/count``: each
+    leaf's path up to the parameters' tree it follows), else no leaf pairs and every one is compared on one
+    side only (a ``chain(clip, adam)`` against a bare adam: the same arithmetic, a MISMATCH of bookkeeping).
+    A port error, said before training, with the fix. Slots that differ in part are left to the comparison."""
+    if not isinstance(legacy, dict) or not isinstance(new, dict) or 'opt_state' not in legacy or 'opt_state' not in new:
+        return
+    old, now = _slots(legacy['opt_state'], legacy['params']), _slots(new['opt_state'], new['params'])
+    if not old or not now or old & now:
+        return
+    shown = lambda slots: ', '.join(sorted(slots)[:6]) + (f' and {len(slots) - 6} more' if len(slots) > 6 else '')  # noqa: E731
+    raise fail(
+        port,
+        field,
+        f"gives an optimizer state of another structure than the pmap side's, so none of its leaves pair: "
+        f'the pmap side holds {shown(old)}, the new side {shown(now)} (an optax.chain(clip, adam) against a bare '
+        'adam, say); fix: build the same optax transformation on both sides, or give new_groups= (or '
+        "legacy_groups=) whose 'opt_state' reads the part that corresponds (opt_state[1], say)",
+    )
+
+
+def _slots(tree: Any, params: Any) -> set[str]:
+    """The slots of an optimizer state: each leaf's path up to the first key of the parameters' own tree."""
+    top = {convert.key_name(path[0]) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0] if path}
+    slots = set()
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        names = [convert.key_name(k) for k in path]
+        at = next((i for i, name in enumerate(names) if name in top), len(names))
+        slots.add('/'.join(names[:at]))
+    return slots
 
 
 def check_new_groups(port: LoopPort, ts: Any, variables: dict, mapping: dict) -> None:

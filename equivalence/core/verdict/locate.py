@@ -281,6 +281,9 @@ def attach(verdict, port_kind: Kind, config: RunConfig, inputs: Inputs, recorder
     cannot = inputs.single_process_probes()
     if cannot:
         return dataclasses.replace(verdict, location=Location('unlocated', '', '', f'not run: {cannot}'))
+    if verdict.kind == 'bookkeeping':  # leaves on one side only: no number parts, so no place does
+        return dataclasses.replace(verdict, location=Location('unlocated', '', '', 'not located: nothing numeric '
+                                   'differs; the leaves on one side only are the diagnosis above'))  # fmt: skip
     try:
         with clock.stage('where the sides part (the first step recorded, module by module)'):
             found = locate(port_kind, config, inputs, recorder, seen)
