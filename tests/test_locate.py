@@ -303,12 +303,14 @@ def test_a_training_loss_the_loop_does_not_report_is_the_gradients_not_the_optim
     """A loop port's NNX step trains on an L2 term its reported loss leaves out: the forward pass and
     the reported loss agree, the gradients are the port's own (not observed), and Adam's first moment
     is the first thing that parts. Its elements part by no common factor, as a b1, a momentum or a
-    clip would make them (the control below): the location is the gradients, not the optimizer, named
-    at the leaf that parts most, and the difference read as a multiple of the parameters."""
+    clip would make them (the control below), and their difference is a multiple of the parameters: an
+    L2 term in the training loss, or a coupled weight decay in the optimizer, which give the same numbers.
+    Two places: none is named (issue 40: imagenet's weight decay was 'backward at' the kernel whose moment
+    parts most), and the reading is said."""
     loc = located('train-loss')
-    assert loc.kind == 'backward', loc.line()
+    assert loc.kind == 'unlocated' and loc.figures.startswith('not located'), loc.line()
     assert 'the first moments part unevenly' in loc.figures and 'one factor would scale them all' in loc.figures
-    assert loc.new in ('fc1/kernel', 'fc2/kernel'), loc.line()  # the penalised leaves, not fc1/bias
+    assert 'an L2 term' in loc.figures and 'a coupled weight decay' in loc.figures, loc.line()
     assert f'{2 * PENALTY * 0.1:.3g} x the parameter (r² ' in loc.figures, loc.line()  # mu = 0.1 (g + 2e-3 p)
     assert f'differ by {2 * PENALTY:.3g} x the parameter if b1 is 0.9' in loc.figures, loc.line()
     agree(loc)

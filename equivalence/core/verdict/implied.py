@@ -119,6 +119,7 @@ class Moments:
     leaf: str
     text: str
     uneven: bool = False  # the slots part by no factor at all: the gradients themselves differ
+    proportional: float | None = None  # uneven, their difference that multiple of the parameters (an L2 term, a decay)
 
 
 def _ratios(a: np.ndarray, b: np.ndarray, allowed: float) -> tuple[float, float]:
@@ -210,6 +211,7 @@ def moments(
                 'the numbers do not tell which. Not b1, a momentum or a clip by global norm (one factor would scale '
                 'them all)',
                 uneven=True,
+                proportional=c,
             )
     text += (
         "the gradients differ, the training loss or the backward pass; not the optimizer's settings (one factor "

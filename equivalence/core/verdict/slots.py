@@ -26,6 +26,13 @@ def update(step: Step) -> Location | None:
     # on a later step a momentum that differs parts the slots by no one factor, which is not the gradients.
     read = _moments(step, params, slots) if step.step == 1 else {}
     uneven = next(((s, m) for s, m in read.items() if s.rpartition('/')[2] in FIRST and m.factor is None), None)
+    if uneven is not None and uneven[1].proportional is not None:  # two places give these numbers: no one place
+        return Location(
+            'unlocated', '', '',
+            f'not located: the forward pass, the loss and the statistics agree, {grads}; {uneven[1].text}; so the '
+            'difference is in the training loss (an L2 term) or in the optimizer (a coupled weight decay), which '
+            'the first step cannot tell apart',
+        )  # fmt: skip
     if uneven is not None and uneven[1].uneven:
         slot, m = uneven
         param = m.leaf[len(slot) + 1 :]
@@ -88,7 +95,10 @@ def _moments(step: Step, params: dict, slots: dict) -> dict:
         kind = slot.rpartition('/')[2]
         if kind not in (*FIRST, 'nu') or all(slots[p].ok for p in paths):
             continue
-        leaves = {p: (ends[0][p], ends[1][p], slots[p].limit or 0.0) for p in paths if p in ends[0] and p in ends[1]}
+        # A slot of a noise-dominated parameter holds reordering only (a bias before a GroupNorm: 1e-20, its
+        # ratio anything): it tells no factor, and left in it made score_sde's one factor 'uneven'.
+        leaves = {p: (ends[0][p], ends[1][p], slots[p].limit or 0.0) for p in paths
+                  if p in ends[0] and p in ends[1] and not slots[p].noise_dominated}  # fmt: skip
         found = implied.moments(kind, leaves, {p: p0[p[len(slot) + 1 :]] for p in paths if p[len(slot) + 1 :] in p0})
         if found is not None:
             read[slot] = found
