@@ -90,24 +90,6 @@ def test_a_step_counter_on_one_side_is_bookkeeping():
     assert 'step/step only on the new side' in result.verdict.diagnosis
 
 
-def test_optimizer_states_of_another_structure_are_one_short_line_that_says_so():
-    """``optax.chain(clip, adam)`` on one side against a bare Adam on the other: every ``opt_state`` leaf
-    sits on one side only. It came as one line of about 40,000 characters naming each; now a few names, the
-    counts, and what to do."""
-    import optax
-    from flax import nnx
-
-    clipped = lambda m: (
-        m,
-        nnx.Optimizer(m, optax.chain(optax.clip_by_global_norm(1e9), my_port.new.make_tx()), wrt=nnx.Param),
-    )  # noqa: E731
-    result = run(dataclasses.replace(my_port.LOOP, new_state=clipped), devices=2)
-    line = result.verdict.diagnosis
-    assert kind(result) == 'bookkeeping' and len(line) < 700, (len(line), line)
-    assert 'the two optimizer states have other structures' in line and 'optax.chain' in line, line
-    assert 'opt_state leaves only on the new side' in line and 'only on the legacy side' in line, line
-
-
 def test_identical_nans_are_non_finite_not_a_zero_difference():
     mlp = workloads.get('mlp')
 

@@ -45,13 +45,18 @@ def _check_opt_states(port: Port, field: str, legacy: dict, new: dict) -> None:
     if not old or not now or old & now:
         return
     shown = lambda slots: ', '.join(sorted(slots)[:6]) + (f' and {len(slots) - 6} more' if len(slots) > 6 else '')  # noqa: E731
+    names = lambda slots: {s.rpartition('/')[2] for s in slots}  # noqa: E731
+    if names(old) & names(now):  # the same slots, nested otherwise: one transformation wrapped in a chain
+        what, example = 'another structure', 'an optax.chain(clip, adam) against a bare adam, say'
+    else:  # no slot of one name: another optimizer (SGD's trace against Adam's mu and nu)
+        what, example = 'another optimizer', 'no slot of the same name on both sides'
     raise fail(
         port,
         field,
-        f"gives an optimizer state of another structure than the pmap side's, so none of its leaves pair: "
-        f'the pmap side holds {shown(old)}, the new side {shown(now)} (an optax.chain(clip, adam) against a bare '
-        'adam, say); fix: build the same optax transformation on both sides, or give new_groups= (or '
-        "legacy_groups=) whose 'opt_state' reads the part that corresponds (opt_state[1], say)",
+        f"gives an optimizer state of {what} than the pmap side's, so none of its leaves pair: "
+        f'the pmap side holds {shown(old)}, the new side {shown(now)} ({example}); fix: build the same optax '
+        "transformation on both sides, or give new_groups= (or legacy_groups=) whose 'opt_state' reads the part "
+        'that corresponds (opt_state[1], say)',
     )
 
 
