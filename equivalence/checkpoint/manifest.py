@@ -65,18 +65,7 @@ def file_hashes(step_dir: str) -> dict[str, str]:
 def compare_files(nnx_dir: str, step: int, expected: dict[str, str]) -> None:
     """Every file of the step's directory against the sha256 migrate recorded; the first that differs,
     is missing or is new is named."""
-    found = file_hashes(os.path.join(nnx_dir, str(step)))
-    for name, want in expected.items():
-        if name not in found:
-            raise CheckpointError(f'{nnx_dir} step {step}: file {name} is missing (the manifest lists it)')
-        if found[name] != want:
-            raise CheckpointError(
-                f'{nnx_dir} step {step}: file {name} does not match its manifest (sha256 {found[name][:12]}... != '
-                f'{want[:12]}...): its bytes changed after migrate wrote it'
-            )
-    extra = sorted(set(found) - set(expected))
-    if extra:
-        raise CheckpointError(f'{nnx_dir} step {step}: file {extra[0]} is not in the manifest (added after migrate)')
+    compare(nnx_dir, step, expected, file_hashes(os.path.join(nnx_dir, str(step))), 'file', ' (added after migrate)')
 
 
 def write(nnx_dir: str, step: int, legacy_dir: str, nnx_state: Any, legacy_state: Any, pairs: dict[str, str]) -> str:
@@ -119,19 +108,23 @@ def raw_state(directory: str, step: int) -> Any:
         return manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))['state']
 
 
-def compare(directory: str, step: int, expected: dict[str, str], found: dict[str, str], what: str) -> None:
-    """Every leaf the manifest lists must read back with its hash; the first that does not is named."""
+def compare(
+    directory: str, step: int, expected: dict[str, str], found: dict[str, str], what: str, new: str = ''
+) -> None:
+    """Every leaf (or file: ``what``) the manifest lists must read back with its hash; the first that does
+    not is named, and the first one the manifest does not list (``new``: what that means)."""
+    noun = what if what == 'file' else f'{what} leaf'
     for leaf, want in expected.items():
         if leaf not in found:
-            raise CheckpointError(f'{directory} step {step}: {what} leaf {leaf} is missing (the manifest lists it)')
+            raise CheckpointError(f'{directory} step {step}: {noun} {leaf} is missing (the manifest lists it)')
         if found[leaf] != want:
             raise CheckpointError(
-                f'{directory} step {step}: {what} leaf {leaf} does not match its manifest (sha256 '
+                f'{directory} step {step}: {noun} {leaf} does not match its manifest (sha256 '
                 f'{found[leaf][:12]}... != {want[:12]}...): its bytes changed after migrate wrote it'
             )
     extra = sorted(set(found) - set(expected))
     if extra:
-        raise CheckpointError(f'{directory} step {step}: {what} leaf {extra[0]} is not in the manifest')
+        raise CheckpointError(f'{directory} step {step}: {noun} {extra[0]} is not in the manifest{new}')
 
 
 def latest(nnx_dir: str) -> int:
