@@ -14,6 +14,7 @@ from flax import nnx
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import ModelPort
 from equivalence.core.run.facts import model_holding, uses_dropout
+from equivalence.core.run.reorder import Reordered, TwinKind, take
 from equivalence.core.run.setups import (
     LegacySetup,
     NnxGraphSetup,
@@ -82,28 +83,6 @@ def new_setup(port: ModelPort, config: RunConfig, variables: dict, mapping: dict
 # -- the twins ---------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Reordered:
-    """A twin on the checked run's own D devices, placed by ``strategy``, whose global batch holds its
-    rows interleaved (``rows``): every device sums other examples, in another order. The twin of a
-    sharded strategy, whose model may fit only sharded: it holds about what a device of the run holds
-    (``footprint``)."""
-
-    strategy: str  # the run's own (its mesh too), or another placement of the same devices
-
-    def rows(self, g: int, data: int) -> np.ndarray:
-        """Position i of the twin's batch holds example ``rows[i]``: with k groups (the mesh's data axis,
-        else 2), the examples of group c are spread over positions c, c + k, c + 2k, ..."""
-        k = next((k for k in (data, 2) if k > 1 and g % k == 0), 1)
-        return np.arange(g).reshape(k, g // k).T.ravel()
-
-    def __str__(self) -> str:
-        return f'{self.strategy}, batch rows interleaved'
-
-
-TwinKind = int | Reordered  # a twin: data parallel on that many devices, or the run's devices placed and reordered
-
-
 @dataclasses.dataclass
 class TwinSetup(NnxSetup):
     """A model port's twin: the suite's split-state loop on the twin mesh, keys of the checked run."""
@@ -120,7 +99,7 @@ class ReorderedSetup(TwinSetup):
     rows: np.ndarray | None = None
 
     def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
-        return super().call_args(rng, jax.tree.map(lambda v: np.asarray(v)[:, self.rows], batch_KxG))
+        return super().call_args(rng, take(batch_KxG, self.rows))
 
 
 def reordered_loss(loss, rows: np.ndarray):
