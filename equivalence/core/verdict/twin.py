@@ -205,7 +205,7 @@ def measure(kind: PortKind, config: RunConfig, new, inputs: Inputs, counts: tupl
     port's) random draws, and why each other did not run or was refused; ``drawn``: the run's first
     call's draws, recorded already (``planned``)."""
     twins, why, fresh_ones, errors, drawn_by_run = {}, [], [], [], [] if drawn is None else [drawn]
-    fit = new.memory if must_fit(config) else None
+    fit = getattr(new, 'memory', None) if must_fit(config) else None
     # Where fewer than two candidates fit, data parallel on D runs all the same (it rounds as the pmap run
     # does; the reordered placements alone measured too small a floor: wide under fsdp-tp, seed 0, 11x).
     fallback = fit is not None and config.strategy in CANDIDATES
