@@ -183,6 +183,23 @@ def test_a_new_side_pinned_to_its_own_mesh_gets_its_floor_on_its_own_devices(pin
     json.dumps(report.to_json(slipped, {}))
 
 
+def test_a_loop_ports_own_fsdp_placement_is_where_its_twins_fit(pinned):
+    """A team's own jax.jit that places its parameters and optimizer state fsdp-style (split over its 8
+    devices) had a twin on 1 device in a fresh process, its bytes not reported. Its first call draws
+    nothing: its twins are its own step on its own mesh, rows reordered, and the report gives the run's
+    and each twin's bytes per device (its call's arguments, the state where its step left it): the run's
+    below the whole state's, each twin at most 1.1x the run's; a MATCH."""
+    require_devices(8)
+    result = harness.check(pinned_port.FSDP, devices=len(jax.devices()), locate=False, **QUICK)
+    assert result.report.match, verdict.details(verdict.failed(result.report))
+    assert result.verdict.twin == "on the run's devices: dp, batch rows shuffled and dp, batch rows interleaved"
+    memory = report.to_json(result, {})['verdict']['memory']
+    replicated = report.to_json(pinned[pinned_port.PORT.name], {})['verdict']['memory']['run']['held']
+    run = memory['run']['held']
+    assert 0 < run < replicated, (run, replicated)
+    assert len(memory['twins']) == 2 and all(0 < t['held'] <= 1.1 * run for t in memory['twins'].values()), memory
+
+
 def test_data_parallel_twins_fit_where_the_run_fits():
     """dp on 8 devices (cnn): the twin was data parallel on 1 device, holding the whole global batch there
     (4.15x the run's bytes per device, XLA's memory analysis), which a model whose batch fits only spread
