@@ -257,7 +257,8 @@ def one_twin(kind: PortKind, config: RunConfig, inputs: Inputs, n, fit: dict | N
         try:
             built = {} if built is None else built
             setup = built[n] = built.get(n) or kind.twin_setup(config, inputs, n)
-            too_big(footprint.compiled(setup, calls[0], inputs.rng), fit, n)
+            if inputs.rng is not None:  # after --resume-at the keys are the checkpoint's: held after it runs
+                too_big(footprint.compiled(setup, calls[0], inputs.rng), fit, n)
             tw = run_twin(kind, config, inputs, n, record=drawn, setup=setup)
             too_big(tw.memory, fit, n)
             return tw, drawn and drawn.draws, False, ()
