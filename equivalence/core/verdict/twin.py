@@ -21,7 +21,8 @@ leaf gets the larger of two twins' floors (``farthest``). What those twins were 
   cnn workload's ``conv1/kernel`` differs by under dp (``--rng global --seed 3``); NNX on 2
   against 1 differs by 1.2e-7 and would miss it. It was the only twin of dp and shard_map, whose
   per-device sums are the pmap run's, until it held 4.15x the run's bytes per device there (cnn,
-  D = 8); the run's devices with the rows reordered measure that 4.95e-6 too (``docs/verdict.md``).
+  D = 8; that workload's Adam eps is 1e-5 since, and the 4.95e-6 gone): the run's devices with the
+  rows reordered took its place, the corpus's cnn entries judged right with them (``docs/verdict.md``).
 - Data parallel on D devices, the pmap run's split (fsdp, tp, fsdp-tp on D > 1; several processes): tp's mesh is
   all model axis and sums the batch as one device does, so the 1-device twin rounds like it.
   Measured (cnn, Adam eps 1e-8, global keys, seed 6): ``params/hidden/kernel`` of NNX tp on 8
