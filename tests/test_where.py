@@ -7,6 +7,7 @@ import functools
 import os
 import re
 
+import numpy as np
 import optax
 import pytest
 import where_ports as wp
@@ -118,3 +119,73 @@ def test_optimizer_states_of_another_structure_are_a_port_error_before_training(
         harness.check(wp.port('chain', new_tx=chain), devices=2, steps_per_call=1, calls=1, diagnose=False)
     same = harness.check(wp.port('chain-both', tx=chain), devices=2, steps_per_call=1, calls=1, diagnose=False)
     assert same.outcome.label == 'MATCH', same.outcome
+
+
+class _Leaf:
+    def __init__(self, path, limit, ok=False, noise_dominated=False):
+        self.path, self.limit, self.ok, self.noise_dominated = path, limit, ok, noise_dominated
+
+
+class _Step:
+    """What averages._carried and slots._later_slot read of a step: each side's final groups, the pmap
+    side's optimizer state before it, the step judged, and no recorded gradients (a loop port's own step)."""
+
+    def __init__(self, finals, step=2, prior=None):
+        self.finals, self.step, self.prior, self.after = finals, step, prior, f'after step {step}'
+
+    def final(self, side, group):
+        return self.finals[side].get(group, {})
+
+    def grads(self, side):
+        return {}
+
+
+def test_an_ema_that_carries_what_its_parameters_part_is_not_the_place():
+    """score_sde's Adam eps, b1, clip and warmup slips were all 'ema at the EMA' (trials on fetched code,
+    4 of 19 wrong): its parameters, noise-dominated, parted within their floors, and its EMA, held to a
+    floor of its own, by (1 - d) x as much. One decay on both sides and nothing of the EMA's own: not the
+    place. Controls: an EMA that parts beyond what its parameters carry (a rate kept in another precision),
+    or whose parameters agree to the bit, is the EMA's own update."""
+    from equivalence.core.verdict import averages
+
+    rng = np.random.default_rng(0)
+    p, delta, d = rng.normal(size=16), 1e-4 * rng.normal(size=16), 0.99
+    ema = lambda params, own=0.0: {'w': d * p + (1 - d) * params + own}  # noqa: E731
+    leaf = [_Leaf('w', limit=1e-9)]
+    carried = _Step(
+        {'legacy': {'params': {'w': p}, 'ema': ema(p)}, 'new': {'params': {'w': p + delta}, 'ema': ema(p + delta)}}
+    )
+    assert 'by nothing of its own' in averages._carried(carried, leaf, [d, d])
+    own = _Step(
+        {
+            'legacy': {'params': {'w': p}, 'ema': ema(p)},
+            'new': {'params': {'w': p + delta}, 'ema': ema(p + delta, 1e-6)},
+        }
+    )
+    assert averages._carried(own, leaf, [d, d]) == ''
+    exact = _Step({'legacy': {'params': {'w': p}, 'ema': ema(p)}, 'new': {'params': {'w': p}, 'ema': ema(p, 1e-6)}})
+    assert averages._carried(exact, leaf, None) == ''
+    assert averages._carried(carried, leaf, [d, 0.999]) == ''  # two decays: the EMA's rate is the place
+    assert averages._carried(carried, leaf, None) == 'no decay can be read here'
+
+
+def test_a_slot_that_parts_on_a_later_step_is_the_optimizer_only_where_its_numbers_say_so():
+    """imagenet's L2 penalty in the training loss, under SGD momentum and a warmup whose first update is 0,
+    was 'update at opt_state 0/trace/...' on step 2 (trials on fetched code): the gradients are not observed,
+    and a gradient that differs parts the trace as a momentum does. A momentum that differs parts it by a
+    multiple of the trace before the step: located (the control); a difference of another shape: not located."""
+    from equivalence.core.verdict import slots
+
+    rng = np.random.default_rng(1)
+    before, g, p = rng.normal(size=32), rng.normal(size=32), rng.normal(size=32)
+    path = '0/trace/fc1/kernel'
+    leaves = {path: _Leaf(path, limit=1e-9)}
+    trace = lambda m, extra=0.0: {'opt_state': {path: m * before + g + extra}}  # noqa: E731
+    momentum = _Step({'legacy': trace(0.9), 'new': trace(0.95)}, prior={path: before})
+    assert slots._later_slot(momentum, '0/trace', [path], leaves, 'not observed') is None
+    l2 = _Step({'legacy': trace(0.9), 'new': trace(0.9, 4e-4 * p)}, prior={path: before})
+    found = slots._later_slot(l2, '0/trace', [path], leaves, 'not observed')
+    assert found is not None and found.kind == 'unlocated' and 'no multiple of the slot before' in found.figures
+    assert (
+        slots._later_slot(_Step(momentum.finals, step=1, prior={path: before}), '0/trace', [path], leaves, '') is None
+    )

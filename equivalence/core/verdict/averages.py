@@ -57,9 +57,20 @@ def ema(step: Step) -> Location | None:
     if not bad:
         return None
     leaf = worst(bad)
-    decays = _decays(step)
+    read = _fits(step)
+    decays = _decays(read)
     said = f"; the decay each side's update implies: {decays}" if decays else ''
     grads = 'the gradients, ' if step.grads('legacy') else ''
+    carried = _carried(step, bad, read)
+    if carried:  # one decay, and the EMA parts by what the parameters do: the place is before the EMA
+        said = f"; the decay each side's update implies: {_decays(read, own=False)}" if read else ''
+        return Location(
+            'unlocated', '', '',
+            f'not located: only the EMA parts beyond its floor {step.after} (ema/{leaf.path} {sci(leaf.max_abs)} '
+            f'apart, allowed {sci(leaf.limit)}){said}; {carried}: the parameters part as well, within their own '
+            'floors (noise-dominated here), so the difference comes before the EMA (the update, its optimizer or '
+            'its gradients), which these floors cannot place',
+        )  # fmt: skip
     return Location(
         'ema', 'the EMA', 'the EMA',
         f'the forward pass, the loss, {grads}the parameters and the optimizer state agree {step.after}; '
@@ -68,25 +79,56 @@ def ema(step: Step) -> Location | None:
     )  # fmt: skip
 
 
-def _decays(step: Step) -> str:
+def _fits(step: Step) -> list[float] | None:
+    """The decay each side's update implies (pmap, new), where the EMA before the step is known; else None."""
     before = step.before()
     if step.step > 1 and step.start is not None:
         first = initial_params(step.variables, step.mapping)
         if any(not np.array_equal(step.start[k], first[k]) for k in first if k in step.start):
-            return ''  # the EMA before this step is not known here
+            return None  # the EMA before this step is not known here
         before = first
-    said = []
+    found = []
     for side in ('legacy', 'new'):
         ema_, params = step.final(side, 'ema'), step.final(side, 'params')
         keys = [k for k in ema_ if k in params and k in before]
         if not keys:
-            return ''
+            return None
         cat = lambda d, keys=keys: np.concatenate([np.asarray(d[k], np.float64).ravel() for k in keys])  # noqa: E731
         x, y = cat(before) - cat(params), cat(ema_) - cat(params)
         d, r2 = implied.fit(y, x)
         if r2 < 0.99:
-            return ''
-        said.append(f'{"pmap" if side == "legacy" else "new"} {d:.6g}')
-    same = said[0].split()[1] == said[1].split()[1]
-    return ', '.join(said) + (' (the same decay: the arithmetic of the update differs, its precision or order)'
-                              if same else '')  # fmt: skip
+            return None
+        found.append(d)
+    return found
+
+
+def _decays(read: list[float] | None, own: bool = True) -> str:
+    if read is None:
+        return ''
+    said = [f'pmap {read[0]:.6g}', f'new {read[1]:.6g}']
+    same = f'{read[0]:.6g}' == f'{read[1]:.6g}'
+    why = ': the arithmetic of the update differs, its precision or order' if own else ''
+    return ', '.join(said) + (f' (the same decay{why})' if same else '')
+
+
+def _carried(step: Step, bad: list, read: list[float] | None) -> str:
+    """'' where the EMA's own update parts; else what shows it follows parameters that part. With one decay
+    d read on both sides, the EMA parts by ``(1 - d)`` times what the parameters part, and by nothing of its
+    own (within each leaf's allowed difference): score_sde's Adam eps, b1 and clip were named 'the EMA'
+    where its parameters, noise-dominated, parted within their floors. Where no decay is read, parameters
+    that part at all make the EMA's own share unknown."""
+    legacy, new = step.final('legacy', 'params'), step.final('new', 'params')
+    moved = {leaf.path: np.asarray(new[leaf.path], np.float64) - np.asarray(legacy[leaf.path], np.float64)
+             for leaf in bad if leaf.path in legacy and leaf.path in new}  # fmt: skip
+    if len(moved) < len(bad) or not any(np.any(v != 0) for v in moved.values()):
+        return ''  # parameters that agree to the bit: the EMA's update is the one place left
+    if read is None:
+        return 'no decay can be read here'
+    if f'{read[0]:.6g}' != f'{read[1]:.6g}':
+        return ''
+    ends = step.final('legacy', 'ema'), step.final('new', 'ema')
+    for leaf in bad:
+        own = np.asarray(ends[1][leaf.path], np.float64) - np.asarray(ends[0][leaf.path], np.float64)
+        if np.max(np.abs(own - (1 - read[0]) * moved[leaf.path]), initial=0) > (leaf.limit or 0.0):
+            return ''  # more than the parameters carry: the EMA's own arithmetic (a rate in another precision)
+    return f'each EMA leaf parts by (1 - {read[0]:.6g}) x what its parameter parts, and by nothing of its own'

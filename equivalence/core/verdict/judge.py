@@ -45,6 +45,7 @@ from equivalence.core.run.inputs import Inputs
 from equivalence.core.run.sides import PathResult, compared
 from equivalence.core.verdict import compare, first_step, fresh, hidden, legacy_twin, locate, rule, twin, unverified
 from equivalence.core.verdict.first_step import Recorder
+from equivalence.core.verdict.location import Where
 from equivalence.core.verdict.outcome import Outcome
 from equivalence.core.verdict.rule import MEASURED_FLOOR, Verdict
 from equivalence.core.verdict.unverified import start_params
@@ -184,7 +185,12 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
     mismatch = Verdict(False, config.verdict, tuple(done), diagnosed, line, twin_text, noisy, errors)
     data_step = first_step.data_nonfinite(inputs.whole_calls) if nonfinite else None
     seen = dataclasses.replace(seen, nonfinite=nonfinite, data_step=data_step)
-    return report, locate.attach(mismatch, kind, config, inputs, recorder, seen)
+    located = locate.attach(mismatch, kind, config, inputs, recorder, seen)
+    stage = Where(located.location.kind).stage if located.location is not None else None
+    if diagnosed == 'update' and stage in rule.EARLIER:  # one finding: the reading says where the place is
+        line = rule.diagnose(report, nonfinite, rerun, grads is not None, no_floor, placed=stage)[1]
+        located = dataclasses.replace(located, diagnosis=line)
+    return report, located
 
 
 @dataclasses.dataclass

@@ -81,7 +81,7 @@ STAGES = (  # (what each stage is, the function), in the order the first step ru
 
 def judge_step(
     port_kind: Kind, results: dict, raw: dict, mapping: dict[str, str], variables: dict, at: int = 1, start=None,
-    noisy=frozenset(), allowed: frozenset = stages_for(frozenset()), exact: bool = True,
+    noisy=frozenset(), allowed: frozenset = stages_for(frozenset()), exact: bool = True, prior=None,
 ) -> Location:  # fmt: skip
     """The first place the recorded first steps part (``results`` and ``raw`` of ``recorded_run.first_steps``);
     ``at`` > 1: the records of step ``at`` (its last) and the state after it, ``start`` the pmap side's
@@ -90,7 +90,7 @@ def judge_step(
     ``allowed``: the stages the verdict's leaves leave possible (``stages_for``)."""
     paired = pairs(raw.get('legacy', {}), raw.get('new', {}), mapping, port_kind.port.names)
     modules = stages.modules_of(raw, paired) if paired else []
-    step = stages.Step(port_kind, results, raw, mapping, variables, modules, paired, at, start, noisy)
+    step = stages.Step(port_kind, results, raw, mapping, variables, modules, paired, at, start, noisy, prior)
     notes = _notes(port_kind, raw, paired, 'twin' in results)
     legacy = results.get('legacy')
     pmap_side = None if legacy is None or at > 1 or 'collective' not in allowed else (
@@ -214,6 +214,7 @@ def locate(
         return Location('unlocated', '', '', f'not located: {apart}')
     found = judge_step(port_kind, *recorder.runs, mapping, inputs.variables, noisy=noisy, allowed=allowed)
     steps = min(MAX_STEPS, sum(jax.tree.leaves(call)[0].shape[0] for call in inputs.calls))
+    prior = recorder.runs[0]['legacy'].final.get('opt_state')  # the slots step 2 starts from
     if found.kind != 'none' or steps < 2:
         return found
     for n in sorted({2, steps}):  # step 2 first: where a warmup's zero first update hid the slip, one run
@@ -223,7 +224,7 @@ def locate(
             break
         start = results['legacy'].params_per_call[n - 2]
         found = judge_step(port_kind, results, raw, mapping, inputs.variables, at=n, start=start, noisy=noisy,
-                           allowed=allowed, exact=n == 2)  # fmt: skip
+                           allowed=allowed, exact=n == 2, prior=prior if n == 2 else None)  # fmt: skip
         if found.kind != 'none':  # the parameters agree and the EMA or the statistics do not, by step n
             return found
     if at is None:
@@ -232,7 +233,7 @@ def locate(
         results, raw = recorder.steps(at)
     start = results['legacy'].params_per_call[at - 2] if at > 1 else None
     return judge_step(port_kind, results, raw, mapping, inputs.variables, at=at, start=start, noisy=noisy,
-                      allowed=allowed)  # fmt: skip
+                      allowed=allowed, prior=prior if at == 2 else None)  # fmt: skip
 
 
 def not_reproduced(results: dict, seen: Seen) -> str:

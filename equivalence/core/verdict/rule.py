@@ -211,11 +211,17 @@ def names(leaves: list[LeafDiff], n: int = 3) -> str:
     return shown + (f' and {len(leaves) - n} more' if len(leaves) > n else '')
 
 
+EARLIER = ('forward', 'loss', 'backward', 'statistics')  # stages of a place found before the update
+
+
 def diagnose(
-    report: Report, nonfinite: str, rerun_matched: bool | None, grads_checked: bool, no_floor: str = ''
-) -> tuple[str, str]:
+    report: Report, nonfinite: str, rerun_matched: bool | None, grads_checked: bool, no_floor: str = '',
+    placed: str | None = None,
+) -> tuple[str, str]:  # fmt: skip
     """``(kind, line)`` for a report that does not match; the first kind that explains it wins.
-    ``no_floor``: why no twin measured a floor (the verdict's ``twin``), for the ``unmeasured`` line."""
+    ``no_floor``: why no twin measured a floor (the verdict's ``twin``), for the ``unmeasured`` line;
+    ``placed``: the stage the location found (a ``Where``'s), which an ``update`` reading of the final
+    leaves must not contradict (a GroupNorm's epsilon read 'the update differs' above 'where: module')."""
     bad = failed(report)
     if nonfinite:
         return 'non-finite', nonfinite
@@ -247,9 +253,12 @@ def diagnose(
             "the first step's loss and gradients agree within their floor, the state after training does not: "
             f'{details(later)}; the optimizer, its settings or its state differ' + also
         )
+    reading = 'the update differs (the optimizer, its state, or a gradient the loss does not show)'
+    if placed in EARLIER:  # what the final leaves show grew from a place the first step's records found
+        reading = f'the first step, recorded module by module, parts earlier, in the {placed} (where: below)'
     return 'update', (
-        "the first step's loss agrees within its floor, later losses or the final state do not: "
-        f'{details(later)}; the update differs (the optimizer, its state, or a gradient the loss does not show)' + also
+        f"the first step's loss agrees within its floor, later losses or the final state do not: {details(later)}; "
+        f'{reading}' + also
     )
 
 

@@ -46,6 +46,9 @@ def update(step: Step) -> Location | None:
     if bad_slot is not None:
         param = param_of(bad_slot.path, params)
         slot = bad_slot.path[: -len(param) - 1] if param else bad_slot.path
+        unseen = _later_slot(step, slot, slot_names(slots, params).get(slot, []), slots, grads)
+        if unseen is not None:
+            return unseen
         first = next((m for s, m in read.items() if s.rpartition('/')[2] in FIRST), None)
         read_here = read.get(slot)
         if (
@@ -135,3 +138,30 @@ def update_is_zero(step: Step) -> bool:
     ends = [step.final(side, 'params') for side in ('legacy', 'new')]
     keys = [k for k in start if all(k in e for e in ends)]
     return bool(keys) and all(np.array_equal(np.asarray(ends[0][k]), np.asarray(start[k])) for k in keys)
+
+
+def _later_slot(step: Step, slot: str, paths: list[str], slots: dict, grads: str) -> Location | None:
+    """On a later step, with the gradients not observed, a slot that parts is the optimizer only where its
+    numbers say so: SGD momentum's trace parts by ``(m' - m) trace_before`` when the momentum differs, a
+    multiple of the slot before the step (r² >= 0.9 over the leaves that part); a gradient that differs (an
+    L2 term, a decay added to it: imagenet's penalty was named the trace) parts it otherwise. None where the
+    slot is the place; else 'not located' with what was read."""
+    if step.step == 1 or step.grads('legacy'):
+        return None
+    kind, before = slot.rpartition('/')[2], step.prior or {}
+    leaves = [p for p in paths if p in before and not slots[p].ok and not slots[p].noise_dominated]
+    ends = [step.final(side, 'opt_state') for side in ('legacy', 'new')]
+    if kind == 'trace' and leaves and all(p in ends[0] and p in ends[1] for p in leaves):
+        cat = lambda d: np.concatenate([np.asarray(d[p], np.float64).ravel() for p in leaves])  # noqa: E731
+        c, r2 = implied.fit(cat(ends[1]) - cat(ends[0]), cat(before))
+        if r2 >= 0.9:
+            return None
+        read = f'its difference is no multiple of the slot before the step ({c:.3g} x it, r² {r2:.2f})'
+    else:
+        read = f'the slot before the step is not at hand to read it by ({kind})'
+    return Location(
+        'unlocated', '', '',
+        f'not located: the forward pass, the loss and the statistics agree, {grads}; the optimizer slot {slot} '
+        f'is the first that parts {step.after}, and {read}: a gradient that differs (a term of the training loss, '
+        'a decay added to the gradient) and an optimizer setting both part it, which this step cannot tell apart',
+    )  # fmt: skip

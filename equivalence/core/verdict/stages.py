@@ -125,6 +125,7 @@ class Step:
     step: int = 1  # the step judged (a later one: nothing parted before it)
     start: dict | None = None  # the pmap side's parameters before the judged step (NNX paths); None: step 1's
     noisy: frozenset = frozenset()  # parameters the verdict found noise-dominated: never the place (``held``)
+    prior: dict | None = None  # the pmap side's optimizer state before the judged step (step 1's), where known
 
     def before(self) -> dict[str, np.ndarray]:
         """The parameters before the judged step, by NNX path."""
