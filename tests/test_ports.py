@@ -134,6 +134,32 @@ def test_a_workload_named_by_its_path_its_file_or_a_standard_module_name_says_wh
     assert_one_line_error(proc, f"{tmp_path / 'random.py'} shadows the standard library's random")
 
 
+def test_a_module_that_does_not_import_says_why_it_can_be_told(tmp_path, monkeypatch):
+    """A stub of a heavy package that lacks a submodule the code imports (trials: a tensorflow stub without
+    tensorflow.io, which flax imported in the twin's fresh process) said 'is its folder on PYTHONPATH?'
+    while it was. The stub is named; a dependency not installed is asked about; the port's own module
+    missing keeps the path question."""
+    from equivalence.core.port import loading
+    from equivalence.core.port.config import ConfigError
+
+    (tmp_path / 'fakeheavy').mkdir()
+    (tmp_path / 'fakeheavy' / '__init__.py').write_text('')
+    (tmp_path / 'stubbed_port.py').write_text('import fakeheavy.io\nPORT = None\n')
+    (tmp_path / 'needs_port.py').write_text('import not_installed_anywhere\nPORT = None\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    expected = {
+        'stubbed_port:PORT': "'fakeheavy' imported (",
+        'needs_port:PORT': 'imported by needs_port: is it installed, or its folder on PYTHONPATH?',
+        'absent_port:PORT': "cannot import 'absent_port' (is its folder on PYTHONPATH?)",
+    }
+    for spec, said in expected.items():
+        with pytest.raises(ConfigError) as e:
+            loading.load(spec)
+        assert said in str(e.value), e.value
+    with pytest.raises(ConfigError, match=r"has no 'fakeheavy\.io'; a stub must hold every submodule"):
+        loading.load('stubbed_port:PORT')
+
+
 def test_a_mistake_in_another_port_of_the_module_names_that_port_and_its_line(tmp_path, monkeypatch):
     """Importing the module builds every port in it: a wrong field in PORT_B, while PORT_A is asked for,
     is said to be PORT_B's, at the line of the user's module that built it, not PORT_A's."""

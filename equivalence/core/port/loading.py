@@ -144,6 +144,20 @@ def _assigned(file: str, line: int) -> list[str]:
     return []
 
 
+def _not_found(name: str, module_name: str) -> str:
+    """Why ``name`` did not import, as far as can be told: a submodule a stub lacks, a package not installed,
+    or the port's own folder off the path."""
+    parent = name.rpartition('.')[0]
+    if parent and parent in sys.modules:  # the package imported, its submodule did not: a stub's gap
+        where = getattr(sys.modules[parent], '__file__', None)
+        return (f'{parent!r} imported ({where or "a module with no file: a stub"}) but has no {name!r}; a stub must '
+                'hold every submodule the code it stands in for imports (flax imports tensorflow.io where tensorflow '
+                'imports), in every process the suite starts too')  # fmt: skip
+    if name.split('.')[0] == module_name.split('.')[0]:
+        return 'is its folder on PYTHONPATH?'
+    return f'imported by {module_name}: is it installed, or its folder on PYTHONPATH?'
+
+
 def load(spec: str) -> Port:
     """``'package.module:NAME'`` -> the port it names (a port, or a function of no arguments returning one)."""
     port = _load(spec)
@@ -163,7 +177,8 @@ def _load(spec: str) -> Port:
     except ConfigError as e:  # a port built with a wrong field: which one, where, and whether it is the one asked for
         raise ConfigError(f'--workload {spec!r}: {_built_where(e, module_name, attr)}{e}') from None
     except ModuleNotFoundError as e:
-        raise ConfigError(f'--workload {spec!r}: cannot import {e.name!r} (is its folder on PYTHONPATH?)') from None
+        raise ConfigError(f'--workload {spec!r}: cannot import {e.name!r} ({_not_found(e.name or "", module_name)})'
+                          ) from None  # fmt: skip
     except Exception as e:  # noqa: BLE001 -- the user's module failed: say so in one line
         raise _users(spec, f'importing {module_name}', e) from None
     if not hasattr(module, attr):
