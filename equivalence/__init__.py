@@ -13,7 +13,7 @@ request simulated devices first):
 - ``cli``, ``devices``: what every command shares (flags, one-line errors, exit codes, devices).
 
 The public API, for checking your own port (``README.md``, "Check your own port", and ``docs/port.md``):
-``ModelPort``, ``LoopPort``, ``check`` (``from equivalence import ModelPort``); and the
+``ModelPort``, ``LoopPort``, ``check``, ``read_groups`` (``from equivalence import ModelPort``); and the
 pytest plugin ``equivalence.testing``. They load on first use, so that importing this
 package still imports no JAX.
 """
@@ -31,6 +31,7 @@ _PUBLIC = {
     'PortError': ('equivalence.core.port.naming', 'PortError'),
     'ConfigError': ('equivalence.core.port.config', 'ConfigError'),
     'check': ('equivalence.core.harness', 'check'),
+    'read_groups': ('equivalence.core.port.new_side', 'read_groups'),  # new_groups='s default, to start from
 }
 __all__ = list(_PUBLIC)
 

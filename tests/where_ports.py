@@ -19,6 +19,8 @@ import optax
 from conftest import ROOT
 from flax import nnx
 
+from equivalence import read_groups
+
 sys.path.insert(0, os.path.join(ROOT, 'examples', 'mlp_port'))
 import legacy_code as old  # noqa: E402
 import my_port  # noqa: E402
@@ -93,9 +95,8 @@ def nnx_calls(rate):
 
 
 def new_groups(ts: TrainState) -> dict:
-    params = lambda m: nnx.to_pure_dict(nnx.state(m, nnx.Param))  # noqa: E731
-    return {'params': params(ts.model), 'opt_state': nnx.to_pure_dict(nnx.state(ts.optimizer.opt_state)),
-            'ema': params(ts.ema), 'step': {'step': ts.optimizer.step[...]}}  # fmt: skip
+    """The default reading of (model, optimizer), through the public ``read_groups`` (docs/port.md), and the EMA."""
+    return {**read_groups((ts.model, ts.optimizer)), 'ema': nnx.to_pure_dict(nnx.state(ts.ema, nnx.Param))}
 
 
 def port(name: str, tx=None, new_tx=None, rate=RATE, new_rate=None, **legacy) -> Any:
