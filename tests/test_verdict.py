@@ -253,3 +253,14 @@ def test_the_judge_runs_no_twin_when_asked_for_the_screen_only_and_it_passes():
     result = run(workloads.get('mlp'), devices=2, verdict='screen', calls=1)
     assert result.report.match and result.report.floor is None
     assert result.verdict.twin.startswith('not run')
+
+
+def test_the_examples_split_state_loop_is_read_and_checked():
+    """``my_port:LOOP_FAST`` (the loop as bench advises: ``nnx.split((model, optimizer))`` kept as a dataclass
+    of graphdef and state, under ``jax.jit``), the example's own documented command, exited 2 ('got
+    ['graphdef', 'state']: give the port new_groups='): the split state is merged back and read as its
+    objects. It MATCHes; the same form with the LayerNorm epsilon slip MISMATCHes (the control)."""
+    require_devices(2)
+    assert harness.check(my_port.LOOP_FAST, devices=2, steps_per_call=2, calls=2).outcome.label == 'MATCH'
+    slip = dataclasses.replace(my_port.LOOP_FAST, nnx_model=my_port.LOOP_EPSILON_SLIP.nnx_model)
+    assert harness.check(slip, devices=2, steps_per_call=2, calls=2, diagnose=False).outcome.label == 'MISMATCH'
