@@ -116,34 +116,6 @@ SLIP = dataclasses.replace(
 )
 
 
-def fsdp(tree):
-    """Each leaf split over the mesh on its first dimension that the device count divides (else whole), as
-    a team's own fsdp-style ``jax.jit`` places its parameters and optimizer state."""
-
-    def place(a):
-        dim = next((d for d in (0, a.ndim - 1) if a.ndim and a.shape[d] % MESH.size == 0), None)
-        spec = P() if dim is None else P(*([None] * dim), AXIS)
-        return jax.lax.with_sharding_constraint(a, NamedSharding(MESH, spec))
-
-    return jax.tree.map(place, tree)
-
-
-def make_fsdp_step(optimizer):
-    """The same step, its new state placed fsdp-style by the team's own code (the batch split by rows)."""
-
-    def fsdp_step(state, batch):
-        batch = jax.lax.with_sharding_constraint(batch, ROWS)
-        loss, grads = jax.value_and_grad(loss_fn)(state['params'], batch)
-        updates, opt_state = optimizer.update(grads, state['opt_state'], state['params'])
-        return fsdp({'params': optax.apply_updates(state['params'], updates), 'opt_state': opt_state}), loss
-
-    return jax.jit(fsdp_step)
-
-
-# The same new side, its state placed fsdp-style by its own jit: a twin must hold no more than that per device.
-FSDP = dataclasses.replace(PORT, name='pinned-linen-jit-fsdp', new_step=held(make_fsdp_step(tx())))
-
-
 def make_port() -> LoopPort:
     """A factory: ``--workload pinned_port:make_port`` names it (docs/port.md: a port, or a function
     returning one), and it builds its port afresh: no attribute of this module holds it."""

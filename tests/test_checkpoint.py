@@ -34,9 +34,6 @@ EXAMPLE = os.path.join(ROOT, 'examples', 'mlp_port')
 sys.path.insert(0, EXAMPLE)
 import my_port  # noqa: E402  (the example, imported as a user's module)
 
-# the twins of dp on D > 1 (docs/verdict.md)
-ON_THE_RUN = "on the run's devices: dp, batch rows shuffled and dp, batch rows interleaved"
-
 DONE_WHEN = ['--resume-at', '10', '--steps-per-call', '5', '--calls', '4']
 MLP, SCORE = workloads.WORKLOADS['mlp'], workloads.WORKLOADS['score']
 
@@ -148,7 +145,7 @@ def test_migrated_checkpoint_restores_sharded_onto_2_4_8_devices_and_resumes_to_
     result = resume.resume_nnx(MLP, dataclasses.replace(config, devices=devices), legacy, nnx_dir, 4)
     assert result.report.match, [(leaf.name, leaf.max_abs) for leaf in result.report.leaves if not leaf.ok]
     assert len(result.new.losses) == 4
-    assert result.verdict.twin == ON_THE_RUN  # the twins restored the same checkpoint: the floor is measured
+    assert result.verdict.twin == 'on 1 device(s)'  # the twin restored the same checkpoint: the floor is measured
 
 
 def test_restore_train_state_in_your_own_code_on_both_sides(mlp_global):
@@ -182,7 +179,7 @@ def test_a_resumed_run_is_held_to_the_floor_of_a_resumed_twin_which_fails_what_t
     config, legacy, nnx_dir = mlp_global
     result = resume.resume_nnx(MLP, dataclasses.replace(config, perturb=1e-5), legacy, nnx_dir, 4)
     done = result.verdict.done
-    assert not result.report.match and done[0] == 'fixed screen passed' and result.verdict.twin == ON_THE_RUN
+    assert not result.report.match and done[0] == 'fixed screen passed' and result.verdict.twin == 'on 1 device(s)'
     assert done[-1] == 'first-step gradients not probed: resumed from a checkpoint' and result.verdict.kind == 'update'
     assert 'legacy twin not run: resumed from a checkpoint' in done
 

@@ -2,8 +2,7 @@
 
 - At D = 1 with per-device keys the twin on 2 devices keeps the run's ``[1, 2]`` keys.
 - A twin whose random draws are not the run's is refused, even where its first two losses agree.
-- A new side pinned to a mesh built from ``jax.devices()`` at import gets its twins on its own devices.
-- Every twin on D > 1 fits where the run fits: data parallelism's too (at most 1.1x its bytes per device).
+- A new side pinned to a mesh built from ``jax.devices()`` at import gets its twin in a fresh process.
 """
 
 import dataclasses
@@ -161,63 +160,21 @@ def test_a_port_a_factory_returns_is_loaded_by_its_factorys_name_in_the_fresh_pr
     assert fresh.locate(dataclasses.replace(port, name='unnamed'), RunConfig(workload='unnamed')) == ''  # the control
 
 
-def test_a_new_side_pinned_to_its_own_mesh_gets_its_floor_on_its_own_devices(pinned):
+def test_a_new_side_pinned_to_its_own_mesh_gets_its_floor_from_a_fresh_process(pinned):
     """linen + jax.jit with shardings on a mesh built from jax.devices() at import runs on every device of
-    its process and nowhere else: a twin on 1 device raises in this process (it then ran in a fresh process
-    that sees 1 device). Its first call draws no random numbers, so its twins are its own step on its own
-    devices, the batch's rows shuffled and interleaved, in this process: a measured floor, each twin holding
-    what the run holds per device, and the slip a MISMATCH judged by it."""
-    on_the_run = "on the run's devices: dp, batch rows shuffled and dp, batch rows interleaved"
+    its process and nowhere else: the twin on 1 device raises in this process (the verdict was the fixed
+    screen, 'unmeasured' on MISMATCH). A fresh process that sees 1 device imports the port afresh and
+    runs it: a measured floor, and the slip is a MISMATCH judged by it."""
     result = pinned[pinned_port.PORT.name]
-    assert result.verdict.twin == on_the_run, result.verdict.lines()
+    assert result.verdict.twin == 'on 1 device(s) in a fresh process', result.verdict.lines()
     assert result.report.match
-    json_ = report.to_json(result, {})['verdict']
-    assert json_['floor_rule'] is not None
-    run, twins = json_['memory']['run']['held'], json_['memory']['twins']
-    assert len(twins) == 2 and all(0 < t['held'] <= 1.1 * run for t in twins.values()), json_['memory']
+    assert report.to_json(result, {})['verdict']['floor_rule'] is not None
     text = report.text(result, 'cpu')
-    assert 'unmeasured' not in text and 'in a fresh process' not in text
+    assert 'unmeasured' not in text and 'in a fresh process' in text
     slipped = pinned[pinned_port.SLIP.name]
     assert not slipped.report.match and slipped.report.floor is not None
-    assert slipped.verdict.kind != 'unmeasured' and slipped.verdict.twin == on_the_run
-    json.dumps(report.to_json(slipped, {}))
-
-
-def test_a_loop_ports_own_fsdp_placement_is_where_its_twins_fit(pinned):
-    """A team's own jax.jit that places its parameters and optimizer state fsdp-style (split over its 8
-    devices) had a twin on 1 device in a fresh process, its bytes not reported. Its first call draws
-    nothing: its twins are its own step on its own mesh, rows reordered, and the report gives the run's
-    and each twin's bytes per device (its call's arguments, the state where its step left it): the run's
-    below the whole state's, each twin at most 1.1x the run's; a MATCH."""
-    require_devices(8)
-    result = harness.check(pinned_port.FSDP, devices=len(jax.devices()), locate=False, **QUICK)
-    assert result.report.match, verdict.details(verdict.failed(result.report))
-    assert result.verdict.twin == "on the run's devices: dp, batch rows shuffled and dp, batch rows interleaved"
-    memory = report.to_json(result, {})['verdict']['memory']
-    replicated = report.to_json(pinned[pinned_port.PORT.name], {})['verdict']['memory']['run']['held']
-    run = memory['run']['held']
-    assert 0 < run < replicated, (run, replicated)
-    assert len(memory['twins']) == 2 and all(0 < t['held'] <= 1.1 * run for t in memory['twins'].values()), memory
-
-
-def test_data_parallel_twins_fit_where_the_run_fits():
-    """dp on 8 devices (cnn): the twin was data parallel on 1 device, holding the whole global batch there
-    (4.15x the run's bytes per device, XLA's memory analysis), which a model whose batch fits only spread
-    over the devices cannot. Its twins are the run's own 8 devices, the batch's rows shuffled and
-    interleaved: each at most 1.1x the run's bytes per device, in the JSON; the correct port still a MATCH
-    and a slip (the NNX learning rate 1e-3 off) a MISMATCH, each judged by the floor they measured."""
-    require_devices(8)
-    cnn = workloads.get('cnn')
-    on_the_run = "on the run's devices: dp, batch rows shuffled and dp, batch rows interleaved"
-    for perturb, match in ((0.0, True), (1e-3, False)):
-        result = harness.check(cnn, match, devices=8, strategy='dp', perturb=perturb, locate=False, **QUICK)
-        assert result.report.match is match, verdict.details(verdict.failed(result.report))
-        assert result.verdict.twin == on_the_run and result.report.floor is not None, result.verdict.lines()
-        assert result.verdict.kind != 'unmeasured'
-        memory = report.to_json(result, {})['verdict']['memory']
-        run = memory['run']['held']
-        assert len(memory['twins']) == 2, memory
-        assert all(0 < t['held'] <= 1.1 * run for t in memory['twins'].values()), memory
+    assert slipped.verdict.kind != 'unmeasured' and slipped.verdict.twin == 'on 1 device(s) in a fresh process'
+    json.dumps(report.to_json(slipped, {}))  # the report of a twin that ran elsewhere is plain data
 
 
 def test_a_sharded_runs_twins_hold_no_more_per_device_than_the_run():

@@ -15,7 +15,6 @@ from equivalence.core.port.ports import LoopPort
 from equivalence.core.preflight import groups, steps, trace
 from equivalence.core.run import adapters, loop_side, setups, step_side
 from equivalence.core.run.inputs import Inputs
-from equivalence.core.run.reorder import Reordered, TwinKind
 from legacy_pmap import train as legacy
 from nnx_sharded import sharding
 
@@ -104,7 +103,7 @@ class FusedLoop(Loop):
     def new_setup(self, config: RunConfig, inputs: Inputs) -> Setup:
         return loop_side.new_setup(self.port, config, inputs.variables, inputs.mapping)
 
-    def twin_setup(self, config: RunConfig, inputs: Inputs, twin: TwinKind, lr_scale: float | None = None) -> Setup:
+    def twin_setup(self, config: RunConfig, inputs: Inputs, twin: int, lr_scale: float | None = None) -> Setup:
         return loop_side.twin_setup(self.port, config, inputs.variables, inputs.mapping, twin)
 
     def described(self) -> list[str]:
@@ -143,13 +142,9 @@ class StepLoop(Loop):
         source = loop_side.new_source(self.port, inputs.variables, inputs.mapping)
         return step_side.new_setup(self.port, config, source, setups.nnx_mesh(config))
 
-    def twin_setup(self, config: RunConfig, inputs: Inputs, twin: TwinKind, lr_scale: float | None = None) -> Setup:
-        source = loop_side.new_source(self.port, inputs.variables, inputs.mapping)
-        if isinstance(twin, Reordered):  # the run's own mesh, the batch's rows reordered
-            mesh = setups.nnx_mesh(config)
-            rows = twin.rows(config.batch_size, mesh.shape.get(sharding.DATA, 1))
-            return step_side.reordered_setup(self.port, config, source, mesh, rows)
+    def twin_setup(self, config: RunConfig, inputs: Inputs, twin: int, lr_scale: float | None = None) -> Setup:
         mesh = sharding.make_mesh(twin, devices=jax.local_devices())  # this process's own: no collective
+        source = loop_side.new_source(self.port, inputs.variables, inputs.mapping)
         return step_side.new_setup(self.port, config, source, mesh)
 
     def described(self) -> list[str]:

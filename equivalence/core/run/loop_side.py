@@ -1,7 +1,6 @@
 """A loop port's two sides with its fused call, built: the team's own step under the suite's
 ``pmap(scan(step))`` (``adapters.legacy_step`` unwraps one already pmapped) and the team's ``new_call``
-over the train state ``new_state`` builds, placed on the mesh; its twin is that same call on another mesh,
-or on the run's own with the batch's rows reordered (``reorder.Reordered``).
+over the train state ``new_state`` builds, placed on the mesh; its twin is that same call on another mesh.
 """
 
 import dataclasses
@@ -9,14 +8,12 @@ import functools
 from typing import Any
 
 import jax
-import numpy as np
 
 from equivalence.core.port import states
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort
 from equivalence.core.run import adapters, randomness
 from equivalence.core.run.facts import model_holding
-from equivalence.core.run.reorder import Reordered, TwinKind, take
 from equivalence.core.run.setups import LegacySetup, LoopNewSetup, nnx_mesh, twin_placed_inputs
 from equivalence.distributed import rows
 from legacy_pmap import train as legacy
@@ -58,23 +55,7 @@ class TwinLoopSetup(LoopNewSetup):
         return twin_placed_inputs(self, rng, batch_KxG)
 
 
-@dataclasses.dataclass
-class ReorderedLoopSetup(LoopNewSetup):
-    """A loop port's ``Reordered`` twin: the run's own call on the run's mesh, its keys placed as the run's
-    (the same programs: the team's jit compiled them already), the batch's rows taken in ``rows`` order."""
-
-    rows: np.ndarray | None = None
-
-    def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
-        return super().call_args(rng, take(batch_KxG, self.rows))
-
-
-def twin_setup(port: LoopPort, config: RunConfig, variables: dict, mapping: dict, n: TwinKind) -> LoopNewSetup:
-    """The run's own new side on a 1-D data mesh of this process's first ``n`` devices (no collective), or
-    (``Reordered``) on the run's mesh, its batch rows reordered."""
-    if isinstance(n, Reordered):
-        mesh = nnx_mesh(config)
-        rows_ = n.rows(config.batch_size, mesh.shape.get(sharding.DATA, 1))
-        return ReorderedLoopSetup(port, new_train_state(port, variables, mapping, mesh), mesh, config, rows=rows_)
+def twin_setup(port: LoopPort, config: RunConfig, variables: dict, mapping: dict, n: int) -> TwinLoopSetup:
+    """The run's own new side on a 1-D data mesh of this process's first ``n`` devices (no collective)."""
     mesh = sharding.make_mesh(n, devices=jax.local_devices())
     return TwinLoopSetup(port, new_train_state(port, variables, mapping, mesh), mesh, config)

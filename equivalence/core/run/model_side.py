@@ -14,7 +14,6 @@ from flax import nnx
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import ModelPort
 from equivalence.core.run.facts import model_holding, uses_dropout
-from equivalence.core.run.reorder import Reordered, TwinKind, take
 from equivalence.core.run.setups import (
     LegacySetup,
     NnxGraphSetup,
@@ -27,7 +26,6 @@ from equivalence.core.run.setups import (
     twin_placed_inputs,
 )
 from equivalence.distributed import rows
-from legacy_pmap import losses as legacy_losses
 from legacy_pmap import train as legacy
 from nnx_sharded import shard_map, sharding
 from nnx_sharded import train as sharded
@@ -76,29 +74,34 @@ def new_setup(port: ModelPort, config: RunConfig, variables: dict, mapping: dict
         step = shard_map.make_step_fn(graphdef, nnx_loss(port, config), noise, port.ema_rate, config.rng_mode)
         fused = shard_map.make_fused_call(step, mesh, config.rng_mode)
         return NnxSetup(fused, graphdef, state, mesh, config, decisions)
-    return NnxSetup(data_parallel_call(port, graphdef, config, mesh, shardings, scale), graphdef, state, mesh,
-                    config, decisions)  # fmt: skip
-
-
-_CALLS: dict = {}  # (id(port), config, lr scale) -> (port, its data-parallel fused call): the last few built
-KEPT = 4
-
-
-def data_parallel_call(port: ModelPort, graphdef, config: RunConfig, mesh, shardings, scale: float):
-    """The split form's fused call of ``port`` under ``config`` (the run's strategy, or a twin's ``dp``),
-    one object per port, config and learning-rate scale, so that a twin on the run's own devices that
-    draws no random numbers calls the run's compiled program (XLA compiles a jitted function once per
-    input placement): the same program given another order of the batch's rows (``Reordered``)."""
-    key = (id(port), config, scale)
-    if key not in _CALLS or _CALLS[key][0] is not port:  # the port held with its call: its id is not reused
-        carry_shardings = (sharding.key_sharding(mesh, config.rng_mode), shardings)
-        _CALLS[key] = (port, sharded.make_fused_call(nnx_step(port, graphdef, config), carry_shardings))
-        while len(_CALLS) > KEPT:
-            del _CALLS[next(iter(_CALLS))]
-    return _CALLS[key][1]
+    carry_shardings = (sharding.key_sharding(mesh, config.rng_mode), shardings)
+    fused = sharded.make_fused_call(nnx_step(port, graphdef, config), carry_shardings)
+    return NnxSetup(fused, graphdef, state, mesh, config, decisions)
 
 
 # -- the twins ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Reordered:
+    """A twin on the checked run's own D devices, placed by ``strategy``, whose global batch holds its
+    rows interleaved (``rows``): every device sums other examples, in another order. The twin of a
+    sharded strategy, whose model may fit only sharded: it holds about what a device of the run holds
+    (``footprint``)."""
+
+    strategy: str  # the run's own (its mesh too), or another placement of the same devices
+
+    def rows(self, g: int, data: int) -> np.ndarray:
+        """Position i of the twin's batch holds example ``rows[i]``: with k groups (the mesh's data axis,
+        else 2), the examples of group c are spread over positions c, c + k, c + 2k, ..."""
+        k = next((k for k in (data, 2) if k > 1 and g % k == 0), 1)
+        return np.arange(g).reshape(k, g // k).T.ravel()
+
+    def __str__(self) -> str:
+        return f'{self.strategy}, batch rows interleaved'
+
+
+TwinKind = int | Reordered  # a twin: data parallel on that many devices, or the run's devices placed and reordered
 
 
 @dataclasses.dataclass
@@ -117,7 +120,7 @@ class ReorderedSetup(TwinSetup):
     rows: np.ndarray | None = None
 
     def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
-        return super().call_args(rng, take(batch_KxG, self.rows))
+        return super().call_args(rng, jax.tree.map(lambda v: np.asarray(v)[:, self.rows], batch_KxG))
 
 
 def reordered_loss(loss, rows: np.ndarray):
@@ -132,32 +135,13 @@ def reordered_loss(loss, rows: np.ndarray):
     return loss_of_rows
 
 
-@dataclasses.dataclass
-class RowsSetup(NnxSetup):
-    """A ``Reordered`` data-parallel twin of a port that draws no random numbers: the run's own call, its
-    inputs placed as the run's, the batch's rows taken in ``rows`` order."""
-
-    rows: np.ndarray | None = None
-
-    def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
-        return super().call_args(rng, take(batch_KxG, self.rows))
-
-
-def draws_nothing(port: ModelPort) -> bool:
-    """Whether the port's step draws no random numbers (no Dropout, no noise of its own)."""
-    return not uses_dropout(port) and port.noise in (None, legacy_losses.no_noise)
-
-
 def reordered_setup(port: ModelPort, config: RunConfig, variables: dict, mapping: dict, kind: Reordered, scale):
-    """The NNX side on the checked run's devices placed by ``kind.strategy``, its batch rows reordered."""
+    """The NNX side on the checked run's devices placed by ``kind.strategy``, its batch rows interleaved."""
     if kind.strategy != config.strategy:  # another placement of the same devices, its default mesh
         config = dataclasses.replace(config, strategy=kind.strategy, mesh=None)
     mesh = nnx_mesh(config)
     graphdef, state, shardings, _ = model_state(port, variables, mapping, mesh, scale, config.strategy)
     rows_ = kind.rows(config.batch_size, mesh.shape.get(sharding.DATA, 1))
-    if config.strategy == 'dp' and config.nnx_form == 'split' and draws_nothing(port):
-        fused = data_parallel_call(port, graphdef, config, mesh, shardings, scale)
-        return RowsSetup(fused, graphdef, sharding.place_state(state, shardings), mesh, config, rows=rows_)
     loss = reordered_loss(nnx_loss(port, config), rows_)
     step = sharded.make_step_fn(graphdef, loss, port_noise(port, uses_dropout(port)), port.ema_rate, config.rng_mode)
     fused = sharded.make_fused_call(step, (sharding.replicated(mesh), shardings))

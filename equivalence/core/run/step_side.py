@@ -26,7 +26,6 @@ from equivalence.core.run.adapters import (
     returns_state,
     step_keys,
 )
-from equivalence.core.run.reorder import take
 from equivalence.distributed import rows
 from legacy_pmap import train as legacy
 from nnx_sharded import sharding
@@ -144,19 +143,3 @@ class StepNewSetup(setups.LoopNewSetup):
 def new_setup(port: LoopPort, config: RunConfig, source: Any, mesh) -> StepNewSetup:
     """``source``: what ``new_state`` takes (``loop_side.new_source``: the NNX model, or linen's variables)."""
     return StepNewSetup(port, sharding.place_objects(port.new_state(source), mesh), mesh, config)
-
-
-@dataclasses.dataclass
-class ReorderedStepSetup(StepNewSetup):
-    """A ``reorder.Reordered`` twin of a real step: the run's own step on the run's mesh, the batch's rows
-    taken in ``rows`` order."""
-
-    rows: np.ndarray | None = None
-
-    def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
-        return super().call_args(rng, take(batch_KxG, self.rows))
-
-
-def reordered_setup(port: LoopPort, config: RunConfig, source: Any, mesh, rows_: np.ndarray) -> ReorderedStepSetup:
-    """The run's new side on ``mesh`` (the run's), its batch's rows in ``rows_`` order."""
-    return ReorderedStepSetup(port, sharding.place_objects(port.new_state(source), mesh), mesh, config, rows=rows_)

@@ -58,17 +58,16 @@ def judge(kind: Kind, config: RunConfig, old, new, inputs: Inputs, tree, diagnos
     screen = compare.compare(trees(old), trees(new), kind.port.tolerance)
     done = [f'fixed screen {"passed" if screen.match else "failed"}']
     local, cannot = len(jax.local_devices()), fresh.why_not(config, inputs.restore is not None)
-    available, settled = local if cannot else max(local, 2), config.verdict == 'screen' and screen.match
-    kinds, drawn = (
-        (twin.twin_kinds(config, available), None) if settled else twin.planned(kind, config, inputs, available)
-    )
-    counts = tuple(n for n in kinds if twin.devices_of(n, config) <= local or not cannot)
+    counts = tuple(
+        n for n in twin.twin_kinds(config, local if cannot else max(local, 2))
+        if twin.devices_of(n, config) <= local or not cannot
+    )  # fmt: skip
     if not counts or (config.verdict == 'screen' and screen.match):
         none = f'no second mesh fits ({cannot or "an odd batch"})' if not counts else ''
         text = f'not run: {none or "--verdict screen, and the screen passed"}'
         report, judged = finish(kind, config, screen, old, new, inputs, done + [f'twin {text}'], text, None, diagnose)
         return report, unverified.unmeasured(report, judged) if none else judged  # --verdict screen: the user's
-    measured = twin.measure(kind, config, new, inputs, counts, drawn)
+    measured = twin.measure(kind, config, new, inputs, counts)
     if not measured.twins:
         why = measured.why[0]
         report, judged = finish(kind, config, screen, old, new, inputs, done + [f'twin {why}'], why, None, diagnose,

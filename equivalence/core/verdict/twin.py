@@ -7,22 +7,17 @@ size: a twin on D' devices given the same ``[D, 2]`` keys draws bitwise the same
 In global mode the keys do not depend on D at all. So ``|nnx - twin|`` is, leaf by leaf,
 what reordering the sums alone does to this port: its noise floor.
 
-On D > 1 in one process every twin is on the run's own D devices, holding no more per device than the
-run (``FIT``, ``must_fit``): a model that fits only spread over the devices has no room for a twin on
-one device. A sharded strategy's (fsdp, tp, fsdp-tp) are placements of them, the batch's rows
-interleaved (``Reordered``, ``CANDIDATES``); data parallelism's and shard_map's are data parallel on
-them, the batch's rows shuffled and interleaved (``ON_THE_RUN``); a loop port's are its own step on
-its own mesh, the rows shuffled and interleaved, where its first call draws no random numbers
-(``planned``; where it draws, by position, reordering would change them: 1 device, as before). Each
-leaf gets the larger of two twins' floors (``farthest``). What those twins were before, and why two
-(the candidates' data-parallel one on D is the second of these):
+A dp or shard_map run's twin is unsharded data parallelism (``dp``, split form) on another count. A
+sharded strategy's twins (fsdp, tp, fsdp-tp on D > 1, one process) are on the run's own D devices,
+holding no more per device than the run (``Reordered``, ``CANDIDATES``, ``FIT``): a model that fits
+only sharded has no room for a twin on one device. Each leaf gets the larger of two twins' floors
+(``farthest``). What those twins were before, and why two (the candidates' data-parallel one on D
+is the second of these):
 
 - On 1 device (every D > 1): NNX on 8 devices against NNX on 1 reproduces the 4.95e-6 that the
   cnn workload's ``conv1/kernel`` differs by under dp (``--rng global --seed 3``); NNX on 2
-  against 1 differs by 1.2e-7 and would miss it. It was the only twin of dp and shard_map, whose
-  per-device sums are the pmap run's, until it held 4.15x the run's bytes per device there (cnn,
-  D = 8; that workload's Adam eps is 1e-5 since, and the 4.95e-6 gone): the run's devices with the
-  rows reordered took its place, the corpus's cnn entries judged right with them (``docs/verdict.md``).
+  against 1 differs by 1.2e-7 and would miss it. The only twin of dp and shard_map, whose
+  per-device sums are the pmap run's.
 - Data parallel on D devices, the pmap run's split (fsdp, tp, fsdp-tp on D > 1; several processes): tp's mesh is
   all model axis and sums the batch as one device does, so the 1-device twin rounds like it.
   Measured (cnn, Adam eps 1e-8, global keys, seed 6): ``params/hidden/kernel`` of NNX tp on 8
@@ -52,7 +47,7 @@ from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind as PortKind
 from equivalence.core.run import clock, draws, footprint, sides
 from equivalence.core.run.inputs import Inputs
-from equivalence.core.run.reorder import INTERLEAVED, SHUFFLED, Reordered, TwinKind
+from equivalence.core.run.model_side import Reordered, TwinKind
 from equivalence.core.verdict import compare, fresh, rule
 from equivalence.distributed import gather
 
@@ -77,42 +72,18 @@ FIT = 1.1  # a sharded run's twin may hold at most this many times the run's byt
 TWINS = 2  # a sharded run's twins: each leaf the larger of their floors
 
 
-# Data parallelism's and shard_map's twins, in order: the run's own D devices placed as data parallel, the
-# global batch's rows shuffled (one fixed permutation), then interleaved (``reorder.Reordered``): the same
-# examples, every device summing others in another order. (They were one twin on 1 device, holding the
-# whole global batch: cnn under dp at D = 8, 4.15x the run's bytes per device.)
-ON_THE_RUN = (Reordered('dp', SHUFFLED), Reordered('dp', INTERLEAVED))
-
-
 def must_fit(config: RunConfig) -> bool:
-    """Whether the twins are on the run's own devices, each held to fit: a sharded strategy's candidates
-    (fsdp, tp, fsdp-tp), or data parallelism's and shard_map's ``ON_THE_RUN``, on D > 1 in one process
-    (across processes each runs its twin on its own devices, ``twin_counts``)."""
-    placed = config.strategy in CANDIDATES or config.strategy in ('dp', 'shard_map')
-    return config.devices > 1 and placed and jax.process_count() == 1
+    """Whether the twins are a sharded strategy's candidates, each held to fit (fsdp, tp, fsdp-tp on
+    D > 1, in one process: across processes each runs its twin on its own devices, ``twin_counts``)."""
+    return config.devices > 1 and config.strategy in CANDIDATES and jax.process_count() == 1
 
 
-def twin_kinds(config: RunConfig, available: int, reorderable: bool = True) -> tuple[TwinKind, ...]:
+def twin_kinds(config: RunConfig, available: int) -> tuple[TwinKind, ...]:
     """The twins of a run: a sharded strategy's ``CANDIDATES`` (the judge runs the first ``TWINS`` that
-    fit), data parallelism's and shard_map's ``ON_THE_RUN``, otherwise ``twin_counts``. ``reorderable``:
-    False where the step draws its random numbers by position (a loop port's whose first call draws):
-    reordering the rows would change its math, so it keeps ``twin_counts``."""
-    if must_fit(config) and config.strategy in CANDIDATES:
+    fit), otherwise ``twin_counts``."""
+    if must_fit(config):
         return tuple(config.devices if s == 'dp' else Reordered(s) for s in CANDIDATES[config.strategy])
-    if must_fit(config) and reorderable:
-        return ON_THE_RUN
     return twin_counts(config, available)
-
-
-def planned(kind: PortKind, config: RunConfig, inputs: Inputs, available: int):
-    """``(the twins of a run, what the run's first call draws or None)``: ``twin_kinds``, where a step whose
-    draws the suite checks (a loop port's) is reorderable only when its first call draws nothing (recorded
-    here, once: ``run_draws``), since it draws by position."""
-    if not (checks_draws(kind) and must_fit(config)):
-        return twin_kinds(config, available), None
-    with clock.stage("the run's first call again, its random draws recorded"):
-        drawn = run_draws(kind, config, inputs)
-    return twin_kinds(config, available, not sum(drawn.values())), drawn
 
 
 def devices_of(kind: TwinKind, config: RunConfig) -> int:
@@ -201,17 +172,14 @@ class TwinNotRun(Exception):
         self.errors = errors
 
 
-def measure(kind: PortKind, config: RunConfig, new, inputs: Inputs, counts: tuple, drawn=None) -> Measured:
+def measure(kind: PortKind, config: RunConfig, new, inputs: Inputs, counts: tuple) -> Measured:
     """Each twin (up to ``TWINS``) that ran and computed what NNX computes, its losses and (a loop
-    port's) random draws, and why each other did not run or was refused; ``drawn``: the run's first
-    call's draws, recorded already (``planned``)."""
-    twins, why, fresh_ones, errors, drawn_by_run = {}, [], [], [], [] if drawn is None else [drawn]
-    fit = getattr(new, 'memory', None) if must_fit(config) else None
+    port's) random draws, and why each other did not run or was refused."""
+    twins, why, fresh_ones, errors, drawn_by_run = {}, [], [], [], []
+    fit = new.memory if must_fit(config) else None
     # Where fewer than two candidates fit, data parallel on D runs all the same (it rounds as the pmap run
     # does; the reordered placements alone measured too small a floor: wide under fsdp-tp, seed 0, 11x).
-    fallback = fit is not None and config.strategy in CANDIDATES
-    tries = [(n, fit if devices_of(n, config) == config.devices else None) for n in counts]
-    tries += [(config.devices, None)] if fallback else []
+    tries = [(n, fit) for n in counts] + ([(config.devices, None)] if fit is not None else [])
     built: dict = {}  # a candidate's setup, compiled to read its bytes: the fallback runs it as it is
     for n, limit in tries:
         if len(twins) == TWINS or n in twins:
@@ -246,22 +214,17 @@ def one_twin(kind: PortKind, config: RunConfig, inputs: Inputs, n, fit: dict | N
     it raised here first)``: in this process when its devices suffice and the code runs there, else in a
     fresh process that sees ``n`` devices (code pinned to a mesh of its own, built from ``jax.devices()``);
     ``TwinNotRun`` saying why not. ``fit``: the run's bytes per device, which a candidate twin must not
-    exceed ``FIT`` times (the suite's own call: read before it runs; a loop port's: after, as the run's
-    were); ``built``: setups built already, by twin (one that did not fit may run later as the fallback).
-    A ``Reordered`` twin of a step whose draws are checked runs only where the run's first call draws
-    nothing (``planned``): the same step on the same mesh draws nothing either, so its draws are not
-    recorded, and it runs the programs the run compiled."""
-    check, calls, errors = checks_draws(kind) and not isinstance(n, Reordered), inputs.whole_calls, []
+    exceed ``FIT`` times; ``built``: setups built already, by twin (one that did not fit may run later as
+    the fallback)."""
+    check, calls, errors = checks_draws(kind), inputs.whole_calls, []
     raised = f'{n} device(s) are more than this process sees'
     if devices_of(n, config) <= len(jax.local_devices()):
         drawn = draws.FirstCall() if check else None
         try:
             built = {} if built is None else built
             setup = built[n] = built.get(n) or kind.twin_setup(config, inputs, n)
-            if inputs.rng is not None:  # after --resume-at the keys are the checkpoint's: held after it runs
-                too_big(footprint.compiled(setup, calls[0], inputs.rng), fit, n)
+            too_big(setup, calls[0], inputs.rng, fit, n)
             tw = run_twin(kind, config, inputs, n, record=drawn, setup=setup)
-            too_big(tw.memory, fit, n)
             return tw, drawn and drawn.draws, False, ()
         except TwinNotRun:
             raise
@@ -269,8 +232,6 @@ def one_twin(kind: PortKind, config: RunConfig, inputs: Inputs, n, fit: dict | N
             errors.append(f'twin on {n} device(s): {type(e).__name__}: {e}')
             raised = f'{describe([n])} it raised {blame.first_line(e)}'
     cannot = fresh.why_not(config, inputs.restore is not None)
-    if isinstance(n, Reordered):  # the run's own devices, here: a fresh process would see no other count
-        raise TwinNotRun(f'not run: {raised}', tuple(errors))
     if cannot:
         raise TwinNotRun(f'not run: {raised}; and no fresh process: {cannot}', tuple(errors))
     try:
@@ -281,11 +242,12 @@ def one_twin(kind: PortKind, config: RunConfig, inputs: Inputs, n, fit: dict | N
     return tw, drawn, True, tuple(errors)
 
 
-def too_big(held: dict | None, fit: dict | None, n) -> None:
-    """``TwinNotRun`` when the twin holds (``held``) more than ``FIT`` times the run's bytes per device."""
-    if fit is None or held is None:
+def too_big(setup, batch_KxG, rng, fit: dict | None, n) -> None:
+    """``TwinNotRun`` when the twin would hold more than ``FIT`` times the run's bytes per device."""
+    if fit is None:
         return
-    if held['held'] > FIT * fit['held']:
+    held = footprint.per_device(setup, batch_KxG, rng)
+    if held is not None and held['held'] > FIT * fit['held']:
         ratio = held['held'] / fit['held']
         raise TwinNotRun(f"not run {describe([n])}: it would hold {ratio:.2f}x the run's bytes per device")
 
