@@ -77,9 +77,9 @@ def read_groups(train_state: Any) -> dict[str, Any]:
     if form(train_state) == OBJECTS:
         return convert.find_nnx_groups(train_state)
     named = fields(train_state)
-    if named is not None and isinstance(named.get('graphdef'), nnx.GraphDef) and named.get('params') is None:
-        if named.get('state') is not None:  # nnx.split((model, optimizer)) kept as (graphdef, state): merged back
-            return convert.find_nnx_groups(nnx.merge(named['graphdef'], named['state']))
+    split = named is not None and isinstance(named.get('graphdef'), nnx.GraphDef) and named.get('state') is not None
+    if split and named.get('params') is None:  # nnx.split((model, optimizer)) kept as (graphdef, state): merged back
+        return convert.find_nnx_groups(nnx.merge(named['graphdef'], named['state']))
     if named is None or named.get('params') is None:
         given = sorted(named) if named is not None else type(train_state).__name__
         raise TypeError(

@@ -58,12 +58,10 @@ def ema(step: Step) -> Location | None:
         return None
     leaf = worst(bad)
     read = _fits(step)
-    decays = _decays(read)
-    said = f"; the decay each side's update implies: {decays}" if decays else ''
-    grads = 'the gradients, ' if step.grads('legacy') else ''
     carried = _carried(step, bad, read)
+    said = f"; the decay each side's update implies: {_decays(read, own=not carried)}" if read else ''
+    grads = 'the gradients, ' if step.grads('legacy') else ''
     if carried:  # one decay, and the EMA parts by what the parameters do: the place is before the EMA
-        said = f"; the decay each side's update implies: {_decays(read, own=False)}" if read else ''
         return Location(
             'unlocated', '', '',
             f'not located: only the EMA parts beyond its floor {step.after} (ema/{leaf.path} {sci(leaf.max_abs)} '
@@ -93,8 +91,10 @@ def _fits(step: Step) -> list[float] | None:
         keys = [k for k in ema_ if k in params and k in before]
         if not keys:
             return None
-        cat = lambda d, keys=keys: np.concatenate([np.asarray(d[k], np.float64).ravel() for k in keys])  # noqa: E731
-        x, y = cat(before) - cat(params), cat(ema_) - cat(params)
+        x, y = (
+            implied.flat(before, keys) - implied.flat(params, keys),
+            implied.flat(ema_, keys) - implied.flat(params, keys),
+        )
         d, r2 = implied.fit(y, x)
         if r2 < 0.99:
             return None
@@ -102,13 +102,15 @@ def _fits(step: Step) -> list[float] | None:
     return found
 
 
-def _decays(read: list[float] | None, own: bool = True) -> str:
-    if read is None:
-        return ''
-    said = [f'pmap {read[0]:.6g}', f'new {read[1]:.6g}']
-    same = f'{read[0]:.6g}' == f'{read[1]:.6g}'
+def _same(read: list[float]) -> bool:
+    """Whether both sides' decays are one, to the digits said."""
+    return f'{read[0]:.6g}' == f'{read[1]:.6g}'
+
+
+def _decays(read: list[float], own: bool) -> str:
+    """Both decays, said; ``own``: the EMA parts by its own arithmetic, where the decays are one."""
     why = ': the arithmetic of the update differs, its precision or order' if own else ''
-    return ', '.join(said) + (f' (the same decay{why})' if same else '')
+    return f'pmap {read[0]:.6g}, new {read[1]:.6g}' + (f' (the same decay{why})' if _same(read) else '')
 
 
 def _carried(step: Step, bad: list, read: list[float] | None) -> str:
@@ -124,7 +126,7 @@ def _carried(step: Step, bad: list, read: list[float] | None) -> str:
         return ''  # parameters that agree to the bit: the EMA's update is the one place left
     if read is None:
         return 'no decay can be read here'
-    if f'{read[0]:.6g}' != f'{read[1]:.6g}':
+    if not _same(read):
         return ''
     ends = step.final('legacy', 'ema'), step.final('new', 'ema')
     for leaf in bad:

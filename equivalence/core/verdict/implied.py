@@ -23,6 +23,11 @@ NESTEROV_B1 = 0.9  # Adam's default b1
 EXPLAINED = 0.9  # r² a form must reach to be named
 
 
+def flat(tree: dict, keys) -> np.ndarray:
+    """The leaves ``keys`` of a flat tree (path -> array), in float64, end to end: what ``fit`` fits."""
+    return np.concatenate([np.asarray(tree[k], np.float64).ravel() for k in keys])
+
+
 def fit(d: np.ndarray, x: np.ndarray) -> tuple[float, float]:
     """``(c, r²)`` of ``d ~ c x`` through 0."""
     if x @ x == 0 or d @ d == 0:

@@ -214,9 +214,9 @@ def locate(
         return Location('unlocated', '', '', f'not located: {apart}')
     found = judge_step(port_kind, *recorder.runs, mapping, inputs.variables, noisy=noisy, allowed=allowed)
     steps = min(MAX_STEPS, sum(jax.tree.leaves(call)[0].shape[0] for call in inputs.calls))
-    prior = recorder.runs[0]['legacy'].final.get('opt_state')  # the slots step 2 starts from
     if found.kind != 'none' or steps < 2:
         return found
+    prior = recorder.runs[0]['legacy'].final.get('opt_state')  # the slots step 2 starts from
     for n in sorted({2, steps}):  # step 2 first: where a warmup's zero first update hid the slip, one run
         results, raw = recorder.steps(n)
         at = _first_parting(results, n, noisy)

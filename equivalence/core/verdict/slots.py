@@ -115,7 +115,7 @@ def implied_update(step: Step) -> str:
     keys = [k for k in start if all(k in e for e in ends)]
     if not keys:
         return 'nothing (no parameter is held by both sides)'
-    cat = lambda d: np.concatenate([np.asarray(d[k], np.float64).ravel() for k in keys])  # noqa: E731
+    cat = lambda d: implied.flat(d, keys)  # noqa: E731
     p0, grads, scale = cat(start), step.grads('legacy'), 1.0
     if not grads:  # a loop port: Adam's first moment is (1 - b1) g after one step
         mu = {k: v for k, v in step.final('legacy', 'opt_state').items() if '/mu/' in f'/{k}'}
@@ -143,18 +143,17 @@ def update_is_zero(step: Step) -> bool:
 def _later_slot(step: Step, slot: str, paths: list[str], slots: dict, grads: str) -> Location | None:
     """On a later step, with the gradients not observed, a slot that parts is the optimizer only where its
     numbers say so: SGD momentum's trace parts by ``(m' - m) trace_before`` when the momentum differs, a
-    multiple of the slot before the step (r² >= 0.9 over the leaves that part); a gradient that differs (an
-    L2 term, a decay added to it: imagenet's penalty was named the trace) parts it otherwise. None where the
-    slot is the place; else 'not located' with what was read."""
+    multiple of the slot before the step (r² >= ``implied.EXPLAINED`` over the leaves that part); a gradient
+    that differs (an L2 term, a decay added to it: imagenet's penalty was named the trace) parts it
+    otherwise. None where the slot is the place; else 'not located' with what was read."""
     if step.step == 1 or step.grads('legacy'):
         return None
     kind, before = slot.rpartition('/')[2], step.prior or {}
     leaves = [p for p in paths if p in before and not slots[p].ok and not slots[p].noise_dominated]
     ends = [step.final(side, 'opt_state') for side in ('legacy', 'new')]
     if kind == 'trace' and leaves and all(p in ends[0] and p in ends[1] for p in leaves):
-        cat = lambda d: np.concatenate([np.asarray(d[p], np.float64).ravel() for p in leaves])  # noqa: E731
-        c, r2 = implied.fit(cat(ends[1]) - cat(ends[0]), cat(before))
-        if r2 >= 0.9:
+        c, r2 = implied.fit(implied.flat(ends[1], leaves) - implied.flat(ends[0], leaves), implied.flat(before, leaves))
+        if r2 >= implied.EXPLAINED:
             return None
         read = f'its difference is no multiple of the slot before the step ({c:.3g} x it, r² {r2:.2f})'
     else:
