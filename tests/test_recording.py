@@ -6,6 +6,11 @@ located; the negative control, one LayerNorm epsilon in the same form, is locate
 Recorded before the fix, the vmapped form named a place on the correct port (each device's rows
 recorded in no fixed order, one kept), and the scanned one named the code feeding the second block."""
 
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 import recording_forms as forms
 from conftest import require_devices
@@ -13,17 +18,30 @@ from conftest import require_devices
 from equivalence.core import harness, kinds, preflight
 from equivalence.core.port.config import RunConfig
 from equivalence.core.run import inputs as made
-from equivalence.core.verdict import locate
+from equivalence.core.run import pruned
+from equivalence.core.verdict import hidden, locate
 from equivalence.core.verdict.first_step import Recorder
 
 
-def located(port) -> locate.Location:
+def recorder(port) -> Recorder:
     require_devices(forms.DEVICES)
     config = RunConfig(workload=port.name, devices=forms.DEVICES, steps_per_call=1, calls=1, batch_size=8,
                        rng_mode=port.rng_modes[0], available=forms.DEVICES)  # fmt: skip
     kind = kinds.of(port)
     fed = made.make(port, config, preflight.check(kind, config))
-    return locate.locate(kind, config, fed, Recorder(kind, config, fed, 1))
+    return Recorder(kind, config, fed, 1)
+
+
+def located(port) -> locate.Location:
+    rec = recorder(port)
+    return locate.locate(rec.kind, rec.config, rec.inputs, rec)
+
+
+def held(port) -> list:
+    """The failing leaves of the MATCH's check module by module, which records the forward pass alone."""
+    leaves, said = hidden.first_step_leaves(recorder(port), locate.Seen(noisy=frozenset({'head/bias'})))
+    assert 'does not reproduce' not in said, said
+    return [(x.path, x.ok) for x in leaves]
 
 
 @pytest.mark.parametrize('form', forms.FORMS)
@@ -35,6 +53,11 @@ def test_each_form_of_the_forward_pass_is_recorded_as_it_ran(form):
     assert (slip.kind, slip.new.rpartition('/')[2]) == ('module', 'norm'), slip.line()
     before = slip.modules[: slip.first]
     assert before and all(m.input_ok and m.output_ok for m in before), slip.lines()
+    # the forward pass alone, recorded as a MATCH's check records it, parts nowhere, and at the slip
+    assert held(forms.port(form)) == []
+    assert [(p.rpartition('/')[0].rpartition('/')[2], ok) for p, ok in held(forms.port(form, epsilon=1e-2))] == [
+        ('norm', False)
+    ]
 
 
 def test_the_vmapped_forward_recorded_reproduces_its_run_and_locates_nothing_on_match():
@@ -43,3 +66,35 @@ def test_the_vmapped_forward_recorded_reproduces_its_run_and_locates_nothing_on_
     require_devices(forms.DEVICES)
     result = harness.check(forms.port('vmap'), devices=forms.DEVICES, steps_per_call=1, calls=1, locate=True)
     assert result.outcome.label == 'MATCH' and result.verdict.location.kind == 'none', result.verdict.lines()
+
+
+def test_the_forward_pass_alone_is_compiled_without_the_backward_pass_and_the_update():
+    """``pruned.call``: the forward check's program keeps the loss and the recording's callbacks, nothing else.
+    A host function in the update that JAX may drop (``pure_callback``, no effect) runs in the whole call (the
+    control) and in a scan of two steps, whose second step reads the update; in one step of it, never."""
+    require_devices(2)
+    ran = []
+
+    def step(w, x):
+        def loss(w):
+            y = jnp.tanh(x @ w)
+            jax.debug.callback(lambda v: ran.append('forward'), y)
+            return jnp.mean(y**2)
+
+        value, g = jax.value_and_grad(loss)(w)
+        g = jax.pure_callback(lambda g: (ran.append('update'), g)[1], jax.ShapeDtypeStruct(g.shape, g.dtype), g)
+        return w - 0.1 * jax.lax.pmean(g, 'batch'), jax.lax.pmean(value, 'batch')
+
+    program = jax.pmap(functools.partial(jax.lax.scan, step), axis_name='batch', devices=jax.devices()[:2])
+    w = jnp.ones((2, 3, 3))
+    for k, pruned_ran in ((1, ['forward'] * 2), (2, ['forward', 'update'] * 4)):  # 2 devices x k steps
+        xs = jnp.arange(2 * k * 12.0).reshape(2, k, 4, 3) / 24
+        _, whole = program(w, xs)
+        jax.effects_barrier()
+        assert sorted(ran) == sorted(['forward', 'update'] * 2 * k)
+        ran.clear()
+        losses = pruned.call(program, (w, xs), lambda out: out[1])
+        jax.effects_barrier()
+        assert sorted(ran) == sorted(pruned_ran), (k, ran)
+        np.testing.assert_array_equal(losses, whole)
+        ran.clear()

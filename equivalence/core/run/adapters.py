@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -273,7 +274,15 @@ def legacy_program(port: LoopPort, devices) -> Callable:
         at_0 = lambda v: v[:, 0]  # noqa: E731
         return [p_step.lower(pstate, jax.tree.map(at_0, batch_nxK), None if keys_nxK is None else at_0(keys_nxK))]
 
-    run.lowered = lowered  # setups.LegacySetup.lowered
+    def traceable(pstate, batch_nxK, keys_nxK):  # the same steps as one function of arrays (``pruned.call``)
+        outs = []
+        for k in range(jax.tree.leaves(batch_nxK)[0].shape[1]):
+            at_k = lambda v, k=k: v[:, k]  # noqa: E731
+            pstate, out = p_step(pstate, jax.tree.map(at_k, batch_nxK), None if keys_nxK is None else at_k(keys_nxK))
+            outs.append(out)
+        return pstate, jax.tree.map(lambda *a: jnp.stack(a, axis=1), *outs)
+
+    run.lowered, run.traceable = lowered, traceable  # setups.LegacySetup.lowered, step_side's forward
     return run
 
 

@@ -18,7 +18,7 @@ from flax import nnx
 from equivalence.core.port import convert, new_side
 from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.port.ports import LoopPort, ModelPort
-from equivalence.core.run import randomness
+from equivalence.core.run import pruned, randomness
 from equivalence.core.run.facts import uses_dropout
 from equivalence.distributed import gather, rows
 from legacy_pmap import train as legacy
@@ -89,6 +89,13 @@ class LegacySetup:
         self.device_losses = loss_DxK  # every device's: a step that does not pmean its loss reports each its own
         return legacy.unreplicate_to_host(loss_DxK)
 
+    def forward(self, args: tuple) -> np.ndarray:
+        """The K losses of the call of ``args``, from a program of what they and its effects need
+        (``pruned``: the recording's forward pass); the state is not updated."""
+        with self.context():
+            self.device_losses = pruned.call(self.p_train_step, args, lambda out: out[1])
+        return legacy.unreplicate_to_host(self.device_losses)
+
     def neutral(self) -> convert.Neutral:
         return convert.groups_to_neutral(self.groups(legacy.unreplicate_to_host(self.pstate)))
 
@@ -133,6 +140,10 @@ class NnxSetup:
         (_, self.state), loss_K = self.fused(*args)
         return np.asarray(loss_K)
 
+    def forward(self, args: tuple) -> np.ndarray:
+        """The K losses alone (``LegacySetup.forward``); the state is not updated."""
+        return np.asarray(pruned.call(self.fused, args, lambda out: out[1]))
+
     def neutral(self) -> convert.Neutral:
         return convert.nnx_to_neutral(self.graphdef, gather.to_host(self.state))
 
@@ -166,6 +177,10 @@ class NnxGraphSetup:
         _, loss_K = self.fused(self.ts, *args)
         return np.asarray(loss_K)
 
+    def forward(self, args: tuple) -> np.ndarray:
+        """The whole call: the graph form updates its objects in place, and is not traced as one function."""
+        return self.call(args)
+
     def neutral(self) -> convert.Neutral:
         groups = convert.nnx_groups(self.ts.model, self.ts.optimizer, self.ts.ema)
         return convert.groups_to_neutral(gather.to_host(groups))
@@ -198,6 +213,15 @@ class LoopNewSetup:
         with randomness.bridged(self.config.rng_mode), pinned_to_its_mesh(self.port, self.mesh):
             self.train_state, losses_K = self.port.new_call(self.train_state, *args)
         return np.asarray(losses_K)
+
+    def forward(self, args: tuple) -> np.ndarray:
+        """The K losses alone (``LegacySetup.forward``), of the call as one program (``as_pure_call``)."""
+        return np.asarray(self.forward_outputs(args))
+
+    def forward_outputs(self, args: tuple) -> Any:
+        fn, state = self.as_pure_call()
+        with pinned_to_its_mesh(self.port, self.mesh):
+            return pruned.call(fn, (state, *args), lambda out: out[1])
 
     def neutral(self) -> convert.Neutral:
         groups = self.port.new_groups or new_side.read_groups

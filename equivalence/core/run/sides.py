@@ -53,15 +53,17 @@ def silent(path: str) -> None:
 
 
 def run_calls(setup, calls: list, rng, mapping, progress: Progress, path: str, after_call: AfterCall | None = None,
-              before_call: Callable[[], None] | None = None):  # fmt: skip
+              before_call: Callable[[], None] | None = None, forward: bool = False):  # fmt: skip
     """Every call in order, one in flight; the losses and the parameters after each call. ``before_call``:
-    told before the first call, once the setup is built (the recording keeps nothing from building it)."""
+    told before the first call, once the setup is built (the recording keeps nothing from building it).
+    ``forward``: each call's losses and effects alone (``setup.forward``: the recording's forward pass),
+    the state as it was."""
     losses, per_call = [], []
     if before_call is not None:
         before_call()
     for i, batch_KxG in enumerate(calls):
         rng, args = setup.call_args(rng, batch_KxG)
-        losses.append(setup.call(args))
+        losses.append(setup.forward(args) if forward else setup.call(args))
         per_call.append(_params(setup.neutral(), mapping))
         progress(path)
         if after_call is not None:  # a checkpoint, as a training loop saves between calls
@@ -90,13 +92,14 @@ def prefetch(setup, inputs: Inputs) -> clock.OnThread | None:
 
 
 def run_legacy(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, after_call=None,
-               before_call=None, setup=None) -> PathResult:  # fmt: skip
+               before_call=None, setup=None, forward: bool = False) -> PathResult:  # fmt: skip
     """The pmap path; its leaves are named as the NNX side names them (``inputs.mapping``). ``setup``: built
-    already (``prefetch``), else here."""
+    already (``prefetch``), else here. ``forward``: ``run_calls``'."""
     port, mapping = kind.port, inputs.mapping
     setup = setup or kind.legacy_setup(config, inputs)
     start = _params(setup.neutral(), mapping)  # before the first call: what the port's own state holds
-    losses, per_call = run_calls(setup, inputs.calls, inputs.rng, mapping, progress, 'legacy', after_call, before_call)
+    losses, per_call = run_calls(setup, inputs.calls, inputs.rng, mapping, progress, 'legacy', after_call, before_call,
+                                 forward)  # fmt: skip
     result = PathResult(convert.rename(setup.neutral(), mapping), losses, per_call, setup.pstate, start=start,
                         device_losses=getattr(setup, 'device_losses', None))  # fmt: skip
     result.metrics, result.notes = loop_metrics(setup), [*getattr(setup, 'notes', [])]
@@ -110,19 +113,20 @@ def run_legacy(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, a
 
 
 def run_new(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, after_call=None,
-            before_call=None, setup=None) -> PathResult:  # fmt: skip
+            before_call=None, setup=None, forward: bool = False) -> PathResult:  # fmt: skip
     """The sharded path. With ``inputs.restore(setup) -> rng`` (``--resume-at``) a checkpoint is loaded
     into the setup, which returns its key chain: ``inputs.calls`` are then the ones after the checkpoint.
-    ``setup``: built already (``prefetch``), else here."""
+    ``setup``: built already (``prefetch``), else here. ``forward``: ``run_calls``' (no bytes measured: that
+    would compile the whole call)."""
     port, calls, rng = kind.port, inputs.calls, inputs.rng
     setup = setup or kind.new_setup(config, inputs)
     if inputs.restore is not None:
         rng = inputs.restore(setup)
-    losses, per_call = run_calls(setup, calls, rng, None, progress, 'new', after_call, before_call)
+    losses, per_call = run_calls(setup, calls, rng, None, progress, 'new', after_call, before_call, forward)
     raw = {NnxSetup: lambda: (setup.graphdef, setup.state), NnxGraphSetup: lambda: setup.ts}
     result = PathResult(setup.neutral(), losses, per_call, raw.get(type(setup), lambda: setup.train_state)())
     result.placement, result.mesh = getattr(setup, 'decisions', []), dict(setup.mesh.shape)
-    result.memory = footprint.per_device(setup, calls[0], rng)
+    result.memory = None if forward else footprint.per_device(setup, calls[0], rng)
     result.metrics = loop_metrics(setup)
     result.notes = kind.new_notes(setup)
     if getattr(port, 'eval_data', None) is not None:

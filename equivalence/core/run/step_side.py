@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from equivalence.core.port import new_side, states
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort
-from equivalence.core.run import randomness, setups
+from equivalence.core.run import pruned, randomness, setups
 from equivalence.core.run.adapters import (
     legacy_program,
     new_step_call,
@@ -64,6 +64,13 @@ class StepLegacySetup(setups.LegacySetup):
         self.notes[:] = [f'not compared: metrics/{p}: {why}' for p in sorted(self.uneven)]
         return losses_K
 
+    def forward(self, args: tuple) -> np.ndarray:
+        """The K losses alone (``setups.LegacySetup.forward``); the state is not updated."""
+        program = getattr(self.p_train_step, 'traceable', self.p_train_step)  # not the loop that blocks each step
+        with self.context():
+            out_nxK = pruned.call(program, args, lambda out: out[1])
+        return read_output(self.port, replica_outputs(out_nxK)[0])[0]
+
 
 def legacy_setup(port: LoopPort, config: RunConfig, variables: dict) -> StepLegacySetup:
     devices, local = jax.devices()[: config.devices], rows.local_devices(config.devices)
@@ -104,6 +111,13 @@ class StepNewSetup(setups.LoopNewSetup):
         losses_K, metrics = read_output(self.port, jax.tree.map(np.asarray, out_K))
         self.metrics.append(metrics)
         return losses_K
+
+    def forward(self, args: tuple) -> np.ndarray:
+        """The K losses alone (``setups.LoopNewSetup.forward``)."""
+        out = self.forward_outputs(args)
+        if self.port.new_step is not None:  # one output a step
+            out = jax.tree.map(lambda *a: np.stack(a), *out)
+        return read_output(self.port, jax.tree.map(np.asarray, out))[0]
 
     def _fused(self, keys, batch_KxG):
         self.train_state, out_K = self.port.new_call(self.train_state, keys, batch_KxG)

@@ -43,6 +43,19 @@ class Recorder:
         """``({side: PathResult}, {side: {label: Record}})`` of the first step (``recorded_run.first_steps``)."""
         return recorded_run.first_steps(self.kind, self.config, self.inputs, self.twin)
 
+    @functools.cached_property
+    def forward(self) -> tuple[dict, dict]:
+        """``runs``' forward pass alone (``recorded_run.first_steps(forward=True)``: what each module call took
+        and gave, and each side's first loss; no gradient, no state after the step), for a fraction of its
+        compile; ``runs`` itself where it was recorded already, or where a side's call cannot be traced as
+        one program (host work inside it)."""
+        if 'runs' in self.__dict__:
+            return self.runs
+        try:
+            return recorded_run.first_steps(self.kind, self.config, self.inputs, self.twin, forward=True)
+        except Exception:  # noqa: BLE001 -- recorded whole instead; a port's own error raises there again
+            return self.runs
+
     def steps(self, n: int) -> tuple[dict, dict]:
         """The first ``n`` steps recorded (a fresh recording: only the first one is kept)."""
         return recorded_run.first_steps(self.kind, self.config, self.inputs, self.twin, n)

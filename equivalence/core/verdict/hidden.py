@@ -3,12 +3,13 @@ module (``first_step_leaves``): a slip there may pass every leaf at the end, as 
 changed time embedding behind its zero-initialised output convolution (74 of 300 leaves noise-dominated,
 the parameters 1.2e-3 apart, every leaf within its floor: a MATCH, exit 0, on a real forward change).
 
-The first step's module calls, recorded on each side and on the twin (the recording the location and the
-gradient probe share), are held to their own floors by the locator (``locate.judge_step``), with its
-guards: a noise-dominated parameter is never the place, a recording that does not reproduce its run names
-nothing. Where it names a module call (its output, its input, or its random draws), that call is a leaf of
-the verdict's report (``first_step/forward/<path>``), outside its floor: the verdict is a MISMATCH. Where
-nothing parts, or the place is no module call, nothing is added and the MATCH stands.
+The first step's module calls, recorded on each side and on the twin (its forward pass alone, compiled
+without the backward pass and the update: ``Recorder.forward``), are held to their own floors by the
+locator (``locate.judge_step``), with its guards: a noise-dominated parameter is never the place, a
+recording that does not reproduce its run names nothing. Where it names a module call (its output, its
+input, or its random draws), that call is a leaf of the verdict's report (``first_step/forward/<path>``),
+outside its floor: the verdict is a MISMATCH. Where nothing parts, or the place is no module call, nothing
+is added and the MATCH stands.
 """
 
 from equivalence.core.verdict import locate
@@ -27,11 +28,10 @@ def needed(report, seen: locate.Seen) -> bool:
 def first_step_leaves(recorder: Recorder, seen: locate.Seen) -> tuple[list[LeafDiff], str]:
     """``(leaves, what was done)``: the module call of the first step that parts beyond its floor, as one
     failing leaf (none where nothing parts), and the words for the verdict's ``done``."""
-    kind, inputs = recorder.kind, recorder.inputs
-    if locate.not_reproduced(recorder.runs[0], seen):
+    kind, inputs, runs = recorder.kind, recorder.inputs, recorder.forward
+    if locate.not_reproduced(runs[0], seen):
         return [], 'first step not held module by module: its recording does not reproduce the run'
-    found = locate.judge_step(kind, *recorder.runs, inputs.mapping, inputs.variables, noisy=seen.noisy,
-                              allowed=FORWARD)  # fmt: skip
+    found = locate.judge_step(kind, *runs, inputs.mapping, inputs.variables, noisy=seen.noisy, allowed=FORWARD)
     calls = len(found.modules)
     if found.kind not in (Where.MODULE, Where.BETWEEN, Where.RANDOMNESS) or found.first is None:
         return [], f'first step held module by module: {calls} module calls within their floors'

@@ -56,6 +56,7 @@ class _Session:
         self.modules: list = []  # NNX: (path, module) of the outermost call's graph
         self.active: set[int] = set()  # NNX: modules whose __call__ is running
         self.linen_active: set[int] = set()  # linen: the same
+        self.forward = False  # the forward pass alone: nothing recorded that the backward pass computes
 
 
 _SESSION = _Session()
@@ -161,7 +162,7 @@ _tap.defvjp(_tap_fwd, _tap_bwd)
 def _tapped(out: Any) -> Any:
     """The outermost module's output unchanged; where a loss is differentiated through it, its cotangent
     (the training loss's gradient with respect to it, whatever loss the step computes) recorded as ``DOUT``."""
-    if not isinstance(out, jax.Array) or not jax.dtypes.issubdtype(out.dtype, np.floating):
+    if _SESSION.forward or not isinstance(out, jax.Array) or not jax.dtypes.issubdtype(out.dtype, np.floating):
         return out
     return _tap(DOUT, out)
 
@@ -232,7 +233,8 @@ def _recording_tx(tx: optax.GradientTransformation) -> optax.GradientTransformat
     def update(grads, state, params=None, **extra):
         flat, _ = jax.tree_util.tree_flatten_with_path(grads)
         names = tuple('/'.join(key_name(k) for k in path) for path, _ in flat)
-        _emit(GRADS, 'grads', (), [leaf for _, leaf in flat], names)
+        if not _SESSION.forward:
+            _emit(GRADS, 'grads', (), [leaf for _, leaf in flat], names)
         return tx.update(grads, state, params, **extra)
 
     return optax.GradientTransformationExtraArgs(tx.init, update)

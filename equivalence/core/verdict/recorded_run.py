@@ -23,14 +23,17 @@ def step_batch(calls: list, j: int):
     return jax.tree.map(lambda v: v[j % k : j % k + 1], calls[j // k])
 
 
-def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, n_twin: twin.TwinKind | None, steps: int = 1):
+def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, n_twin: twin.TwinKind | None, steps: int = 1,
+                forward: bool = False):  # fmt: skip
     """``({side: PathResult after ``steps`` steps}, {side: {label: Record}})``: the first ``steps``
     steps of each side (legacy, nnx, and twin when ``n_twin``: a count, or a sharded run's
     ``twin.Reordered``), each a call of its own, every module call recorded; a ``Record`` holds the
     last step's values (a call starts when the one before it has ended, its callbacks with it). Every
     trace is made afresh, keyed apart by a user context of this recording's own (``_RECORDINGS``): a
     loop port's jitted functions trace again with the recording in them, and no other run takes a
-    recording trace, nor does this one take theirs; nothing is cleared."""
+    recording trace, nor does this one take theirs; nothing is cleared. ``forward``: the forward pass alone,
+    each call compiled with only what its callbacks and its losses need (``setup.forward``): the results'
+    states are the states before the step, and no gradient or cotangent is recorded."""
     one = dataclasses.replace(probe.probe_config(config), steps_per_call=1, calls=steps)
     first, recording = [step_batch(inputs.calls, j) for j in range(steps)], kind.recording()
     fed = dataclasses.replace(inputs, calls=first)
@@ -39,12 +42,14 @@ def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, n_twin: twin.Twin
         'legacy': (
             axis,
             None,
-            lambda: sides.run_legacy(recording, one, fed, after_call=_next_call, before_call=_first_call),
+            lambda: sides.run_legacy(
+                recording, one, fed, after_call=_next_call, before_call=_first_call, forward=forward
+            ),
         ),
         'new': (
             None,
             setups.nnx_mesh(one),
-            lambda: sides.run_new(recording, one, fed, after_call=_next_call, before_call=_first_call),
+            lambda: sides.run_new(recording, one, fed, after_call=_next_call, before_call=_first_call, forward=forward),
         ),
     }
     rows = None
@@ -62,23 +67,25 @@ def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, n_twin: twin.Twin
                 setup=built,
                 after_call=_next_call,
                 before_call=_first_call,
+                forward=forward,
             ),  # fmt: skip
         )
     abstract = facts.abstract_model(kind.port)  # None: a new side of linen alone (nn.intercept_methods sees it)
     graph = nnx.iter_graph(abstract) if abstract is not None else ()
     classes = {type(m) for _, m in graph if isinstance(m, nnx.Module)}
     results, s, compiling = dict.fromkeys(runs), _SESSION, None
-    s.raw, s.counts, s.order, s.call = {}, [], 0, 0
+    s.raw, s.counts, s.order, s.call, s.forward = {}, [], 0, 0, forward
     try:
         with _patched(classes), _RECORDINGS(next(_SESSIONS)):
             # The pmap side is traced first, as it always was, and compiles on a thread while the new side
             # and the twin run; it runs last, its values recorded then (a callback reads the side as it runs).
             s.side, s.axis, s.mesh, s.call = 'legacy', axis, None, -1  # building: not kept
             legacy_setup = recording.legacy_setup(one, fed)
-            compiling = sides.prefetch(legacy_setup, fed)
+            compiling = None if forward else sides.prefetch(legacy_setup, fed)  # forward: not this program
             s.side = None
             runs['legacy'] = (axis, None, lambda: sides.run_legacy(
-                recording, one, fed, after_call=_next_call, before_call=_first_call, setup=legacy_setup))  # fmt: skip
+                recording, one, fed, after_call=_next_call, before_call=_first_call, setup=legacy_setup,
+                forward=forward))  # fmt: skip
             for side, (s.axis, mesh, run) in [*list(runs.items())[1:], ('legacy', runs['legacy'])]:
                 s.side, s.mesh, s.call = side, mesh if kind.records_on_mesh else None, -1  # building: not kept
                 if side == 'legacy' and compiling is not None:
@@ -90,7 +97,7 @@ def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, n_twin: twin.Twin
     finally:
         if compiling is not None:
             compiling.result()  # no compile left running, whatever raised
-        s.side, s.mesh, s.axis = None, None, None
+        s.side, s.mesh, s.axis, s.forward = None, None, None, False
         randomness.take_unbridged()  # the checked runs' lines were taken; these are the same layers'
     if rows is not None:
         s.raw['twin'] = {label: in_order(record, rows) for label, record in s.raw['twin'].items()}

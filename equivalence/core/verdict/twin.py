@@ -125,6 +125,7 @@ def run_twin(
     setup=None,
     after_call=None,
     before_call=None,
+    forward: bool = False,
 ):
     """The twin's ``PathResult``: its final state, per-step losses and parameters after each call, run on
     ``inputs.whole_calls`` (the whole batch); with ``inputs.restore(setup) -> rng`` (``--resume-at``) it
@@ -132,7 +133,8 @@ def run_twin(
     ``record``, if given, keeps the random numbers its first call draws (the twin's setup, which draws
     initial values, before it). With several processes, every process's result is process 0's
     (``gather.from_process_0``), and an exception in one process's twin is raised in every process
-    (``gather.together``): none waits for a twin that will never be shared."""
+    (``gather.together``): none waits for a twin that will never be shared. ``forward``: ``sides.run_calls``'
+    (no bytes measured)."""
     setup = setup or gather.together(kind.twin_setup, config, inputs, n_twin, lr_scale)
     calls, rng = inputs.whole_calls, inputs.rng
     if inputs.restore is not None:
@@ -141,13 +143,14 @@ def run_twin(
     def run():
         with draws.recording(record.log) if record else contextlib.nullcontext():
             after = record.after_call if record else after_call
-            losses, per_call = sides.run_calls(setup, calls, rng, None, sides.silent, 'twin', after, before_call)
+            losses, per_call = sides.run_calls(setup, calls, rng, None, sides.silent, 'twin', after, before_call,
+                                               forward)  # fmt: skip
         return setup.neutral(), losses, sides.loop_metrics(setup), per_call
 
     final, losses, metrics, per_call = gather.together(run)
     final, losses, metrics = gather.from_process_0((final, losses, metrics))
     result = sides.PathResult(final, losses, per_call, None, mesh=dict(setup.mesh.shape))
-    result.metrics, result.memory = metrics, footprint.per_device(setup, calls[0], rng)
+    result.metrics, result.memory = metrics, None if forward else footprint.per_device(setup, calls[0], rng)
     return result
 
 
