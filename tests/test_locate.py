@@ -445,6 +445,26 @@ def test_what_an_adam_first_update_implies(eps, decay, nesterov, says):
     assert says in implied.update(p0, step(1e-8, 1e-4), step(eps, decay, first), g, False)
 
 
+@pytest.mark.parametrize(
+    'eps, decay, says, not_said',
+    [
+        (1e-6, 1e-4, 'so an eps or a moment setting is not read here', 'eps alone'),
+        (1e-8, 1e-2, 'a difference of -2.97e-05 x the parameter', 'eps'),
+    ],
+)
+def test_what_a_later_adam_update_implies_leaves_eps_unread(eps, decay, says, not_said):
+    """Step 2 of Adam from zero moments (a warmup's zero first update hid the slip until then): the update
+    is no longer one gradient's ``g / (|g| + eps)``, so no eps is read from it, nor ruled out (VDM's eps 1e-6
+    for 1e-8 read 'not one step factor, weight decay or eps alone'); a decoupled weight decay still reads."""
+    rng = np.random.default_rng(0)
+    g1, g2 = (rng.normal(size=1000) * np.logspace(-4, -1, 1000) for _ in range(2))
+    p0, lr, b1, b2 = rng.normal(size=1000), 3e-3, 0.9, 0.999
+    m, v = b1 * (1 - b1) * g1 + (1 - b1) * g2, b2 * (1 - b2) * g1**2 + (1 - b2) * g2**2
+    step = lambda e, wd: -lr * (m / (1 - b1**2) / (np.sqrt(v / (1 - b2**2)) + e) + wd * p0)  # noqa: E731
+    said = implied.update(p0, step(1e-8, 1e-4), step(eps, decay), g2, False, step=2)
+    assert says in said and not_said not in said, said
+
+
 def test_where_the_recording_cannot_run_the_probe_and_the_verdict_are_as_before(monkeypatch):
     """A port the recorded first steps cannot run: the gradient probe falls back on its plain
     programs, and the location says why there is none (no JAX program runs here)."""

@@ -37,10 +37,14 @@ def fit(d: np.ndarray, x: np.ndarray) -> tuple[float, float]:
 
 
 def update(p0: np.ndarray, u_old: np.ndarray, u_new: np.ndarray, g: np.ndarray | None, assumed: bool,
-           kernels: np.ndarray | None = None) -> str:  # fmt: skip
-    """What the first updates ``u_old`` (pmap) and ``u_new`` (NNX) from ``p0`` imply, given the pmap
-    side's gradient ``g`` (None: not observed; ``assumed``: estimated from Adam's first moment);
-    ``kernels``: which elements are of a parameter of two or more axes (a weight decay masked to them)."""
+           kernels: np.ndarray | None = None, step: int = 1) -> str:  # fmt: skip
+    """What the updates ``u_old`` (pmap) and ``u_new`` (NNX) of step ``step`` from ``p0`` imply, given the
+    pmap side's gradient ``g`` (None: not observed; ``assumed``: estimated from Adam's first moment);
+    ``kernels``: which elements are of a parameter of two or more axes (a weight decay masked to them).
+    An adaptive optimizer's eps, and nesterov's factor, are read on step 1 alone: only there is the
+    update one gradient's (``g / (|g| + eps)`` from moments at 0); on a later step the moments hold the
+    earlier gradients too (a warmup's zero first update hid the slip until then), and no reading of them
+    is made: a step factor (a learning rate, a schedule) and a decoupled weight decay still read the same."""
     live = np.abs(u_old) > 0
     if not live.any():
         return NO_UPDATE
@@ -49,20 +53,24 @@ def update(p0: np.ndarray, u_old: np.ndarray, u_new: np.ndarray, g: np.ndarray |
     if masked:
         return masked
     fits = {'lr': fit(d, u_old), 'decay': fit(d, p0)}
-    eps = (adam_eps(g, u_old), adam_eps(g, u_new)) if g is not None else (None, None)
+    eps = (adam_eps(g, u_old), adam_eps(g, u_new)) if g is not None and step == 1 else (None, None)
     if eps[1] is not None:
         ok = live & (np.abs(g) > 0)
         fits['eps'] = fit(d[ok], u_old[ok] / (np.abs(g[ok]) + eps[1]))
     form, (c, r2) = max(fits.items(), key=lambda kv: kv[1][1])
     if r2 < EXPLAINED:
         ratio = float(np.median(u_new[live] / u_old[live]))
-        return (
-            f'the new side steps {ratio:.6g} x the pmap side (median), not one step factor, weight decay or eps alone'
+        tried = 'one step factor, weight decay or eps' if 'eps' in fits else 'one step factor or weight decay'
+        later = (
+            f'; the moments of step {step} hold earlier gradients too, so an eps or a moment setting is not read here'
+            if step > 1
+            else ''
         )
+        return f'the new side steps {ratio:.6g} x the pmap side (median), not {tried} alone{later}'
     if form == 'lr':
         first = (1 + 2 * NESTEROV_B1) / (1 + NESTEROV_B1)
         text = f'the new side steps {1 + c:.6g} x the pmap side (r² {r2:.3f})'
-        if min(abs(1 + c - first), abs(1 / (1 + c) - first)) < 1e-3 * first:
+        if step == 1 and min(abs(1 + c - first), abs(1 / (1 + c) - first)) < 1e-3 * first:
             return text + f', what nesterov gives Adam (b1 {NESTEROV_B1}) on its first step: {first:.4f}'
         return text + ': a learning rate or schedule value that differs by that factor, or a gradient scale'
     if form == 'decay':

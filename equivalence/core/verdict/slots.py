@@ -123,7 +123,7 @@ def implied_update(step: Step) -> str:
         scale = 1 - implied.NESTEROV_B1
     g = cat(grads) / scale if all(k in grads for k in keys) else None
     kernels = np.concatenate([np.full(np.size(start[k]), np.ndim(start[k]) >= 2) for k in keys])
-    text = implied.update(p0, cat(ends[0]) - p0, cat(ends[1]) - p0, g, scale != 1.0, kernels)
+    text = implied.update(p0, cat(ends[0]) - p0, cat(ends[1]) - p0, g, scale != 1.0, kernels, step.step)
     rates = [
         {k: v for k, v in step.final(side, 'opt_state').items() if 'learning_rate' in k} for side in ('legacy', 'new')
     ]
