@@ -465,6 +465,25 @@ def test_what_a_later_adam_update_implies_leaves_eps_unread(eps, decay, says, no
     assert says in said and not_said not in said, said
 
 
+def test_first_moments_read_a_clip_by_value_and_leave_one_factor_a_leaf_to_two_places():
+    """Adam's first moment after one step, ``(1 - b1) g``, by leaf. A clip by value on one side leaves every
+    element that parts at one magnitude there: the optimizer (``clipped``), not the gradients. One factor a
+    leaf (VDM's stop_gradient on one parameter's jvp term: -11.9 on it, 1 elsewhere) is no finding of the
+    optimizer (``uneven`` False, no factor): a per-leaf clip and gradients that differ give it alike (the
+    locator then says not located); it was named 'update at opt_state mu/...'. The control: gradients that
+    differ at random are ``uneven``, not clipped."""
+    rng = np.random.default_rng(0)
+    g = {'a': rng.normal(size=200), 'b': rng.normal(size=50)}
+    mu = lambda grads: {k: 0.1 * v for k, v in grads.items()}  # noqa: E731
+    held = lambda old, new: {k: (old[k], new[k], 1e-7) for k in old}  # noqa: E731
+    clipped = implied.moments('mu', held(mu(g), mu({k: np.clip(v, -0.5, 0.5) for k, v in g.items()})))
+    assert clipped.clipped and clipped.uneven and 'on the new side (0.05)' in clipped.text, clipped
+    per_leaf = implied.moments('mu', held(mu(g), mu({'a': -11.9 * g['a'], 'b': g['b']})))
+    assert per_leaf.factor is None and not per_leaf.uneven and not per_leaf.clipped, per_leaf
+    noisy = implied.moments('mu', held(mu(g), mu({k: v + 0.3 * rng.normal(size=v.shape) for k, v in g.items()})))
+    assert noisy.uneven and not noisy.clipped, noisy
+
+
 def test_where_the_recording_cannot_run_the_probe_and_the_verdict_are_as_before(monkeypatch):
     """A port the recorded first steps cannot run: the gradient probe falls back on its plain
     programs, and the location says why there is none (no JAX program runs here)."""

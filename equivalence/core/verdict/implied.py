@@ -133,6 +133,7 @@ class Moments:
     text: str
     uneven: bool = False  # the slots part by no factor at all: the gradients themselves differ
     proportional: float | None = None  # uneven, their difference that multiple of the parameters (an L2 term, a decay)
+    clipped: bool = False  # uneven, one side's parting elements all of one magnitude: an element-wise gradient clip
 
 
 def _ratios(a: np.ndarray, b: np.ndarray, allowed: float) -> tuple[float, float]:
@@ -207,6 +208,16 @@ def moments(
         f'the {what} part unevenly (ratio NNX/pmap from {lo:.4g} to {hi:.4g}, 5th to 95th percentile over the '
         f'{len(apart)} leaves that part; most over its floor: {worst}): '
     )
+    held = _saturated([leaves[k] for k in apart])
+    if held is not None and slot in ('mu', 'trace'):
+        side, top = held
+        return Moments(
+            False, None, worst,
+            text + f"every element that parts holds one magnitude on the {side} side ({top:.6g}): the gradients are "
+            f"clipped element-wise there ({'(1 - b1) x ' if slot == 'mu' else ''}the clip value; optax.clip), with "
+            'another value or none on the other side',
+            uneven=True, clipped=True,
+        )  # fmt: skip
     parted = [k for k in leaves if over[k] > 1 and p0 is not None and k in p0]
     if slot in ('mu', 'trace') and parted:
         d = np.concatenate([leaves[k][1] - leaves[k][0] for k in parted])
@@ -231,6 +242,20 @@ def moments(
         'would scale them all)'
     )
     return Moments(False, None, worst, text, uneven=True)
+
+
+SATURATED = 1e-5  # relative spread of one magnitude: a clip's value, held by every element it clipped
+
+
+def _saturated(leaves: list) -> tuple[str, float] | None:
+    """``(side, magnitude)`` where every element that parts over its allowed difference holds one magnitude
+    on one side (at least 3 of them): what a clip by value leaves; None otherwise."""
+    parts = [(a, b, np.abs(b - a) > lim) for a, b, lim in leaves]
+    for side, i in (('pmap', 0), ('new', 1)):
+        held = np.abs(np.concatenate([(a, b)[i][m] for a, b, m in parts]))
+        if held.size >= 3 and held.max() > 0 and held.max() - held.min() <= SATURATED * held.max():
+            return side, float(held.max())
+    return None
 
 
 def _factor(slot: str, c: float) -> str:

@@ -33,6 +33,17 @@ def update(step: Step) -> Location | None:
             'difference is in the training loss (an L2 term) or in the optimizer (a coupled weight decay), which '
             'the first step cannot tell apart',
         )  # fmt: skip
+    if uneven is not None and uneven[1].clipped:
+        slot, m = uneven
+        return Location(
+            'update', f'opt_state {slot}', f'opt_state {slot}',
+            f'the forward pass, the loss and the statistics agree, {grads}; {m.text}',
+        )  # fmt: skip
+    if uneven is not None and not uneven[1].uneven:  # one factor a leaf: two places give these numbers
+        return Location(
+            'unlocated', '', '',
+            f'not located: the forward pass, the loss and the statistics agree, {grads}; {uneven[1].text}',
+        )  # fmt: skip
     if uneven is not None and uneven[1].uneven:
         slot, m = uneven
         param = m.leaf[len(slot) + 1 :]
