@@ -37,7 +37,7 @@ from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
 from equivalence.core.run import clock
 from equivalence.core.run.inputs import Inputs
-from equivalence.core.verdict import averages, collectives, compare, slots, stages
+from equivalence.core.verdict import averages, collectives, compare, forward, slots, stages
 from equivalence.core.verdict.first_step import Recorder
 from equivalence.core.verdict.intercept import NOT_MODULES
 from equivalence.core.verdict.location import ROOT, Location
@@ -74,7 +74,7 @@ def stages_for(failed: frozenset) -> frozenset:
 
 
 STAGES = (  # (what each stage is, the function), in the order the first step runs them
-    ('forward', stages.forward), ('loss', stages.loss), ('backward', stages.backward),
+    ('forward', forward.forward), ('loss', stages.loss), ('backward', stages.backward),
     ('statistics', averages.statistics), ('update', slots.update), ('ema', averages.ema),
 )  # fmt: skip
 
