@@ -8,18 +8,13 @@
 import dataclasses
 import json
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import pinned_port
 import pytest
 from conftest import require_devices
-from flax import nnx
-from flax.training import train_state
+from noisy_ports import PER_DEVICE, QUICK, nnx_step
 
-from equivalence import LoopPort
 from equivalence.core import harness, kinds
 from equivalence.core.port import loading, workloads
 from equivalence.core.port.config import RunConfig
@@ -30,55 +25,6 @@ from equivalence.core.verdict import compare, fresh, legacy_twin
 from equivalence.core.verdict import rule as verdict
 from equivalence.core.verdict.outcome import Outcome
 
-AXIS, FEATURES, HIDDEN, NOISE = 'batch', 4, 8, 0.3
-QUICK = {'steps_per_call': 2, 'calls': 2}
-
-
-class LinenNet(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        h = jnp.tanh(nn.Dense(HIDDEN)(x))
-        return nn.Dense(1, kernel_init=nn.initializers.zeros)(h)  # a zero-initialised head
-
-
-class NnxNet(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.Dense_0, self.Dense_1 = nnx.Linear(FEATURES, HIDDEN, rngs=rngs), nnx.Linear(HIDDEN, 1, rngs=rngs)
-
-    def __call__(self, x):
-        return self.Dense_1(jnp.tanh(self.Dense_0(x)))
-
-
-def make_data(rng, n_steps, batch):
-    x = rng.normal(size=(n_steps, batch, FEATURES)).astype(np.float32)
-    return {'x': x, 'y': np.cos(x.sum(-1, keepdims=True)).astype(np.float32)}
-
-
-def tx():
-    """The first update's learning rate is 0 (warmup): with the zero head, the first two losses are the
-    same whatever noise the step draws."""
-    return optax.sgd(optax.linear_schedule(0.0, 0.1, 10), momentum=0.9)
-
-
-def pmap_step(state, batch, rng):
-    """Noisy inputs drawn from this device's key."""
-    x = batch['x'] + NOISE * jax.random.normal(rng, batch['x'].shape)
-    loss_fn = lambda p: jnp.mean((state.apply_fn({'params': p}, x) - batch['y']) ** 2)  # noqa: E731
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=jax.lax.pmean(grads, AXIS)), jax.lax.pmean(loss, AXIS)
-
-
-@nnx.jit
-def nnx_step(ts, batch, keys):
-    """The same noise from the ``[D, 2]`` keys: device row d's rows from key d."""
-    model, optimizer = ts
-    x = batch['x']
-    noise = jax.vmap(lambda k: jax.random.normal(k, (x.shape[0] // keys.shape[0], *x.shape[1:])))(keys)
-    x = x + NOISE * noise.reshape(x.shape)
-    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - batch['y']) ** 2))(model)
-    optimizer.update(model, grads)
-    return loss
-
 
 def mesh_sized_step(ts, batch, keys):
     """One key per device of the mesh the batch lives on: the run's keys on the run's mesh, others on a twin's."""
@@ -87,21 +33,6 @@ def mesh_sized_step(ts, batch, keys):
     return nnx_step(ts, batch, keys[:n])
 
 
-PER_DEVICE = LoopPort(
-    name='per-device-noise',
-    legacy_model=LinenNet,
-    nnx_model=lambda rngs: NnxNet(rngs),
-    make_data=make_data,
-    legacy_state=lambda v: train_state.TrainState.create(apply_fn=LinenNet().apply, params=v['params'], tx=tx()),
-    legacy_step=pmap_step,
-    step_form='state_rng',
-    new_state=lambda model: (model, nnx.Optimizer(model, tx(), wrt=nnx.Param)),
-    new_step=nnx_step,
-    init_args=lambda batch: (batch['x'],),
-    axis_name=AXIS,
-    default_batch=16,
-    rng_modes=('per-device',),
-)
 MESH_SIZED = dataclasses.replace(PER_DEVICE, name='mesh-sized-noise', new_step=mesh_sized_step)
 
 

@@ -52,11 +52,18 @@ def located(name: str):
         ('grads-not-pmeaned', 'collective', ['its gradients', 'missing_pmean']),
         # NaN in the data: both sides go non-finite; no module is to blame.
         ('nan-data', 'unlocated', ['the batch of step 4 holds NaN']),
+        # A step's own random draws (noisy inputs from each device's key), compared by what they are drawn
+        # from: equal on the correct port (nothing parts); a key folded otherwise is the draws, not the code
+        # that feeds the first layer; the examples given other devices' noise part example by example: not
+        # located (it was 'between', the code that feeds it).
+        ('noise-correct', 'none', ['nothing parts']),
+        ('noise-key-folded', 'randomness', ["the step's own random draws", r'(\d+) of the \1 random draws']),
+        ('noise-rows-interleaved', 'unlocated', [r'\d+ of its 16 examples agree', 'laid out over the devices']),
     ],
 )
 def test_where_names_the_stage_that_parts_or_nothing(name, kind, figures):
     outcome, loc = located(name)
-    assert outcome == ('MATCH' if name == 'correct' else 'MISMATCH'), (name, outcome)
+    assert outcome == ('MATCH' if name.endswith('correct') else 'MISMATCH'), (name, outcome)
     assert loc is not None and loc.kind == kind, (name, loc and loc.line())
     for figure in figures:  # regular expressions: a decay fitted in float64 to float32 arithmetic
         assert re.search(figure, loc.line()), (name, figure, loc.line())

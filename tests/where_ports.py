@@ -14,6 +14,7 @@ from typing import Any
 import flax
 import jax
 import jax.numpy as jnp
+import noisy_ports
 import numpy as np
 import optax
 from conftest import ROOT
@@ -133,4 +134,11 @@ PORTS = {
     'loss-not-pmeaned': port('loss-not-pmeaned', pmean_loss=False),
     'grads-not-pmeaned': port('grads-not-pmeaned', pmean_grads=False),
     'nan-data': dataclasses.replace(CORRECT, name='nan-data', make_data=nan_data),
+    # noisy inputs drawn from each device's key (noisy_ports): correct, a key derived otherwise, the examples
+    # laid out over the devices otherwise
+    'noise-correct': noisy_ports.PER_DEVICE,
+    'noise-key-folded': dataclasses.replace(noisy_ports.PER_DEVICE, name='folded', new_step=noisy_ports.new_step(1)),
+    'noise-rows-interleaved': dataclasses.replace(
+        noisy_ports.PER_DEVICE, name='interleaved', new_step=noisy_ports.new_step(interleaved=True)
+    ),
 }

@@ -25,10 +25,12 @@ their digests are equal (the order of callbacks is not fixed).
 import collections
 import contextlib
 import functools
+import threading
 from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax._src.random import prng  # the one function every jax.random sampler draws its bits from
 
 Draws = collections.Counter  # ((bits' shape, bit width, PRNG), keys' sum, weighted sum) -> times drawn
@@ -57,6 +59,7 @@ def recording(log: list) -> Iterator[None]:
         bits = original(keys, bit_width, shape)
         data = jax.random.key_data(keys) if jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key) else keys
         said = (tuple(bits.shape), int(bit_width), str(getattr(keys.dtype, '_impl', keys.dtype)))
+        said += (BRIDGE,) if getattr(_bridge, 'on', False) else ()
         jax.debug.callback(functools.partial(_record, said), *_digest(data))
         return bits
 
@@ -67,6 +70,41 @@ def recording(log: list) -> Iterator[None]:
         jax.effects_barrier()
     finally:
         prng.random_bits, _log = original, None
+
+
+BRIDGE = 'bridge'  # a draw's tag: the dropout bridge's own mask
+_bridge = threading.local()
+
+
+@contextlib.contextmanager
+def bridge() -> Iterator[None]:
+    """Draws traced in this block are tagged ``BRIDGE``: the dropout bridge's masks, drawn otherwise on each
+    side by design (per device under pmap, per row on the mesh; compared as the Dropout's output), but the
+    same on a twin as on its run."""
+    previous, _bridge.on = getattr(_bridge, 'on', False), True
+    try:
+        yield
+    finally:
+        _bridge.on = previous
+
+
+def own(drawn: Draws) -> frozenset:
+    """The draws of a step's own code (the bridge's masks left out), each once and by its size: what two
+    sides that draw the same numbers both draw, whatever the count (a global key's draw on every pmap device,
+    once on the mesh) and the shape (JAX's partitionable threefry draws the same bits for (B,) and (B, 1))."""
+    return frozenset(
+        ((int(np.prod(shape)), *rest), total, weighted)
+        for (shape, *rest), total, weighted in drawn
+        if BRIDGE not in rest
+    )
+
+
+def into(log: list) -> None:
+    """Where the recording under way appends from now on (each side of a recorded first step its own log;
+    the callbacks read it when they run, whenever their program was traced)."""
+    global _log
+    if _log is not None:
+        _log = log
 
 
 def _record(drawn: tuple, total, weighted) -> None:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax.extend.core import get_opaque_trace_state
 
 from equivalence.core.port.naming import PortError
+from equivalence.core.run import draws
 from legacy_pmap import train as legacy
 from nnx_sharded import train as sharded
 
@@ -123,9 +124,10 @@ def mask(shape: list[int], keep: float, key_fn, legacy_side: bool, batch: int, s
         return jnp.ones(shape, bool)
     bridge = _state()
     n = _call_index(bridge)
-    if bridge.example_keys is not None:
-        return _per_example_mask(shape, keep, bridge, n, batch, shared)
-    return _user_key_mask(shape, keep, key_fn(), n, bridge, legacy_side, batch, shared)
+    with draws.bridge():  # drawn otherwise on each side by design: compared as the Dropout's output instead
+        if bridge.example_keys is not None:
+            return _per_example_mask(shape, keep, bridge, n, batch, shared)
+        return _user_key_mask(shape, keep, key_fn(), n, bridge, legacy_side, batch, shared)
 
 
 _unbridged: dict[str, None] = {}  # report lines: draws from streams the bridge does not cover, in order seen

@@ -35,6 +35,7 @@ class PathResult:
     start: dict | None = None  # legacy: the parameters its train state started from (NNX paths), as its own
     # legacy_state built them (an upstream init that sets a head bias to -6.9); None: not recorded
     device_losses: np.ndarray | None = None  # legacy: the last call's losses on every device, [D, K]
+    draws: frozenset | None = None  # a recorded first step's own random draws (``draws.own``); None: not recorded
 
     def after(self, step: int, k: int) -> 'PathResult':
         """This run's losses, metrics and parameters after ``step`` (a new side resumed there is compared

@@ -1,15 +1,26 @@
 """The forward stage of the locator (``forward``): the first module call of the first step whose input or
 output parts beyond its floor, in the order the pmap side's calls finished: the code that feeds it
-(``between``), the module itself (``module``), or a Dropout's draw (``randomness``).
+(``between``), the module itself (``module``), or a Dropout's draw (``randomness``); before any of them,
+the step's own random draws, where the two sides draw otherwise (``draws_differ``); and not located where
+a value parts example by example (``by_example``).
 """
 
+import numpy as np
+
+from equivalence.core.verdict import pairing
 from equivalence.core.verdict.location import ROOT, Location, Module, sci
 from equivalence.core.verdict.stages import Step
 
 BETWEEN = 'the code between them (an activation, a residual, a mask)'
 
 
+DRAWS = "the step's own random draws"
+
+
 def forward(step: Step) -> Location | None:
+    drawn = draws_differ(step)
+    if drawn is not None:
+        return drawn
     for i, m in enumerate(step.modules):
         if not m.input_ok:
             return _fed(step, i, m)
@@ -18,9 +29,38 @@ def forward(step: Step) -> Location | None:
     return None
 
 
+def draws_differ(step: Step) -> Location | None:
+    """The two steps' own random draws (``draws.own``: by the shape drawn and the key drawn from, the dropout
+    bridge's masks left out), where they differ: what follows them parts because of them, so no module is
+    the place (google-research/vdm's step key ``fold_in(rng, step + 1)``, tried blind, was 'between at
+    gamma#1 → gamma#2', the input of gamma#2 being the times drawn from it)."""
+    a, b = ((step.results.get(side) or step.results['new']).draws for side in ('legacy', 'new'))
+    if a is None or b is None or a == b:
+        return None
+    only = sorted(a - b) or sorted(b - a)
+    return Location(
+        'randomness', DRAWS, DRAWS,
+        f'{len(a - b)} of the {len(a)} random draws of the pmap step (each by the count of numbers drawn and the '
+        f"key drawn from) are not the new step's, which makes {len(b - a)} of its {len(b)} otherwise (one of "
+        f'{only[0][0][0]} numbers): a key derived otherwise (a split, a fold_in, a step count, per device or '
+        'global) or a draw of another size; what parts after them in the forward pass follows from them',
+    )  # fmt: skip
+
+
 def _fed(step: Step, i: int, m: Module) -> Location:
-    """Module call ``m``'s input parts while every call before it agrees: the code that feeds it."""
+    """Module call ``m``'s input parts while every call before it agrees: the code that feeds it; but where
+    some examples of that input agree and others part, not located (``by_example``)."""
     before = step.modules[i - 1] if i else None
+    rows = by_example(step, m)
+    if rows is not None:
+        agree, n = rows
+        return Location(
+            'unlocated', '', '',
+            f'not located: everything before agrees; the input of {m.legacy} is {sci(m.input_diff)} apart (allowed '
+            f'{sci(m.input_allowed)}), but {agree} of its {n} examples agree: it parts example by example, as where '
+            "the examples are laid out over the devices otherwise (which device's rows and keys each example gets) "
+            'or where code treats examples apart (a mask), which the first step cannot tell apart',
+        )  # fmt: skip
     attention = next((c for c in step.modules if m.legacy.startswith(c.legacy + '/') and 'Attention' in c.cls), None)
     what = 'an activation, a residual, a mask'
     if attention is not None:
@@ -35,6 +75,30 @@ def _fed(step: Step, i: int, m: Module) -> Location:
         f'({what})',
         first=i,
     )
+
+
+def by_example(step: Step, m: Module) -> tuple[int, int] | None:
+    """``(examples that agree, examples)`` of the input of ``m`` that parts most, where some of its examples
+    (its leading axis) agree within what it is allowed and others part; None otherwise. A code path that
+    differs changes every example it computes (google-research/vdm's Fourier features: 0 of 8 agree); the
+    examples laid out over the devices otherwise (device d given examples d, d + D, ...: tried blind, it was
+    'between at dense1 → conv_in') leave the ones that keep their place (2 of 8)."""
+    label = '' if m.legacy == ROOT else m.legacy
+    if label not in step.paired or m.input_allowed is None:
+        return None
+    ref, other, _ = pairing.trees(step.raw, {label: step.paired[label]})
+    found = []
+    for key in (k for k in other if '/in/' in k and k in ref):
+        a, b = (np.asarray(x, np.float64) for x in (ref[key], other[key]))
+        if a.shape != b.shape or a.ndim < 1 or a.shape[0] < 2 or not np.issubdtype(a.dtype, np.floating):
+            continue
+        apart = np.abs(a - b).reshape(a.shape[0], -1).max(axis=1, initial=0.0)
+        if apart.max() > m.input_allowed:
+            found.append((float(apart.max()), int((apart <= m.input_allowed).sum()), a.shape[0]))
+    if not found:
+        return None
+    _, agree, n = max(found)
+    return (agree, n) if 0 < agree < n else None
 
 
 def settings_differ(step: Step, m: Module) -> str:

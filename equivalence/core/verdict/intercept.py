@@ -57,6 +57,7 @@ class _Session:
         self.active: set[int] = set()  # NNX: modules whose __call__ is running
         self.linen_active: set[int] = set()  # linen: the same
         self.forward = False  # the forward pass alone: nothing recorded that the backward pass computes
+        self.draws: dict = {}  # side -> the digests of the random draws its recorded calls made (``draws``)
 
 
 _SESSION = _Session()

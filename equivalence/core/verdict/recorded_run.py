@@ -10,7 +10,7 @@ from flax import nnx
 
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
-from equivalence.core.run import facts, randomness, setups, sides
+from equivalence.core.run import draws, facts, randomness, setups, sides
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.verdict import probe, twin
 from equivalence.core.verdict.intercept import _RECORDINGS, _SESSION, _SESSIONS, _patched
@@ -74,9 +74,9 @@ def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, n_twin: twin.Twin
     graph = nnx.iter_graph(abstract) if abstract is not None else ()
     classes = {type(m) for _, m in graph if isinstance(m, nnx.Module)}
     results, s, compiling = dict.fromkeys(runs), _SESSION, None
-    s.raw, s.counts, s.order, s.call, s.forward = {}, [], 0, 0, forward
+    s.raw, s.counts, s.order, s.call, s.forward, s.draws = {}, [], 0, 0, forward, {}
     try:
-        with _patched(classes), _RECORDINGS(next(_SESSIONS)):
+        with _patched(classes), _RECORDINGS(next(_SESSIONS)), draws.recording([]):
             # The pmap side is traced first, as it always was, and compiles on a thread while the new side
             # and the twin run; it runs last, its values recorded then (a callback reads the side as it runs).
             s.side, s.axis, s.mesh, s.call = 'legacy', axis, None, -1  # building: not kept
@@ -93,7 +93,9 @@ def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, n_twin: twin.Twin
                 results[side] = run()
                 jax.effects_barrier()
                 s.side = None
+                draws.into([])  # what the next side's building draws is not its step's
                 s.raw[side] = host(s.raw.get(side, {}))
+                results[side].draws = draws.own(draws.Draws(s.draws.get(side, [])))
     finally:
         if compiling is not None:
             compiling.result()  # no compile left running, whatever raised
@@ -114,6 +116,7 @@ def _first_call() -> None:
     for entry in side.values():
         entry[3][:] = [e for e in entry[3] if e[0] >= 0]
     _SESSION.call = 0
+    draws.into(_SESSION.draws.setdefault(_SESSION.side, []))  # the step's own random draws, from here
 
 
 def _next_call(setup, calls_done: int, rng) -> None:
