@@ -118,7 +118,8 @@ def test_optimizer_states_of_another_structure_are_a_port_error_before_training(
     """A new side whose optax chain wraps the same Adam in another structure (clip first): no leaf of the two
     optimizer states pairs, and every one was compared on one side only, a MISMATCH of bookkeeping with
     'where: update at opt_state 0/count' (a place, with '-' for its figures). It is the port's reading,
-    said before training (exit 2), with the fix; the same chain on both sides is no error (the control)."""
+    said before training (exit 2), with the fix; the same chain on both sides is no error (the control). So is
+    a state whose slots differ in part."""
     require_devices(2)
     chain = optax.chain(optax.clip_by_global_norm(1e9), wp.legacy_tx())
     with pytest.raises(PortError, match=r'another structure .* pmap side holds 0/count, 0/mu, 0/nu, the new side '
@@ -126,6 +127,12 @@ def test_optimizer_states_of_another_structure_are_a_port_error_before_training(
         harness.check(wp.port('chain', new_tx=chain), devices=2, steps_per_call=1, calls=1, diagnose=False)
     same = harness.check(wp.port('chain-both', tx=chain), devices=2, steps_per_call=1, calls=1, diagnose=False)
     assert same.outcome.label == 'MATCH', same.outcome
+    # Slots that differ in part: a schedule's count on the new side only (optax.adam(schedule) against a float
+    # learning rate; google-research/vdm's port was a bookkeeping MISMATCH, exit 1, after the whole run).
+    scheduled = optax.adam(optax.constant_schedule(3e-3))
+    with pytest.raises(PortError, match=r'slots are not the pmap side.s \(only on the new side: 1/count\)'):
+        harness.check(wp.port('schedule', tx=optax.adam(3e-3), new_tx=scheduled), devices=2, steps_per_call=1,
+                      calls=1, diagnose=False)  # fmt: skip
 
 
 class _Leaf:

@@ -38,13 +38,26 @@ def _check_opt_states(port: Port, field: str, legacy: dict, new: dict) -> None:
     """Both optimizer states of one structure: slots in common (``0/mu``, ``1/0/trace``, ``0/count``: each
     leaf's path up to the parameters' tree it follows), else no leaf pairs and every one is compared on one
     side only (a ``chain(clip, adam)`` against a bare adam: the same arithmetic, a MISMATCH of bookkeeping).
-    A port error, said before training, with the fix. Slots that differ in part are left to the comparison."""
+    A port error, said before training, with the fix; and so are slots that differ in part (a schedule's count
+    on one side only, google-research/vdm's port tried blind: a MISMATCH of bookkeeping, exit 1, after the
+    whole run)."""
     if not isinstance(legacy, dict) or not isinstance(new, dict) or 'opt_state' not in legacy or 'opt_state' not in new:
         return
     old, now = _slots(legacy['opt_state'], legacy['params']), _slots(new['opt_state'], new['params'])
+    shown = lambda slots: ', '.join(sorted(slots)[:6]) + (f' and {len(slots) - 6} more' if len(slots) > 6 else '')  # noqa: E731
+    if old & now and old != now:  # in part: what one side alone holds is compared with nothing (bookkeeping)
+        sides = (('new', now - old), ('pmap', old - now))
+        one_side = [f'only on the {side} side: {shown(slots)}' for side, slots in sides if slots]
+        raise fail(
+            port,
+            field,
+            f"gives an optimizer state whose slots are not the pmap side's ({'; '.join(one_side)}): those leaves "
+            "would be compared with nothing, though the numbers may train alike (a schedule's count: "
+            'optax.adamw(learning_rate=schedule) keeps one, a float learning rate none); fix: build the same optax '
+            "transformation on both sides, or give new_groups= (or legacy_groups=) whose 'opt_state' leaves it out",
+        )
     if not old or not now or old & now:
         return
-    shown = lambda slots: ', '.join(sorted(slots)[:6]) + (f' and {len(slots) - 6} more' if len(slots) > 6 else '')  # noqa: E731
     names = lambda slots: {s.rpartition('/')[2] for s in slots}  # noqa: E731
     if names(old) & names(now):  # the same slots, nested otherwise: one transformation wrapped in a chain
         what, example = 'another structure', 'an optax.chain(clip, adam) against a bare adam, say'
