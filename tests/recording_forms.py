@@ -2,7 +2,8 @@
 (``test_recording.py``): called plainly; its forward pass vmapped over each device's rows
 (``nnx.vmap``, as docs/port.md shows for per-device keys); its block under ``nnx.remat``; its blocks
 stacked and run by ``nnx.scan`` (linen's ``nn.scan`` on the pmap side); and the linen network itself
-wrapped by ``nnx.bridge.ToNNX``. Each form is a correct port; ``SLIPS`` plant one LayerNorm epsilon."""
+wrapped by ``nnx.bridge.ToNNX``. Each form is a correct port; ``SLIPS`` plant one LayerNorm epsilon. The
+linen block returns ``(h, h)``, its NNX port ``h``: an output one side alone gives is no difference."""
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -21,7 +22,8 @@ class LinenBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x, _=None):
-        return nn.relu(nn.LayerNorm(epsilon=self.epsilon, name='norm')(nn.Dense(WIDTH, name='fc')(x))), None
+        h = nn.relu(nn.LayerNorm(epsilon=self.epsilon, name='norm')(nn.Dense(WIDTH, name='fc')(x)))
+        return h, h  # two outputs, where the NNX block gives one (google-research/vdm's ResnetBlock does so)
 
 
 class LinenNet(nn.Module):

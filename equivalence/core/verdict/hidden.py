@@ -36,9 +36,10 @@ def first_step_leaves(recorder: Recorder, seen: locate.Seen) -> tuple[list[LeafD
     if found.kind not in (Where.MODULE, Where.BETWEEN, Where.RANDOMNESS) or found.first is None:
         return [], f'first step held module by module: {calls} module calls within their floors'
     m = found.modules[found.first]
-    diff, allowed = (m.input_diff, m.input_allowed) if found.kind == Where.BETWEEN else (m.output_diff,
-                                                                                        m.output_allowed)  # fmt: skip
-    what = 'input' if found.kind == Where.BETWEEN else 'output'
+    what = 'input' if not m.input_ok else 'output'  # a between (inside) a module is its output's
+    diff, allowed = (m.input_diff, m.input_allowed) if what == 'input' else (m.output_diff, m.output_allowed)
+    if allowed is None or not diff > allowed:  # no number parts: no leaf fails
+        return [], f'first step held module by module: {calls} module calls within their floors'
     leaf = LeafDiff('first_step', f'forward/{m.new}/{what}', diff, diff, False, size=1, bad=1,
                     floor=m.output_floor, limit=allowed)  # fmt: skip
     return [

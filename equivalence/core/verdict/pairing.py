@@ -64,21 +64,20 @@ def pairs(legacy: dict[str, Record], nnx_: dict[str, Record], mapping: dict[str,
 
 
 def trees(raw: dict, paired: dict[str, str]) -> tuple[dict, dict, dict]:
-    """The legacy, NNX and twin values of every paired call, keyed ``<nnx label>/in|out/<i>``:
-    inputs as far as both sides passed arrays, every output (one on one side only parts)."""
+    """The legacy, NNX and twin values of every paired call, keyed ``<nnx label>/in|out/<i>``: inputs and
+    outputs as far as both sides passed arrays. An output one side alone gives is no difference: a linen
+    block that returns ``(x, x)`` against its NNX port's ``x`` (google-research/vdm's ``ResnetBlock``, tried
+    blind) parted with '-' figures and failed a correct port; what a caller reads of it, it reads as an input."""
     out = ({}, {}, {})
     for old, new in paired.items():
         a, b, t = raw['legacy'][old], raw['new'][new], raw.get('twin', {}).get(new)
         for which, tag in ((0, 'in'), (1, 'out')):
             n_a, n_b = len(a.values[0][which]), len(b.values[0][which])
             n_t = len(t.values[0][which]) if t is not None else 0
-            for i in range(min(n_a, n_b) if tag == 'in' else max(n_a, n_b)):
-                key, like = f'{new}/{tag}/{i}', b.values[0][which][i] if i < n_b else None
-                if i < n_a:
-                    out[0][key] = intercept.value(a, i, which, like)
-                if like is not None:
-                    out[1][key] = like
-                if i < min(n_b, n_t):
+            for i in range(min(n_a, n_b)):
+                key, like = f'{new}/{tag}/{i}', b.values[0][which][i]
+                out[0][key], out[1][key] = intercept.value(a, i, which, like), like
+                if i < n_t:
                     out[2][key] = t.values[0][which][i]
     return out
 
