@@ -209,6 +209,7 @@ def main(
     2 on bad input, 3 on anything unexpected (a bug here, which must not read as a mismatch)."""
     try:
         devices.simulate_cpu_devices()  # before anything imports jax
+        devices.quiet_xla_warnings()
         compilation_cache.use(argv)  # before the port is imported
         validated = validate(inputs, argv)
         if os.environ.get(INJECT_INTERNAL_ERROR) == '1':

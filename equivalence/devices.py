@@ -52,6 +52,14 @@ def simulate_cpu_devices(n: int = SIMULATED_CPU_DEVICES) -> None:
         pass
 
 
+def quiet_xla_warnings() -> None:
+    """XLA's own warnings off unless the user set ``TF_CPP_MIN_LOG_LEVEL`` (its errors stay): the recorded
+    first step gathers each sharded value for the host, and XLA's partitioner says so once per value
+    ('Involuntary full rematerialization'), 48 to 246 lines burying a check's report (tried blind on
+    google-research/vdm's port, on a correct MATCH). Read as XLA starts: before ``import jax``."""
+    os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+
+
 def release_compiled_programs(share: float = 0.5) -> None:
     """``jax.clear_caches()`` once this process holds more than ``share`` of the kernel's memory-map
     limit. Every check compiles its own programs and JAX's caches keep some after the check ends

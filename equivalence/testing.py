@@ -33,6 +33,7 @@ from equivalence import compilation_cache as _compilation_cache
 from equivalence import devices as _devices
 
 _devices.simulate_cpu_devices()
+_devices.quiet_xla_warnings()
 _compilation_cache.use([])  # a second test session reads its programs from disk
 
 WARNINGS = ('ignore:Some donated buffers were not usable',)  # the batch, donated as score_sde did

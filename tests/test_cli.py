@@ -236,3 +236,22 @@ def test_python_m_equivalence_lists_every_exit_code(capsys):
 
 # Every command's --help names a port as package.module:NAME: test_docs.py, in-process (the process's start is
 # this file's other commands').
+
+
+def test_xla_warnings_are_off_unless_the_user_set_their_level(monkeypatch):
+    """The recorded first step gathers sharded values for the host, and XLA's partitioner warned once per
+    value ('Involuntary full rematerialization': 48 to 246 lines under a correct MATCH of a port tried
+    blind): every command and the plugin turn XLA's warnings off before JAX starts, its errors kept; a
+    level the user set is theirs."""
+    from equivalence import devices
+
+    monkeypatch.delenv('TF_CPP_MIN_LOG_LEVEL', raising=False)
+    devices.quiet_xla_warnings()
+    assert os.environ['TF_CPP_MIN_LOG_LEVEL'] == '2'
+    monkeypatch.setenv('TF_CPP_MIN_LOG_LEVEL', '0')
+    devices.quiet_xla_warnings()
+    assert os.environ['TF_CPP_MIN_LOG_LEVEL'] == '0'
+    called = []
+    monkeypatch.setattr(devices, 'quiet_xla_warnings', lambda: called.append(True))
+    cli.main(lambda argv: None, lambda inputs: 0, [])
+    assert called, 'cli.main does not quiet XLA'
