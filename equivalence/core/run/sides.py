@@ -203,7 +203,7 @@ def with_losses(neutral: convert.Neutral, losses: np.ndarray, metrics: dict | No
 def compared(kind: Kind, old: PathResult, new: PathResult) -> tuple[Callable[[PathResult], convert.Neutral], list[str]]:
     """How each path's result is compared (losses, the metrics both sides report, the groups both
     states hold), and the lines that say what was left out of it."""
-    one_side = sorted(set(old.metrics) ^ set(new.metrics))
+    one_side = sorted((set(old.metrics) ^ set(new.metrics)) - old.left_out)  # left out already: said once, why
     left_out = old.left_out | set(one_side)
     kept = lambda metrics: {p: a for p, a in metrics.items() if p not in left_out}  # noqa: E731
     full = lambda path: with_losses(path.final, path.losses, kept(path.metrics))  # noqa: E731
