@@ -488,7 +488,7 @@ def test_where_the_recording_cannot_run_the_probe_and_the_verdict_are_as_before(
     """A port the recorded first steps cannot run: the gradient probe falls back on its plain
     programs, and the location says why there is none (no JAX program runs here)."""
 
-    def cannot(*args):
+    def cannot(*args, **kwargs):
         raise RuntimeError('recording refused')
 
     port, config = workloads.get('mlp'), RunConfig(devices=DEVICES, batch_size=64)

@@ -47,6 +47,12 @@ class Setup(Protocol):
     def neutral(self) -> dict[str, dict[str, np.ndarray]]:
         """The state it holds now, as the comparison reads it."""
 
+    def forward(self, args: tuple) -> np.ndarray:
+        """The K losses of one call from a program of what they and its effects need; no state updated."""
+
+    def shared(self, program: Any = None) -> Any:
+        """Its compiled call, or ``program`` (another setup's of the same side) run instead."""
+
 
 class Kind(Protocol):
     """What the suite asks of a port, answered by the object of its kind (``equivalence.core.kinds``)."""

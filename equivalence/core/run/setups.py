@@ -99,6 +99,12 @@ class LegacySetup:
     def neutral(self) -> convert.Neutral:
         return convert.groups_to_neutral(self.groups(legacy.unreplicate_to_host(self.pstate)))
 
+    def shared(self, program: Any = None) -> Any:
+        """Its compiled call, built anew with every setup; ``program``: another setup's of the same side to
+        run instead (the recordings of one verdict: what JAX traced and compiled once serves them all)."""
+        self.p_train_step = program or self.p_train_step
+        return self.p_train_step
+
     def lowered(self, args: tuple) -> list:
         """The programs the call of ``args`` compiles, traced here (in its context) and none compiled: what
         a thread may compile while the other side runs (``sides.prefetch``); the call then finds them in
@@ -147,6 +153,11 @@ class NnxSetup:
     def neutral(self) -> convert.Neutral:
         return convert.nnx_to_neutral(self.graphdef, gather.to_host(self.state))
 
+    def shared(self, program: Any = None) -> Any:
+        """``LegacySetup.shared``."""
+        self.fused = program or self.fused
+        return self.fused
+
     def lowered(self, args: tuple) -> list:
         """The suite's own program of this call, traced here (``LegacySetup.lowered``)."""
         return [self.fused.lower(*args)]
@@ -180,6 +191,11 @@ class NnxGraphSetup:
     def forward(self, args: tuple) -> np.ndarray:
         """The whole call: the graph form updates its objects in place, and is not traced as one function."""
         return self.call(args)
+
+    def shared(self, program: Any = None) -> Any:
+        """``LegacySetup.shared``."""
+        self.fused = program or self.fused
+        return self.fused
 
     def neutral(self) -> convert.Neutral:
         groups = convert.nnx_groups(self.ts.model, self.ts.optimizer, self.ts.ema)
@@ -226,6 +242,9 @@ class LoopNewSetup:
     def neutral(self) -> convert.Neutral:
         groups = self.port.new_groups or new_side.read_groups
         return convert.groups_to_neutral(gather.to_host(groups(self.train_state)))
+
+    def shared(self, program: Any = None) -> None:
+        """Nothing: its call is the team's own, one object that JAX's caches key by already."""
 
     def view(self) -> nnx.Module:
         """The team's train state, viewed under ``nnx_sharded.train.TrainState``'s names (``View``); with

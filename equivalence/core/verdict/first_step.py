@@ -39,9 +39,14 @@ class Recorder:
     twin: twin.TwinKind | None
 
     @functools.cached_property
+    def reuse(self) -> recorded_run.Reuse:
+        """What the whole step's recordings share (``recorded_run.Reuse``): ``runs`` and every ``steps``."""
+        return recorded_run.Reuse()
+
+    @functools.cached_property
     def runs(self) -> tuple[dict, dict]:
         """``({side: PathResult}, {side: {label: Record}})`` of the first step (``recorded_run.first_steps``)."""
-        return recorded_run.first_steps(self.kind, self.config, self.inputs, self.twin)
+        return recorded_run.first_steps(self.kind, self.config, self.inputs, self.twin, reuse=self.reuse)
 
     @functools.cached_property
     def forward(self) -> tuple[dict, dict]:
@@ -57,8 +62,9 @@ class Recorder:
             return self.runs
 
     def steps(self, n: int) -> tuple[dict, dict]:
-        """The first ``n`` steps recorded (a fresh recording: only the first one is kept)."""
-        return recorded_run.first_steps(self.kind, self.config, self.inputs, self.twin, n)
+        """The first ``n`` steps recorded (a fresh recording: only the last one is kept), on the programs that
+        ``runs`` compiled (one step a call)."""
+        return recorded_run.first_steps(self.kind, self.config, self.inputs, self.twin, n, reuse=self.reuse)
 
 
 def grads(recorder: Recorder) -> dict[str, dict]:

@@ -10,7 +10,7 @@ from flax import nnx
 
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
-from equivalence.core.run import draws, facts, randomness, setups, sides
+from equivalence.core.run import draws, facts, randomness, sides
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.verdict import probe, twin
 from equivalence.core.verdict.intercept import _RECORDINGS, _SESSION, _SESSIONS, _patched
@@ -23,74 +23,70 @@ def step_batch(calls: list, j: int):
     return jax.tree.map(lambda v: v[j % k : j % k + 1], calls[j // k])
 
 
+@dataclasses.dataclass
+class Reuse:
+    """What the recordings of one verdict share (``Recorder``): one user context (``session``), so that JAX
+    keeps their traces, and each side's compiled call (``programs``), which every setup builds anew: the
+    first steps, then steps 1 to 2 and 1 to 8 where the first step shows nothing (one step a call, so one
+    program a side), compiled once."""
+
+    session: int = dataclasses.field(default_factory=lambda: next(_SESSIONS))
+    programs: dict = dataclasses.field(default_factory=dict)
+
+    def share(self, side: str, setup):
+        self.programs[side] = setup.shared(self.programs.get(side))
+        return setup
+
+
 def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, n_twin: twin.TwinKind | None, steps: int = 1,
-                forward: bool = False):  # fmt: skip
+                forward: bool = False, reuse: Reuse | None = None):  # fmt: skip
     """``({side: PathResult after ``steps`` steps}, {side: {label: Record}})``: the first ``steps``
     steps of each side (legacy, nnx, and twin when ``n_twin``: a count, or a sharded run's
     ``twin.Reordered``), each a call of its own, every module call recorded; a ``Record`` holds the
     last step's values (a call starts when the one before it has ended, its callbacks with it). Every
-    trace is made afresh, keyed apart by a user context of this recording's own (``_RECORDINGS``): a
-    loop port's jitted functions trace again with the recording in them, and no other run takes a
-    recording trace, nor does this one take theirs; nothing is cleared. ``forward``: the forward pass alone,
-    each call compiled with only what its callbacks and its losses need (``setup.forward``): the results'
-    states are the states before the step, and no gradient or cotangent is recorded."""
+    trace is made afresh, keyed apart by a user context of this recording's own (``_RECORDINGS``; ``reuse``:
+    shared with the verdict's other recordings of the same kind): a loop port's jitted functions trace
+    again with the recording in them, and no other run takes a recording trace, nor does this one take
+    theirs; nothing is cleared. ``forward``: the forward pass alone, each call compiled with only what its
+    callbacks and its losses need (``setup.forward``): the results' states are the states before the step,
+    and no gradient or cotangent is recorded."""
+    reuse = reuse or Reuse()
     one = dataclasses.replace(probe.probe_config(config), steps_per_call=1, calls=steps)
     first, recording = [step_batch(inputs.calls, j) for j in range(steps)], kind.recording()
     fed = dataclasses.replace(inputs, calls=first)
-    axis = kind.axis_name
+    hooks = {'after_call': _next_call, 'before_call': _first_call, 'forward': forward}
     runs = {
-        'legacy': (
-            axis,
-            None,
-            lambda: sides.run_legacy(
-                recording, one, fed, after_call=_next_call, before_call=_first_call, forward=forward
-            ),
-        ),
-        'new': (
-            None,
-            setups.nnx_mesh(one),
-            lambda: sides.run_new(recording, one, fed, after_call=_next_call, before_call=_first_call, forward=forward),
-        ),
-    }
-    rows = None
+        'new': (lambda: recording.new_setup(one, fed),
+                lambda setup: sides.run_new(recording, one, fed, setup=setup, **hooks)),
+    }  # fmt: skip
     if n_twin:
-        built = recording.twin_setup(one, inputs, n_twin)
-        rows = getattr(built, 'rows', None)  # a Reordered twin holds the batch's rows in this order
-        runs['twin'] = (
-            None,
-            built.mesh,
-            lambda: twin.run_twin(
-                recording,
-                one,
-                dataclasses.replace(fed, whole=None),
-                n_twin,
-                setup=built,
-                after_call=_next_call,
-                before_call=_first_call,
-                forward=forward,
-            ),  # fmt: skip
-        )
+        runs['twin'] = (lambda: recording.twin_setup(one, inputs, n_twin),
+                        lambda setup: twin.run_twin(recording, one, dataclasses.replace(fed, whole=None), n_twin,
+                                                    setup=setup, **hooks))  # fmt: skip
     abstract = facts.abstract_model(kind.port)  # None: a new side of linen alone (nn.intercept_methods sees it)
     graph = nnx.iter_graph(abstract) if abstract is not None else ()
     classes = {type(m) for _, m in graph if isinstance(m, nnx.Module)}
-    results, s, compiling = dict.fromkeys(runs), _SESSION, None
+    results, s, compiling, rows = {}, _SESSION, None, None
     s.raw, s.counts, s.order, s.call, s.forward, s.draws = {}, [], 0, 0, forward, {}
     try:
-        with _patched(classes), _RECORDINGS(next(_SESSIONS)), draws.recording([]):
+        with _patched(classes), _RECORDINGS(reuse.session), draws.recording([]):
             # The pmap side is traced first, as it always was, and compiles on a thread while the new side
             # and the twin run; it runs last, its values recorded then (a callback reads the side as it runs).
-            s.side, s.axis, s.mesh, s.call = 'legacy', axis, None, -1  # building: not kept
-            legacy_setup = recording.legacy_setup(one, fed)
+            s.side, s.axis, s.mesh, s.call = 'legacy', kind.axis_name, None, -1  # building: not kept
+            legacy_setup = reuse.share('legacy', recording.legacy_setup(one, fed))
             compiling = None if forward else sides.prefetch(legacy_setup, fed)  # forward: not this program
             s.side = None
-            runs['legacy'] = (axis, None, lambda: sides.run_legacy(
-                recording, one, fed, after_call=_next_call, before_call=_first_call, setup=legacy_setup,
-                forward=forward))  # fmt: skip
-            for side, (s.axis, mesh, run) in [*list(runs.items())[1:], ('legacy', runs['legacy'])]:
-                s.side, s.mesh, s.call = side, mesh if kind.records_on_mesh else None, -1  # building: not kept
+            runs['legacy'] = (lambda: legacy_setup,
+                              lambda setup: sides.run_legacy(recording, one, fed, setup=setup, **hooks))  # fmt: skip
+            for side, (build, run) in runs.items():
+                s.side, s.axis, s.mesh, s.call = side, None, None, -1  # building: not kept
+                setup = reuse.share(side, build())
+                rows = getattr(setup, 'rows', None) if side == 'twin' else rows  # a Reordered twin's row order
+                s.axis = kind.axis_name if side == 'legacy' else None
+                s.mesh = setup.mesh if side != 'legacy' and kind.records_on_mesh else None
                 if side == 'legacy' and compiling is not None:
                     compiling.result()
-                results[side] = run()
+                results[side] = run(setup)
                 jax.effects_barrier()
                 s.side = None
                 draws.into([])  # what the next side's building draws is not its step's
