@@ -270,6 +270,24 @@ def test_a_pmapped_scan_is_run_as_the_step_it_wraps():
     ]
 
 
+def test_a_step_that_takes_its_key_first_is_called_so():
+    """google-research/vdm's ``train_step(self, base_rng, state, batch)``, bound: ``rng_arg`` naming the first
+    parameter calls it ``legacy_step(rng, state, batch)`` (by keyword the state landed on the key: a port
+    tried blind needed a wrapper); the pre-flight traces it so."""
+    from equivalence.core import preflight
+    from equivalence.core.port.config import RunConfig
+
+    def first(base_rng, state, batch):
+        return train_step(state, batch, base_rng)
+
+    port = dataclasses.replace(FORMS['state_rng, scan, fused nnx'], legacy_step=first, rng_arg='base_rng')
+    preflight.check(kinds.of(port), RunConfig(workload=port.name, devices=2, batch_size=8, rng_mode='global', **QUICK))
+    seen = []
+    spy = dataclasses.replace(port, legacy_step=lambda base_rng, state, batch: seen.append((base_rng, state, batch)))
+    adapters.one_step(spy)('state', 'batch', 'key')
+    assert seen == [('key', 'state', 'batch')]
+
+
 def test_forms_that_do_not_fit_together_exit_2_before_any_work():
     port = FORMS['state, steps, no key']
     for bad, message in [

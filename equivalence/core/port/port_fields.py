@@ -66,11 +66,26 @@ def check(port: Any) -> None:
             )
 
 
+def key_first(port: Any) -> bool:
+    """Whether a ``'state_rng'`` step's ``rng_arg`` names its first positional parameter: it is called
+    ``legacy_step(rng, state, batch)`` (google-research/vdm's ``train_step(self, base_rng, state, batch)``,
+    bound; a keyword would land on the state)."""
+    arg, step = getattr(port, 'rng_arg', None), getattr(port, 'legacy_step', None)
+    if getattr(port, 'step_form', 'carry') != 'state_rng' or not arg or not callable(step):
+        return False
+    params = _parameters(step) or []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    positional = [p.name for p in params if p.kind in kinds]
+    return positional[:1] == [arg]
+
+
 def _step_call(port: Any) -> tuple[int, str]:
     """How a loop port's ``legacy_step`` is called, by its ``step_form`` (``equivalence.core.run.adapters``)."""
     form = getattr(port, 'step_form', 'carry')
     if form == 'state_rng' and not getattr(port, 'rng_arg', None):
         return 3, 'legacy_step(state, batch, rng)'
+    if key_first(port):
+        return 3, f'legacy_step({port.rng_arg}, state, batch)'
     if form in ('state', 'state_rng'):
         return 2, 'legacy_step(state, batch' + (f', {port.rng_arg}=rng)' if form == 'state_rng' else ')')
     return 2, 'legacy_step((rng, state), batch)'

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from equivalence.core.port import convert
+from equivalence.core.port import convert, port_fields
 from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.port.ports import LoopPort
 from legacy_pmap import train as legacy
@@ -199,6 +199,8 @@ def one_step(port: LoopPort) -> Callable:
     step = legacy_step(port)
     if port.step_form == 'state':
         return lambda state, batch, key: step(state, batch)
+    if port_fields.key_first(port):
+        return lambda state, batch, key: step(key, state, batch)
     if port.step_form == 'state_rng' and port.rng_arg:
         return lambda state, batch, key: step(state, batch, **{port.rng_arg: key})
     if port.step_form == 'state_rng':
