@@ -52,7 +52,15 @@ def pmap_step(state, batch, rng):
 def new_step(fold: int | None = None, interleaved: bool = False):
     """The same noise from the ``[D, 2]`` keys: device row d's rows from key d. The slips: each key folded
     with ``fold`` first (a key derived otherwise), or device d's noise given to rows d, d + D, ... (the
-    examples laid out over the devices otherwise)."""
+    examples laid out over the devices otherwise), the forward pass then vmapped over the device rows, as
+    google-research/vdm's port runs it (its values recorded ``[D, B / D, ...]``)."""
+
+    def forward(m, x, d: int):
+        if not interleaved:
+            return m(x)
+        return nnx.vmap(lambda m, rows: m(rows), in_axes=(None, 0))(m, x.reshape(d, -1, *x.shape[1:])).reshape(
+            x.shape[0], -1
+        )
 
     @nnx.jit
     def step(ts, batch, keys):
@@ -61,7 +69,8 @@ def new_step(fold: int | None = None, interleaved: bool = False):
         keys = keys if fold is None else jax.vmap(lambda k: jax.random.fold_in(k, fold))(keys)
         noise = jax.vmap(lambda k: jax.random.normal(k, (x.shape[0] // keys.shape[0], *x.shape[1:])))(keys)
         x = x + NOISE * (noise.swapaxes(0, 1) if interleaved else noise).reshape(x.shape)
-        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - batch['y']) ** 2))(model)
+        d = keys.shape[0]
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((forward(m, x, d) - batch['y']) ** 2))(model)
         optimizer.update(model, grads)
         return loss
 

@@ -170,3 +170,8 @@ def test_only_a_padded_batch_is_run_again_on_one_device_for_the_hint():
     images = np.zeros((2, 2, 8, 8, 3), np.uint8)
     assert hints.padded({'inputs': tokens}) and hints.padded({'x': np.ones((2, 2, 4)), 'mask': np.ones((2, 2))})
     assert not hints.padded({'images': images}) and not hints.padded({'inputs': tokens + 1})
+    # and only where the devices' rows hold other amounts of tokens: every row 2 tokens, 2 pads (lm1b's port
+    # tried blind) cannot give a mean of per-device means other than the global mean
+    assert not hints.uneven({'inputs': tokens}, 2) and hints.uneven(
+        {'inputs': np.concatenate([tokens[:, :1], tokens[:, :1] * 0], 1)}, 2
+    )

@@ -128,7 +128,7 @@ def _run(port: Port, config: RunConfig, progress: Progress, diagnose: bool, chec
         result, resumed = _with_checkpoints(prepared, progress, diagnose, checkpoints)
     if diagnose and not resumed:  # the hint runs both sides again on 1 device: part of a MISMATCH's diagnosis
         on_one = lambda: _matches_on_one(port, config)  # noqa: E731
-        result.notes += hints.masked_loss(config.devices, inputs.calls[0], result.outcome, on_one)
+        result.notes += hints.masked_loss(config.devices, inputs.calls, result.outcome, on_one)
     return result
 
 

@@ -87,11 +87,14 @@ def by_example(step: Step, m: Module) -> tuple[int, int] | None:
     if label not in step.paired or m.input_allowed is None:
         return None
     ref, other, _ = pairing.trees(step.raw, {label: step.paired[label]})
+    per_device = step.raw['legacy'][label].values[0][0]  # device 0's inputs on the pmap side: its rows
     found = []
-    for key in (k for k in other if '/in/' in k and k in ref):
+    for i, key in ((int(k.rpartition('/')[2]), k) for k in other if '/in/' in k and k in ref):
         a, b = (np.asarray(x, np.float64) for x in (ref[key], other[key]))
         if a.shape != b.shape or a.ndim < 1 or a.shape[0] < 2 or not np.issubdtype(a.dtype, np.floating):
             continue
+        if a.ndim > 1 and i < len(per_device) and np.shape(per_device[i]) == a.shape[1:]:
+            a, b = (x.reshape(-1, *x.shape[2:]) for x in (a, b))  # [D, B / D, ...] (a vmapped forward): by example
         apart = np.abs(a - b).reshape(a.shape[0], -1).max(axis=1, initial=0.0)
         if apart.max() > m.input_allowed:
             found.append((float(apart.max()), int((apart <= m.input_allowed).sum()), a.shape[0]))

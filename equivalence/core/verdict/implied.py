@@ -60,13 +60,11 @@ def update(p0: np.ndarray, u_old: np.ndarray, u_new: np.ndarray, g: np.ndarray |
     form, (c, r2) = max(fits.items(), key=lambda kv: kv[1][1])
     if r2 < EXPLAINED:
         ratio = float(np.median(u_new[live] / u_old[live]))
-        tried = 'one step factor, weight decay or eps' if 'eps' in fits else 'one step factor or weight decay'
-        later = (
-            f'; the moments of step {step} hold earlier gradients too, so an eps or a moment setting is not read here'
-            if step > 1
-            else ''
-        )
-        return f'the new side steps {ratio:.6g} x the pmap side (median), not {tried} alone{later}'
+        forms = ['one step factor', 'weight decay (of every parameter, or of the kernels or the biases alone)']
+        tried = f'{", ".join(forms)} or eps' if 'eps' in fits else ' or '.join(forms)
+        later = f'; the moments of step {step} hold earlier gradients too: what they imply is not read'
+        later = later if step > 1 else ''
+        return f'the new side steps {ratio:.6g} x the pmap side (median): no {tried} fits it (r² {r2:.2f}){later}'
     if form == 'lr':
         first = (1 + 2 * NESTEROV_B1) / (1 + NESTEROV_B1)
         text = f'the new side steps {1 + c:.6g} x the pmap side (r² {r2:.3f})'
@@ -86,21 +84,25 @@ NO_UPDATE = 'no update on the pmap side (a learning rate of 0 at this step)'
 
 
 def masked_decay(d: np.ndarray, p0: np.ndarray, kernels: np.ndarray | None) -> str:
-    """'' unless the updates differ by a multiple of the parameter on the kernels alone and by nothing
-    elsewhere (r² >= ``EXPLAINED`` there, the rest within a thousandth of it): a weight decay masked to
-    the kernels (``optax.add_decayed_weights(wd, mask=...)``, or ``adamw``'s ``mask``) on one side only."""
+    """'' unless the updates differ by a multiple of the parameter on one kind of leaf alone (the kernels, or
+    the biases and scales) and by nothing on the other (r² >= ``EXPLAINED`` there, the rest within a
+    thousandth of it): a weight decay whose mask differs (``optax.add_decayed_weights(wd, mask=...)``, or
+    ``adamw``'s ``mask``; lm1b's port tried blind decayed its biases and scales too, and read 'not one step
+    factor or weight decay alone')."""
     if kernels is None or not kernels.any() or kernels.all():
         return ''
-    c, r2 = fit(d[kernels], p0[kernels])
-    rest = float(np.abs(d[~kernels]).max(initial=0.0))
-    if r2 < EXPLAINED or rest > 1e-3 * float(np.abs(d[kernels]).max(initial=0.0)):
-        return ''
-    return (
-        f'a difference of {c:.3g} x the parameter on the kernels (r² {r2:.3f}) and none on the biases and '
-        'scales: a weight decay masked to the kernels on one side (new - pmap); c is -lr x decay where it is '
-        'decoupled (adamw), -decay where it is added after the learning-rate scale (add_decayed_weights after '
-        'scale_by_learning_rate)'
-    )
+    for on, what, rest_of in ((kernels, 'the kernels', 'the biases and scales'),
+                              (~kernels, 'the biases and scales', 'the kernels')):  # fmt: skip
+        c, r2 = fit(d[on], p0[on])
+        rest = float(np.abs(d[~on]).max(initial=0.0))
+        if r2 >= EXPLAINED and rest <= 1e-3 * float(np.abs(d[on]).max(initial=0.0)):
+            return (
+                f'a difference of {c:.3g} x the parameter on {what} (r² {r2:.3f}) and none on {rest_of}: a weight '
+                f'decay whose mask differs, {what} decayed on one side only (new - pmap); c is -lr x decay where it '
+                'is decoupled (adamw), -decay where it is added after the learning-rate scale (add_decayed_weights '
+                'after scale_by_learning_rate)'
+            )
+    return ''
 
 
 def adam_eps(g: np.ndarray, u: np.ndarray) -> float | None:

@@ -107,6 +107,12 @@ def judge_step(
         found = stage(step)
         if found is None and (name != 'backward' or step.grads('legacy')):  # gradients not observed: not judged
             agreed.append(name)
+        moved = _starts_apart(results, at) if found is not None and at > 1 and name in TRAINING[:3] else ''
+        if moved:  # the step starts from parameters that differ: what parts in it may follow from them
+            text = (f'not located: on step {at} {found.kind} at {found.new} parts, but the parameters it starts '
+                    f'from differ already, within their floors ({moved}), after the update of step {at - 1}: what '
+                    'parts in its forward pass, loss or backward pass may follow from them')  # fmt: skip
+            return Location('unlocated', '', '', text, tuple(modules), notes=tuple(n.text for n in notes))
         if found is not None and stage is stages.loss and any(note.tag == UNOBSERVED for note in notes):
             agreed = [a for a in agreed if a != 'forward']  # not observed: not judged
             found = Location('unlocated', '', '', f'the first loss parts ({found.figures}), and the forward pass '
@@ -264,6 +270,18 @@ def _first_parting(results: dict, steps: int, noisy=frozenset()) -> int | None:
         if any(not leaf.ok for leaf in stages.held(*trees, siblings=True, noisy=noisy).values()):
             return j + 1
     return None
+
+
+def _starts_apart(results: dict, at: int) -> str:
+    """'' where both sides start step ``at`` from the same parameters, bit for bit (a warmup's zero first update
+    leaves them so); else the leaf that differs most, and by how much. Within their floors, such parameters
+    part a module's output beyond its own (lm1b's Adam eps, tried blind: 'module at Embed_0 ... on step 3
+    (nothing parts before it)', the embedding's own weights 3.1e-05 apart after step 2)."""
+    before = [results[side].params_per_call[at - 2] for side in ('legacy', 'new')]
+    gaps = {k: float(np.max(np.abs(np.asarray(before[0][k], np.float64) - np.asarray(v, np.float64)), initial=0.0))
+            for k, v in before[1].items() if k in before[0] and np.shape(before[0][k]) == np.shape(v)}  # fmt: skip
+    worst = max(gaps, key=gaps.get, default=None)
+    return f'{worst} {gaps[worst]:.2e} apart' if worst is not None and gaps[worst] > 0 else ''
 
 
 def _first_update_is_0(results: dict, variables: dict, mapping: dict[str, str]) -> bool:
