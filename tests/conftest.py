@@ -63,10 +63,13 @@ def run_module(module: str, *args: str, env: dict | None = None) -> subprocess.C
 
 def run_pytest_in(folder, *args: str, env: dict[str, str] | None = None, timeout: int = 600):
     """``python -m pytest -q`` in ``folder``, as a team runs its own tests there: no device count
-    inherited from this test process; ``env`` adds to the environment (``PYTHONPATH``, say)."""
+    inherited from this test process; ``env`` adds to the environment (``PYTHONPATH``, with this
+    checkout's root: the suite, as installed, and ``tests.shared_programs_plugin``, which shares the
+    folder's compiled programs between its checks in memory, as this worker does)."""
     environ = {k: v for k, v in devices.without_device_count(dict(os.environ)).items() if k != 'PYTHONPATH'}
+    plugin = ['-p', 'tests.shared_programs_plugin']
     return subprocess.run(
-        [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', *args],
+        [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', *plugin, *args],
         cwd=folder,
         env={**environ, **(env or {})},
         capture_output=True,
