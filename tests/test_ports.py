@@ -260,8 +260,11 @@ def test_the_bridge_draws_what_both_dropout_layers_draw_from_a_key():
 
 
 def test_api_from_a_program_that_already_chose_its_devices():
+    """The check, then the command's main, in one program: the command compiles what the check did, so the
+    program shares its compiled programs as this worker does (``shared_programs``: no number changes)."""
     code = (
         'import jax; jax.config.update("jax_num_cpu_devices", 4); jax.devices()\n'
+        'from tests import shared_programs; shared_programs.install()\n'
         'import sys; sys.path.insert(0, sys.argv[1]); import my_port\n'
         'from equivalence import check, run\n'
         'r = check(my_port.MODEL, steps_per_call=1, calls=1)\n'
