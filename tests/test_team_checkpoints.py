@@ -18,15 +18,20 @@ from equivalence.core.run import adapters, sides
 
 
 def example(name: str):
-    """The example's ``legacy_code`` and ``my_port``, imported as the team's own modules."""
+    """The example's ``legacy_code`` and ``my_port``, imported as the team's own modules; the modules of those
+    names imported before (the mlp example's, by the files that run before or after this one in the same
+    worker) are put back."""
     folder = os.path.join(ROOT, 'examples', name)
-    for module in ('legacy_code', 'nnx_code', 'my_port'):
-        sys.modules.pop(module, None)
+    before = {module: sys.modules.pop(module, None) for module in ('legacy_code', 'nnx_code', 'my_port')}
     sys.path.insert(0, folder)
     try:
         return importlib.import_module('legacy_code'), importlib.import_module('my_port')
     finally:
         sys.path.remove(folder)
+        for module, imported in before.items():
+            sys.modules.pop(module, None)
+            if imported is not None:
+                sys.modules[module] = imported
 
 
 def team_saver(name: str, old, directory: str):
