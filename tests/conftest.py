@@ -63,10 +63,13 @@ def run_module(module: str, *args: str, env: dict | None = None) -> subprocess.C
 
 def run_pytest_in(folder, *args: str, env: dict[str, str] | None = None, timeout: int = 600):
     """``python -m pytest -q`` in ``folder``, as a team runs its own tests there: no device count
-    inherited from this test process; ``env`` adds to the environment (``PYTHONPATH``, say)."""
+    inherited from this test process; ``env`` adds to the environment (``PYTHONPATH``, with this
+    checkout's root: the suite, as installed, and ``tests.shared_programs_plugin``, which shares the
+    folder's compiled programs between its checks in memory, as this worker does)."""
     environ = {k: v for k, v in devices.without_device_count(dict(os.environ)).items() if k != 'PYTHONPATH'}
+    plugin = ['-p', 'tests.shared_programs_plugin']
     return subprocess.run(
-        [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', *args],
+        [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', *plugin, *args],
         cwd=folder,
         env={**environ, **(env or {})},
         capture_output=True,
@@ -91,13 +94,21 @@ def message_lines(stderr: str) -> list[str]:
 
 # Two workers (pyproject's addopts). The tests of one file share what they build (module fixtures,
 # the programs they compile), so a file goes to one worker whole, except where each test starts
-# processes of its own: those go one by one, wherever a worker is free. The longest files are handed
-# out first (``--no-loadscope-reorder`` keeps this order), so that no worker is left with one at the
+# processes of its own: those go one by one, wherever a worker is free. Every file is handed out in
+# the order of its measured time, the longest first (``--no-loadscope-reorder`` keeps this order), so
+# that the last ones handed out are short: a worker that takes the next file while its own ends (xdist
+# gives a worker more once two of its tests are left) can then not keep the other idle for long at the
 # end. (Not ``--dist loadgroup``: pytest-xdist 3.8 renames a test's nodeid to group it, which pytest 9
 # no longer reads, so its groups are ignored and module fixtures are built on both workers.)
 EACH_TEST_ALONE = ('test_real_examples.py', 'test_distributed.py')
-LONGEST_FIRST = ('test_real_examples.py', 'test_distributed.py', 'test_strategies.py', 'test_corpus.py',
-                 'test_equivalence.py', 'test_ports.py', 'test_checkpoint.py', 'test_verdict.py')  # fmt: skip
+LONGEST_FIRST = (  # summed seconds of each file's tests, whole suite, 2026-12-05 (the rest: under 3 s)
+    'test_real_examples.py', 'test_distributed.py', 'test_strategies.py', 'test_where.py', 'test_locate.py',
+    'test_team_checkpoints.py', 'test_stateful.py', 'test_checkpoint.py', 'test_pitfalls.py', 'test_twins.py',
+    'test_recording.py', 'test_hostile_ports.py', 'test_bench.py', 'test_ports.py', 'test_step_forms.py',
+    'test_verdict.py', 'test_equivalence.py', 'test_cli_properties.py', 'test_explain.py',
+    'test_attention_dropout.py', 'test_cli.py', 'test_corpus.py', 'test_docs.py', 'test_bench_advice.py',
+    'test_cost.py', 'test_long_lived.py', 'test_real_models.py', 'test_new_sides.py',
+)  # fmt: skip
 
 
 def pytest_collection_modifyitems(items: list) -> None:

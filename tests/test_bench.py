@@ -86,11 +86,13 @@ def test_bad_input_exits_2_with_one_line(capsys):
     assert exit_.value.code == 2 and err.count('\n') == 1 and '--repeats must be at least 1' in err, err
 
 
-def test_existing_json_is_not_overwritten(tmp_path):
+def test_existing_json_is_not_overwritten(tmp_path, capsys):
+    """Refused by the bench's own validation, in-process (exit 2 as a process: the test above)."""
     out = tmp_path / 'bench.json'
     out.write_text('precious')
-    proc = bench('--json', str(out))
-    assert proc.returncode == 2 and 'pass --overwrite' in proc.stderr
+    with pytest.raises(SystemExit) as exit_:
+        cli.validate(functools.partial(bench_main.inputs, n_available=8), ['--json', str(out)])
+    assert exit_.value.code == 2 and 'pass --overwrite' in capsys.readouterr().err
     assert out.read_text() == 'precious'
 
 

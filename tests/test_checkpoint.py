@@ -12,7 +12,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT, assert_one_line_error, require_devices, run_module
+from conftest import ROOT, assert_one_line_error, message_lines, require_devices, run_module
 from flax import nnx
 
 from equivalence import run as run_command
@@ -304,12 +304,17 @@ def _damaged_copy(source, tmp_path, damage: str) -> str:
 
 
 @pytest.mark.parametrize('damage, expected', [('truncated', 'Error reading'), ('corrupted', 'cannot read checkpoint')])
-def test_a_damaged_file_exits_2_with_one_line(done_when, tmp_path, damage, expected):
+def test_a_damaged_file_exits_2_with_one_line(done_when, tmp_path, damage, expected, capsys):
+    """Through the command's own main, in-process (its exit 2 and one line as a process: the other optimizer
+    above, and the migrate command's run)."""
     legacy_dir = _damaged_copy(done_when['mlp'][2] / 'legacy', tmp_path, damage)
-    proc = run_module('equivalence.checkpoint', 'migrate', legacy_dir, str(tmp_path / 'nnx'), '--step', '20')
-    assert 'Traceback' not in proc.stderr
-    assert_one_line_error(proc, legacy_dir)  # the directory, or the file in it
-    assert expected in proc.stderr and not (tmp_path / 'nnx').exists()
+    with pytest.raises(SystemExit) as exit_:
+        checkpoint_command.main(['migrate', legacy_dir, str(tmp_path / 'nnx'), '--step', '20'])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and 'Traceback' not in err
+    lines = message_lines(err)
+    assert len(lines) == 1 and lines[0].startswith('error: ') and legacy_dir in lines[0], err  # or a file in it
+    assert expected in err and not (tmp_path / 'nnx').exists()
 
 
 WRITER = """

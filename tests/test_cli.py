@@ -63,11 +63,14 @@ def test_bad_input_exits_2_with_one_line():
     assert_one_line_error(proc, 'JAX_NUM_CPU_DEVICES=16')
 
 
-def test_existing_report_is_not_overwritten_without_asking(tmp_path):
+def test_existing_report_is_not_overwritten_without_asking(tmp_path, capsys):
+    """Refused by run's own validation, in-process (the same refusal as a process: ``--plot`` in the match
+    test above)."""
     out = tmp_path / 'report.json'
     out.write_text('precious')
-    proc = equivalence_run(*QUICK, '--json', str(out))
-    assert proc.returncode == 2 and 'pass --overwrite' in proc.stderr
+    with pytest.raises(SystemExit) as exit_:
+        validate('run', [*QUICK, '--json', str(out)])
+    assert exit_.value.code == 2 and 'pass --overwrite' in capsys.readouterr().err
     assert out.read_text() == 'precious'
 
 

@@ -6,7 +6,8 @@ typed, and report targets that are directories, on a missing parent or an existi
 own validation (``cli.validate(inputs)``: what ``python -m equivalence.<cmd>`` does before
 any work) must agree with it: valid input is accepted silently, invalid input exits 2 with
 exactly one ``error:`` line, and a value that line suggests is itself valid. Then a few
-drawn ``run`` command lines run for real: valid gives 0 or 1, invalid 2, and no traceback.
+drawn ``run`` command lines run for real, through the command's ``main`` in this process: valid
+gives 0, 1 or 5, invalid 2, and no traceback.
 """
 
 import contextlib
@@ -21,7 +22,7 @@ import tempfile
 
 import numpy as np
 import pytest
-from conftest import message_lines, run_module
+from conftest import message_lines
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -234,6 +235,20 @@ def small_runs(draw) -> tuple[dict, set]:
     return flags, set()
 
 
+def run_command(args: list[str]) -> tuple[int, str, str]:
+    """``python -m equivalence.run args`` through its own ``main``, in-process (the checks' programs shared with
+    this worker's; the command's exit codes as a process: test_cli.py): exit code, stdout, stderr."""
+    from equivalence import run
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = run.main(args)
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
 @settings(max_examples=4, deadline=None, derandomize=True)
 @given(run=small_runs())
 def test_run_for_real_exits_0_1_or_5_on_valid_input_and_2_on_invalid(run):
@@ -243,15 +258,15 @@ def test_run_for_real_exits_0_1_or_5_on_valid_input_and_2_on_invalid(run):
     with tempfile.TemporaryDirectory() as place:
         report = os.path.join(place, 'new.json')
         flags.setdefault('json', 'new.json')
-        proc = run_module('equivalence.run', *argv(flags, switches, place, [False] * len(flags)))
-        assert 'Traceback' not in proc.stdout + proc.stderr
+        code, stdout, stderr = run_command(argv(flags, switches, place, [False] * len(flags)))
+        assert 'Traceback' not in stdout + stderr
         if valid('run', flags, switches, 8):
-            assert proc.returncode in (0, 1, 5), proc.stderr
+            assert code in (0, 1, 5), stderr
             said = json.load(open(report))
-            assert said['match'] is (proc.returncode == 0)
-            assert bool(said['verdict']['not_verified']) is (proc.returncode == 5), said['verdict']
+            assert said['match'] is (code == 0)
+            assert bool(said['verdict']['not_verified']) is (code == 5), said['verdict']
         else:
-            assert proc.returncode == 2 and proc.stderr.count('\n') == 1 and proc.stderr.startswith('error: ')
+            assert code == 2 and stderr.count('\n') == 1 and stderr.startswith('error: '), stderr
 
 
 # -- ports: a known-good port with one field replaced by a wrong value ------------------------------

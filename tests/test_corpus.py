@@ -1,6 +1,7 @@
 """The verdict corpus (issue 16, point 5): a cheap subset of its entries, each verdict asserted.
 A LayerNorm epsilon as ``math`` is ``test_verdict``'s (the corpus's Transformer one, 31 s here, is
-left to the command).
+left to the command); the BatchNorm momentum slip as ``state`` is ``test_locate``'s, through the whole
+check (its kind, and where: the statistics at that BatchNorm).
 
 Correct ports must MATCH and slips MISMATCH, naming the slip's kind. The whole corpus, at 1, 2,
 4 and 8 devices and over seeds, is ``python -m equivalence.corpus`` (docs/verdict.md has its
@@ -23,7 +24,6 @@ TINY = {'steps_per_call': 2, 'calls': 1}  # compile dominates; the first steps a
 RUNS = {  # entry -> (devices, RunConfig overrides)
     'transformer': (DEVICES, TINY),
     'bias-before-bn': (DEVICES, TINY),
-    'bn-momentum': (DEVICES, TINY),
     'mlp-bf16-momentum': (DEVICES, {}),  # the entry's 20 steps: bfloat16 rounds the moments apart later
     'mlp-bf16-lr-1e-2': (DEVICES, {}),
 }  # mlp-perturb-1e-5 (inside the old fixed tolerance, outside its measured floor): test_verdict.py, as 'optimizer'
@@ -52,8 +52,8 @@ def test_correct_port_matches(cases, name):
 @pytest.mark.parametrize(
     'name',
     [
-        'bn-momentum',
-        'mlp-bf16-lr-1e-2',  # the same under a 1% learning-rate slip, far outside bfloat16's rounding
+        'mlp-bf16-lr-1e-2',  # mlp-bf16-momentum under a 1% learning-rate slip, far outside bfloat16's rounding
+        # bn-momentum: test_locate's BatchNorm momentum, 'state' and located at the BatchNorm
     ],
 )
 def test_slip_mismatches_with_its_kind(cases, name):

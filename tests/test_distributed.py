@@ -172,23 +172,6 @@ def test_a_twin_that_raises_in_one_process_is_the_same_verdict_in_every_process(
     assert {json.loads((tmp_path / f'process-{i}.json').read_text())['process'] for i in range(2)} == {0, 1}
 
 
-def test_a_worker_killed_during_a_save_leaves_the_previous_checkpoint_the_newest_complete(tmp_path):
-    """Process 1 is SIGKILLed inside its second legacy save, after Orbax made the step's temporary
-    directory: the step is never committed (the commit waits for every process), step 2 stays the
-    newest complete one, and migrate, from this one process, converts step 2."""
-    root, logs = tmp_path / 'checkpoints', tmp_path / 'logs'
-    every = ['--checkpoint-dir', str(root), '--checkpoint-every', '1', '--worker-logs', str(logs)]
-    proc = spy(tmp_path, '--processes', '2', '--devices', '4', '--steps-per-call', '2', '--calls', '3', *every,
-               SPY_KILL_IN_SAVE='1:2')  # fmt: skip
-    _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == launch.EXIT_WORKER_DIED and 'worker 1 of 2' in stderr and 'SIGKILL' in stderr, stderr
-    left = sorted(os.listdir(root / 'legacy'))
-    assert left[0] == '2' and left[1].startswith('4.orbax-checkpoint-tmp') and len(left) == 2, left
-    assert legacy_checkpoints.open_step(str(root / 'legacy'))[1] == 2
-    migration = migrate.migrate(str(root / 'legacy'), str(tmp_path / 'nnx'), workloads.get('mlp'))
-    assert migration.step == 2 and migration.written
-
-
 def children_of(logs) -> list[int]:
     with open(os.path.join(logs, 'workers.txt')) as f:
         return [int(line.split()[1]) for line in f]
@@ -223,14 +206,28 @@ def assert_ended_with_one_line(proc: subprocess.Popen, t0: float, pids: list[int
     return lines[0]
 
 
-def test_a_killed_worker_ends_every_process_with_one_line(tmp_path):
-    long_run = ['--processes', '2', '--devices', '4', '--steps-per-call', '2', '--calls', '400']
-    proc = start('equivalence.run', *long_run, '--worker-logs', str(tmp_path))
-    wait_for(tmp_path / 'worker-1.log', 'compiled call 2/')  # mid-run: in the legacy path's calls
-    pids = children_of(tmp_path)
-    os.kill(pids[1], signal.SIGKILL)
+def test_a_worker_killed_mid_run_ends_every_process_with_one_line_and_leaves_the_previous_checkpoint(tmp_path):
+    """Process 1 is SIGKILLed mid-run, inside its second legacy save (after its second compiled call), once
+    Orbax made the step's temporary directory. The launcher ends every process within the bound, saying so
+    in one line that names the worker, its pid and the signal; the step is never committed (the commit
+    waits for every process), step 2 stays the newest complete one, and migrate, from this one process,
+    converts step 2."""
+    root, logs = tmp_path / 'checkpoints', tmp_path / 'logs'
+    every = ['--checkpoint-dir', str(root), '--checkpoint-every', '1', '--worker-logs', str(logs)]
+    proc = spy(tmp_path, '--processes', '2', '--devices', '4', '--steps-per-call', '2', '--calls', '3', *every,
+               SPY_KILL_IN_SAVE='1:2')  # fmt: skip
+    wait_for(logs / 'workers.txt', '\n1 ')  # both workers started
+    pids = children_of(logs)
+    end = time.monotonic() + 240
+    while alive(pids[1]) and time.monotonic() < end:  # until worker 1 has killed itself
+        time.sleep(0.05)
     t0 = time.monotonic()
     assert_ended_with_one_line(proc, t0, pids, ['worker 1 of 2', f'pid {pids[1]}', 'killed by SIGKILL'])
+    left = sorted(os.listdir(root / 'legacy'))
+    assert left[0] == '2' and left[1].startswith('4.orbax-checkpoint-tmp') and len(left) == 2, left
+    assert legacy_checkpoints.open_step(str(root / 'legacy'))[1] == 2
+    migration = migrate.migrate(str(root / 'legacy'), str(tmp_path / 'nnx'), workloads.get('mlp'))
+    assert migration.step == 2 and migration.written
 
 
 def test_an_exception_in_one_worker_ends_every_process_with_one_line(tmp_path):
@@ -322,13 +319,26 @@ def test_a_worker_that_cannot_reach_the_coordinator_fails_within_its_timeout():
         (['--processes', '3'], '--devices 8 cannot be split over --processes 3: use --processes in [1, 2, 4, 8]'),
         (['--processes', '0'], '--processes must be at least 1'),
         (['--processes', '2', '--process-id', '0'], '--processes starts its own workers'),
-        (['--process-id', '2', '--num-processes', '2'], '--process-id must be in 0..1, got 2'),
         # Each process would save into a temporary folder of its own; the joint save never completed.
         (['--processes', '2', '--resume-at', '5'], '--resume-at with several processes needs --checkpoint-dir DIR'),
     ],
 )
-def test_bad_process_flags_exit_2_with_one_line(args, expected):
-    assert_one_line_error(run_module('equivalence.run', *args), expected)
+def test_bad_process_flags_exit_2_with_one_line(args, expected, capsys):
+    """The launcher checks every flag against the whole run before it starts a worker: here in-process,
+    through the command's own dispatch (the same path as a process: the launcher's row in the next test)."""
+    from equivalence import cli
+    from equivalence import run as run_command
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.dispatch('equivalence.run', run_command.inputs, run_command.work, args)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count('\n') == 1 and err.startswith('error: ') and expected in err, err
+
+
+def test_a_worker_out_of_its_run_exits_2_with_one_line():
+    """A worker's own place is checked before it joins the run: as a process (joining ends the process)."""
+    proc = run_module('equivalence.run', '--process-id', '2', '--num-processes', '2')
+    assert_one_line_error(proc, '--process-id must be in 0..1, got 2')
 
 
 def test_a_workers_bad_input_is_the_launchers_one_line():

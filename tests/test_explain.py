@@ -177,11 +177,12 @@ def test_explain_cli_prints_and_writes_the_same_answers(tmp_path, capsys):
     assert refused.value.code == 2 and 'pass --overwrite' in capsys.readouterr().err
 
 
-@pytest.mark.parametrize('args, expected', [(['--batch-size', '100'], 'not divisible'), (['--devices', 'x'], 'int')])
-def test_explain_bad_input_exits_2_with_one_line(args, expected):
-    proc = cli('equivalence.explain', *args)
+def test_explain_bad_input_exits_2_with_one_line():
+    """As a process (argparse's own refusal, ``--devices many``, and the rest of the issue's table for this
+    command: test_cli.py, in-process)."""
+    proc = cli('equivalence.explain', '--batch-size', '100')
     lines = message_lines(proc.stderr)
-    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith('error: ') and expected in lines[0]
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith('error: ') and 'not divisible' in lines[0]
 
 
 # run --plot's two figures, kept unless --overwrite: test_cli.py's matching run writes them.

@@ -230,12 +230,16 @@ def test_cli_list_names_every_case():
     assert [line.split()[1] for line in proc.stdout.strip().splitlines()] == EXPECTED
 
 
-def test_cli_only_one_case_prints_its_row_and_writes_json(tmp_path):
+def test_cli_only_one_case_prints_its_row_and_writes_json(tmp_path, capsys):
+    """In-process, through the command's own ``main`` (its start as a process: ``--list`` and the bad input
+    below), so that the case's programs are test 7's."""
+    from equivalence.pitfalls.__main__ import main
+
     out = tmp_path / 'pitfalls.json'
-    proc = cli('--only', 'indivisible_batch', '--json', str(out))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert 'on 8 cpu device(s)' in proc.stdout and '1 of 1 cases behave as documented' in proc.stdout
-    assert 'IndivisibleError' in proc.stdout
+    assert main(['--only', 'indivisible_batch', '--json', str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert 'on 8 cpu device(s)' in stdout and '1 of 1 cases behave as documented' in stdout
+    assert 'IndivisibleError' in stdout
     report = json.loads(out.read_text())
     assert report['all_documented'] is True and report['devices'] == 8
     [case] = report['cases']
@@ -256,9 +260,13 @@ def test_cli_bad_input_exits_2_with_one_line(args, expected):
     assert_one_line_error(proc, expected)
 
 
-def test_cli_keeps_an_existing_json_without_overwrite(tmp_path):
+def test_cli_keeps_an_existing_json_without_overwrite(tmp_path, capsys):
+    """Refused by the command's validation, in-process (exit 2 as a process: the bad input above)."""
+    from equivalence.pitfalls.__main__ import main
+
     out = tmp_path / 'pitfalls.json'
     out.write_text('precious')
-    proc = cli('--only', 'indivisible_batch', '--json', str(out))
-    assert proc.returncode == 2 and 'pass --overwrite' in proc.stderr
+    with pytest.raises(SystemExit) as exit_:
+        main(['--only', 'indivisible_batch', '--json', str(out)])
+    assert exit_.value.code == 2 and 'pass --overwrite' in capsys.readouterr().err
     assert out.read_text() == 'precious'

@@ -18,14 +18,14 @@ import shutil
 import pytest
 from conftest import ROOT, run_pytest_in
 
-SELECTED = {  # example -> the tests of its test_port.py run here
-    'imagenet_port': 'loop-8 or slip',
-    'wmt_port': 'loop-8 or slip',
-    'functional_nnx_port': 'D2 or slip',
-    'linen_jit_port': 'D2 or slip',
-    'vit_port': 'loop-2',  # its slip: its own test_port; bfloat16's negative control here: test_corpus
+SELECTED = {  # example -> the tests of its test_port.py run here; the longest first (conftest.LONGEST_FIRST)
     'score_sde_port': 'D2 or slip',
     'bridge_port': 'D2 or slip or key_array',
+    'vit_port': 'loop-2',  # its slip: its own test_port; bfloat16's negative control here: test_corpus
+    'wmt_port': 'loop-8 or slip',
+    'linen_jit_port': 'D2 or slip',
+    'imagenet_port': 'loop-8 or slip',
+    'functional_nnx_port': 'D2 or slip',
 }
 
 

@@ -56,10 +56,13 @@ def test_perturb_1e_5_is_caught_at_8_devices():
 
 
 def test_layernorm_epsilon_slip_is_math_from_the_first_step():
-    """LayerNorm eps 1e-5 for linen's 1e-6 (a loop port): the first step's loss already differs."""
+    """LayerNorm eps 1e-5 for linen's 1e-6 (a loop port): the first step's loss already differs. Subtle
+    under unit-variance activations: the losses show it, and the parameters or optimizer state too."""
     result = run(my_port.LOOP_EPSILON_SLIP, devices=2)
     assert kind(result) == 'math'
     assert 'first_step/loss' in result.verdict.diagnosis
+    failed = [leaf.name for leaf in rule.failed(result.report)]
+    assert 'losses/per_step' in failed and any(x.startswith(('params/', 'opt_state/')) for x in failed), failed
 
 
 def test_gelu_slip_names_the_first_step_gradients():
