@@ -16,8 +16,15 @@ serialisation (``put_executable_and_time``), after which pytest-xdist hung; and 
 entries are rejected on reload (jax-ml/jax#38445), so CI's machine might never hit. Nothing is
 serialised here: the executable object itself is reused, as JAX's in-memory caches do.
 
-What is not shared: programs with host callbacks (their callbacks are baked into the executable;
-JAX's persistent cache makes the same exception) and programs spanning several processes. The
+Programs with host callbacks (the location's recordings: most of the location tests' compiling) are
+shared only where every callback is known to do the same: the callback is baked into the executable
+(JAX's persistent cache never shares such a program), so a reused program calls the first program's
+callbacks. Each callback is read down through JAX's own wrappers (``emit_python_callback``,
+``debug_callback``) to the user's callable, which must be a module-level function or a
+``functools.partial`` of one with plain arguments (the suite's ``intercept._store`` and
+``draws._record``, which read the recording under way from module state); its name and arguments join
+the key. A lambda, a closure, a bound method or an argument printed with an address: not shared.
+Programs spanning several processes are not shared. The
 cache is registered with JAX's cache management, so ``jax.clear_caches()`` (the suite's own
 ``devices.release_compiled_programs`` among its callers) empties it, and it holds at most
 ``LIMIT`` programs, the least recently used going first. It changes no number: the same key is
@@ -29,6 +36,8 @@ JAX is pinned (pyproject.toml): ``compiler.compile_or_get_cached`` is the one fu
 
 import collections
 import contextlib
+import functools
+import types
 
 from jax._src import compilation_cache, compiler, util
 
@@ -68,14 +77,67 @@ PROGRAMS = Programs()
 _compile = compiler.compile_or_get_cached
 
 
+PLAIN = (str, int, float, bool, type(None))
+
+
+def _plain(value) -> bool:
+    if isinstance(value, tuple | list):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(_plain(k) and _plain(v) for k, v in value.items())
+    return isinstance(value, PLAIN)
+
+
+def _said(fn, depth: int = 0) -> str | None:
+    """What a host callback does, as text: JAX's wrappers read through to the user's callable (see the
+    module docstring); None where it cannot be known (then the program is not shared)."""
+    if depth > 8:
+        return None
+    if isinstance(fn, functools.partial):
+        inner = _said(fn.func, depth + 1)
+        if inner is None or not _plain(fn.args) or not _plain(fn.keywords):
+            return None
+        return f'{inner}{fn.args!r}{sorted(fn.keywords.items())!r}'
+    if not isinstance(fn, types.FunctionType):
+        return None
+    name = f'{fn.__module__}.{fn.__qualname__}'
+    if '<locals>' not in fn.__qualname__:
+        return None if fn.__closure__ else name  # a module-level function
+    if not fn.__module__.startswith('jax.'):
+        return None  # a user's closure or lambda: what it captured is not known
+    parts = [name]
+    for cell in fn.__closure__ or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if isinstance(value, functools.partial | types.FunctionType):
+            inner = _said(value, depth + 1)
+            if inner is None:
+                return None
+            parts.append(inner)
+        elif _plain(value) or type(value).__name__ == 'PyTreeDef':
+            parts.append(repr(value))
+        elif type(value).__module__.startswith('jax.') and ' at 0x' in repr(value):
+            parts.append(type(value).__qualname__)  # an effect token, one per kind
+        else:
+            return None
+    return '|'.join(parts)
+
+
 def _key(backend, computation, devices, compile_options, host_callbacks) -> str | None:
-    """JAX's persistent-cache key of the program, or None where it is not to be shared."""
-    if host_callbacks or len({d.process_index for d in devices.flat}) > 1:
+    """JAX's persistent-cache key of the program, with what its host callbacks do, or None where it is
+    not to be shared."""
+    if len({d.process_index for d in devices.flat}) > 1:
+        return None
+    said = [_said(fn) for fn in host_callbacks]
+    if any(s is None for s in said):
         return None
     try:
-        return compilation_cache.get_cache_key(computation, devices, compile_options, backend)
+        key = compilation_cache.get_cache_key(computation, devices, compile_options, backend)
     except Exception:  # noqa: BLE001 -- JAX's own compile does the same: no key, no cache, compile
         return None
+    return key if not said else f'{key}|' + '||'.join(said)
 
 
 def compile_or_reuse(backend, computation, devices, compile_options, host_callbacks, *rest):

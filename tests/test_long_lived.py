@@ -3,6 +3,7 @@ traced stays traced, and the compiled programs the checks leave behind are relea
 kernel's map limit ends the process.
 """
 
+import functools
 import os
 
 import jax
@@ -15,6 +16,38 @@ from flax import nnx
 from equivalence import testing
 from equivalence.core.port import workloads
 from equivalence.core.run import randomness
+
+_TOLD: list = []
+
+
+def _tell(tag: str, x) -> None:  # a module-level callback that reads module state, as intercept._store does
+    _TOLD.append((tag, float(x)))
+
+
+def test_the_suites_shared_programs_share_a_callbacks_program_only_where_it_does_the_same():
+    """``shared_programs``: a program with a host callback is reused (its first compile's callback runs)
+    only where the callback is the same module-level function with the same arguments; another argument
+    or a closure compiles anew, and each run tells its own value."""
+
+    def run(callback, x):  # a new function each time: JAX's own caches do not see the repeat
+        return jax.jit(lambda v: (jax.debug.callback(callback, v * 2), v)[1])(x).block_until_ready()
+
+    def told(callback, x) -> tuple:
+        before = dict(shared_programs.PROGRAMS.counts)
+        _TOLD.clear()
+        run(callback, x)
+        jax.effects_barrier()
+        return list(_TOLD), shared_programs.PROGRAMS.counts['hit'] - before.get('hit', 0)
+
+    assert told(functools.partial(_tell, 'a'), jnp.float32(1.0))[0] == [('a', 2.0)]
+    assert told(functools.partial(_tell, 'a'), jnp.float32(2.0)) == ([('a', 4.0)], 1)  # shared, its own value
+    assert told(functools.partial(_tell, 'b'), jnp.float32(3.0)) == ([('b', 6.0)], 0)  # another argument: anew
+    mine: list = []
+    before = shared_programs.PROGRAMS.counts['hit']
+    for x in (1.0, 2.0):
+        run(lambda v: mine.append(float(v)), jnp.float32(x))  # noqa: B023 -- each run its own closure
+    jax.effects_barrier()
+    assert mine == [2.0, 4.0] and shared_programs.PROGRAMS.counts['hit'] == before  # a closure: never shared
 
 
 def test_a_trace_is_reused_only_where_the_dropout_bridge_did_the_same():
