@@ -107,6 +107,18 @@ def test_the_legacy_twin_is_admitted_in_its_own_precision():
     assert rule.early_excess(nnx_, flip(20), nnx_, nnx_, MEASURED_FLOOR, fed, begin)
 
 
+def test_a_leaf_zero_on_the_pmap_side_is_not_noise_dominated_by_a_small_floor():
+    """A zero-initialised head that has not moved on the pmap side (google-research/vision_transformer's,
+    tried blind) against a new side 4.7e-3 away, the twin within 1e-9 of it: the leaf's scale is the larger
+    side's, so the floor is no share of it and the difference fails (it was noise-dominated, any floor
+    being more than 0.1% of 0, and ok). The control: a twin as far from the new side as the sides are."""
+    ref, new = np.zeros(6, np.float32), np.full(6, 4.7e-3, np.float32)
+    leaf = compare.floor_leaf('params', 'head/kernel', ref, new, new + np.float32(1e-9), MEASURED_FLOOR)
+    assert not leaf.noise_dominated and not leaf.ok, leaf
+    chaos = compare.floor_leaf('params', 'head/kernel', ref, new, np.zeros(6, np.float32), MEASURED_FLOOR)
+    assert chaos.noise_dominated and chaos.ok, chaos
+
+
 # -- NOT VERIFIED ------------------------------------------------------------------------------
 
 

@@ -95,7 +95,7 @@ class FloorRule:
 
     safety: float  # ok when max |nnx - legacy| <= safety * max |nnx - twin| ...
     min_ulps: float  # ... or <= this many spacings of the leaf's largest |legacy| (float32's, or its narrower dtype's)
-    noise_rel: float  # noise-dominated when max |nnx - twin| > noise_rel * max |legacy|
+    noise_rel: float  # noise-dominated when max |nnx - twin| > noise_rel * max(max |legacy|, max |nnx|)
     reason: str
     flips: float = 0.0  # ... or, fed by optimizer state narrower than float32, this many ``moved_spacing``s
 
@@ -190,7 +190,9 @@ def floor_leaf(
         floor, floor_from = (spread, 'legacy') if spread > floor else (floor, '')
     scale = float(np.abs(ref64).max(initial=0.0))
     limit = rule.limit(floor, scale, ref.dtype, moved_spacing(ref, fed_by, start))
-    noisy = floor > rule.noise_rel * scale
+    # the leaf's own scale is the larger side's: a zero-initialised layer still 0 on the pmap side is not
+    # noise-dominated by any floor at all where the new side moved it (vision_transformer's head, tried blind)
+    noisy = floor > rule.noise_rel * max(scale, float(np.abs(other64).max(initial=0.0)))
     bad = int((np.abs(other64 - ref64) > limit).sum())
     return dataclasses.replace(
         screened, ok=noisy or not bad, bad=bad, floor=floor, limit=limit, noise_dominated=noisy, floor_from=floor_from

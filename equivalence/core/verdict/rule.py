@@ -13,7 +13,7 @@ level 1, the first step's gradients are leaves of their own, ``first_step/...``)
             ``mu_dtype``): that dtype's spacing at max |legacy - start|, its change over the run
             (``compare.moved_spacing``); 0 otherwise
 
-and a leaf whose floor exceeds NOISE_REL of its own largest value is NOISE-DOMINATED:
+and a leaf whose floor exceeds NOISE_REL of its own largest value (on either side) is NOISE-DOMINATED:
 reported with its figure, not failed, because its final value cannot verify anything.
 
 Where that fails with the first step (loss and, for a model port, gradients) within its floor,
