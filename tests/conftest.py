@@ -15,11 +15,19 @@ devices.simulate_cpu_devices()
 # - XLA's CPU fusions emitted by its older elemental emitters (``--xla_cpu_use_fusion_emitters=false``),
 #   not the MLIR fusion emitters: a train step's compile about 1.5 times faster again (score at 8
 #   devices 3.6 -> 2.3 s of compiling per check), the same differences between the sides.
+# - LLVM's code generated in one piece (``--xla_cpu_parallel_codegen_split_count=1``), not split over
+#   threads: each pytest worker has one core, and the split's threads cost more than they gain
+#   (test_locate alone: 52.9 -> 49.2 s of CPU). No number changes (score at D = 4: its losses and
+#   differences bitwise the same with and without).
 # As the sides' sums differ from one CPU to another, no test depends on the figures. A choice given in
 # XLA_FLAGS is kept, so that XLA_FLAGS='--xla_backend_optimization_level=3
 # --xla_cpu_use_fusion_emitters=true' runs the tests as users' programs compile. The commands the
 # tests start inherit these flags.
-for flag, value in (('xla_backend_optimization_level', '1'), ('xla_cpu_use_fusion_emitters', 'false')):
+for flag, value in (
+    ('xla_backend_optimization_level', '1'),
+    ('xla_cpu_use_fusion_emitters', 'false'),
+    ('xla_cpu_parallel_codegen_split_count', '1'),
+):
     if flag not in os.environ.get('XLA_FLAGS', ''):
         os.environ['XLA_FLAGS'] = f'{os.environ.get("XLA_FLAGS", "")} --{flag}={value}'.strip()
 
