@@ -346,6 +346,20 @@ def test_label_smoothing_left_out_is_the_loss_while_every_module_agrees():
     agree(loc)
 
 
+def test_first_moments_apart_from_zero_give_no_ratio_and_still_read_the_decay():
+    """A zero-initialised head gives the body no gradient on step 1, so the pmap side's first moments are 0
+    where a coupled weight decay (1e-4) makes the new side's 1e-4 x the parameter (vision_transformer, tried
+    blind): no ratio NNX/pmap is said (it read 'from nan to nan'), and the decay is still read."""
+    rng = np.random.default_rng(0)
+    p0 = {f'w{i}': rng.normal(size=16).astype(np.float32) for i in range(3)}
+    leaves = {k: (np.zeros(16, np.float32), np.float32(1e-4) * p, 1e-9) for k, p in p0.items()}
+    g = rng.normal(size=4).astype(np.float32)
+    p0['head'], leaves['head'] = np.zeros(4, np.float32), (g, g, 1e-9)  # the head: its gradient, no decay of 0
+    said = implied.moments('trace', leaves, p0)
+    assert 'nan' not in said.text and "the pmap side's are 0 wherever the 3 leaves that part do" in said.text, said
+    assert '0.0001 x the parameter (r² 1.000)' in said.text, said.text
+
+
 def test_a_training_loss_the_loop_does_not_report_is_the_gradients_not_the_optimizer():
     """A loop port's NNX step trains on an L2 term its reported loss leaves out: the forward pass and
     the reported loss agree, the gradients are the port's own (not observed), and Adam's first moment

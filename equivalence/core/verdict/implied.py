@@ -206,10 +206,12 @@ def moments(
             "parameters' gradients; the numbers do not tell which",
         )
     what = 'first moments' if slot in ('mu', 'trace') else f'{slot} slots'
-    text = (
-        f'the {what} part unevenly (ratio NNX/pmap from {lo:.4g} to {hi:.4g}, 5th to 95th percentile over the '
-        f'{len(apart)} leaves that part; most over its floor: {worst}): '
+    ratio = (
+        f'ratio NNX/pmap from {lo:.4g} to {hi:.4g}, 5th to 95th percentile over the {len(apart)} leaves that part'
+        if np.isfinite(lo) and np.isfinite(hi)  # no ratio where the pmap side's are 0 (a zero head's gradients)
+        else f"the pmap side's are 0 wherever the {len(apart)} leaves that part do"
     )
+    text = f'the {what} part unevenly ({ratio}; most over its floor: {worst}): '
     held = _saturated([leaves[k] for k in apart])
     if held is not None and slot in ('mu', 'trace'):
         side, top = held
