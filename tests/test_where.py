@@ -45,6 +45,9 @@ def located(name: str):
         ('ema-python-float', 'ema', [r'pmap 0\.99, new 0\.99 \(the same decay']),
         # SGD momentum under a warmup whose first update is 0: its slot on step 2, not the gradients.
         ('momentum-under-warmup', 'update', ['on step 2', '0/trace']),
+        # Its learning rate 10 x: the step, not the gradients, which the momentum slot holds alike (a ViT's,
+        # tried blind, read '..., or a gradient scale' beside 'every optimizer slot agree').
+        ('lr-under-warmup', 'update', ['on step 2', r'steps 10 x', 'not a gradient scale: the first moments agree']),
         # A weight decay added after the learning-rate scale, masked to the kernels.
         ('decay-after-lr', 'update', [r'-0\.01 x the parameter on the kernels']),
         # The pmap step's own collectives: a loss each device reports alone, gradients not averaged.

@@ -38,8 +38,8 @@ class EmaState:
     ema_params: Any  # read by name as the EMA
 
 
-def legacy_tx(momentum: float | None = None, warmup: bool = False):
-    lr = optax.linear_schedule(0.0, 3e-2, 4) if warmup else 3e-3
+def legacy_tx(momentum: float | None = None, warmup: bool = False, peak: float = 3e-2):
+    lr = optax.linear_schedule(0.0, peak, 4) if warmup else 3e-3
     return optax.sgd(lr, momentum=momentum) if momentum is not None else old.make_tx()
 
 
@@ -128,6 +128,7 @@ PORTS = {
     'ema-rate': port('ema-rate', new_rate=jnp.float32(0.9)),
     'ema-python-float': port('ema-python-float', new_rate=RATE),  # a Python float against a float32 leaf
     'momentum-under-warmup': port('momentum', tx=legacy_tx(0.9, warmup=True), new_tx=legacy_tx(0.95, warmup=True)),
+    'lr-under-warmup': port('lr', tx=legacy_tx(0.9, warmup=True), new_tx=legacy_tx(0.9, warmup=True, peak=0.3)),
     'decay-after-lr': port(
         'decay', tx=optax.chain(optax.scale_by_adam(), optax.scale(-3e-3)), new_tx=decayed_after_lr()
     ),

@@ -37,14 +37,17 @@ def fit(d: np.ndarray, x: np.ndarray) -> tuple[float, float]:
 
 
 def update(p0: np.ndarray, u_old: np.ndarray, u_new: np.ndarray, g: np.ndarray | None, assumed: bool,
-           kernels: np.ndarray | None = None, step: int = 1) -> str:  # fmt: skip
+           kernels: np.ndarray | None = None, step: int = 1, moments_agree: bool = False) -> str:  # fmt: skip
     """What the updates ``u_old`` (pmap) and ``u_new`` (NNX) of step ``step`` from ``p0`` imply, given the
     pmap side's gradient ``g`` (None: not observed; ``assumed``: estimated from Adam's first moment);
     ``kernels``: which elements are of a parameter of two or more axes (a weight decay masked to them).
     An adaptive optimizer's eps, and nesterov's factor, are read on step 1 alone: only there is the
     update one gradient's (``g / (|g| + eps)`` from moments at 0); on a later step the moments hold the
     earlier gradients too (a warmup's zero first update hid the slip until then), and no reading of them
-    is made: a step factor (a learning rate, a schedule) and a decoupled weight decay still read the same."""
+    is made: a step factor (a learning rate, a schedule) and a decoupled weight decay still read the same.
+    ``moments_agree``: the optimizer's first moments, which hold the gradients, agree on both sides, so a step
+    factor is not a gradient scale (vision_transformer's learning rate 10 x, tried blind, read 'a learning rate
+    or schedule value ..., or a gradient scale' beside 'every optimizer slot agree')."""
     live = np.abs(u_old) > 0
     if not live.any():
         return NO_UPDATE
@@ -70,7 +73,8 @@ def update(p0: np.ndarray, u_old: np.ndarray, u_new: np.ndarray, g: np.ndarray |
         text = f'the new side steps {1 + c:.6g} x the pmap side (r² {r2:.3f})'
         if step == 1 and min(abs(1 + c - first), abs(1 / (1 + c) - first)) < 1e-3 * first:
             return text + f', what nesterov gives Adam (b1 {NESTEROV_B1}) on its first step: {first:.4f}'
-        return text + ': a learning rate or schedule value that differs by that factor, or a gradient scale'
+        text += ': a learning rate or schedule value that differs by that factor'
+        return text + (' (not a gradient scale: the first moments agree)' if moments_agree else ', or a gradient scale')
     if form == 'decay':
         return f'a difference of {c:.3g} x the parameter (r² {r2:.3f}): a decoupled weight decay, lr x (pmap - NNX)'
     how = f', |g| from the first moment with b1 {NESTEROV_B1}' if assumed else ''

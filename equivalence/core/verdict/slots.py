@@ -134,7 +134,10 @@ def implied_update(step: Step) -> str:
         scale = 1 - implied.NESTEROV_B1
     g = cat(grads) / scale if all(k in grads for k in keys) else None
     kernels = np.concatenate([np.full(np.size(start[k]), np.ndim(start[k]) >= 2) for k in keys])
-    text = implied.update(p0, cat(ends[0]) - p0, cat(ends[1]) - p0, g, scale != 1.0, kernels, step.step)
+    slots = step.held('opt_state')
+    first = [leaf for path, leaf in slots.items() if any(f'/{name}/' in f'/{path}' for name in FIRST)]
+    agree = bool(first) and all(leaf.ok for leaf in slots.values())  # the gradients they hold are the same
+    text = implied.update(p0, cat(ends[0]) - p0, cat(ends[1]) - p0, g, scale != 1.0, kernels, step.step, agree)
     rates = [
         {k: v for k, v in step.final(side, 'opt_state').items() if 'learning_rate' in k} for side in ('legacy', 'new')
     ]
