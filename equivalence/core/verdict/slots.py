@@ -19,7 +19,8 @@ def update(step: Step) -> Location | None:
     if bad_slot is None and bad_param is None:
         return None
     grads = 'the gradients agree' if step.grads('legacy') else "the gradients are not observed (the port's own step)"
-    said = implied_update(step)
+    first = any(f'/{name}/' in f'/{path}' for path in slots for name in FIRST)
+    said = implied_update(step, first and bad_slot is None)  # the first moments, and the gradients they hold, agree
     said = f'; the update implies: {said}' if bad_param is not None or update_is_zero(step) else (
         '; the parameters after one step agree')  # fmt: skip
     # What a slot's values imply assumes its first update from 0 (Adam's mu is (1 - b1) g, SGD's trace is g):
@@ -119,8 +120,9 @@ def _moments(step: Step, params: dict, slots: dict) -> dict:
     return read
 
 
-def implied_update(step: Step) -> str:
-    """``implied.update`` on every parameter both sides hold, and any learning rate the state exposes."""
+def implied_update(step: Step, moments_agree: bool = False) -> str:
+    """``implied.update`` on every parameter both sides hold, and any learning rate the state exposes
+    (``moments_agree``: the optimizer's first moments agree on both sides: see ``implied.update``)."""
     start = step.before()
     ends = [step.final(side, 'params') for side in ('legacy', 'new')]
     keys = [k for k in start if all(k in e for e in ends)]
@@ -134,10 +136,7 @@ def implied_update(step: Step) -> str:
         scale = 1 - implied.NESTEROV_B1
     g = cat(grads) / scale if all(k in grads for k in keys) else None
     kernels = np.concatenate([np.full(np.size(start[k]), np.ndim(start[k]) >= 2) for k in keys])
-    slots = step.held('opt_state')
-    first = [leaf for path, leaf in slots.items() if any(f'/{name}/' in f'/{path}' for name in FIRST)]
-    agree = bool(first) and all(leaf.ok for leaf in slots.values())  # the gradients they hold are the same
-    text = implied.update(p0, cat(ends[0]) - p0, cat(ends[1]) - p0, g, scale != 1.0, kernels, step.step, agree)
+    text = implied.update(p0, cat(ends[0]) - p0, cat(ends[1]) - p0, g, scale != 1.0, kernels, step.step, moments_agree)
     rates = [
         {k: v for k, v in step.final(side, 'opt_state').items() if 'learning_rate' in k} for side in ('legacy', 'new')
     ]
