@@ -320,24 +320,18 @@ def test_a_port_with_one_wrong_field_is_exit_2_in_one_line_naming_a_port_field(c
 
     import hostile_ports
 
-    from equivalence import run as run_command
     from equivalence.core.port import ports
 
     level, field, value = case
     hostile_ports.DRAWN = lambda: dataclasses.replace(getattr(hostile_ports, level), **{field: value})
     argv = ['--workload', 'hostile_ports:DRAWN', '--devices', '2', '--steps-per-call', '2', '--calls', '2',
             '--batch-size', '8']  # fmt: skip
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = run_command.main(argv)
-        except SystemExit as e:
-            code = e.code
-    said = message_lines(err.getvalue())  # the stages it ran said before, if any
+    code, out, err = run_command(argv)
+    said = message_lines(err)  # the stages it ran said before, if any
     line = '\n'.join(said) + '\n'
     event(f'{field}: ' + line.split(': ', 2)[-1][:40])
-    assert code == 2 and len(said) == 1 and line.startswith('error: '), (field, value, code, err.getvalue())
-    assert 'Traceback' not in out.getvalue() + line
+    assert code == 2 and len(said) == 1 and line.startswith('error: '), (field, value, code, err)
+    assert 'Traceback' not in out + line
     named = {f.name for f in dataclasses.fields(ports.LoopPort)} | {f.name for f in dataclasses.fields(ports.ModelPort)}
     assert any(f in line for f in named), line
     if not callable(value) or field in OTHER_FIELDS:
