@@ -128,8 +128,7 @@ class StepLoop(Loop):
     records_on_mesh = False  # the team's own programs: a value is recorded where it is
 
     def preflight(self, config: RunConfig, variables: dict, batch_KxG: Any, mapping: dict) -> None:
-        steps.trace_steps(self.port, config, variables, batch_KxG, mapping)
-        old_state, new_state = trace.legacy_state(self.port, variables), trace.nnx_train_state(self.port, variables)
+        old_state, new_state = steps.trace_steps(self.port, config, variables, batch_KxG, mapping)
         groups.check_groups(self.port, old_state, new_state, variables, mapping, states.legacy_groups)
 
     def check_states(self, variables: dict, mapping: dict) -> None:

@@ -33,16 +33,18 @@ EXPECTED = {
 }
 
 
-def trace_steps(port: LoopPort, config: RunConfig, variables: dict, batch_KxG: Any, mapping: dict) -> None:
+def trace_steps(port: LoopPort, config: RunConfig, variables: dict, batch_KxG: Any, mapping: dict) -> tuple:
     """Both sides' steps, traced on abstract inputs of the run's shapes; ``PreflightError`` (exit 2)
-    naming the field on the first mistake."""
-    trace_legacy_step(port, config, variables, batch_KxG)
+    naming the field on the first mistake. Returns both abstract train states ``(legacy, new)``, built once."""
+    state = trace_legacy_step(port, config, variables, batch_KxG)
     ts = nnx_train_state(port, variables)
     trace_nnx_side(port, config, batch_KxG, ts)
     check_new_groups(port, ts, variables, mapping)
+    return state, ts
 
 
-def trace_legacy_step(port: LoopPort, config: RunConfig, variables: dict, batch_KxG: Any) -> None:
+def trace_legacy_step(port: LoopPort, config: RunConfig, variables: dict, batch_KxG: Any) -> Any:
+    """One step of the legacy side under a vmap standing for its pmap, traced; its abstract train state (one replica)."""
     d, n = config.devices, len(rows.positions(config.devices))
     state = legacy_state(port, variables)
     stacked = jax.tree.map(lambda s: SDS((n, *s.shape), s.dtype), state)
@@ -62,9 +64,10 @@ def trace_legacy_step(port: LoopPort, config: RunConfig, variables: dict, batch_
         try:
             out_n = jax.eval_shape(jax.vmap(step, axis_name=port.axis_name), stacked, batch, keys)
         except HOST_ONLY:
-            return
+            return state
     k = config.steps_per_call
     check_loss(port, 'legacy_step', jax.tree.map(lambda s: SDS((k, *s.shape[1:]), s.dtype), out_n), k)
+    return state
 
 
 def trace_nnx_side(port: LoopPort, config: RunConfig, batch_KxG: Any, ts: Any) -> None:
