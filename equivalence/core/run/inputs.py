@@ -5,8 +5,12 @@ One seed fixes everything: the data (numpy), the linen initialisation (copied in
 initialisers differ) and the host key chain both paths draw call keys from.
 """
 
+import collections
 import dataclasses
+import hashlib
+import weakref
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -72,10 +76,48 @@ def start(port: Port, config: RunConfig) -> Start:
     rng, init_rng = jax.random.split(jax.random.PRNGKey(config.seed))
     example = jax.tree.map(lambda v: v[0, :1], whole[0])
     args, kwargs = init_inputs(port, example)
-    # One compiled program, not one per operation (10 of the 21 s of a cold ResNet run were op by op);
-    # the pre-flight has traced this init already (abstractly), and on the built-ins it is bitwise the same.
-    init = jax.jit(lambda key: port.legacy_model().init({'params': key, 'dropout': key}, *args, **kwargs))
-    return Start(calls, rng, init_rng, init)
+    return Start(calls, rng, init_rng, _init_program(port, args, kwargs))
+
+
+_INITS: collections.OrderedDict = collections.OrderedDict()  # key -> (the port, weakly; its jitted init)
+KEPT_INITS = 8  # the initialisations kept, the least recently used going first
+
+
+def _init_program(port: Port, args: tuple, kwargs: dict) -> Callable:
+    """linen's initialisation as one compiled program, not one per operation (10 of the 21 s of a cold ResNet
+    run were op by op; on the built-ins it is bitwise the same). The same port initialised from the same
+    example again in this process (a check per device count, a team's parametrized test) reuses the same
+    ``jax.jit``, so that JAX traces, lowers and compiles it once: keyed by the port itself (weakly: a port
+    that is gone is never matched) and the example's structure, shapes, dtypes and bytes."""
+    try:
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        key = (id(port), str(treedef), tuple(_leaf_key(x) for x in leaves))
+        ref = weakref.ref(port)
+    except TypeError:  # a port that cannot be weakly referred to, or an argument with no stable key
+        return jax.jit(lambda k: port.legacy_model().init({'params': k, 'dropout': k}, *args, **kwargs))
+    hit = _INITS.get(key)
+    if hit is not None and hit[0]() is port:
+        _INITS.move_to_end(key)
+        return hit[1]
+    # the port weakly: the program kept here must not keep the port alive
+    init = jax.jit(lambda k: ref().legacy_model().init({'params': k, 'dropout': k}, *args, **kwargs))
+    _INITS[key] = (ref, init)
+    while len(_INITS) > KEPT_INITS:
+        _INITS.popitem(last=False)
+    return init
+
+
+def _leaf_key(x: Any) -> tuple:
+    """An argument of the init as a key: an array by shape, dtype and bytes; a plain value by itself."""
+    if isinstance(x, np.ndarray | jax.Array):
+        try:
+            a = np.asarray(x)
+        except Exception as e:  # noqa: BLE001 -- a key array, or one not addressable here: not kept
+            raise TypeError(f'no stable key for {type(x).__name__}') from e
+        return (a.shape, str(a.dtype), hashlib.sha1(a.tobytes()).hexdigest())
+    if x is None or isinstance(x, bool | int | float | str):
+        return (type(x).__name__, x)
+    raise TypeError(f'no stable key for {type(x).__name__}')
 
 
 def make_inputs(port: Port, config: RunConfig, started: Start | None = None) -> tuple[dict, list, jax.Array]:
