@@ -241,7 +241,8 @@ def test_an_exception_in_one_worker_ends_every_process_with_one_line(tmp_path):
 
 
 def test_on_a_cluster_the_survivors_of_a_dead_worker_end_within_the_heartbeat_timeout(tmp_path):
-    """No launcher: the survivor ends within JAX's heartbeat (10 s; measured ~8 s after a SIGKILL),
+    """No launcher: the survivor ends within JAX's heartbeat (here 5 s, ``--heartbeat-timeout``, so that the
+    test waits less; at the default 10 s, measured ~8 s after a SIGKILL),
     and says a peer is gone. Two things can notice first, and which does depends on where the
     survivor was when its peer died, not on the machine: JAX's heartbeat (an abort naming the
     silent peer), or the survivor's own collective failing on the closed connection (then exit 4
@@ -251,6 +252,7 @@ def test_on_a_cluster_the_survivors_of_a_dead_worker_end_within_the_heartbeat_ti
     procs, logs = [], []
     for i in range(2):
         flags = ['--coordinator', f'127.0.0.1:{port}', '--num-processes', '2', '--process-id', str(i)]
+        flags += ['--heartbeat-timeout', '5']
         logs.append(open(tmp_path / f'worker-{i}.log', 'w'))
         command = [sys.executable, '-m', 'equivalence.run', *flags, '--steps-per-call', '2', '--calls', '400']
         procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=logs[-1]))
@@ -259,7 +261,7 @@ def test_on_a_cluster_the_survivors_of_a_dead_worker_end_within_the_heartbeat_ti
         procs[1].kill()
         t0 = time.monotonic()
         code = procs[0].wait(timeout=BOUND_S)
-        assert code != 0 and time.monotonic() - t0 < 30, code  # heartbeat 10 s, with margin for a loaded machine
+        assert code != 0 and time.monotonic() - t0 < 30, code  # heartbeat 5 s, with margin for a loaded machine
         log = (tmp_path / 'worker-0.log').read_text()
         errors = [line for line in log.splitlines() if line.startswith('error: ')]
         if 'stopped sending heartbeats' not in log:  # the collective noticed first
