@@ -44,7 +44,8 @@ def trace_steps(port: LoopPort, config: RunConfig, variables: dict, batch_KxG: A
 
 
 def trace_legacy_step(port: LoopPort, config: RunConfig, variables: dict, batch_KxG: Any) -> Any:
-    """One step of the legacy side under a vmap standing for its pmap, traced; its abstract train state (one replica)."""
+    """One step of the legacy side under a vmap standing for its pmap, traced; its abstract train state
+    (one replica)."""
     d, n = config.devices, len(rows.positions(config.devices))
     state = legacy_state(port, variables)
     stacked = jax.tree.map(lambda s: SDS((n, *s.shape), s.dtype), state)
