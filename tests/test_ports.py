@@ -227,7 +227,9 @@ def _without_bridge_on_the_nnx_side(monkeypatch):
 @pytest.mark.parametrize('port', [my_port.MODEL, my_port.LOOP], ids=['model', 'loop'])
 def test_dropout_inside_the_model_matters_without_the_bridge_the_paths_differ(port, monkeypatch):
     require_devices(4)
-    assert harness.check(port, devices=4, **QUICK).report.match
+    # what is checked is the bridge (the fixed screen; a run that fails it is judged by its measured floor);
+    # the unbridged control below goes through the whole verdict
+    assert harness.check(port, devices=4, verdict='screen', **QUICK).report.match
     _without_bridge_on_the_nnx_side(monkeypatch)
     unbridged = harness.check(port, devices=4, diagnose=False, **QUICK)
     assert not unbridged.report.match and 'losses/per_step' in _bad(unbridged)
