@@ -1,19 +1,19 @@
 """The examples written as real code was in the wild, run from a fresh directory as a team runs
-them: their steps, passed as written, match, and each one's slip is caught. ``imagenet_port`` and
-``wmt_port`` (linen pmap -> NNX objects) at 8 devices; ``vit_port`` (a Vision Transformer) with its bfloat16
-momentum on 2 devices, which the float32 rule called a MISMATCH (docs/verdict.md, precision): its MATCH
-alone: its slip (the exact gelu in one block, caught by the float32 losses) is left to its own tests,
-and the precision rule's negative control here is ``test_corpus``'s bfloat16 slip (the ViT check costs
-about 25 s of the suite's 2-core time). Their own ``test_port.py`` runs D in {1, 2, 4, 8} (minutes on 2
-cores); here one device count, and the slip but for the ViT's, to keep the suite's time. ``score_sde_port``
+them: their steps, passed as written, match, and each one's slip is caught. ``score_sde_port``
 (score_sde's ``pmap(partial(lax.scan, step))`` with per-device keys, against ``nnx.jit(nnx.scan)`` over
 model, optimizer and EMA) and ``bridge_port`` (a linen model wrapped by ``nnx.bridge.ToNNX``, trained in
-NNX) at 2. ``functional_nnx_port`` (functional NNX in a flax ``TrainState``) and ``linen_jit_port`` (linen
-under ``jax.jit``, its mesh built at import) are not trained here: each form, its MATCH and its slip, is
-``test_new_sides``' (``functional-nnx``: the same ``TrainState``, the same Adam b2 slip and failing leaves;
-``linen-jit``) and ``test_twins``' (a ``jax.jit`` pinned to a mesh built at import, its floor from a twin in
-a fresh process, MATCH and slip); here both examples, as a team has them, pass the pre-flight (traced
-abstractly, nothing compiled), so that neither rots unseen."""
+NNX): their MATCH at 2 devices and their slip. ``wmt_port`` and ``imagenet_port`` (linen pmap -> NNX
+objects): their slip at 8 devices; their MATCH is ``test_team_checkpoints``' (each port's own
+checkpoint migrated, resumed to a MATCH at 2 devices). Their own ``test_port.py`` runs D in {1, 2, 4, 8}
+(minutes on 2 cores); here one device count, to keep the suite's time.
+
+Not trained here, each passes its pre-flight in-process (traced abstractly, nothing compiled), so that
+none rots unseen: ``vit_port`` (a Vision Transformer, its momentum in bfloat16, judged in its own
+precision: the precision rule's MATCH and slip are ``test_corpus``' bfloat16 pair, the rule on numbers
+``test_precision``'s); ``functional_nnx_port`` (functional NNX in a flax ``TrainState``: the same form,
+its MATCH and the same Adam b2 slip, are ``test_new_sides``' ``functional-nnx``); ``linen_jit_port``
+(linen under ``jax.jit``, its mesh built at import: ``test_new_sides``' ``linen-jit`` and ``test_twins``'
+``jax.jit`` pinned to a mesh built at import, its floor from a twin in a fresh process, MATCH and slip)."""
 
 import importlib
 import os
@@ -30,9 +30,8 @@ from equivalence.core.port.config import RunConfig
 SELECTED = {  # example -> the tests of its test_port.py run here; the longest first (conftest.LONGEST_FIRST)
     'score_sde_port': 'D2 or slip',
     'bridge_port': 'D2 or slip or key_array',
-    'vit_port': 'loop-2',  # its slip: its own test_port; bfloat16's negative control here: test_corpus
-    'wmt_port': 'loop-8 or slip',
-    'imagenet_port': 'loop-8 or slip',
+    'wmt_port': 'slip',  # its MATCH: test_team_checkpoints
+    'imagenet_port': 'slip',  # its MATCH: test_team_checkpoints
 }
 
 
@@ -65,8 +64,11 @@ def example_port(name: str, field: str):
                 sys.modules[module] = imported
 
 
-@pytest.mark.parametrize('name, field', [('functional_nnx_port', 'PORT'), ('linen_jit_port', 'PORT'),
-                                         ('linen_jit_port', 'PORT_WARMUP_SLIP')])  # fmt: skip
+NOT_TRAINED_HERE = [('vit_port', 'LOOP'), ('functional_nnx_port', 'PORT'), ('linen_jit_port', 'PORT'),
+                    ('linen_jit_port', 'PORT_WARMUP_SLIP')]  # fmt: skip
+
+
+@pytest.mark.parametrize('name, field', NOT_TRAINED_HERE)
 def test_an_example_not_trained_here_passes_its_pre_flight(name, field):
     port = example_port(name, field)
     devices = len(jax.devices())  # linen_jit_port's mesh: every device JAX sees when it is imported
