@@ -88,12 +88,15 @@ def _init_program(port: Port, args: tuple, kwargs: dict) -> Callable:
     run were op by op; on the built-ins it is bitwise the same). The same port initialised from the same
     example again in this process (a check per device count, a team's parametrized test) reuses the same
     ``jax.jit``, so that JAX traces, lowers and compiles it once: keyed by the port itself (weakly: a port
-    that is gone is never matched) and the example's structure, shapes, dtypes and bytes."""
+    that is gone is never matched), its linen model's repr and the example's structure, shapes, dtypes and
+    bytes."""
     try:
         leaves, treedef = jax.tree.flatten((args, kwargs))
-        key = (id(port), str(treedef), tuple(_leaf_key(x) for x in leaves))
+        # the model's repr too (its constructor's fields): a module rebuilt with other settings is another init
+        key = (id(port), repr(port.legacy_model()), str(treedef), tuple(_leaf_key(x) for x in leaves))
         ref = weakref.ref(port)
-    except TypeError:  # a port that cannot be weakly referred to, or an argument with no stable key
+    except Exception:  # noqa: BLE001 -- a port not weakly referable, an argument with no stable key, a model
+        # that cannot be built here (the pre-flight says why): not kept
         return jax.jit(lambda k: port.legacy_model().init({'params': k, 'dropout': k}, *args, **kwargs))
     hit = _INITS.get(key)
     if hit is not None and hit[0]() is port:
