@@ -109,3 +109,33 @@ def _many_checks(monkeypatch):
         check()
         held.append(mappings())
     assert max(held) <= line + grown, (line, grown, held)
+
+
+def test_linen_init_is_traced_once_per_port_model_and_example():
+    """A check per device count of one port (a team's test parametrized over D) reuses one ``jax.jit`` of linen's
+    init, so that it is traced and compiled once; another port object, a model rebuilt with other settings or
+    another example each get their own (the control: the key is not a constant)."""
+    import dataclasses
+
+    from equivalence.core.port.config import RunConfig
+    from equivalence.core.run import inputs
+
+    port = workloads.get('mlp')
+
+    def init(p, devices=2, seed=0):
+        config = RunConfig(workload=p.name, devices=devices, steps_per_call=1, calls=1, batch_size=8, seed=seed)
+        return inputs.start(p, config).init
+
+    first = init(port)
+    assert init(port, devices=4) is first and init(port, devices=1) is first
+    assert init(dataclasses.replace(port)) is not first  # another port object
+    assert init(port, seed=1) is not first  # another seed: another example row
+    # the same port object whose model is rebuilt with other settings (a global a team changed): initialised anew
+    hidden = {'width': 30}
+    settable = dataclasses.replace(port, legacy_model=lambda: type(port.legacy_model())(hidden=hidden['width']))
+    before = init(settable)
+    hidden['width'] = 31
+    after = init(settable)
+    assert after is not before and init(settable) is after
+    shapes = [x.shape for x in jax.tree.leaves(after(jax.random.PRNGKey(0)))]
+    assert any(31 in shape for shape in shapes), shapes  # the rebuilt model's own width
