@@ -1,5 +1,7 @@
 """Simulated CPU devices are requested here, before any test module imports JAX."""
 
+import contextlib
+import importlib
 import os
 import subprocess
 import sys
@@ -84,6 +86,31 @@ def run_pytest_in(folder, *args: str, env: dict[str, str] | None = None, timeout
         text=True,
         timeout=timeout,
     )
+
+
+@contextlib.contextmanager
+def own_modules(folder: str):
+    """The folder's modules (``my_port``, ``legacy_code``, ...) imported afresh from it, and the ones
+    another example folder imported under the same names put back after."""
+    names = [f[:-3] for f in os.listdir(folder) if f.endswith('.py')]
+    saved = {name: sys.modules.pop(name) for name in names if name in sys.modules}
+    try:
+        yield
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
+        sys.modules.update(saved)
+
+
+def import_example(name: str, *modules: str) -> tuple:
+    """``modules`` of ``examples/<name>``, imported from its folder as the team's own (``own_modules``)."""
+    folder = os.path.join(ROOT, 'examples', name)
+    sys.path.insert(0, folder)
+    try:
+        with own_modules(folder):
+            return tuple(importlib.import_module(module) for module in modules)
+    finally:
+        sys.path.remove(folder)
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, expected: str) -> None:

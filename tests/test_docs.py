@@ -11,7 +11,6 @@
   commands and every guide, and imports no JAX.
 """
 
-import contextlib
 import dataclasses
 import glob
 import importlib
@@ -23,7 +22,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, message_lines, run_pytest_in
+from conftest import ROOT, message_lines, own_modules, run_pytest_in
 
 from equivalence import cli
 from equivalence.distributed import launch, worker
@@ -171,20 +170,6 @@ def validate(cmd: Command, monkeypatch) -> int:
 
 def _accept():
     raise Accepted
-
-
-@contextlib.contextmanager
-def own_modules(folder: str):
-    """The folder's modules (``my_port``, ``legacy_code``, ...) imported afresh from it, and the ones
-    another example folder imported under the same names put back after."""
-    names = [f[:-3] for f in os.listdir(folder) if f.endswith('.py')]
-    saved = {name: sys.modules.pop(name) for name in names if name in sys.modules}
-    try:
-        yield
-    finally:
-        for name in names:
-            sys.modules.pop(name, None)
-        sys.modules.update(saved)
 
 
 @pytest.mark.parametrize('cmd', DOCUMENTED, ids=str)

@@ -15,14 +15,12 @@ its MATCH and the same Adam b2 slip, are ``test_new_sides``' ``functional-nnx``)
 (linen under ``jax.jit``, its mesh built at import: ``test_new_sides``' ``linen-jit`` and ``test_twins``'
 ``jax.jit`` pinned to a mesh built at import, its floor from a twin in a fresh process, MATCH and slip)."""
 
-import importlib
 import os
 import shutil
-import sys
 
 import jax
 import pytest
-from conftest import ROOT, run_pytest_in
+from conftest import ROOT, import_example, run_pytest_in
 
 from equivalence.core import kinds, preflight
 from equivalence.core.port.config import RunConfig
@@ -47,30 +45,13 @@ def test_example_from_a_fresh_directory_matches_and_catches_its_slip(name, tmp_p
     assert f'{len(SELECTED[name].split(" or "))} passed' in proc.stdout, proc.stdout[-2000:]
 
 
-def example_port(name: str, field: str):
-    """``my_port.<field>`` of the example, imported from its folder as the team's own modules; the modules of
-    the same names imported before (another example's) are put back."""
-    folder = os.path.join(ROOT, 'examples', name)
-    names = [f[:-3] for f in os.listdir(folder) if f.endswith('.py') and f not in ('conftest.py', 'test_port.py')]
-    before = {module: sys.modules.pop(module, None) for module in names}
-    sys.path.insert(0, folder)
-    try:
-        return getattr(importlib.import_module('my_port'), field)
-    finally:
-        sys.path.remove(folder)
-        for module, imported in before.items():
-            sys.modules.pop(module, None)
-            if imported is not None:
-                sys.modules[module] = imported
-
-
 NOT_TRAINED_HERE = [('vit_port', 'LOOP'), ('functional_nnx_port', 'PORT'), ('linen_jit_port', 'PORT'),
                     ('linen_jit_port', 'PORT_WARMUP_SLIP')]  # fmt: skip
 
 
 @pytest.mark.parametrize('name, field', NOT_TRAINED_HERE)
 def test_an_example_not_trained_here_passes_its_pre_flight(name, field):
-    port = example_port(name, field)
+    port = getattr(import_example(name, 'my_port')[0], field)  # another example's my_port put back after
     devices = len(jax.devices())  # linen_jit_port's mesh: every device JAX sees when it is imported
     config = RunConfig(workload=port.name, devices=devices, steps_per_call=2, calls=2,
                        batch_size=port.default_batch, rng_mode=port.rng_modes[0], available=devices)  # fmt: skip

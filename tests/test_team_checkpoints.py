@@ -2,13 +2,11 @@
 Transformer's Orbax ``CheckpointManager`` migrate through the port's names and resume to MATCH;
 the same refusals as the suite's own layout."""
 
-import importlib
 import os
-import sys
 
 import jax
 import pytest
-from conftest import ROOT, require_devices, run_module
+from conftest import ROOT, import_example, require_devices, run_module
 
 from equivalence.checkpoint import migrate, resume
 from equivalence.checkpoint.store import CheckpointError
@@ -18,20 +16,9 @@ from equivalence.core.run import adapters, sides
 
 
 def example(name: str):
-    """The example's ``legacy_code`` and ``my_port``, imported as the team's own modules; the modules of those
-    names imported before (the mlp example's, by the files that run before or after this one in the same
-    worker) are put back."""
-    folder = os.path.join(ROOT, 'examples', name)
-    before = {module: sys.modules.pop(module, None) for module in ('legacy_code', 'nnx_code', 'my_port')}
-    sys.path.insert(0, folder)
-    try:
-        return importlib.import_module('legacy_code'), importlib.import_module('my_port')
-    finally:
-        sys.path.remove(folder)
-        for module, imported in before.items():
-            sys.modules.pop(module, None)
-            if imported is not None:
-                sys.modules[module] = imported
+    """The example's ``legacy_code`` and ``my_port``, imported as the team's own modules (``import_example``: the
+    modules of those names imported before, the mlp example's in the same worker, are put back)."""
+    return import_example(name, 'legacy_code', 'my_port')
 
 
 def team_saver(name: str, old, directory: str):
