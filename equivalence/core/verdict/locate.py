@@ -44,7 +44,6 @@ from equivalence.core.verdict.location import ROOT, Location
 from equivalence.core.verdict.location import STAGES as STAGE_NAMES
 from equivalence.core.verdict.pairing import pairs
 from equivalence.core.verdict.rule import MEASURED_FLOOR
-from equivalence.core.verdict.slots import FIRST
 
 WARMUP = 'the first update is 0'  # what a 'none' at step 1 says under a warmup from 0
 
@@ -134,10 +133,7 @@ def judge_step(
         later = f'whatever parts does so after step {at}, or through growth from rounding'
     elif slots.update_is_zero(step):
         later = f'{WARMUP} (a schedule at 0 on step 1, as warmup gives): an optimizer that differs shows later'
-        held = step.held('opt_state')
-        if not step.grads('legacy') and any(
-            s.rpartition('/')[2] in FIRST for s in slots.slot_names(held, step.held('params'))
-        ):
+        if not step.grads('legacy') and slots.holds_first_moments(step.held('opt_state'), step.held('params')):
             later += " (this loop port's gradients are not observed; its first moments, which hold them, agree)"
         elif not step.grads('legacy'):
             later += (

@@ -19,8 +19,8 @@ def update(step: Step) -> Location | None:
     if bad_slot is None and bad_param is None:
         return None
     grads = 'the gradients agree' if step.grads('legacy') else "the gradients are not observed (the port's own step)"
-    first = any(f'/{name}/' in f'/{path}' for path in slots for name in FIRST)
-    said = implied_update(step, first and bad_slot is None)  # the first moments, and the gradients they hold, agree
+    # the first moments, and the gradients they hold, agree
+    said = implied_update(step, bad_slot is None and holds_first_moments(slots, params))
     said = f'; the update implies: {said}' if bad_param is not None or update_is_zero(step) else (
         '; the parameters after one step agree')  # fmt: skip
     # What a slot's values imply assumes its first update from 0 (Adam's mu is (1 - b1) g, SGD's trace is g):
@@ -89,6 +89,11 @@ def update(step: Step) -> Location | None:
 def param_of(path: str, params: dict) -> str:
     """The parameter an optimizer-state leaf ``path`` (``0/mu/block/fc1/kernel``) holds a slot of ('' none)."""
     return next((p for p in sorted(params, key=len, reverse=True) if path.endswith('/' + p)), '')
+
+
+def holds_first_moments(slots: dict, params: dict) -> bool:
+    """Whether the optimizer state holds a first moment (``FIRST``) of some parameter: the gradients, held."""
+    return any(s.rpartition('/')[2] in FIRST for s in slot_names(slots, params))
 
 
 def slot_names(slots: dict, params: dict) -> dict[str, list[str]]:
