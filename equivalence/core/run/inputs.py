@@ -97,17 +97,21 @@ def _init_program(port: Port, args: tuple, kwargs: dict) -> Callable:
         ref = weakref.ref(port)
     except Exception:  # noqa: BLE001 -- a port not weakly referable, an argument with no stable key, a model
         # that cannot be built here (the pre-flight says why): not kept
-        return jax.jit(lambda k: port.legacy_model().init({'params': k, 'dropout': k}, *args, **kwargs))
+        return _jitted_init(port.legacy_model, args, kwargs)
     hit = _INITS.get(key)
     if hit is not None and hit[0]() is port:
         _INITS.move_to_end(key)
         return hit[1]
-    # the port weakly: the program kept here must not keep the port alive
-    init = jax.jit(lambda k: ref().legacy_model().init({'params': k, 'dropout': k}, *args, **kwargs))
+    init = _jitted_init(lambda: ref().legacy_model(), args, kwargs)  # the port weakly: kept, it keeps no port alive
     _INITS[key] = (ref, init)
     while len(_INITS) > KEPT_INITS:
         _INITS.popitem(last=False)
     return init
+
+
+def _jitted_init(model: Callable, args: tuple, kwargs: dict) -> Callable:
+    """``jax.jit(key -> linen's variables)`` of the linen module ``model()`` builds."""
+    return jax.jit(lambda k: model().init({'params': k, 'dropout': k}, *args, **kwargs))
 
 
 def _leaf_key(x: Any) -> tuple:
