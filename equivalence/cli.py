@@ -214,6 +214,7 @@ def main(
         validated = validate(inputs, argv)
         if os.environ.get(INJECT_INTERNAL_ERROR) == '1':
             raise RuntimeError(f'injected by {INJECT_INTERNAL_ERROR}=1')
+        compilation_cache.keep_programs_with_callbacks()  # JAX may be imported only now; devices chosen
         return work(validated)
     except ConfigError as e:  # found only while working, e.g. an optional dependency missing
         fail(str(e), getattr(e, 'whole', ''))

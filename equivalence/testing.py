@@ -93,6 +93,7 @@ def assert_port_matches(port, devices: int, steps_per_call: int = 2, calls: int 
 
     require_devices(devices)
     try:
+        _compilation_cache.keep_programs_with_callbacks()  # JAX is imported by now
         result = harness.check(port, devices=devices, steps_per_call=steps_per_call, calls=calls, **flags)
     except ConfigError as e:  # a mistake in the port or the flags: its one line, not a traceback into the suite
         raise PortInputError(f'error: {e}') from None

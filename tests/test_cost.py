@@ -14,6 +14,7 @@ import textwrap
 
 from conftest import ROOT
 
+from equivalence import compilation_cache
 from equivalence.core.run import clock
 
 STUB_PORT = """
@@ -28,7 +29,8 @@ def _check(tmp_path, cache, json_name: str) -> tuple[subprocess.CompletedProcess
     env = {**os.environ, 'EQUIVALENCE_COMPILATION_CACHE': str(cache), 'PYTHONPATH': f'{tmp_path}{os.pathsep}{ROOT}'}
     env.pop('JAX_COMPILATION_CACHE_DIR', None)
     out = tmp_path / json_name
-    argv = ['--workload', 'stub_port:PORT', '--devices', '2', '--calls', '2', '--steps-per-call', '2', '--json', out]
+    argv = ['--workload', 'stub_port:PORT', '--devices', '2', '--calls', '2', '--steps-per-call', '2', '--locate',
+            '--json', out]  # fmt: skip
     proc = subprocess.run([sys.executable, '-m', 'equivalence.run', *map(str, argv)], capture_output=True, text=True,
                           env=env, cwd=tmp_path, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -38,13 +40,19 @@ def _check(tmp_path, cache, json_name: str) -> tuple[subprocess.CompletedProcess
 def test_a_second_check_reads_its_programs_from_the_cache_and_says_its_stages_as_they_happen(tmp_path):
     """Two checks of a port that stubs tensorflow, in two processes, stderr piped: the first compiles
     and writes the cache; the second reads every program it runs from it (none compiled afresh), and no
-    cache read fails. Both say each stage on stderr, and the text ends on the time line above the verdict."""
+    cache read fails. The programs with host callbacks too (``--locate``: the first step recorded module
+    by module), which JAX itself never writes: the second check's recordings, read back with its own
+    callbacks, say the same ``where:``. Both say each stage on stderr, and the text ends on the time line
+    above the verdict."""
     (tmp_path / 'stub_port.py').write_text(STUB_PORT)
     cache = tmp_path / 'cache'
     first, t1 = _check(tmp_path, cache, 'first.json')
     second, t2 = _check(tmp_path, cache, 'second.json')
-    assert t1['programs'] > 0 and t1['cached'] == 0 and any(cache.iterdir())
+    assert t1['programs'] > t1['cached'] and any(cache.iterdir())  # the verdict reads the run's own programs again
     assert t2['programs'] == t2['cached'] > 0, t2  # every program read, none compiled
+    assert any(f.name.split('-cache')[0].endswith(compilation_cache.CALLBACKS) for f in cache.iterdir())
+    where = [[line for line in proc.stdout.splitlines() if line.startswith('where:')] for proc in (first, second)]
+    assert where[0] == where[1] and len(where[0]) == 1 and 'module calls' in where[0][0], where
     for proc, timing in ((first, t1), (second, t2)):
         assert 'Error reading persistent compilation cache' not in proc.stderr, proc.stderr[-2000:]
         said = proc.stderr.strip().splitlines()
