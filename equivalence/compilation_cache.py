@@ -16,12 +16,13 @@ cached by etils; it is asked here, before any port is imported, so the stub is n
 JAX writes no program that holds a host callback (``jax.debug.callback``: the recordings through which
 a check's verdict reads each module's values and each random draw), so a second check compiled every
 one of them again (measured: 76 of 146 s of compiling, score_sde at D = 2). In this JAX a callback on
-the CPU and GPU is a call to "the callback numbered i" (``emit_python_callback``'s FFI target and its
+the CPU is a call to "the callback numbered i" (``emit_python_callback``'s FFI target and its
 ``index``), the Python functions themselves given to XLA when the program is loaded: the compiled
 program holds no pointer to them. ``keep_programs_with_callbacks`` therefore writes such a program under
 JAX's own key with ``CALLBACKS`` appended, and loads it again with the callbacks of the program being
-compiled now, which are the ones a fresh compile would be given. Several processes, or a read or write
-that fails: compiled as JAX would.
+compiled now, which are the ones a fresh compile would be given. Only on the CPU, where it was tried
+(the GPU's lowering is the same FFI call, untried here; the TPU's is another); several processes, or a
+read or write that fails: compiled as JAX would.
 
 The cache changes no number: a hit is the program JAX would compile (its key is the module's bytes,
 the devices, the compile options, the backend and JAX's flags). The suite's own tests turn it off
@@ -94,7 +95,12 @@ def _keeping(compile_or_get_cached):
 
     def compile_or_read(backend, computation, devices, compile_options, host_callbacks, executable_devices, *rest):
         key = None
-        if host_callbacks and compilation_cache.is_cache_used(backend) and not any(r is not None for r in rest):
+        if (
+            host_callbacks
+            and backend.platform == 'cpu'
+            and compilation_cache.is_cache_used(backend)
+            and not any(r is not None for r in rest)  # PGLE's profiler: JAX's own path
+        ):
             if len({d.process_index for d in devices.flat}) == 1:
                 try:
                     key = compilation_cache.get_cache_key(computation, devices, compile_options, backend) + CALLBACKS
