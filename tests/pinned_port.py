@@ -3,7 +3,8 @@
 The module builds its mesh from ``jax.devices()`` when it is imported and the step's shardings
 name it (``in_shardings``/``out_shardings``), as a benchmark's workload migrated from ``jax.pmap``
 does. So the step runs on every device the process sees and on nothing else: a twin on another
-device count needs a process that sees that many devices (``tests/test_twins.py``).
+device count needs a process that sees that many devices (``tests/test_twins.py``). It keeps its
+parameters and optimizer state fsdp-style, split where the first dimension divides.
 """
 
 import dataclasses
@@ -60,14 +61,22 @@ def pmap_step(state, batch):
     return state.apply_gradients(grads=jax.lax.pmean(grads, AXIS)), jax.lax.pmean(loss, AXIS)
 
 
+def fsdp(tree):
+    """Each leaf split over the mesh on its first dimension where that divides, fsdp-style, else replicated."""
+    n = MESH.size
+    return jax.tree.map(lambda a: ROWS if a.ndim and a.shape[0] % n == 0 else REPLICATED, tree)
+
+
 def make_jit_step(optimizer):
     def step(state, batch):
-        """The same step under jax.jit on the global batch: a dict of linen params and optax state."""
+        """The same step under jax.jit on the global batch: a dict of linen params and optax state, which
+        it keeps fsdp-style (``fsdp``), as a migrated workload that fits only sharded does."""
         loss, grads = jax.value_and_grad(loss_fn)(state['params'], batch)
         updates, opt_state = optimizer.update(grads, state['opt_state'], state['params'])
-        return {'params': optax.apply_updates(state['params'], updates), 'opt_state': opt_state}, loss
+        new = {'params': optax.apply_updates(state['params'], updates), 'opt_state': opt_state}
+        return jax.lax.with_sharding_constraint(new, fsdp(new)), loss
 
-    return jax.jit(step, in_shardings=(REPLICATED, ROWS), out_shardings=(REPLICATED, REPLICATED))
+    return jax.jit(step, in_shardings=(None, ROWS), out_shardings=(None, REPLICATED))
 
 
 class Holder(nnx.Module):

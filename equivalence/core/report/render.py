@@ -25,9 +25,14 @@ def header(result: RunResult, backend: str) -> str:
 def placement_lines(result: RunResult) -> list[str]:
     """The NNX side's strategy: its mesh, how many parameters it split, and every one it kept whole."""
     c, decisions = result.config, result.new.placement
+    split = [d for d in decisions if any(a is not None for a in d.spec)]
+    if result.new.placed_by:  # a loop port: what its own step did with the state the suite gave it
+        if not split:
+            return []
+        return [f'{result.new.placed_by}: {len(split)} of {len(decisions)} parameters split over its devices, '
+                'the rest replicated', '']  # fmt: skip
     if c.strategy == 'dp' or not decisions:
         return []
-    split = [d for d in decisions if any(a is not None for a in d.spec)]
     lines = [f'strategy {c.strategy} on mesh {result.new.mesh}: {len(split)} of {len(decisions)} '
              'parameters and statistics split, the rest replicated']  # fmt: skip
     lines += [f'  kept whole: {d.path} {list(d.shape)}: {d.note}' for d in decisions if d.note]
@@ -174,6 +179,7 @@ def to_json(result: RunResult, versions: dict[str, str]) -> dict:
         'mesh': result.new.mesh,
         'nnx_form': c.nnx_form,
         'placement': [{'path': d.path, 'spec': [a for a in d.spec], 'note': d.note} for d in result.new.placement],
+        'placed_by': result.new.placed_by or None,  # None: the suite's strategy placed it
         'resumed_at': result.resumed_at,
         'notes': result.notes,
         'losses': {'legacy': _floats(result.legacy.losses), 'new': _floats(result.new.losses)},

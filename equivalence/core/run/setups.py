@@ -18,7 +18,7 @@ from flax import nnx
 from equivalence.core.port import convert, new_side
 from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.port.ports import LoopPort, ModelPort
-from equivalence.core.run import pruned, randomness
+from equivalence.core.run import footprint, pruned, randomness
 from equivalence.core.run.facts import uses_dropout
 from equivalence.distributed import gather, rows
 from legacy_pmap import train as legacy
@@ -217,6 +217,7 @@ class NnxGraphSetup:
 class LoopNewSetup:
     """A loop port's NNX side: the user's fused call over the user's train state."""
 
+    placed_by = "the port's own step"  # who chose ``decisions`` (a model port's: the suite's strategy)
     port: LoopPort
     train_state: Any  # whatever port.new_state returned, placed on the mesh
     mesh: Any
@@ -229,6 +230,11 @@ class LoopNewSetup:
         with randomness.bridged(self.config.rng_mode), pinned_to_its_mesh(self.port, self.mesh):
             self.train_state, losses_K = self.port.new_call(self.train_state, *args)
         return np.asarray(losses_K)
+
+    @property
+    def decisions(self) -> list[sharding.Decision]:
+        """Each parameter where the team's own step left it (the suite placed it replicated): ``footprint``."""
+        return footprint.placement((self.port.new_groups or new_side.read_groups)(self.train_state).get('params'))
 
     def forward(self, args: tuple) -> np.ndarray:
         """The K losses alone (``LegacySetup.forward``), of the call as one program (``as_pure_call``)."""

@@ -32,6 +32,7 @@ class PathResult:
     notes: list = dataclasses.field(default_factory=list)  # what this path could not compare, and why
     left_out: set = dataclasses.field(default_factory=set)  # metric paths not compared (named in notes)
     memory: dict | None = None  # NNX: bytes per device of one call (footprint.per_device); None: not measured
+    placed_by: str = ''  # who chose ``placement`` where not the suite's strategy ("the port's own step")
     start: dict | None = None  # legacy: the parameters its train state started from (NNX paths), as its own
     # legacy_state built them (an upstream init that sets a head bias to -6.9); None: not recorded
     device_losses: np.ndarray | None = None  # legacy: the last call's losses on every device, [D, K]
@@ -127,6 +128,7 @@ def run_new(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, afte
     raw = {NnxSetup: lambda: (setup.graphdef, setup.state), NnxGraphSetup: lambda: setup.ts}
     result = PathResult(setup.neutral(), losses, per_call, raw.get(type(setup), lambda: setup.train_state)())
     result.placement, result.mesh = getattr(setup, 'decisions', []), dict(setup.mesh.shape)
+    result.placed_by = getattr(setup, 'placed_by', '')
     result.memory = None if forward else footprint.per_device(setup, calls[0], rng)
     result.metrics = loop_metrics(setup)
     result.notes = kind.new_notes(setup)
