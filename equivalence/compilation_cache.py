@@ -91,7 +91,7 @@ def keep_programs_with_callbacks() -> None:
 
 
 def _keeping(compile_or_get_cached):
-    from jax._src import compilation_cache, compiler, distributed, monitoring
+    from jax._src import compilation_cache, compiler, config, distributed, monitoring
 
     def compile_or_read(backend, computation, devices, compile_options, host_callbacks, executable_devices, *rest):
         key = None
@@ -127,11 +127,12 @@ def _keeping(compile_or_get_cached):
         executable = compiler.backend_compile_and_load(
             backend, computation, executable_devices, compile_options, host_callbacks
         )
+        took = time.monotonic() - started
         try:
-            if distributed.global_state.process_id != 0:
-                return executable  # JAX's own rule: one process writes
+            if distributed.global_state.process_id != 0 or took < config.persistent_cache_min_compile_time_secs.value:
+                return executable  # JAX's own rules: one process writes, and not a program quicker than asked
             module = str(computation.operation.attributes['sym_name']).strip('"')
-            compilation_cache.put_executable_and_time(key, module, executable, backend, int(time.monotonic() - started))
+            compilation_cache.put_executable_and_time(key, module, executable, backend, int(took))
         except Exception:  # noqa: BLE001 -- not kept: the next check compiles it again
             pass
         return executable
