@@ -57,6 +57,30 @@ def run_case(module, n_devices: int) -> dict:
     return {**header, **row, 'seconds': round(time.perf_counter() - start, 1)}
 
 
+def run_cases(names: list[str], n_devices: int) -> list[dict]:
+    """Every case's row, each case said on stderr as it runs, piped or not (``pitfall 1 missing_pmean ...
+    3.2 s (compiling 2.1 s, 12 programs)``, ``clock.Lines``); on a terminal, a bar over the cases."""
+    from equivalence import pitfalls
+    from equivalence.core.run import clock
+
+    bar = None
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(names), unit='case', desc='pitfalls', file=sys.stderr, leave=False)
+    rows = []
+    with clock.measuring(clock.Lines(sys.stderr, depth=0, bar=bar)):
+        for name in names:
+            module = pitfalls.load(name)
+            with clock.stage(f'pitfall {module.NUMBER} {name}'):
+                rows.append(run_case(module, n_devices))
+            if bar is not None:
+                bar.update()
+    if bar is not None:
+        bar.close()
+    return rows
+
+
 NO_DAMAGE_OF_ITS_OWN = (
     '+'  # ASCII (a report read on any terminal): the footnote of a wrong version measured to change nothing (case 6)
 )
@@ -111,7 +135,7 @@ def work(validated) -> int:
             print(f'{module.NUMBER:>2}  {name:<24}  {module.TITLE}')
         return cli.EXIT_MATCH
     warnings.filterwarnings('ignore', message='Some donated buffers were not usable')  # the batch, as score_sde
-    rows = [run_case(pitfalls.load(name), n_devices) for name in ([args.only] if args.only else names)]
+    rows = run_cases([args.only] if args.only else names, n_devices)
     print(table(rows, n_devices, jax.default_backend()))
     if args.json is not None:
         output.write_json(args.json, json_report(rows, n_devices), overwrite=args.overwrite)
