@@ -21,8 +21,10 @@ the CPU is a call to "the callback numbered i" (``emit_python_callback``'s FFI t
 program holds no pointer to them. ``keep_programs_with_callbacks`` therefore writes such a program under
 JAX's own key with ``CALLBACKS`` appended, and loads it again with the callbacks of the program being
 compiled now, which are the ones a fresh compile would be given. Only on the CPU, where it was tried
-(the GPU's lowering is the same FFI call, untried here; the TPU's is another); several processes, or a
-read or write that fails: compiled as JAX would.
+(the GPU's lowering is the same FFI call, untried here; the TPU's is another); a program whose devices
+span several processes, or a read or write that fails: compiled as JAX would. JAX's own cache options
+that govern errors and logging (``jax_raise_persistent_cache_errors``, ``jax_explain_cache_misses``) are
+not followed for these programs: a failed read or write is silent, and the program compiled.
 
 The cache changes no number: a hit is the program JAX would compile (its key is the module's bytes,
 the devices, the compile options, the backend and JAX's flags). The suite's own tests turn it off

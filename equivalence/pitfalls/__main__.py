@@ -69,15 +69,17 @@ def run_cases(names: list[str], n_devices: int) -> list[dict]:
 
         bar = tqdm(total=len(names), unit='case', desc='pitfalls', file=sys.stderr, leave=False)
     rows = []
-    with clock.measuring(clock.Lines(sys.stderr, depth=0, bar=bar)):
-        for name in names:
-            module = pitfalls.load(name)
-            with clock.stage(f'pitfall {module.NUMBER} {name}'):
-                rows.append(run_case(module, n_devices))
-            if bar is not None:
-                bar.update()
-    if bar is not None:
-        bar.close()
+    try:
+        with clock.measuring(clock.Lines(sys.stderr, depth=0, bar=bar)):
+            for name in names:
+                module = pitfalls.load(name)
+                with clock.stage(f'pitfall {module.NUMBER} {name}'):
+                    rows.append(run_case(module, n_devices))
+                if bar is not None:
+                    bar.update()
+    finally:
+        if bar is not None:
+            bar.close()
     return rows
 
 

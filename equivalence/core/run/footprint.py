@@ -38,12 +38,21 @@ def per_device(setup: Any, batch_KxG: Any, rng: jax.Array) -> dict[str, int] | N
     return out
 
 
-def arrays(setup: Any, batch_KxG: Any, rng: jax.Array) -> dict[str, int | str | None]:
-    """The bytes the most loaded device holds of a loop port's train state (as its step left it) and of
-    one call's inputs (as placed): ``argument`` and ``held`` alike, the rest unknown (None)."""
-    _, args = setup.call_args(rng, batch_KxG)
+def arrays(setup: Any, batch_KxG: Any, rng: jax.Array) -> dict[str, int | str | None] | None:
+    """The bytes the most loaded device of this process holds of a loop port's train state (as its step
+    left it) and of one call's inputs (as placed): ``argument`` and ``held`` alike, the rest unknown
+    (None). None where they cannot be read (an array deleted, a leaf without shards): a figure, never an
+    error in the report."""
+    try:
+        _, args = setup.call_args(rng, batch_KxG)
+        return _held_by_arrays((setup.train_state, args))
+    except Exception:  # noqa: BLE001 -- the bytes are said where readable; nothing else depends on them
+        return None
+
+
+def _held_by_arrays(tree: Any) -> dict[str, int | str | None]:
     held: dict = {}
-    for leaf in jax.tree.leaves((setup.train_state, args)):
+    for leaf in jax.tree.leaves(tree):
         for shard in getattr(leaf, 'addressable_shards', ()):
             held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
     most = max(held.values(), default=0)
@@ -68,18 +77,18 @@ def _kb(m: dict) -> str:
 
 
 def placement(params: Any) -> list[sharding.Decision]:
-    """Each parameter's partition spec as its arrays are placed (a sharding other than a named one is
-    said by its split dimensions, ``P('split', None)``)."""
+    """Each parameter's partition spec as its arrays are placed, naming only the dimensions actually split
+    (one over a mesh axis of size 1 is whole); a sharding other than a named one says ``P('split', None)``."""
     out = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         placed = getattr(leaf, 'sharding', None)
         if placed is None:
             continue
-        shape = tuple(leaf.shape)
-        if isinstance(placed, jax.sharding.NamedSharding):
-            spec = placed.spec
-        else:
-            each = placed.shard_shape(shape)
-            spec = jax.sharding.PartitionSpec(*('split' if e < n else None for e, n in zip(each, shape, strict=True)))
-        out.append(sharding.Decision('/'.join(key_name(k) for k in path), shape, spec))
+        shape, named = tuple(leaf.shape), isinstance(placed, jax.sharding.NamedSharding)
+        axes = tuple(placed.spec) + (None,) * (len(shape) - len(placed.spec)) if named else (None,) * len(shape)
+        each = placed.shard_shape(shape)  # a dim over an axis of size 1 is whole: not split
+        spec = [(a if named else 'split') if e < n else None for a, e, n in zip(axes, each, shape, strict=True)]
+        while spec and spec[-1] is None:  # P('data') for P('data', None), P() where whole, as JAX writes them
+            spec.pop()
+        out.append(sharding.Decision('/'.join(key_name(k) for k in path), shape, jax.sharding.PartitionSpec(*spec)))
     return out
