@@ -80,6 +80,15 @@ def test_the_vmapped_forward_recorded_reproduces_its_run_and_locates_nothing_on_
     assert result.outcome.label == 'MATCH' and result.verdict.location.kind == 'none', result.verdict.lines()
 
 
+def test_the_recorded_forward_pass_compiles_at_level_2_unless_xla_flags_chose_a_level(monkeypatch):
+    """``pruned.options``: level 2 (not XLA's 3) for a program run once, but a level chosen in ``XLA_FLAGS``
+    is kept (the suite's tests choose 1; a user may choose 3). No JAX runs."""
+    monkeypatch.setenv('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+    assert pruned.options() == {'xla_backend_optimization_level': 2}
+    monkeypatch.setenv('XLA_FLAGS', '--xla_backend_optimization_level=3')
+    assert pruned.options() == {}
+
+
 def test_the_forward_pass_alone_is_compiled_without_the_backward_pass_and_the_update():
     """``pruned.call``: the forward check's program keeps the loss and the recording's callbacks, nothing else.
     A host function in the update that JAX may drop (``pure_callback``, no effect) runs in the whole call (the
