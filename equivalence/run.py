@@ -64,12 +64,10 @@ def progress(total: int):
     several processes logs one line per call as well."""
     from equivalence.core.run import clock
 
-    if not sys.stderr.isatty():
-        return None, (distributed.progress_log(total) if distributed.several() else None), clock.Lines(sys.stderr)
-    from tqdm import tqdm
-
-    bar = tqdm(total=total, unit='call', desc='compiled calls', file=sys.stderr, leave=False)
-    return bar, lambda path: (bar.set_postfix_str(path, refresh=False), bar.update()), clock.Lines(sys.stderr, bar=bar)
+    bar, say = clock.on_stderr(total, 'call', 'compiled calls')
+    if bar is None:
+        return None, (distributed.progress_log(total) if distributed.several() else None), say
+    return bar, lambda path: (bar.set_postfix_str(path, refresh=False), bar.update()), say
 
 
 def work(validated) -> int:

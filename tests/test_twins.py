@@ -99,12 +99,12 @@ def test_a_new_side_pinned_to_its_own_mesh_gets_its_floor_from_a_fresh_process(p
     result = pinned[pinned_port.PORT.name]
     assert result.verdict.twin == 'on 1 device(s) in a fresh process', result.verdict.lines()
     assert result.report.match
-    assert report.to_json(result, {})['verdict']['floor_rule'] is not None
+    said = report.to_json(result, {})
+    assert said['verdict']['floor_rule'] is not None
     text = report.text(result, 'cpu')
     assert 'unmeasured' not in text and 'in a fresh process' in text
     # what its own step placed, read from the state it returned: two of the four parameters split (dims of
     # 16; 4 and 1 do not divide by 8), and the twin's bytes beside the run's, the arrays read
-    said = report.to_json(result, {})
     assert said['placed_by'] == "the port's own step" and sum(any(p['spec']) for p in said['placement']) == 2
     assert "the port's own step: 2 of 4 parameters split over its devices" in text
     memory = said['verdict']['memory']

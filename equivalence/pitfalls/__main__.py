@@ -63,14 +63,10 @@ def run_cases(names: list[str], n_devices: int) -> list[dict]:
     from equivalence import pitfalls
     from equivalence.core.run import clock
 
-    bar = None
-    if sys.stderr.isatty():
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(names), unit='case', desc='pitfalls', file=sys.stderr, leave=False)
+    bar, say = clock.on_stderr(len(names), 'case', 'pitfalls', depth=0)
     rows = []
     try:
-        with clock.measuring(clock.Lines(sys.stderr, depth=0, bar=bar)):
+        with clock.measuring(say):
             for name in names:
                 module = pitfalls.load(name)
                 with clock.stage(f'pitfall {module.NUMBER} {name}'):

@@ -240,6 +240,18 @@ _CURRENT: Clock | None = None
 _LISTENING = False
 
 
+def on_stderr(total: int, unit: str, desc: str, depth: int = 1) -> tuple:
+    """``(bar, say)``: each stage said on stderr as it happens (``Lines``), terminal or not; on a terminal a
+    tqdm bar over ``total`` ``unit``s too, naming the stage that runs (None elsewhere). A command's one way
+    of saying its progress (``run``, ``pitfalls``)."""
+    if not sys.stderr.isatty():
+        return None, Lines(sys.stderr, depth=depth)
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit=unit, desc=desc, file=sys.stderr, leave=False)
+    return bar, Lines(sys.stderr, depth=depth, bar=bar)
+
+
 @contextlib.contextmanager
 def measuring(say: Say | None = None) -> Iterator[Clock]:
     """A clock for the block, the one ``stage`` opens stages on. Where one runs already (a check inside a
