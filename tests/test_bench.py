@@ -10,7 +10,7 @@ import subprocess
 
 import numpy as np
 import pytest
-from conftest import ROOT, assert_one_line_error, run_module
+from conftest import ROOT, assert_one_line_error, at_level_0, run_module
 
 from equivalence import cli
 from equivalence.bench import __main__ as bench_main
@@ -41,7 +41,8 @@ HLO_FIELDS |= {'all_reduce_operands_per_call', 'aliased_bytes'}
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
-    return run_module('equivalence.bench', *args)
+    """The command, compiled at XLA's level 0 (``conftest.at_level_0``): what is read is its fields and timings."""
+    return run_module('equivalence.bench', *args, env=at_level_0())
 
 
 def test_tiny_run_writes_every_field(tmp_path):
@@ -141,7 +142,7 @@ def test_cost_mode_times_a_check_and_a_slips_mismatch_against_the_two_bare_runs(
     example = os.path.join(ROOT, 'examples', 'mlp_port')
     args = ['--cost', '--workload', 'my_port:LOOP', '--slip', 'my_port:LOOP_EPSILON_SLIP', '--devices', '2']
     args += ['--steps-per-call', '1', '--calls', '1', '--repeats', '1', '--json', str(out)]
-    proc = run_module('equivalence.bench', *args, env={'PYTHONPATH': os.pathsep.join([example, ROOT])})
+    proc = run_module('equivalence.bench', *args, env=at_level_0({'PYTHONPATH': os.pathsep.join([example, ROOT])}))
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     subjects = report['subjects']

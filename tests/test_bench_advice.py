@@ -7,7 +7,7 @@ import json
 import os
 
 import pytest
-from conftest import ROOT, run_module
+from conftest import ROOT, at_level_0, run_module
 
 from equivalence.bench import advice
 from equivalence.bench import report as benchreport
@@ -37,7 +37,7 @@ def printed(value: float) -> tuple[str, ...]:
 def loop_run(tmp_path_factory):
     out = tmp_path_factory.mktemp('bench') / 'loop.json'
     proc = run_module('equivalence.bench', '--workload', 'my_port:LOOP', *TINY, '--json', str(out),
-                      env={'PYTHONPATH': os.pathsep.join([EXAMPLE, ROOT])})  # fmt: skip
+                      env=at_level_0({'PYTHONPATH': os.pathsep.join([EXAMPLE, ROOT])}))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout, json.loads(out.read_text())
 

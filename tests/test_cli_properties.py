@@ -223,11 +223,13 @@ def test_validation_follows_the_rules_and_answers_in_one_line(command, place, da
 
 @st.composite
 def small_runs(draw) -> tuple[dict, set]:
-    """``run`` lines that finish in seconds: tiny K, C and batch, or one flag made invalid."""
+    """``run`` lines that finish in seconds: tiny K, C and batch on mlp, or one flag made invalid. Not score:
+    its MISMATCH, diagnosed and located, took 12 of this test's 14 s; its verdicts, exit codes and JSON are
+    test_equivalence's, test_cli's and test_checkpoint's."""
     flags = {'steps-per-call': draw(st.integers(1, 2)), 'calls': draw(st.integers(1, 2))}
     flags['devices'] = draw(st.sampled_from([1, 2, 4, 8]))
     flags['batch-size'] = flags['devices'] * draw(st.sampled_from([1, 2, 4]))
-    flags |= {'workload': draw(st.sampled_from(['mlp', 'score'])), 'seed': draw(RUN_FLAGS['seed'][0])}
+    flags |= {'workload': 'mlp', 'seed': draw(RUN_FLAGS['seed'][0])}
     flags |= {'rng': draw(RUN_FLAGS['rng'][0]), 'perturb': draw(st.sampled_from([0.0, 1e-3, -0.5, 1000.0]))}
     if draw(st.booleans()):
         name = draw(st.sampled_from(sorted(FLAGS['run'])))
