@@ -6,6 +6,7 @@ the NaN batch is not located at all."""
 import functools
 import os
 import re
+import types
 
 import numpy as np
 import optax
@@ -19,7 +20,7 @@ from equivalence.core.port.config import RunConfig
 from equivalence.core.port.naming import PortError
 from equivalence.core.report import plots
 from equivalence.core.run import inputs as made
-from equivalence.core.verdict import hidden, locate
+from equivalence.core.verdict import compare, hidden, locate
 from equivalence.core.verdict.first_step import Recorder
 
 
@@ -115,6 +116,32 @@ def test_a_match_whose_parameters_are_noise_dominated_is_held_module_by_module_o
         else:
             assert [(x.group, x.path, x.ok) for x in leaves] == [('first_step', f'forward/{parts}/output', False)]
             assert leaves[0].max_abs > leaves[0].limit, leaves
+
+
+def test_a_part_seen_in_the_forward_pass_alone_needs_the_whole_steps_recording_to_fail_a_match(monkeypatch):
+    """The forward pass compiled alone is another program and rounds otherwise: score_sde_port at D = 8, correct,
+    parted there at attn/out by 2.15e-06 (8 spacings allowed, 9 apart), a MISMATCH on a correct port, while
+    the whole step's recording held every module call within its floor. So a part seen there is held again on
+    the whole step's recording, which decides: no leaf where it agrees (said, with the forward pass's figures),
+    the leaf where it parts too (the negative control: the test above, and test_recording's slips, through
+    the real recordings). The rule alone here: each recording's judgement given."""
+    part = compare.LeafDiff('first_step', 'forward/attn/out/output', 2.15e-6, 2.15e-6, False, size=1, bad=1,
+                            floor=0.0, limit=1.91e-6)  # fmt: skip
+    forward, whole = ('forward',), ('whole',)
+    for whole_parts in (False, True):
+        judged = {forward: [part], whole: [part] if whole_parts else []}
+
+        def held(recorder, runs, seen, judged=judged):
+            return judged[runs], 'module at attn/out parts' if judged[runs] else '22 module calls within their floors'
+
+        monkeypatch.setattr(hidden, '_held', held)
+        recorder = types.SimpleNamespace(forward=forward, runs=whole)
+        leaves, said = hidden.first_step_leaves(recorder, locate.Seen(noisy=frozenset({'attn/k/bias'})))
+        if whole_parts:
+            assert leaves == [part] and said == 'module at attn/out parts', said
+        else:
+            assert leaves == [] and said.startswith('22 module calls within their floors'), said
+            assert 'forward pass alone, another program, parted at attn/out/output by 2.15e-06' in said, said
 
 
 def test_optimizer_states_of_another_structure_are_a_port_error_before_training():

@@ -10,6 +10,14 @@ recording that does not reproduce its run names nothing. Where it names a module
 input, or its random draws), that call is a leaf of the verdict's report (``first_step/forward/<path>``),
 outside its floor: the verdict is a MISMATCH. Where nothing parts, or the place is no module call, nothing
 is added and the MATCH stands.
+
+A part seen in the forward pass alone is confirmed on the whole first step's recording (``Recorder.runs``,
+which the location reads next on a MISMATCH) before it becomes a leaf: the forward pass compiled without
+the backward pass is another program, fused otherwise, and rounds otherwise. score_sde_port at D = 8
+(correct; K = 2, C = 2): its forward pass alone parted at ``attn/out`` by 2.15e-06 (9 float32 spacings,
+the twin bitwise the new side there, 8 allowed), a MISMATCH with exit 1 on a correct port, while the
+whole step's recording held all 22 module calls within their floors. Only the whole step's recording
+decides.
 """
 
 from equivalence.core.verdict import locate
@@ -27,8 +35,23 @@ def needed(report, seen: locate.Seen) -> bool:
 
 def first_step_leaves(recorder: Recorder, seen: locate.Seen) -> tuple[list[LeafDiff], str]:
     """``(leaves, what was done)``: the module call of the first step that parts beyond its floor, as one
-    failing leaf (none where nothing parts), and the words for the verdict's ``done``."""
-    kind, inputs, runs = recorder.kind, recorder.inputs, recorder.forward
+    failing leaf (none where nothing parts), and the words for the verdict's ``done``. Held first on the
+    forward pass alone (``Recorder.forward``, a fraction of the compile); a part there is held again on the
+    whole step's recording (``Recorder.runs``), which alone decides."""
+    forward = recorder.forward
+    leaves, said = _held(recorder, forward, seen)
+    if not leaves or forward is recorder.__dict__.get('runs'):
+        return leaves, said
+    alone = f'{leaves[0].path.removeprefix("forward/")} by {leaves[0].max_abs:.2e}, allowed {leaves[0].limit:.2e}'
+    leaves, said = _held(recorder, recorder.runs, seen)
+    if leaves:
+        return leaves, said
+    return [], f'{said} (the forward pass alone, another program, parted at {alone}: its own rounding)'
+
+
+def _held(recorder: Recorder, runs: tuple, seen: locate.Seen) -> tuple[list[LeafDiff], str]:
+    """``first_step_leaves`` on one recording of the first step (``runs``)."""
+    kind, inputs = recorder.kind, recorder.inputs
     if locate.not_reproduced(runs[0], seen):
         return [], 'first step not held module by module: its recording does not reproduce the run'
     found = locate.judge_step(kind, *runs, inputs.mapping, inputs.variables, noisy=seen.noisy, allowed=FORWARD)
