@@ -143,6 +143,16 @@ def test_a_part_seen_in_the_forward_pass_alone_needs_the_whole_steps_recording_t
             assert leaves == [] and said.startswith('22 module calls within their floors'), said
             assert 'forward pass alone, another program, parted at attn/out/output by 2.15e-06' in said, said
 
+    class Unrecordable:  # the whole step cannot be recorded: the part seen stands, and the words say where it was seen
+        forward = ('forward',)
+
+        @property
+        def runs(self):
+            raise RuntimeError('host work inside the step')
+
+    leaves, said = hidden.first_step_leaves(Unrecordable(), locate.Seen(noisy=frozenset({'attn/k/bias'})))
+    assert leaves == [part] and said.endswith('(in the forward pass alone: the whole step could not be recorded)')
+
 
 def test_optimizer_states_of_another_structure_are_a_port_error_before_training():
     """A new side whose optax chain wraps the same Adam in another structure (clip first): no leaf of the two

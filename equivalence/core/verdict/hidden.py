@@ -43,7 +43,11 @@ def first_step_leaves(recorder: Recorder, seen: locate.Seen) -> tuple[list[LeafD
     if not leaves or forward is recorder.__dict__.get('runs'):
         return leaves, said
     alone = f'{leaves[0].path.removeprefix("forward/")} by {leaves[0].max_abs:.2e}, allowed {leaves[0].limit:.2e}'
-    leaves, said = _held(recorder, recorder.runs, seen)
+    try:
+        whole = recorder.runs
+    except Exception:  # noqa: BLE001 -- no whole step's recording (its location will say why): the part stands
+        return leaves, f'{said} (in the forward pass alone: the whole step could not be recorded)'
+    leaves, said = _held(recorder, whole, seen)
     if leaves:
         return leaves, said
     return [], f'{said} (the forward pass alone, another program, parted at {alone}: its own rounding)'
