@@ -26,7 +26,7 @@ devices.simulate_cpu_devices()
 # XLA_FLAGS is kept, so that XLA_FLAGS='--xla_backend_optimization_level=3
 # --xla_cpu_use_fusion_emitters=true' runs the tests as users' programs compile. The commands the
 # tests start inherit these flags.
-CHOSEN_HERE = set()  # the flags set here, not in the XLA_FLAGS given
+CHOSEN_HERE = {}  # flag -> value, for the flags set here, not in the XLA_FLAGS given
 for flag, value in (
     ('xla_backend_optimization_level', '1'),
     ('xla_cpu_use_fusion_emitters', 'false'),
@@ -34,7 +34,7 @@ for flag, value in (
 ):
     if flag not in os.environ.get('XLA_FLAGS', ''):
         os.environ['XLA_FLAGS'] = f'{os.environ.get("XLA_FLAGS", "")} --{flag}={value}'.strip()
-        CHOSEN_HERE.add(flag)
+        CHOSEN_HERE[flag] = value
 
 
 def at_level_0(env: dict[str, str] | None = None) -> dict[str, str]:
@@ -43,9 +43,9 @@ def at_level_0(env: dict[str, str] | None = None) -> dict[str, str]:
     level 0 makes the built-in mlp's two sides bitwise equal (the default run: every difference 0), while the
     examples' real models keep theirs, their convolutions and attention in XLA's runtime kernels (params, D = 2:
     bridge_port 3.1e-4, score_sde_port 4.0e-5, wmt_port 1.2e-7, imagenet_port 6.0e-8; level 1 about the same)."""
-    flags = os.environ['XLA_FLAGS']
-    if 'xla_backend_optimization_level' in CHOSEN_HERE:
-        flags = flags.replace('--xla_backend_optimization_level=1', '--xla_backend_optimization_level=0')
+    flags, level = os.environ['XLA_FLAGS'], 'xla_backend_optimization_level'
+    if level in CHOSEN_HERE:
+        flags = flags.replace(f'--{level}={CHOSEN_HERE[level]}', f'--{level}=0')
     return {**(env or {}), 'XLA_FLAGS': flags}
 
 

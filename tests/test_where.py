@@ -135,7 +135,7 @@ def test_a_part_seen_in_the_forward_pass_alone_needs_the_whole_steps_recording_t
             return judged[runs], 'module at attn/out parts' if judged[runs] else '22 module calls within their floors'
 
         monkeypatch.setattr(hidden, '_held', held)
-        recorder = types.SimpleNamespace(forward=forward, runs=whole)
+        recorder = types.SimpleNamespace(forward=forward, runs=whole, recorded_whole=False)
         leaves, said = hidden.first_step_leaves(recorder, locate.Seen(noisy=frozenset({'attn/k/bias'})))
         if whole_parts:
             assert leaves == [part] and said == 'module at attn/out parts', said
@@ -144,7 +144,7 @@ def test_a_part_seen_in_the_forward_pass_alone_needs_the_whole_steps_recording_t
             assert 'forward pass alone, another program, parted at attn/out/output by 2.15e-06' in said, said
 
     class Unrecordable:  # the whole step cannot be recorded: the part seen stands, and the words say where it was seen
-        forward = ('forward',)
+        forward, recorded_whole = ('forward',), False
 
         @property
         def runs(self):

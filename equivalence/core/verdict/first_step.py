@@ -54,12 +54,17 @@ class Recorder:
         and gave, and each side's first loss; no gradient, no state after the step), for a fraction of its
         compile; ``runs`` itself where it was recorded already, or where a side's call cannot be traced as
         one program (host work inside it)."""
-        if 'runs' in self.__dict__:
+        if self.recorded_whole:
             return self.runs
         try:
             return recorded_run.first_steps(self.kind, self.config, self.inputs, self.twin, forward=True)
         except Exception:  # noqa: BLE001 -- recorded whole instead; a port's own error raises there again
             return self.runs
+
+    @property
+    def recorded_whole(self) -> bool:
+        """Whether ``runs`` (the whole step's recording) is recorded already: ``forward`` then is it."""
+        return 'runs' in self.__dict__
 
     def steps(self, n: int) -> tuple[dict, dict]:
         """The first ``n`` steps recorded (a fresh recording: only the last one is kept), on the programs that

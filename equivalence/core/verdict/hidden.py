@@ -38,9 +38,8 @@ def first_step_leaves(recorder: Recorder, seen: locate.Seen) -> tuple[list[LeafD
     failing leaf (none where nothing parts), and the words for the verdict's ``done``. Held first on the
     forward pass alone (``Recorder.forward``, a fraction of the compile); a part there is held again on the
     whole step's recording (``Recorder.runs``), which alone decides."""
-    forward = recorder.forward
-    leaves, said = _held(recorder, forward, seen)
-    if not leaves or forward is recorder.__dict__.get('runs'):
+    leaves, said = _held(recorder, recorder.forward, seen)
+    if not leaves or recorder.recorded_whole:  # forward was the whole step's recording: judged already
         return leaves, said
     alone = f'{leaves[0].path.removeprefix("forward/")} by {leaves[0].max_abs:.2e}, allowed {leaves[0].limit:.2e}'
     try:
