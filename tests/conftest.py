@@ -64,6 +64,27 @@ import shared_programs  # noqa: E402
 
 shared_programs.install()
 
+
+@pytest.fixture(scope='module', autouse=True)
+def at_level_0_in_process(request):
+    """A test file that sets ``AT_LEVEL_0 = '<why its subject is not the float32 rounding>'`` has every
+    program it compiles in this worker at XLA's backend level 0 (``shared_programs.OPTIONS``: the option
+    given to each compile, not the process's flags, which the worker's other files keep), where this
+    file chose the level. Module-scoped and autouse, so the file's module fixtures compile so too.
+    JAX's own caches of jitted functions are not cleared at the change: a module-level function that an
+    earlier file compiled at the other level keeps that program (both are XLA's programs of it; no test
+    asserts a figure, only rules)."""
+    level = 'xla_backend_optimization_level'
+    if getattr(request.module, 'AT_LEVEL_0', None) is None or level not in CHOSEN_HERE:
+        yield
+        return
+    shared_programs.OPTIONS[:] = [(level, '0')]
+    try:
+        yield
+    finally:
+        shared_programs.OPTIONS.clear()
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -75,6 +75,10 @@ class Programs:
 
 PROGRAMS = Programs()
 _compile = compiler.compile_or_get_cached
+# XLA options added to every program compiled through here, as (name, value): conftest's
+# ``at_level_0_in_process``, for the test files whose subject is not the float32 rounding. They are
+# part of the key (JAX's cache key hashes the compile options, these among them).
+OPTIONS: list[tuple[str, str]] = []
 
 
 PLAIN = (str, int, float, bool, type(None))
@@ -141,6 +145,8 @@ def _key(backend, computation, devices, compile_options, host_callbacks) -> str 
 
 
 def compile_or_reuse(backend, computation, devices, compile_options, host_callbacks, *rest):
+    if OPTIONS:
+        compile_options.env_option_overrides = [*compile_options.env_option_overrides, *OPTIONS]
     key = _key(backend, computation, devices, compile_options, host_callbacks)
     executable = None if key is None else PROGRAMS.get(key)
     if executable is None:

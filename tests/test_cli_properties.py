@@ -30,6 +30,9 @@ from equivalence import cli, pitfalls
 from equivalence.core.port.config import MAX_EXAMPLES, RNG_MODES
 from equivalence.core.port.workloads import WORKLOADS
 
+# Compiled at XLA's level 0 in this worker (conftest.at_level_0_in_process), as the subject allows:
+AT_LEVEL_0 = 'exit codes and one-line errors for every input'
+
 COMMANDS = {
     'run': 'equivalence.run',
     'explain': 'equivalence.explain.__main__',

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import ROOT, assert_one_line_error, message_lines, require_devices, run_module
+from conftest import ROOT, assert_one_line_error, at_level_0, message_lines, require_devices, run_module
 
 from equivalence import devices
 from equivalence.checkpoint import migrate
@@ -29,6 +29,9 @@ from legacy_pmap import checkpoints as legacy_checkpoints
 TINY = ['--steps-per-call', '2', '--calls', '2']
 TOL = compare.FLOAT32_REDUCTION_ORDER
 BOUND_S = 60  # a dead worker ends the run within this, every time (the issue's bound)
+# The tests of a failure (a worker killed, raising, unreachable) compile their workers at XLA's level 0: how
+# the run ends is their subject, not its figures (conftest.at_level_0)
+LEVEL_0 = at_level_0()
 
 
 def one_process(workload: str, devices: int, **flags) -> dict:
@@ -162,7 +165,9 @@ def test_a_twin_that_raises_in_one_process_is_the_same_verdict_in_every_process(
     instead every process learns of the error, every process judges without the twin (NOT VERIFIED: no
     floor measured), and they end alike, saying which process raised what."""
     out = tmp_path / 'report.json'
-    proc = spy(tmp_path, '--processes', '2', '--devices', '4', *TINY, '--json', str(out), SPY_TWIN_FAIL_PROCESS='1')
+    proc = spy(
+        tmp_path, '--processes', '2', '--devices', '4', *TINY, '--json', str(out), **LEVEL_0, SPY_TWIN_FAIL_PROCESS='1'
+    )
     stdout, stderr = proc.communicate(timeout=300)
     # judged without the twin in every process: NOT VERIFIED (no floor measured), exit 5, said once
     assert proc.returncode == 5 and stdout.count('NOT VERIFIED:') == 1, stdout + stderr
@@ -215,7 +220,7 @@ def test_a_worker_killed_mid_run_ends_every_process_with_one_line_and_leaves_the
     root, logs = tmp_path / 'checkpoints', tmp_path / 'logs'
     every = ['--checkpoint-dir', str(root), '--checkpoint-every', '1', '--worker-logs', str(logs)]
     proc = spy(tmp_path, '--processes', '2', '--devices', '4', '--steps-per-call', '2', '--calls', '3', *every,
-               SPY_KILL_IN_SAVE='1:2')  # fmt: skip
+               **LEVEL_0, SPY_KILL_IN_SAVE='1:2')  # fmt: skip
     wait_for(logs / 'workers.txt', '\n1 ')  # both workers started
     pids = children_of(logs)
     end = time.monotonic() + 240
@@ -232,7 +237,7 @@ def test_a_worker_killed_mid_run_ends_every_process_with_one_line_and_leaves_the
 
 def test_an_exception_in_one_worker_ends_every_process_with_one_line(tmp_path):
     proc = spy(tmp_path, '--processes', '2', '--devices', '4', '--worker-logs', str(tmp_path), '--steps-per-call', '2',
-               '--calls', '400', SPY_FAIL_PROCESS='1')  # fmt: skip
+               '--calls', '400', **LEVEL_0, SPY_FAIL_PROCESS='1')  # fmt: skip
     wait_for(tmp_path / 'worker-1.log', 'compiled call 2/')
     t0 = time.monotonic()
     pids = children_of(tmp_path)
@@ -248,7 +253,7 @@ def test_on_a_cluster_the_survivors_of_a_dead_worker_end_within_the_heartbeat_ti
     silent peer), or the survivor's own collective failing on the closed connection (then exit 4
     and one line, ``a peer process left the run``, never the internal error of exit 3)."""
     port = launch.free_port()
-    env = clean_env(JAX_NUM_CPU_DEVICES='2')
+    env = clean_env(JAX_NUM_CPU_DEVICES='2', **LEVEL_0)
     procs, logs = [], []
     for i in range(2):
         flags = ['--coordinator', f'127.0.0.1:{port}', '--num-processes', '2', '--process-id', str(i)]

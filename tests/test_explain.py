@@ -26,6 +26,9 @@ from equivalence.core.run import setups
 from nnx_sharded import sharding
 from nnx_sharded import train as sharded
 
+# Compiled at XLA's level 0 in this worker (conftest.at_level_0_in_process), as the subject allows:
+AT_LEVEL_0 = "what XLA placed and allocated, read from compiled programs; LLVM's level changes neither"
+
 K = 2  # steps per call: the collectives sit in the scan loop, so each runs K times per call
 
 # Both paths all-reduce the gradient of every parameter once per step, plus the loss (pmap:

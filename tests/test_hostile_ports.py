@@ -16,6 +16,9 @@ from conftest import message_lines, run_module
 
 from equivalence.core.run import setups
 
+# Compiled at XLA's level 0 in this worker (conftest.at_level_0_in_process), as the subject allows:
+AT_LEVEL_0 = "each hostile port's one-line error, mostly before any step runs"
+
 QUICK = ['--devices', '2', '--steps-per-call', '2', '--calls', '2', '--batch-size', '8']
 COMMANDS = {
     'run': ('equivalence.run', QUICK),

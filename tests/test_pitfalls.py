@@ -17,6 +17,9 @@ from equivalence import pitfalls
 from equivalence.pitfalls import base
 from equivalence.pitfalls import unblocked_collectives as queued
 
+# Compiled at XLA's level 0 in this worker (conftest.at_level_0_in_process), as the subject allows:
+AT_LEVEL_0 = "each pitfall's damage is 100x the suite's tolerance; a fix's MATCH of noise is test_equivalence's"
+
 D = 8  # the README's figures are for 8 simulated devices
 EXPECTED = [
     'missing_pmean',

@@ -27,6 +27,9 @@ from equivalence.core.verdict import unverified
 from equivalence.explain import measure_both, path_text, report
 from nnx_sharded import sharding
 
+# Compiled at XLA's level 0 in this worker (conftest.at_level_0_in_process), as the subject allows:
+AT_LEVEL_0 = "a research stem's call signature and its placement's fallback; the floors are test_equivalence's"
+
 PATCH, WIDTH, CLASSES, SIDE = 4, 8, 3, 8
 TOKENS = (SIDE // PATCH) ** 2 + 1  # the patches and the class token
 QUICK = {'steps_per_call': 2, 'calls': 2}

@@ -14,6 +14,12 @@ from equivalence.core import harness
 from equivalence.core.port.config import RunConfig
 from equivalence.core.run import adapters, sides
 
+# Compiled at XLA's level 0 in this worker (conftest.at_level_0_in_process), as the subject allows:
+AT_LEVEL_0 = (
+    'checkpoints migrated and resumed; these real models keep their differences between the sides at level 0 '
+    '(conftest.at_level_0)'
+)
+
 
 def example(name: str):
     """The example's ``legacy_code`` and ``my_port``, imported as the team's own modules (``import_example``: the
