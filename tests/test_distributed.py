@@ -29,8 +29,9 @@ from legacy_pmap import checkpoints as legacy_checkpoints
 TINY = ['--steps-per-call', '2', '--calls', '2']
 TOL = compare.FLOAT32_REDUCTION_ORDER
 BOUND_S = 60  # a dead worker ends the run within this, every time (the issue's bound)
-# The tests of a failure (a worker killed, raising, unreachable) compile their workers at XLA's level 0: how
-# the run ends is their subject, not its figures (conftest.at_level_0)
+# The tests of a failure (a worker killed, raising, unreachable) and of a checkpoint across processes compile
+# their workers at XLA's level 0: how the run ends, or what is saved and restored, is their subject, not the
+# figures (conftest.at_level_0)
 LEVEL_0 = at_level_0()
 
 
@@ -152,7 +153,9 @@ def test_resume_from_a_checkpoint_saved_across_processes_onto_an_fsdp_mesh_acros
     ends (the run's own verdict)."""
     out, root = tmp_path / 'report.json', tmp_path / 'checkpoints'
     args = ['--resume-at', '2', '--strategy', 'fsdp', '--checkpoint-dir', str(root), '--json', str(out)]
-    stdout, report = finish(start('equivalence.run', '--processes', '2', '--devices', '4', *TINY, *args), out)
+    # at XLA's level 0 (conftest.at_level_0): the save, the restore and the layout are the subject, not noise
+    proc = start('equivalence.run', '--processes', '2', '--devices', '4', *TINY, *args, env=clean_env(**LEVEL_0))
+    stdout, report = finish(proc, out)
     assert report['match'] is True and 'NNX restored it onto 4 device(s)' in stdout, stdout
     assert twin_ran(report)  # every process's twin restored the same checkpoint onto its own device
     assert sorted(os.listdir(root / 'legacy')) == ['2', '4'] and os.listdir(root / 'nnx') == ['2']
