@@ -14,7 +14,8 @@ devices.simulate_cpu_devices()
 # about, the float32 sums of the pmap and jit programs that differ (docs/performance.md):
 # - XLA's backend (LLVM) optimisation level 1, not 3: about 1.7 times faster (a Transformer's train
 #   step 3.9 -> 2.1 s). Level 0 makes the built-in workloads' two sides' sums equal, so it is used only
-#   for the processes a few tests start, where the figures are not what they test or stay (at_level_0).
+#   where the figures are not what a test is about, or stay: the processes a few tests start
+#   (at_level_0), and the test files that say why in their AT_LEVEL_0 (at_level_0_in_process).
 # - XLA's CPU fusions emitted by its older elemental emitters (``--xla_cpu_use_fusion_emitters=false``),
 #   not the MLIR fusion emitters: a train step's compile about 1.5 times faster again (score at 8
 #   devices 3.6 -> 2.3 s of compiling per check), the same differences between the sides.
@@ -68,21 +69,17 @@ shared_programs.install()
 @pytest.fixture(scope='module', autouse=True)
 def at_level_0_in_process(request):
     """A test file that sets ``AT_LEVEL_0 = '<why its subject is not the float32 rounding>'`` has every
-    program it compiles in this worker at XLA's backend level 0 (``shared_programs.OPTIONS``: the option
-    given to each compile, not the process's flags, which the worker's other files keep), where this
-    file chose the level. Module-scoped and autouse, so the file's module fixtures compile so too.
-    JAX's own caches of jitted functions are not cleared at the change: a module-level function that an
-    earlier file compiled at the other level keeps that program (both are XLA's programs of it; no test
-    asserts a figure, only rules)."""
+    program it compiles in this worker at XLA's backend level 0 (``shared_programs.with_options``: the
+    option given to each compile, not the process's flags, which the worker's other files keep), where this
+    file chose the level. Module-scoped and autouse, so the file's module fixtures compile so too; JAX's own
+    caches are emptied as the file starts and ends, so no program compiled at one level runs in a file of
+    the other."""
     level = 'xla_backend_optimization_level'
     if getattr(request.module, 'AT_LEVEL_0', None) is None or level not in CHOSEN_HERE:
         yield
         return
-    shared_programs.OPTIONS[:] = [(level, '0')]
-    try:
+    with shared_programs.with_options([(level, '0')]):
         yield
-    finally:
-        shared_programs.OPTIONS.clear()
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

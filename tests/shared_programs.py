@@ -39,6 +39,7 @@ import contextlib
 import functools
 import types
 
+import jax
 from jax._src import compilation_cache, compiler, util
 
 LIMIT = 256  # executables; ~100 memory maps each (devices.py), well under half the kernel's 65,530
@@ -77,7 +78,8 @@ PROGRAMS = Programs()
 _compile = compiler.compile_or_get_cached
 # XLA options added to every program compiled through here, as (name, value): conftest's
 # ``at_level_0_in_process``, for the test files whose subject is not the float32 rounding. They are
-# part of the key (JAX's cache key hashes the compile options, these among them).
+# part of the key (JAX's cache key hashes the compile options, these among them). Set and unset with
+# ``with_options``, which empties JAX's own caches at each change (keyed by the function, not by these).
 OPTIONS: list[tuple[str, str]] = []
 
 
@@ -160,6 +162,26 @@ def install() -> None:
     if compiler.compile_or_get_cached is not compile_or_reuse:
         compiler.compile_or_get_cached = compile_or_reuse
         util.register_cache(PROGRAMS, 'tests/shared_programs.py')
+
+
+@contextlib.contextmanager
+def with_options(options: list[tuple[str, str]]):
+    """Every program compiled here under ``options``, and JAX's own caches emptied before and after (the
+    programs held here kept: their key holds the options): a module-level ``jax.jit`` (an example's
+    ``nnx.jit``, the suite's linen init) compiled at one level is never run where the other was asked."""
+    _clear_jax_caches()
+    OPTIONS[:] = options
+    try:
+        yield
+    finally:
+        OPTIONS.clear()
+        _clear_jax_caches()
+
+
+def _clear_jax_caches() -> None:
+    held = PROGRAMS.held.copy()
+    jax.clear_caches()  # this cache among them (``util.register_cache``): put back
+    PROGRAMS.held.update(held)
 
 
 @contextlib.contextmanager

@@ -19,9 +19,6 @@ from equivalence.bench import timing as measure
 from equivalence.bench.variants import Variant
 from equivalence.core.port.config import RunConfig
 
-# Compiled at XLA's level 0 in this worker (conftest.at_level_0_in_process), as the subject allows:
-AT_LEVEL_0 = "the benchmark's fields and refusals; no figure is asserted"
-
 TINY = ['--devices', '2', '--repeats', '2', '--steps-per-call', '2', '--calls', '2', '--compile-repeats', '1']
 VARIANTS = {'legacy', 'nnx', 'jit_bare', 'nnx_first', 'nnx_transposed', 'nnx_graph', 'nnx_cached'}
 VARIANTS |= {'legacy_k1', 'nnx_k1', 'legacy_k20', 'nnx_k20'}

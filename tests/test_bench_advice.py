@@ -15,9 +15,6 @@ from equivalence.bench.timing import Block, CompileTiming
 from equivalence.bench.variants import Variant
 from equivalence.core.port.config import RunConfig
 
-# Compiled at XLA's level 0 in this worker (conftest.at_level_0_in_process), as the subject allows:
-AT_LEVEL_0 = 'that each number of the advice is one the same run measured; no figure is asserted'
-
 # K=20 is also the bench's long-call K: no separate K=20 variants to build (the cheapest run)
 TINY = ['--devices', '2', '--repeats', '2', '--steps-per-call', '20', '--calls', '2', '--compile-repeats', '1']
 EXAMPLE = os.path.join(ROOT, 'examples', 'mlp_port')

@@ -17,9 +17,6 @@ from conftest import ROOT
 from equivalence import compilation_cache
 from equivalence.core.run import clock
 
-# Compiled at XLA's level 0 in this worker (conftest.at_level_0_in_process), as the subject allows:
-AT_LEVEL_0 = 'the stages, counts and cache reads of a check; no figure is asserted'
-
 STUB_PORT = """
 import sys, types
 sys.modules['tensorflow'] = types.ModuleType('tensorflow')  # as ports of score_sde stub it: __spec__ None

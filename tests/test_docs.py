@@ -22,7 +22,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, at_level_0, message_lines, own_modules, run_pytest_in
+from conftest import ROOT, message_lines, own_modules, run_pytest_in
 
 from equivalence import cli
 from equivalence.distributed import launch, worker
@@ -228,10 +228,8 @@ def test_complete_example_runs_from_a_fresh_directory(folder, tmp_path):
             shutil.copy(os.path.join(ROOT, folder, name), tmp_path)
     for name, code in EXAMPLES[folder].items():
         (tmp_path / name).write_text(code)
-    # this checkout's suite, as `pip install -e` gives; at XLA's level 0 (conftest.at_level_0): the subject is
-    # that the guide's code runs; the same example's MATCH at level 1, with its noise, is test_ports'
-    env = at_level_0({'PYTHONPATH': ROOT, 'JAX_NUM_CPU_DEVICES': '1'})
-    proc = run_pytest_in(tmp_path, env=env, timeout=300)
+    # this checkout's suite, as `pip install -e` gives
+    proc = run_pytest_in(tmp_path, env={'PYTHONPATH': ROOT, 'JAX_NUM_CPU_DEVICES': '1'}, timeout=300)
     assert proc.returncode == 0 and ' passed' in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert 'Some donated buffers' not in proc.stdout, proc.stdout[-3000:]
 

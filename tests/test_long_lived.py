@@ -17,9 +17,6 @@ from equivalence import testing
 from equivalence.core.port import workloads
 from equivalence.core.run import randomness
 
-# Compiled at XLA's level 0 in this worker (conftest.at_level_0_in_process), as the subject allows:
-AT_LEVEL_0 = 'what a process holds across many checks'
-
 _TOLD: list = []
 
 

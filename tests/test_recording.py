@@ -23,12 +23,6 @@ from equivalence.core.run import pruned
 from equivalence.core.verdict import hidden, locate
 from equivalence.core.verdict.first_step import Recorder
 
-# Compiled at XLA's level 0 in this worker (conftest.at_level_0_in_process), as the subject allows:
-AT_LEVEL_0 = (
-    "what is recorded and paired, form by form, and its negative control's LayerNorm epsilon; "
-    "the floors of a correct port's recordings are test_where's and test_locate's, at level 1"
-)
-
 
 def recorder(port) -> Recorder:
     require_devices(forms.DEVICES)
