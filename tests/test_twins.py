@@ -106,6 +106,7 @@ def test_a_new_side_pinned_to_its_own_mesh_gets_its_floor_from_a_fresh_process(p
     # what its own step placed, read from the state it returned: two of the four parameters split (dims of
     # 16; 4 and 1 do not divide by 8), and the twin's bytes beside the run's, the arrays read
     assert said['placed_by'] == "the port's own step" and sum(any(p['spec']) for p in said['placement']) == 2
+    assert said['strategy'] is None  # not the suite's default 'dp', which placed nothing here
     assert "the port's own step: 2 of 4 parameters split over its devices" in text
     memory = said['verdict']['memory']
     assert memory['run']['source'] == 'arrays' and memory['twins']['1 device(s)']['held'] > memory['run']['held']

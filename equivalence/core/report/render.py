@@ -175,7 +175,7 @@ def to_json(result: RunResult, versions: dict[str, str]) -> dict:
         'seed': c.seed,
         'rng_mode': c.rng_mode,
         'perturb': c.perturb,
-        'strategy': c.strategy,
+        'strategy': None if result.new.placed_by else c.strategy,  # None: the port's own step placed it
         'mesh': result.new.mesh,
         'nnx_form': c.nnx_form,
         'placement': [{'path': d.path, 'spec': [a for a in d.spec], 'note': d.note} for d in result.new.placement],
