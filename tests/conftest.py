@@ -28,8 +28,9 @@ devices.simulate_cpu_devices()
 # --xla_cpu_use_fusion_emitters=true' runs the tests as users' programs compile. The commands the
 # tests start inherit these flags.
 CHOSEN_HERE = {}  # flag -> value, for the flags set here, not in the XLA_FLAGS given
+LEVEL = 'xla_backend_optimization_level'
 for flag, value in (
-    ('xla_backend_optimization_level', '1'),
+    (LEVEL, '1'),
     ('xla_cpu_use_fusion_emitters', 'false'),
     ('xla_cpu_parallel_codegen_split_count', '1'),
 ):
@@ -44,9 +45,9 @@ def at_level_0(env: dict[str, str] | None = None) -> dict[str, str]:
     level 0 makes the built-in mlp's two sides bitwise equal (the default run: every difference 0), while the
     examples' real models keep theirs, their convolutions and attention in XLA's runtime kernels (params, D = 2:
     bridge_port 3.1e-4, score_sde_port 4.0e-5, wmt_port 1.2e-7, imagenet_port 6.0e-8; level 1 about the same)."""
-    flags, level = os.environ['XLA_FLAGS'], 'xla_backend_optimization_level'
-    if level in CHOSEN_HERE:
-        flags = flags.replace(f'--{level}={CHOSEN_HERE[level]}', f'--{level}=0')
+    flags = os.environ['XLA_FLAGS']
+    if LEVEL in CHOSEN_HERE:
+        flags = flags.replace(f'--{LEVEL}={CHOSEN_HERE[LEVEL]}', f'--{LEVEL}=0')
     return {**(env or {}), 'XLA_FLAGS': flags}
 
 
@@ -74,11 +75,10 @@ def at_level_0_in_process(request):
     file chose the level. Module-scoped and autouse, so the file's module fixtures compile so too; JAX's own
     caches are emptied as the file starts and ends, so no program compiled at one level runs in a file of
     the other."""
-    level = 'xla_backend_optimization_level'
-    if getattr(request.module, 'AT_LEVEL_0', None) is None or level not in CHOSEN_HERE:
+    if getattr(request.module, 'AT_LEVEL_0', None) is None or LEVEL not in CHOSEN_HERE:
         yield
         return
-    with shared_programs.with_options([(level, '0')]):
+    with shared_programs.with_options([(LEVEL, '0')]):
         yield
 
 
