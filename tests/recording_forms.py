@@ -3,15 +3,20 @@
 (``nnx.vmap``, as docs/port.md shows for per-device keys); its block under ``nnx.remat``; its blocks
 stacked and run by ``nnx.scan`` (linen's ``nn.scan`` on the pmap side); and the linen network itself
 wrapped by ``nnx.bridge.ToNNX``. Each form is a correct port; ``SLIPS`` plant one LayerNorm epsilon. The
-linen block returns ``(h, h)``, its NNX port ``h``: an output one side alone gives is no difference."""
+linen block returns ``(h, h)``, its NNX port ``h``: an output one side alone gives is no difference.
+``per_replica``: a loop port whose pmap step clips each device's gradient before its pmean, and whose new
+step (functional NNX under ``jax.jit``) reproduces it with ``jax.vmap(jax.value_and_grad(...))`` over the
+D groups of rows (google-research/diffusion_distillation's step and its port, issue 51)."""
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 from flax.nnx import bridge
+from flax.training import train_state
 
-from equivalence import ModelPort
+from equivalence import LoopPort, ModelPort
 from equivalence.core.port import workloads
 
 FEATURES, WIDTH, DEVICES = 20, 16, 2
@@ -114,3 +119,63 @@ def port(form: str, epsilon: float = 1e-6) -> ModelPort:
 
 
 FORMS = ('plain', 'vmap', 'remat', 'scan', 'bridge')
+
+
+# -- per-replica gradients: pmap clips each device's; jax.vmap(jax.value_and_grad) over D groups of rows --
+
+CLIP = optax.clip_by_global_norm(0.5)  # stateless: each replica's gradient clipped before the mean
+
+
+def replica_loss(apply, params, x, y):
+    return jnp.mean(squared(apply(params, x), y))
+
+
+def pmap_step(state, batch):
+    apply = lambda q, x: state.apply_fn({'params': q}, x)  # noqa: E731
+    loss, grads = jax.value_and_grad(replica_loss, argnums=1)(apply, state.params, batch['x'], batch['y'])
+    grads, _ = CLIP.update(grads, CLIP.init(None))
+    return state.apply_gradients(grads=jax.lax.pmean(grads, 'batch')), jax.lax.pmean(loss, 'batch')
+
+
+class NnxTrainState(train_state.TrainState):
+    graphdef: nnx.GraphDef
+
+
+def functional_state(model):
+    graphdef, params = nnx.split(model, nnx.Param)
+    state = NnxTrainState.create(apply_fn=graphdef.apply, params=params, tx=optax.adam(1e-2), graphdef=graphdef)
+    return jax.tree.map(jnp.asarray, state)
+
+
+@jax.jit
+def per_replica_step(state, batch):
+    """Each of the D groups of rows is one replica: its loss and gradient by ``jax.vmap(jax.value_and_grad)``,
+    clipped, then averaged (the pmap step's pmean)."""
+    rows = lambda a: a.reshape(DEVICES, -1, *a.shape[1:])  # noqa: E731
+    loss = lambda p, x, y: replica_loss(lambda q, x: nnx.merge(state.graphdef, q)(x), p, x, y)  # noqa: E731
+    losses, grads = jax.vmap(jax.value_and_grad(loss), in_axes=(None, 0, 0))(
+        state.params, rows(batch['x']), rows(batch['y'])
+    )
+    grads = jax.vmap(lambda g: CLIP.update(g, CLIP.init(None))[0])(grads)
+    return state.apply_gradients(grads=jax.tree.map(lambda g: g.mean(0), grads)), losses.mean()
+
+
+def per_replica(epsilon: float = 1e-6) -> LoopPort:
+    """The loop port of per-replica gradients; ``epsilon``: the NNX LayerNorm's."""
+    return LoopPort(
+        name='recording-per-replica',
+        legacy_model=LinenNet,
+        nnx_model=lambda rngs: NnxNet(epsilon=epsilon, rngs=rngs),
+        make_data=workloads.mlp_data,
+        legacy_state=lambda v: train_state.TrainState.create(
+            apply_fn=LinenNet().apply, params=v['params'], tx=optax.adam(1e-2)
+        ),
+        legacy_step=pmap_step,
+        step_form='state',
+        new_state=functional_state,
+        new_step=per_replica_step,
+        init_args=lambda batch: (batch['x'],),
+        names=BLOCK_NAMES,
+        default_batch=8,
+        rng_modes=('global',),
+    )

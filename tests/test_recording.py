@@ -80,6 +80,18 @@ def test_the_vmapped_forward_recorded_reproduces_its_run_and_locates_nothing_on_
     assert result.outcome.label == 'MATCH' and result.verdict.location.kind == 'none', result.verdict.lines()
 
 
+def test_per_replica_gradients_by_vmap_of_value_and_grad_are_recorded_as_they_ran():
+    """A new step that takes each replica's gradient with ``jax.vmap(jax.value_and_grad(...))`` (its module
+    calls hand the recording jax 0.10's ``LinearizeTracer`` above a ``vmap``'s ``BatchTracer``): the correct
+    port is located nowhere, every call paired and agreeing; the LayerNorm epsilon is located at that
+    LayerNorm. Before issue 51 the recording raised ``UnexpectedTracerError``."""
+    correct = located(forms.per_replica())
+    assert correct.kind == 'none', correct.lines()
+    assert len(correct.modules) == 6 and all(m.input_ok and m.output_ok for m in correct.modules), correct.modules
+    slip = located(forms.per_replica(epsilon=1e-2))
+    assert (slip.kind, slip.new.rpartition('/')[2]) == ('module', 'norm'), slip.line()
+
+
 def test_the_recorded_forward_pass_compiles_at_level_2_unless_xla_flags_chose_a_level(monkeypatch):
     """``pruned.options``: level 2 (not XLA's 3) for a program run once, but a level chosen in ``XLA_FLAGS``
     is kept (the suite's tests choose 1; a user may choose 3). No JAX runs."""

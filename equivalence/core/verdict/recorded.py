@@ -63,20 +63,18 @@ def unbatched(arrays: list) -> tuple[list, list, Any]:
     """``(values, levels, trace)``: what ``vmap`` tracers hold, whole, with each one's batch axis per vmap
     (outermost first: ``(axis or None, size)``), and the trace above every vmap, where one callback gets
     the whole batch. Under ``vmap`` (``nnx.vmap``: the forward pass vmapped over each device's rows, as
-    docs/port.md shows) a callback is otherwise unrolled into one per element, in no fixed order, and the
-    elements could not be put back together. Without vmap: ``(arrays, [() ...], None)``. JAX's own
-    tracers (``BatchTracer``, and ``JVPTracer``'s primal under a vmap: ``vmap(grad(...))``); JAX is pinned."""
-    from jax._src.interpreters import ad, batching
-
+    docs/port.md shows; ``jax.vmap(jax.value_and_grad(...))``: each replica's gradient) a callback is
+    otherwise unrolled into one per element, in no fixed order, and the elements could not be put back
+    together. Without vmap: ``(arrays, [() ...], None)``. Each value is followed down through every tracer
+    that wraps a value of the trace below it (``inner``), whatever the order in which ``vmap``, ``grad``,
+    ``jvp``, ``linearize`` and ``remat`` were applied; JAX is pinned."""
     chains = []
     for x in arrays:
         chain = []  # (trace, axis), innermost first
-        while isinstance(x, batching.BatchTracer | ad.JVPTracer):
-            if isinstance(x, ad.JVPTracer):
-                x = x.primal
-                continue
-            chain.append((x._trace, x.batch_dim if isinstance(x.batch_dim, int) else None))
-            x = x.val
+        while (below := inner(x)) is not None:
+            if hasattr(x, 'batch_dim'):
+                chain.append((x._trace, x.batch_dim if isinstance(x.batch_dim, int) else None))
+            x = below
         chains.append((x, chain))
     traces = {id(t): t for _, chain in chains for t, _ in chain}
     if not traces:
@@ -95,6 +93,24 @@ def unbatched(arrays: list) -> tuple[list, list, Any]:
         values.append(x)
         levels.append(tuple((axes.get(id(t)), t.axis_data.size) for t in order))
     return values, levels, order[0].parent_trace
+
+
+def inner(x: Any) -> Any:
+    """The value a tracer wraps, of the trace below its own, or None where it wraps none (an array, the
+    staging trace of ``jit`` / ``scan``, a ``shard_map``'s per-shard value). A differentiation tracer
+    (``JVPTracer`` of ``jvp`` / ``jacfwd``, jax 0.10's ``LinearizeTracer`` of ``grad`` / ``vjp`` /
+    ``linearize``, any tracer carrying a ``primal`` and a ``tangent``): its primal; a ``vmap``'s
+    ``BatchTracer`` and a ``remat``'s ``RematTracer``: the value they carry (``val``)."""
+    from jax._src import core
+    from jax._src.interpreters import batching, remat
+
+    if not isinstance(x, core.Tracer):
+        return None
+    if hasattr(x, 'primal') and hasattr(x, 'tangent'):
+        return x.primal
+    if isinstance(x, batching.BatchTracer | remat.RematTracer):
+        return x.val
+    return None
 
 
 def in_order(record: Record, rows: np.ndarray) -> Record:
