@@ -18,7 +18,7 @@ from where_ports import my_port
 from equivalence.core import harness, kinds
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.naming import PortError
-from equivalence.core.report import plots
+from equivalence.core.report import plots, render
 from equivalence.core.run import inputs as made
 from equivalence.core.verdict import compare, hidden, locate
 from equivalence.core.verdict.first_step import Recorder
@@ -97,6 +97,16 @@ def test_the_pictures_show_the_floors_the_failed_leaves_and_the_stage_that_parts
     assert said[said.index('ema') + 1] == 'parts here' and said[said.index('update') + 1].startswith('ruled out')
     written = plots.write(result, str(tmp_path))
     assert [os.path.basename(p) for p in written] == list(plots.FILES) and all(os.path.getsize(p) for p in written)
+
+
+def test_an_ema_only_difference_is_diagnosed_as_the_ema():
+    """Only ema/ leaves outside their floors (an EMA decay slip): the diagnosis is the EMA, in the verdict and
+    in the report's JSON, not 'the update differs' (issue 51, diffusion_distillation's EMA-rate slip); a slip
+    that parts the parameters too stays the update's."""
+    result = checked('ema-rate')
+    assert {x.group for x in result.report.leaves if not x.ok} == {'ema'}
+    assert result.verdict.kind == render.verdict_json(result)['kind'] == 'ema', result.verdict.lines()
+    assert checked('decay-after-lr').verdict.kind == 'update'
 
 
 def test_a_match_whose_parameters_are_noise_dominated_is_held_module_by_module_on_the_first_step():

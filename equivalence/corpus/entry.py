@@ -8,8 +8,9 @@ from typing import Any
 
 TRUTHS = ('correct', 'slip')
 # The diagnosis kinds of issue 16's verdict, plus 'state' for a slip that only the step's own
-# state update sees (BatchNorm statistics: no loss, gradient or parameter of step 1 differs).
-KINDS = ('math', 'randomness', 'optimizer', 'state', 'non-finite', 'bookkeeping')
+# state update sees (BatchNorm statistics: no loss, gradient or parameter of step 1 differs), and
+# 'ema' for one that only the EMA's leaves see.
+KINDS = ('math', 'randomness', 'optimizer', 'state', 'ema', 'non-finite', 'bookkeeping')
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,6 +23,7 @@ ACCEPTED = {
     'math': {'math'},
     'randomness': {'randomness'},
     'state': {'state'},
+    'ema': {'ema'},
     'optimizer': {'optimizer', 'update'},
 }
 

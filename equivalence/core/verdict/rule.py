@@ -72,7 +72,7 @@ TWIN_ULPS = 8.0
 # attention key biases 0.6%, cnn under fsdp seed 4 0.3%), never the output layer (docs/verdict.md).
 NOT_VERIFIED_SHARE = 0.1
 
-KINDS = ('non-finite', 'bookkeeping', 'math', 'randomness', 'state', 'optimizer', 'update', 'unmeasured')
+KINDS = ('non-finite', 'bookkeeping', 'math', 'randomness', 'state', 'ema', 'optimizer', 'update', 'unmeasured')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,6 +247,12 @@ def diagnose(
         return 'state', (
             'the losses, parameters and optimizer state agree within their floor; only the model state does not: '
             f'{details(later)}; a running statistic is updated differently (its momentum, epsilon or axis_name)' + also
+        )
+    if all(leaf.group == 'ema' for leaf in later):
+        return 'ema', (
+            'the losses, parameters and optimizer state agree within their floor; only the EMA does not: '
+            f'{details(later)}; the EMA is updated differently (its decay, its arithmetic, or which parameters '
+            'it averages)' + also
         )
     if grads_checked:
         return 'optimizer', (
