@@ -36,6 +36,13 @@ def parse(argv: list[str] | None):
         'gradients always; screen: a fixed tolerance, the twins only when it fails',
     )
     parser.add_argument(
+        '--twin',
+        default='program',
+        help="what measures the noise floor: program (default): the run's own compiled program again, on the "
+        'same devices, its initial parameters and batches moved by one float32 spacing; devices: the new side '
+        'again on other device counts (a second compile, more bytes per device, maybe a fresh process)',
+    )
+    parser.add_argument(
         '--locate',
         action='store_true',
         help='say where the first step parts (module, loss, gradient, statistic, optimizer slot) on MATCH too; '
@@ -51,7 +58,7 @@ def inputs(argv: list[str] | None, n_available: int | None = None):
     """Every flag parsed and checked, nothing run: ``(args, workload, RunConfig, CheckpointOptions)``;
     raises ``ConfigError``."""
     args = parse(argv)
-    extra = {'perturb': args.perturb, 'nnx_form': args.nnx_form, 'verdict': args.verdict, 'locate': args.locate or None}
+    extra = {'perturb': args.perturb, 'nnx_form': args.nnx_form, 'verdict': args.verdict, 'twin': args.twin, 'locate': args.locate or None}
     wl, config = cli.run_config(args, n_available, **extra)
     checkpoints = checkpoint_options.from_args(args)
     checkpoints.check(config, several=args.processes > 1 or distributed.worker.is_worker(args))

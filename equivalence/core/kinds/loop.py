@@ -13,7 +13,7 @@ from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.port.kind import Form, Setup
 from equivalence.core.port.ports import LoopPort
 from equivalence.core.preflight import groups, steps, trace
-from equivalence.core.run import adapters, loop_side, setups, step_side
+from equivalence.core.run import adapters, loop_side, nudge, setups, step_side
 from equivalence.core.run.inputs import Inputs
 from legacy_pmap import train as legacy
 from nnx_sharded import sharding
@@ -103,7 +103,9 @@ class FusedLoop(Loop):
     def new_setup(self, config: RunConfig, inputs: Inputs) -> Setup:
         return loop_side.new_setup(self.port, config, inputs.variables, inputs.mapping)
 
-    def twin_setup(self, config: RunConfig, inputs: Inputs, twin: int, lr_scale: float | None = None) -> Setup:
+    def twin_setup(self, config: RunConfig, inputs: Inputs, twin, lr_scale: float | None = None) -> Setup:
+        if isinstance(twin, nudge.Nudged):  # the run's own side, from its inputs nudged
+            return self.new_setup(config, nudge.inputs(inputs, twin))
         return loop_side.twin_setup(self.port, config, inputs.variables, inputs.mapping, twin)
 
     def described(self) -> list[str]:
@@ -141,7 +143,9 @@ class StepLoop(Loop):
         source = loop_side.new_source(self.port, inputs.variables, inputs.mapping)
         return step_side.new_setup(self.port, config, source, setups.nnx_mesh(config))
 
-    def twin_setup(self, config: RunConfig, inputs: Inputs, twin: int, lr_scale: float | None = None) -> Setup:
+    def twin_setup(self, config: RunConfig, inputs: Inputs, twin, lr_scale: float | None = None) -> Setup:
+        if isinstance(twin, nudge.Nudged):  # the run's own side, from its inputs nudged
+            return self.new_setup(config, nudge.inputs(inputs, twin))
         mesh = sharding.make_mesh(twin, devices=jax.local_devices())  # this process's own: no collective
         source = loop_side.new_source(self.port, inputs.variables, inputs.mapping)
         return step_side.new_setup(self.port, config, source, mesh)

@@ -9,7 +9,7 @@ from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Form, Setup
 from equivalence.core.port.ports import ModelPort
 from equivalence.core.preflight import trace
-from equivalence.core.run import facts, model_side
+from equivalence.core.run import facts, model_side, nudge
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.run.model_side import TwinKind
 from equivalence.core.verdict import intercept
@@ -48,6 +48,8 @@ class Model:
         return model_side.new_setup(self.port, config, inputs.variables, inputs.mapping)
 
     def twin_setup(self, config: RunConfig, inputs: Inputs, twin: TwinKind, lr_scale: float | None = None) -> Setup:
+        if isinstance(twin, nudge.Nudged):  # the run's own side, from its inputs nudged
+            return self.new_setup(config, nudge.inputs(inputs, twin))
         return model_side.twin_setup(self.port, config, inputs.variables, inputs.mapping, twin, lr_scale)
 
     def legacy_notes(self, setup: Setup) -> list[str]:

@@ -14,6 +14,7 @@ from flax import nnx
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import ModelPort
 from equivalence.core.run.facts import model_holding, uses_dropout
+from equivalence.core.run.nudge import Nudged
 from equivalence.core.run.setups import (
     LegacySetup,
     NnxGraphSetup,
@@ -101,7 +102,8 @@ class Reordered:
         return f'{self.strategy}, batch rows interleaved'
 
 
-TwinKind = int | Reordered  # a twin: data parallel on that many devices, or the run's devices placed and reordered
+TwinKind = int | Reordered | Nudged  # a twin: data parallel on that many devices, the run's devices placed and
+# reordered, or the run's own program from inputs one spacing off
 
 
 @dataclasses.dataclass

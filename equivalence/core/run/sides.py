@@ -37,6 +37,8 @@ class PathResult:
     # legacy_state built them (an upstream init that sets a head bias to -6.9); None: not recorded
     device_losses: np.ndarray | None = None  # legacy: the last call's losses on every device, [D, K]
     draws: frozenset | None = None  # a recorded first step's own random draws (``draws.own``); None: not recorded
+    program: Any = dataclasses.field(default=None, repr=False)  # NNX: its compiled call (``setup.shared()``), which
+    # the twins of the run's own program run again (``nudge``)
 
     def after(self, step: int, k: int) -> 'PathResult':
         """This run's losses, metrics and parameters after ``step`` (a new side resumed there is compared
@@ -128,7 +130,7 @@ def run_new(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, afte
     raw = {NnxSetup: lambda: (setup.graphdef, setup.state), NnxGraphSetup: lambda: setup.ts}
     result = PathResult(setup.neutral(), losses, per_call, raw.get(type(setup), lambda: setup.train_state)())
     result.placement, result.mesh = getattr(setup, 'decisions', []), dict(setup.mesh.shape)
-    result.placed_by = getattr(setup, 'placed_by', '')
+    result.placed_by, result.program = getattr(setup, 'placed_by', ''), setup.shared()
     result.memory = None if forward else footprint.per_device(setup, calls[0], rng)
     result.metrics = loop_metrics(setup)
     result.notes = kind.new_notes(setup)

@@ -12,6 +12,7 @@ from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
 from equivalence.core.run import draws, facts, randomness, sides
 from equivalence.core.run.inputs import Inputs
+from equivalence.core.run.nudge import Nudged
 from equivalence.core.verdict import probe, twin
 from equivalence.core.verdict.intercept import _RECORDINGS, _SESSION, _SESSIONS, _patched
 from equivalence.core.verdict.recorded import host, in_order
@@ -80,7 +81,8 @@ def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, n_twin: twin.Twin
                               lambda setup: sides.run_legacy(recording, one, fed, setup=setup, **hooks))  # fmt: skip
             for side, (build, run) in runs.items():
                 s.side, s.axis, s.mesh, s.call = side, None, None, -1  # building: not kept
-                setup = reuse.share(side, build())
+                same = side == 'twin' and isinstance(n_twin, Nudged)  # the run's own program: the new side's
+                setup = reuse.share('new' if same else side, build())
                 rows = getattr(setup, 'rows', None) if side == 'twin' else rows  # a Reordered twin's row order
                 s.axis = kind.axis_name if side == 'legacy' else None
                 s.mesh = setup.mesh if side != 'legacy' and kind.records_on_mesh else None

@@ -45,9 +45,10 @@ import numpy as np
 from equivalence.core.port import blame
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind as PortKind
-from equivalence.core.run import clock, draws, footprint, sides
+from equivalence.core.run import clock, draws, footprint, nudge, sides
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.run.model_side import Reordered, TwinKind
+from equivalence.core.run.nudge import DRAWS, Nudged
 from equivalence.core.verdict import compare, fresh, rule
 from equivalence.distributed import gather
 
@@ -79,24 +80,32 @@ def must_fit(config: RunConfig) -> bool:
 
 
 def twin_kinds(config: RunConfig, available: int) -> tuple[TwinKind, ...]:
-    """The twins of a run: a sharded strategy's ``CANDIDATES`` (the judge runs the first ``TWINS`` that
-    fit), otherwise ``twin_counts``."""
+    """The twins of a run: the run's own program from nudged inputs (``--twin program``, ``nudge``), else a
+    sharded strategy's ``CANDIDATES`` (the judge runs the first ``TWINS`` that fit), otherwise ``twin_counts``."""
+    if config.twin == 'program':
+        return tuple(Nudged(d) for d in range(DRAWS))
     if must_fit(config):
         return tuple(config.devices if s == 'dp' else Reordered(s) for s in CANDIDATES[config.strategy])
     return twin_counts(config, available)
 
 
 def devices_of(kind: TwinKind, config: RunConfig) -> int:
+    """The devices a twin needs beyond the run's own: 0 for the run's own program."""
+    if isinstance(kind, Nudged):
+        return 0
     return config.devices if isinstance(kind, Reordered) else kind
 
 
 def label(kind: TwinKind) -> str:
     """'8 device(s)' (data parallel), or 'fsdp, batch rows interleaved' (the run's devices, placed so)."""
-    return str(kind) if isinstance(kind, Reordered) else f'{kind} device(s)'
+    return str(kind) if isinstance(kind, Reordered | Nudged) else f'{kind} device(s)'
 
 
 def describe(kinds: list[TwinKind]) -> str:
     """'on 1 device(s)', 'on 1 and 8 device(s)', or the run's devices and each twin's placement."""
+    if all(isinstance(k, Nudged) for k in kinds):
+        draws = f'{len(kinds)} draws' if len(kinds) > 1 else 'one draw'
+        return f"of the run's own program (its initial parameters and batches one spacing off, {draws})"
     if all(isinstance(k, int) for k in kinds):
         return f'on {" and ".join(map(str, kinds))} device(s)'
     return "on the run's devices: " + ' and '.join(map(label, kinds))
@@ -126,6 +135,7 @@ def run_twin(
     after_call=None,
     before_call=None,
     forward: bool = False,
+    program=None,
 ):
     """The twin's ``PathResult``: its final state, per-step losses and parameters after each call, run on
     ``inputs.whole_calls`` (the whole batch); with ``inputs.restore(setup) -> rng`` (``--resume-at``) it
@@ -134,9 +144,13 @@ def run_twin(
     initial values, before it). With several processes, every process's result is process 0's
     (``gather.from_process_0``), and an exception in one process's twin is raised in every process
     (``gather.together``): none waits for a twin that will never be shared. ``forward``: ``sides.run_calls``'
-    (no bytes measured)."""
+    (no bytes measured). ``program``: the run's compiled call, which a twin of the run's own program runs
+    (``Nudged``: its calls nudged as its setup's initial parameters are)."""
     setup = setup or gather.together(kind.twin_setup, config, inputs, n_twin, lr_scale)
     calls, rng = inputs.whole_calls, inputs.rng
+    if isinstance(n_twin, Nudged):
+        calls = [nudge.tree(c, n_twin.draw) for c in calls]
+        setup.shared(program)
     if inputs.restore is not None:
         rng = gather.together(inputs.restore, setup)
 
@@ -187,6 +201,11 @@ def measure(kind: PortKind, config: RunConfig, new, inputs: Inputs, counts: tupl
     for n, limit in tries:
         if len(twins) == TWINS or n in twins:
             continue
+        if isinstance(n, Nudged):  # the run's own program: what it computes is the run's, by construction
+            ran, refusal = own_program(kind, config, new, inputs, n)
+            twins.update({n: ran} if ran is not None else {})
+            why += [(n, refusal)] if refusal else []
+            continue
         try:
             with clock.stage(f'twin {describe([n])}'):
                 tw, drawn, in_fresh, raised = one_twin(kind, config, inputs, n, limit, built)
@@ -210,6 +229,18 @@ def measure(kind: PortKind, config: RunConfig, new, inputs: Inputs, counts: tupl
             fresh_ones += [n] if in_fresh else []
     kept = tuple(reason for n, reason in why if n not in twins)  # a fallback that ran: its bytes said
     return Measured(twins, kept, tuple(fresh_ones), tuple(errors))
+
+
+def own_program(kind: PortKind, config: RunConfig, new, inputs: Inputs, n: Nudged) -> tuple:
+    """``(the PathResult of the run's own program from inputs nudged by ``n``, or None; why it measures
+    nothing, or '')``: the same program, devices, keys and rows, so only a non-finite loss refuses it (its
+    first losses move with its inputs: no loss is held to the run's within spacings)."""
+    with clock.stage(f'twin {describe([n])}'):
+        tw = run_twin(kind, config, inputs, n, program=new.program)
+    bad = [k for k, (a, b) in enumerate(zip(new.losses, tw.losses, strict=True)) if np.isfinite(a) != np.isfinite(b)]
+    if bad:
+        return None, f'refused: its loss at step {bad[0] + 1} is {tw.losses[bad[0]]}, the run\'s {new.losses[bad[0]]} ({n})'
+    return tw, ''
 
 
 def one_twin(kind: PortKind, config: RunConfig, inputs: Inputs, n, fit: dict | None = None, built=None):
