@@ -58,7 +58,8 @@ def inputs(argv: list[str] | None, n_available: int | None = None):
     """Every flag parsed and checked, nothing run: ``(args, workload, RunConfig, CheckpointOptions)``;
     raises ``ConfigError``."""
     args = parse(argv)
-    extra = {'perturb': args.perturb, 'nnx_form': args.nnx_form, 'verdict': args.verdict, 'twin': args.twin, 'locate': args.locate or None}
+    extra = {'perturb': args.perturb, 'nnx_form': args.nnx_form, 'verdict': args.verdict, 'twin': args.twin}
+    extra['locate'] = args.locate or None
     wl, config = cli.run_config(args, n_available, **extra)
     checkpoints = checkpoint_options.from_args(args)
     checkpoints.check(config, several=args.processes > 1 or distributed.worker.is_worker(args))

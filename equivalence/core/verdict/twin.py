@@ -239,7 +239,8 @@ def own_program(kind: PortKind, config: RunConfig, new, inputs: Inputs, n: Nudge
         tw = run_twin(kind, config, inputs, n, program=new.program)
     bad = [k for k, (a, b) in enumerate(zip(new.losses, tw.losses, strict=True)) if np.isfinite(a) != np.isfinite(b)]
     if bad:
-        return None, f'refused: its loss at step {bad[0] + 1} is {tw.losses[bad[0]]}, the run\'s {new.losses[bad[0]]} ({n})'
+        k = bad[0]
+        return None, f"refused: its loss at step {k + 1} is {tw.losses[k]}, the run's {new.losses[k]} ({n})"
     return tw, ''
 
 
