@@ -16,7 +16,7 @@ from equivalence.core import kinds, preflight
 from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.port.kind import Kind
 from equivalence.core.port.ports import Port
-from equivalence.core.run import clock, randomness
+from equivalence.core.run import clock, precision, randomness
 from equivalence.core.run import inputs as made
 from equivalence.core.run.facts import has_batch_stats
 from equivalence.core.run.inputs import Inputs
@@ -112,9 +112,23 @@ def run(port: Port, config: RunConfig, progress: Progress | None = None, diagnos
     device). ``checkpoints``: legacy saves, and the new side resumed from one (``Checkpoints``). ``say``:
     told each stage as it begins and ends (``clock.Lines``); every stage is measured (``RunResult.timing``)."""
     with clock.measuring(say) as measured:
-        result = _run(port, config, progress or silent, diagnose, checkpoints)
+        with precision.computing_at(config.precision):
+            result = _run(port, config, progress or silent, diagnose, checkpoints)
+        result.device = precision.Device.here(config.devices, config.precision)
+        if diagnose and config.precision == 'auto' and result.device.precision == 'highest':
+            result.device = dataclasses.replace(result.device, default_gap=_default_gap(port, config))
     result.timing = measured.summary()
     return result
+
+
+def _default_gap(port: Port, config: RunConfig) -> dict | None:
+    """How far apart the two sides end at the backend's default precision (``precision.gap``), run again bare:
+    what the check at ``highest`` did not judge. None where they cannot run so."""
+    default = dataclasses.replace(config, precision='default')
+    with clock.stage("both sides again at the backend's default precision (said, not judged)"):
+        prepared = prepare(port, default)
+        old, new = both_sides(prepared.kind, default, prepared.inputs)
+    return precision.gap(old, new)
 
 
 def _run(port: Port, config: RunConfig, progress: Progress, diagnose: bool, checkpoints) -> RunResult:

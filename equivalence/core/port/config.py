@@ -12,6 +12,7 @@ RNG_MODES = ('per-device', 'global')
 STRATEGIES = ('dp', 'fsdp', 'tp', 'fsdp-tp', 'shard_map')  # nnx_sharded.sharding.STRATEGIES, without importing JAX
 NNX_FORMS = ('split', 'graph')
 VERDICTS = ('measured', 'strict', 'screen')  # equivalence.core.verdict.judge: what the verdict measures
+PRECISIONS = ('auto', 'highest', 'default')  # equivalence.core.run.precision: matrix products' precision
 TWINS = ('program', 'devices')  # equivalence.core.verdict.twin: what measures the floor
 SEED_LIMIT = 2**32  # np.random.default_rng takes any seed >= 0, jax.random.PRNGKey keeps only 32 bits
 MAX_EXAMPLES = 2**22  # examples generated on the host for one run (steps x global batch): ~0.7 GB for mlp
@@ -37,6 +38,7 @@ class RunConfig:
     nnx_form: str = 'split'  # 'split': jax.jit(lax.scan) over split state; 'graph': nnx.jit(nnx.scan) over objects
     verdict: str = 'measured'  # measured: twin floor always; strict: + first-step gradients; screen: twin if it fails
     locate: bool | None = None  # where the first step parts (verdict.locate): None: on MISMATCH; True: MATCH too
+    precision: str = 'auto'  # auto: highest on an accelerator (said, with the default's gap), as it is on CPU
     twin: str = 'program'  # the floor's twin: the run's own program, inputs one spacing off; or other device counts
     available: dataclasses.InitVar[int | None] = None  # devices JAX sees; None: not checked (library use)
     data_k: dataclasses.InitVar[int] = 1  # bench: each call's data covers max(K, data_k) steps
@@ -50,6 +52,8 @@ class RunConfig:
         check_perturb(self.perturb)
         if self.verdict not in VERDICTS:
             raise ConfigError(f'--verdict must be one of {", ".join(VERDICTS)}, got {self.verdict!r}')
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f'--precision must be one of {", ".join(PRECISIONS)}, got {self.precision!r}')
         if self.twin not in TWINS:
             raise ConfigError(f'--twin must be one of {", ".join(TWINS)}, got {self.twin!r}')
         self._check_placement()

@@ -19,7 +19,22 @@ def header(result: RunResult, backend: str) -> str:
         f'global batch {c.batch_size} ({c.per_device_batch}/device), rng {result.keys or c.rng_mode}, seed {c.seed}'
         + (f', perturb {c.perturb:g}' if c.perturb else '')
         + (f', nnx-form {c.nnx_form}' if c.nnx_form != 'split' else '')
+        + device_text(result.device)
     )
+
+
+def device_text(device) -> str:
+    """The accelerator and the precision the check computed at; nothing on the CPU, where float32 is float32."""
+    if device is None or device.backend == 'cpu':
+        return ''
+    said = f'\n{device.count} x {device.kind}: float32 matrix products at {device.precision} precision'
+    if device.precision == 'highest':
+        said += f" (the backend's default computes them in {device.default_rounding}, which no floor measures)"
+    gap = device.default_gap
+    if gap:
+        said += (f"; at the default precision the two sides end {gap['params']:.2e} apart in the parameters, "
+                 f"{gap['losses']:.2e} in the losses (first loss {gap['first_loss']:.2e}): said, not judged")  # fmt: skip
+    return said
 
 
 def placement_lines(result: RunResult) -> list[str]:
@@ -206,6 +221,7 @@ def to_json(result: RunResult, versions: dict[str, str]) -> dict:
             for leaf in r.leaves
         ],
         'timing': result.timing,
+        'device': result.device.to_json() if result.device is not None else None,
         'versions': versions,
     }
 

@@ -205,6 +205,7 @@ class RunResult:
     new_side: str = 'NNX'  # what the new side is: 'NNX', or 'linen under jax.jit' (kind.new_side)
     keys: str = ''  # how the steps get their keys (kind.keys): the --rng mode, or that they take none
     timing: dict | None = None  # what each stage cost (clock.Clock.summary): wall, compile seconds, programs
+    device: Any = None  # run.precision.Device: the backend, its devices and the precision the check computed at
 
     @property
     def outcome(self) -> Outcome:
