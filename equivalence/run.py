@@ -40,7 +40,7 @@ def parse(argv: list[str] | None):
         default='auto',
         help="float32 matrix products' precision: auto (default): highest on an accelerator, where the default "
         "rounds them to bfloat16 passes (TPU) or TF32 (GPU) and no floor measures that, and the default's gap "
-        'between the two sides is said; highest; default: the backend\'s own',
+        "between the two sides is said; highest; default: the backend's own",
     )
     parser.add_argument(
         '--twin',
@@ -65,7 +65,8 @@ def inputs(argv: list[str] | None, n_available: int | None = None):
     """Every flag parsed and checked, nothing run: ``(args, workload, RunConfig, CheckpointOptions)``;
     raises ``ConfigError``."""
     args = parse(argv)
-    extra = {'perturb': args.perturb, 'nnx_form': args.nnx_form, 'verdict': args.verdict, 'twin': args.twin, 'precision': args.precision}
+    extra = {'perturb': args.perturb, 'nnx_form': args.nnx_form, 'verdict': args.verdict}
+    extra |= {'twin': args.twin, 'precision': args.precision}
     extra['locate'] = args.locate or None
     wl, config = cli.run_config(args, n_available, **extra)
     checkpoints = checkpoint_options.from_args(args)

@@ -32,8 +32,10 @@ def device_text(device) -> str:
         said += f" (the backend's default computes them in {device.default_rounding}, which no floor measures)"
     gap = device.default_gap
     if gap:
-        said += (f"; at the default precision the two sides end {gap['params']:.2e} apart in the parameters, "
-                 f"{gap['losses']:.2e} in the losses (first loss {gap['first_loss']:.2e}): said, not judged")  # fmt: skip
+        said += (
+            f'; at the default precision the two sides end {gap["params"]:.2e} apart in the parameters, '
+            f'{gap["losses"]:.2e} in the losses (first loss {gap["first_loss"]:.2e}): said, not judged'
+        )
     return said
 
 
