@@ -186,12 +186,19 @@ def place_state(state: Any, shardings: Any) -> Any:
 
 def place_objects(train_state: Any, mesh: Mesh) -> Any:
     """NNX objects (a model, an ``nnx.Optimizer``, a tuple of them) or plain arrays, replicated; a Python
-    scalar leaf (a flax ``TrainState.create``'s ``step`` outside ``jax.jit`` is the int 0) as it is, as the
-    team's own step is handed it.
+    scalar leaf (a flax ``TrainState.create``'s ``step`` outside ``jax.jit`` is the int 0) an array, as the
+    team's ``jax.jit`` hands it to their step (weakly typed; flax's lm1b_nnx schedule raises on a Python 0).
 
     Every NNX object is a pytree in flax 0.12 (``nnx.Module`` and ``nnx.Optimizer`` derive from
     ``nnx.Pytree``), so one ``jax.tree.map`` returns the same structure holding placed arrays."""
-    return jax.tree.map(lambda x: x if isinstance(x, int | float | complex) else put(x, replicated(mesh)), train_state)
+    return jax.tree.map(lambda x: _scalar(x, mesh) if isinstance(x, int | float | complex) else
+                        put(x, replicated(mesh)), train_state)  # fmt: skip
+
+
+def _scalar(x: int | float | complex, mesh: Mesh) -> jax.Array:
+    """A Python scalar as ``jax.jit`` makes it, a weakly typed array, replicated (several processes: ``put``'s)."""
+    array = jax.numpy.asarray(x)
+    return jax.device_put(array, replicated(mesh)) if jax.process_count() == 1 else put(array, replicated(mesh))
 
 
 def place_batch(batch_KxG: Any, mesh: Mesh) -> Any:

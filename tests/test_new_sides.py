@@ -308,15 +308,49 @@ def created_outside_jit(model):
     return TrainState.create(apply_fn=graphdef.apply, params=params, tx=tx(), graphdef=graphdef)
 
 
+def rsqrt_schedule(init_value: float, shift: int = 0):
+    def schedule(count):
+        return init_value * (count + shift) ** -0.5 * shift**0.5
+
+    return schedule
+
+
+# lm1b_nnx's create_learning_rate_schedule: a linear warmup, then rsqrt; a Python step 0 raises in the rsqrt
+# ('0.0 cannot be raised to a negative power'), which jax.jit never hands it
+LM1B_SCHEDULE = optax.join_schedules(
+    [optax.linear_schedule(0.0, 0.05, transition_steps=2), rsqrt_schedule(0.05, shift=2)], boundaries=[2]
+)
+
+
+def lm1b_step(state, batch, learning_rate_fn, label_smoothing=0.0, dropout_rng=None):
+    """flax's examples/lm1b_nnx ``train_step`` as upstream writes it, not jitted here (upstream jits it where it
+    calls it): the learning rate of ``state.step`` before the update."""
+    lr = learning_rate_fn(state.step)
+    new_state, metrics = functional_step(state, batch, learning_rate_fn, label_smoothing, dropout_rng)
+    return new_state, {'loss': metrics['loss'], 'learning_rate': lr}
+
+
 def test_a_train_state_created_outside_jit_with_a_python_step_is_placed_and_matches():
-    """It ended in exit 3: placing the state read ``.dtype`` of the int. A Python scalar is left as it is
-    (the team's jitted step takes it as its own code gives it); the run matches."""
+    """It ended in exit 3: placing the state read ``.dtype`` of the int; then (issue 51) lm1b_nnx's own step,
+    handed over as upstream writes it (not jitted, a warmup-rsqrt schedule of ``state.step``), exit 2
+    'new_step raised ZeroDivisionError: 0.0 cannot be raised to a negative power ... this is in the port':
+    upstream jits it, so its schedule never sees a Python 0. A Python scalar of the state is handed to the
+    step as ``jax.jit`` hands it, an array; the runs match."""
     require_devices(2)
-    port = dataclasses.replace(FUNCTIONAL, name='created-outside-jit', new_state=created_outside_jit)
     assert created_outside_jit(NnxMLP(nnx.Rngs(0))).step == 0  # the form under test: a plain int
-    result = harness.check(port, devices=2, verdict='screen', **QUICK)
-    assert result.outcome is Outcome.MATCH, result.verdict.lines()
-    assert 'step/step' in {leaf.name for leaf in result.report.leaves}
+    with pytest.raises(ZeroDivisionError):  # upstream's schedule on a Python 0: what jax.jit never gives it
+        LM1B_SCHEDULE(0)
+    lm1b = dataclasses.replace(
+        FUNCTIONAL,
+        name='lm1b-step-as-written',
+        new_state=created_outside_jit,
+        new_step=functools.partial(lm1b_step, learning_rate_fn=LM1B_SCHEDULE),
+        legacy_step=functools.partial(legacy_step, learning_rate_fn=lambda step: LM1B_SCHEDULE(step - 1)),
+    )  # the pmap side reports the rate of its updated step: of the step before it, as lm1b_step does
+    for port in (dataclasses.replace(FUNCTIONAL, name='created-outside-jit', new_state=created_outside_jit), lm1b):
+        result = harness.check(port, devices=2, verdict='screen', **QUICK)
+        assert result.outcome is Outcome.MATCH, (port.name, result.verdict.lines())
+        assert {'step/step', 'metrics/learning_rate'} <= {leaf.name for leaf in result.report.leaves}
 
 
 def resharded_state(variables):
