@@ -179,8 +179,13 @@ def unreplicate(tree):
 
 def unreplicate_to_host(tree):
     """Replica 0 of every leaf as a host array (``unreplicate`` then ``np.asarray``), with no program
-    compiled for it: indexing a shard on device compiles one per leaf shape."""
-    return jax.tree.map(lambda x: np.asarray(_shard0(x))[0], tree)
+    compiled for it: indexing a shard on device compiles one per leaf shape. A typed key
+    (``jax.random.key``) has no host form: its key data, as a raw ``PRNGKey`` is held."""
+    return jax.tree.map(lambda x: np.asarray(_key_data(_shard0(x)))[0], tree)
+
+
+def _key_data(x: jax.Array) -> jax.Array:
+    return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
 
 
 def _shard0(x: jax.Array) -> jax.Array:

@@ -34,8 +34,8 @@ class State:
     rng: jax.Array
 
 
-def legacy_state(variables: dict) -> State:
-    return State(params=variables['params'], opt_state=tx().init(variables['params']), rng=KEY0)
+def legacy_state(variables: dict, key: jax.Array = KEY0) -> State:
+    return State(params=variables['params'], opt_state=tx().init(variables['params']), rng=key)
 
 
 def legacy_step(state: State, batch):
@@ -51,8 +51,8 @@ def legacy_step(state: State, batch):
     return new, {'loss': jax.lax.pmean(loss, 'batch')}
 
 
-def nnx_state(model, lr: float = 0.05):
-    return model, nnx.Optimizer(model, tx(lr), wrt=nnx.Param), nnx.Variable(KEY0)
+def nnx_state(model, lr: float = 0.05, key: jax.Array = KEY0):
+    return model, nnx.Optimizer(model, tx(lr), wrt=nnx.Param), nnx.Variable(key)
 
 
 def one_step(ts, batch):
@@ -81,6 +81,31 @@ def test_a_struct_state_without_a_step_is_read_and_its_counter_not_compared():
     assert any(n.startswith('not compared: rng: a random key') for n in result.notes), result.notes
     slipped = dataclasses.replace(STRUCT, new_state=lambda m: nnx_state(m, lr=0.0505))  # negative control
     assert not harness.check(slipped, devices=2, diagnose=False, **SCREEN).report.match
+
+
+def test_typed_keys_in_either_state_are_read_compared_and_placed_as_raw_keys():
+    """google-research/vision_transformer's ``flax.struct`` state holding ``jax.random.key(0)`` (dtype
+    key<fry>) was exit 3 (``TypeError: JAX array with PRNGKey dtype cannot be converted to a NumPy array`` in
+    ``unreplicate_to_host``; issue 51). A typed key, in the pmap side's ``flax.struct`` and the new side's
+    ``nnx.Variable``, is placed, read and, where the port's groups hand it on, compared as its key data, as a
+    raw key is: the same bits as the raw key run's."""
+    require_devices(2)
+    finals = {}
+    for name, key in (('raw', KEY0), ('typed', jax.random.wrap_key_data(KEY0))):
+        port = dataclasses.replace(
+            STRUCT,
+            name=f'{name} keys',
+            legacy_state=lambda v, key=key: legacy_state(v, key=key),
+            new_state=lambda m, key=key: nnx_state(m, key=key),
+            legacy_groups=lambda s: {'params': s.params, 'opt_state': s.opt_state, 'keys': {'rng': s.rng}},
+            new_groups=lambda ts: {**new_side.read_groups(ts), 'keys': {'rng': ts[2][...]}, 'step': None},
+        )
+        result = harness.check(port, devices=2, **SCREEN)
+        assert result.outcome is Outcome.MATCH, (name, result.verdict.lines())
+        finals[name] = (result.legacy.final['keys']['rng'], result.new.final['keys']['rng'])
+    raw, typed = finals['raw'], finals['typed']
+    assert raw[0].dtype == typed[0].dtype == typed[1].dtype == jnp.uint32 and typed[0].shape == (2,), typed
+    assert (raw[0] == typed[0]).all() and (raw[1] == typed[1]).all() and (typed[0] == typed[1]).all()
 
 
 @flax.struct.dataclass

@@ -20,7 +20,15 @@ Neutral = dict[str, dict[str, np.ndarray]]  # group ('params', 'opt_state', ...)
 def flatten(tree: Any) -> dict[str, np.ndarray]:
     """``{'a/b/c': host array}``; optax namedtuple fields and NNX dict keys read alike."""
     leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {'/'.join(key_name(k) for k in path): np.asarray(leaf) for path, leaf in leaves}
+    return {'/'.join(key_name(k) for k in path): host(leaf) for path, leaf in leaves}
+
+
+def host(x: Any) -> np.ndarray:
+    """``x`` as a host array; a typed key (``jax.random.key``, dtype ``key<fry>``) as its key data, the
+    ``uint32`` array a raw key (``jax.random.PRNGKey``) is, so that the two read and compare alike."""
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(x)
 
 
 def load_linen_variables(model: nnx.Module, variables: dict, mapping: dict[str, str] | None = None) -> None:
