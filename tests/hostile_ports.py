@@ -116,6 +116,18 @@ def step_three_arguments(state, batch, rng):
     return state, batch
 
 
+# AlgoPerf's update function (its MNIST submission's ``pmapped_update_params``): already jax.pmap'd, its
+# workload and optimizer update static and broadcast (in_axes None), the rest mapped
+@functools.partial(jax.pmap, axis_name=AXIS, in_axes=(None, None, 0, 0), static_broadcasted_argnums=(0, 1))
+def pmapped_update_params(workload, opt_update_fn, carry, batch):
+    rng, state = carry
+    rng, key = jax.random.split(rng)
+    loss, grads = _grads_and_loss(state, batch, key)
+    updates, opt_state = opt_update_fn(grads, state.opt_state, state.params)
+    state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state)
+    return (rng, state), loss
+
+
 @case('legacy_state', (*EVERY, 'migrate'))
 def renamed_legacy_state():  # no .params, no .opt_state, no legacy_groups= (a tuple (params, opt_state) reads)
     renamed = lambda v: {'weights': v['params'], 'moments': old.make_tx().init(v['params'])}  # noqa: E731
@@ -125,6 +137,16 @@ def renamed_legacy_state():  # no .params, no .opt_state, no legacy_groups= (a t
 @case('legacy_step')
 def legacy_step_three_arguments():
     return loop(legacy_step=step_three_arguments)
+
+
+@case('legacy_step')
+def legacy_step_pmapped_with_its_static_arguments_bound():  # was 'legacy_step raised IndexError' (issue 51)
+    return loop(legacy_step=functools.partial(pmapped_update_params, 'mnist', old.make_tx().update))
+
+
+@case('legacy_step')
+def legacy_step_pmapped_as_is():
+    return loop(legacy_step=pmapped_update_params)
 
 
 @case('legacy_step', EVERY)

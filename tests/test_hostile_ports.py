@@ -4,6 +4,7 @@ port field at fault, no traceback and no exit 3; all but the last few are stoppe
 pre-flight before any training step runs (``tests/hostile_ports.py`` holds the ports)."""
 
 import contextlib
+import functools
 import io
 import os
 import re
@@ -105,6 +106,32 @@ def test_a_hostile_port_is_one_line_naming_its_field(case, no_training, tmp_path
     assert seconds < 15 or name in TRAINS_FIRST, f'{seconds:.1f} s'
     if command == 'migrate':
         assert not (tmp_path / 'nnx').exists()
+
+
+def test_a_pmapped_step_handed_over_is_one_line_saying_so_and_what_to_pass():
+    """AlgoPerf MNIST's ``jax.pmap``'d update function, its static arguments bound by ``functools.partial``, was
+    exit 2 'legacy_step raised IndexError: tuple index out of range' after the pre-flight traced it (issue 51),
+    and handed over as it is 'cannot be called as ...': the port refuses to be built, with the line that says it
+    is pmapped and what to pass instead (the function it wraps, ``__wrapped__``, with ``axis_name=``)."""
+    from equivalence.core.port.config import ConfigError
+
+    for name, instead in (
+        ('legacy_step_pmapped_with_its_static_arguments_bound', 'functools.partial(pmapped_update_params.__wrapped__,'),
+        ('legacy_step_pmapped_as_is', 'pmapped_update_params.__wrapped__'),
+    ):
+        with pytest.raises(ConfigError) as e:
+            getattr(hostile_ports, name)()
+        line = str(e.value)
+        assert '\n' not in line and "jax.pmap'd" in line and instead in line and "axis_name='batch'" in line, line
+    # what the line says to pass: traced by the pre-flight, as the run will call it (the positive control)
+    from equivalence.core import kinds, preflight
+    from equivalence.core.port.config import RunConfig
+
+    wrapped = hostile_ports.pmapped_update_params.__wrapped__
+    port = hostile_ports.loop(legacy_step=functools.partial(wrapped, 'mnist', hostile_ports.old.make_tx().update))
+    config = RunConfig(workload=port.name, devices=2, batch_size=8, steps_per_call=2, calls=2,
+                       rng_mode=port.rng_modes[0])  # fmt: skip
+    preflight.check(kinds.of(port), config)
 
 
 def test_a_name_that_is_not_a_port_is_the_users_mistake_named_with_its_line():

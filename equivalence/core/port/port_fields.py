@@ -6,7 +6,9 @@ many positional arguments each callable takes (the suite calls them positionally
 callable returns is the pre-flight's business (``equivalence.core.preflight``).
 """
 
+import functools
 import inspect
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -48,6 +50,7 @@ def check(port: Any) -> None:
         if field in fields:
             check_callable(port, field, n, form, optional=key.endswith('?'))
     if 'legacy_step' in fields:
+        check_pmapped_step(port)
         check_callable(port, 'legacy_step', *_step_call(port), optional=False)
     if not isinstance(port.default_batch, int) or isinstance(port.default_batch, bool) or port.default_batch < 1:
         raise _error(port, 'default_batch', f'must be a positive int, got {port.default_batch!r}')
@@ -89,6 +92,58 @@ def _step_call(port: Any) -> tuple[int, str]:
     if form in ('state', 'state_rng'):
         return 2, 'legacy_step(state, batch' + (f', {port.rng_arg}=rng)' if form == 'state_rng' else ')')
     return 2, 'legacy_step((rng, state), batch)'
+
+
+@functools.cache
+def _pmap_code() -> Any:
+    """The code object of every function ``jax.pmap`` returns (jax >= 0.8 builds it in Python)."""
+    import jax
+
+    return getattr(jax.pmap(lambda x: x), '__code__', None)
+
+
+def pmapped(fn: Any) -> Any | None:
+    """What ``jax.pmap`` wrapped, if ``fn`` is a pmapped function (teams hand over ``p_train_step``), else
+    None. jax 0.10's pmap is a plain function, one code object for all, keeping the original as
+    ``__wrapped__``; older JAX's a ``PmapFunction``. No JAX imported where none is: nothing can be pmapped."""
+    if 'jax' not in sys.modules or not callable(fn):
+        return None
+    code = getattr(fn, '__code__', None)
+    if (code is None or code is not _pmap_code()) and type(fn).__name__ != 'PmapFunction':
+        return None
+    return getattr(fn, '__wrapped__', None)
+
+
+def check_pmapped_step(port: Any) -> None:
+    """A ``legacy_step`` already ``jax.pmap``'d that the suite cannot run as the step it wraps: bound by
+    ``functools.partial`` (AlgoPerf's update function with its static workload and optimizer bound; inside the
+    suite's own pmap a pmapped function sees no device axis: 'IndexError: tuple index out of range'), or not
+    callable as the step form (``adapters.legacy_step`` runs a bare ``jax.pmap(step)`` as its ``step``)."""
+    step = port.legacy_step
+    bound = step if isinstance(step, functools.partial) else None
+    inner = pmapped(bound.func if bound is not None else step)
+    if inner is None:
+        return
+    n, form = _step_call(port)
+    if bound is None:
+        try:
+            _signature(step).bind(*range(n))
+            return  # run as the step it wraps
+        except (TypeError, ValueError):
+            pass
+    name = getattr(inner, '__qualname__', None) or type(inner).__name__
+    given, instead = (
+        (f'functools.partial({name}, ...)', f'functools.partial({name}.__wrapped__, <the same arguments>)')
+        if bound is not None
+        else (name, f'{name}.__wrapped__, its other arguments bound by functools.partial,')
+    )
+    raise _error(
+        port,
+        'legacy_step',
+        f"{_where(inner)}is {given}, already jax.pmap'd, and the suite runs legacy_step under its own pmap: pass "
+        f'the step it wraps, {instead} called as {form}, with axis_name={getattr(port, "axis_name", "batch")!r} '
+        'the axis its pmean names',
+    )
 
 
 def _error(port: Any, field: str, text: str) -> ConfigError:

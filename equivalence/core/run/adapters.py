@@ -33,6 +33,7 @@ from flax import nnx
 
 from equivalence.core.port import convert, port_fields
 from equivalence.core.port.config import ConfigError, RunConfig
+from equivalence.core.port.port_fields import pmapped
 from equivalence.core.port.ports import LoopPort
 from legacy_pmap import train as legacy
 
@@ -145,20 +146,6 @@ def chain_at(draws_per_call: int, config: RunConfig, rng: jax.Array, calls: int)
 
 
 # -- the pmap side -----------------------------------------------------------------------------
-
-
-@functools.cache
-def _pmap_code() -> Any:
-    """The code object of every function ``jax.pmap`` returns (jax >= 0.8 builds it in Python)."""
-    return getattr(jax.pmap(lambda x: x), '__code__', None)
-
-
-def pmapped(fn: Any) -> Any | None:
-    """What ``jax.pmap`` wrapped, if ``fn`` is a pmapped function (teams hand over ``p_train_step``), else None."""
-    code = getattr(fn, '__code__', None)
-    if (code is None or code is not _pmap_code()) and type(fn).__name__ != 'PmapFunction':
-        return None
-    return getattr(fn, '__wrapped__', None)
 
 
 def _scanned(fn: Any) -> Any | None:
