@@ -288,6 +288,30 @@ def test_a_step_that_takes_its_key_first_is_called_so():
     assert seen == [('key', 'state', 'batch')]
 
 
+def test_a_key_named_by_rng_arg_beside_other_arguments_is_passed_by_name():
+    """google-research/diffusion_distillation's ``step_fn(base_rng, train, state, batch, learning_rate_mult=1.)``:
+    with ``train`` bound (``functools.partial(step_fn, train=True)``, which leaves state and batch keyword-only),
+    ``rng_arg='base_rng'`` hands the key by that name and the state and batch by theirs, the step's two other
+    parameters without a default (it needed a wrapper: issue 51). With ``train`` unbound, which of three is the
+    state the port cannot tell: one line, at build, saying to bind it."""
+    from equivalence.core import preflight
+    from equivalence.core.port.config import RunConfig
+
+    def step_fn(base_rng, train, state, batch, learning_rate_mult=1.0):
+        return train_step(state, batch, base_rng if train else None, scale=learning_rate_mult)
+
+    port = dataclasses.replace(FORMS['state_rng, scan, fused nnx'], legacy_step=functools.partial(step_fn, train=True),
+                               rng_arg='base_rng')  # fmt: skip
+    preflight.check(kinds.of(port), RunConfig(workload=port.name, devices=2, batch_size=8, rng_mode='global', **QUICK))
+    seen = []
+    spy = dataclasses.replace(port, legacy_step=lambda base_rng, *, train=True, state, batch: seen.append(
+        (base_rng, state, batch)))  # fmt: skip
+    adapters.one_step(spy)('state', 'batch', 'key')
+    assert seen == [('key', 'state', 'batch')]
+    with pytest.raises(ConfigError, match=r'legacy_step .*takes train, state, batch besides its key base_rng: bind'):
+        dataclasses.replace(port, legacy_step=step_fn)
+
+
 def test_forms_that_do_not_fit_together_exit_2_before_any_work():
     port = FORMS['state, steps, no key']
     for bad, message in [

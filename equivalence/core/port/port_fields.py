@@ -51,7 +51,9 @@ def check(port: Any) -> None:
             check_callable(port, field, n, form, optional=key.endswith('?'))
     if 'legacy_step' in fields:
         check_pmapped_step(port)
-        check_callable(port, 'legacy_step', *_step_call(port), optional=False)
+        n, form = _step_call(port)
+        if rng_call(port)[0] != 'names':  # by name: its own signature named the three (rng_call)
+            check_callable(port, 'legacy_step', n, form, optional=False)
     if not isinstance(port.default_batch, int) or isinstance(port.default_batch, bool) or port.default_batch < 1:
         raise _error(port, 'default_batch', f'must be a positive int, got {port.default_batch!r}')
     axis = getattr(port, 'axis_name', 'batch')
@@ -69,17 +71,36 @@ def check(port: Any) -> None:
             )
 
 
-def key_first(port: Any) -> bool:
-    """Whether a ``'state_rng'`` step's ``rng_arg`` names its first positional parameter: it is called
-    ``legacy_step(rng, state, batch)`` (google-research/vdm's ``train_step(self, base_rng, state, batch)``,
-    bound; a keyword would land on the state)."""
+def rng_call(port: Any) -> tuple[str, tuple[str, ...]]:
+    """How a ``'state_rng'`` step whose key is named by ``rng_arg`` takes ``(state, batch, key)``, read from its
+    signature: ``('first', ())``: ``legacy_step(rng, state, batch)`` (google-research/vdm's ``train_step(self,
+    base_rng, state, batch)``, bound); ``('keyword', ())``: ``legacy_step(state, batch, rng_arg=rng)`` (flax's
+    wmt ``dropout_rng=``); ``('names', (s, b))``: every argument by its name, the state and the batch being the
+    step's two other parameters without a default (google-research/diffusion_distillation's ``step_fn(base_rng,
+    train, state, batch)`` with ``train`` bound, leaving them keyword-only); ``('unclear', others)`` where other
+    parameters without a default are not two; ``('', ())`` for any other step."""
     arg, step = getattr(port, 'rng_arg', None), getattr(port, 'legacy_step', None)
     if getattr(port, 'step_form', 'carry') != 'state_rng' or not arg or not callable(step):
-        return False
+        return '', ()
     params = _parameters(step) or []
+    if arg not in {p.name for p in params}:
+        return 'keyword', ()  # taken by **kwargs, or a signature that cannot be read
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     positional = [p.name for p in params if p.kind in kinds]
-    return positional[:1] == [arg]
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    others = tuple(p.name for p in params if p.name != arg and p.default is p.empty and p.kind not in variadic)
+    if len(others) != 2:
+        return 'unclear', others
+    if positional[:3] == [arg, *others]:
+        return 'first', ()
+    if positional[:2] == list(others) or any(p.kind == inspect.Parameter.POSITIONAL_ONLY for p in params):
+        return 'keyword', ()
+    return 'names', others
+
+
+def key_first(port: Any) -> bool:
+    """Whether a ``'state_rng'`` step is called ``legacy_step(rng, state, batch)`` (``rng_call``)."""
+    return rng_call(port)[0] == 'first'
 
 
 def _step_call(port: Any) -> tuple[int, str]:
@@ -87,8 +108,20 @@ def _step_call(port: Any) -> tuple[int, str]:
     form = getattr(port, 'step_form', 'carry')
     if form == 'state_rng' and not getattr(port, 'rng_arg', None):
         return 3, 'legacy_step(state, batch, rng)'
-    if key_first(port):
+    how, names = rng_call(port)
+    if how == 'first':
         return 3, f'legacy_step({port.rng_arg}, state, batch)'
+    if how == 'names':
+        return 0, f'legacy_step({port.rng_arg}=rng, {names[0]}=state, {names[1]}=batch)'
+    if how == 'unclear':
+        step = port.legacy_step
+        raise _error(
+            port,
+            'legacy_step',
+            f'{_where(step)}takes {", ".join(names) or "nothing"} besides its key {port.rng_arg}: bind all but '
+            'the state and the batch (functools.partial(step, name=value)), so that it takes its key, the state and '
+            'the batch',
+        )
     if form in ('state', 'state_rng'):
         return 2, 'legacy_step(state, batch' + (f', {port.rng_arg}=rng)' if form == 'state_rng' else ')')
     return 2, 'legacy_step((rng, state), batch)'

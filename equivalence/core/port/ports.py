@@ -118,8 +118,8 @@ class LoopPort:
     legacy_loop: str | None = None  # 'steps': pmap(step) K times per call; 'scan': pmap(scan(step)); None: carry->scan
     loss: str | Callable | None = None  # a metrics key, or a function metrics -> loss; None: out is the loss
     new_step: Callable | None = None  # instead of new_call: (train_state, batch_G[, key]) -> out or (train_state, out)
-    rng_arg: str | None = None  # 'state_rng': the keyword the pmap step takes its key by (dropout_rng=), or the
-    # name of its first parameter where the key comes first (train_step(base_rng, state, batch)); None: 3rd
+    rng_arg: str | None = None  # 'state_rng': the parameter the pmap step takes its key by (dropout_rng=; its
+    # first, train_step(base_rng, state, batch); or any, state and batch its other two: rng_call); None: the 3rd
     new_rng_arg: str | None = None  # the same for new_step; None: rng_arg where new_step has it, else the 3rd
 
     def __post_init__(self):

@@ -186,8 +186,11 @@ def one_step(port: LoopPort) -> Callable:
     step = legacy_step(port)
     if port.step_form == 'state':
         return lambda state, batch, key: step(state, batch)
-    if port_fields.key_first(port):
+    how, names = port_fields.rng_call(port)
+    if how == 'first':
         return lambda state, batch, key: step(key, state, batch)
+    if how == 'names':  # every argument by its name: the key's, and the state's and batch's (rng_call)
+        return lambda state, batch, key: step(**{port.rng_arg: key, names[0]: state, names[1]: batch})
     if port.step_form == 'state_rng' and port.rng_arg:
         return lambda state, batch, key: step(state, batch, **{port.rng_arg: key})
     if port.step_form == 'state_rng':
