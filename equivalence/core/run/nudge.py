@@ -22,17 +22,31 @@ import jax
 import numpy as np
 
 WIDTHS = {2: np.uint16, 4: np.uint32, 8: np.uint64}  # IEEE binary floats of these byte sizes, as their bits
-DRAWS = 2  # twins of the run's own program: each leaf's floor is the larger of their two
+CARRIED = ('ema',)  # groups that hold the initial parameters themselves: a parameter nudge is carried, not grown
 
 
 @dataclasses.dataclass(frozen=True)
 class Nudged:
-    """A twin of the run's own program, its inputs moved by one spacing (``draw``: which directions)."""
+    """A twin of the run's own program, its inputs moved by one spacing (``draw``: which directions);
+    ``params``: linen's initial parameters as well as the batches (else the batches alone)."""
 
     draw: int = 0
+    params: bool = True
 
     def __str__(self) -> str:
-        return f"the run's own program, inputs one spacing off (draw {self.draw + 1})"
+        moved = 'parameters and batches' if self.params else 'batches'
+        return f"the run's own program, its {moved} one spacing off"
+
+    def measures(self, group: str) -> bool:
+        """Whether its difference from the run is a floor for ``group``: an EMA starts as the parameters, so a
+        parameter nudge stays in it as itself (one spacing of the leaf), not as what the steps make of it;
+        the EMA's floor is the batch-only twin's (the where_ports EMA slip 'python-float', 8 to 10 spacings,
+        hid under the parameter nudge's)."""
+        return not (self.params and group in CARRIED)
+
+
+DRAWS = (Nudged(0), Nudged(1, params=False))  # a leaf's floor is the larger of theirs (BatchNorm's scales absorb
+# a batch-only nudge: the experiment's P = 0 there; the parameters' nudge reaches them)
 
 
 def is_float(dtype) -> bool:
@@ -75,4 +89,5 @@ def inputs(inputs_: Any, twin: Nudged) -> Any:
     """``run.inputs.Inputs`` with linen's parameters and every batch nudged by ``twin``'s draw."""
     whole = None if inputs_.whole is None else [tree(c, twin.draw) for c in inputs_.whole]
     calls = [tree(c, twin.draw) for c in inputs_.calls]
-    return dataclasses.replace(inputs_, variables=variables(inputs_.variables, twin.draw), calls=calls, whole=whole)
+    moved = variables(inputs_.variables, twin.draw) if twin.params else inputs_.variables
+    return dataclasses.replace(inputs_, variables=moved, calls=calls, whole=whole)

@@ -76,7 +76,8 @@ def judge(kind: Kind, config: RunConfig, old, new, inputs: Inputs, tree, diagnos
     twins = measured.twins
     first = [rule.first_step_tree(float(p.losses[0])) for p in (old, new)]
     floor = twin.farthest(
-        trees(new, first[1]), [trees(tw, rule.first_step_tree(float(tw.losses[0]))) for tw in twins.values()]
+        trees(new, first[1]),
+        [twin.measuring(n, trees(tw, rule.first_step_tree(float(tw.losses[0])))) for n, tw in twins.items()],
     )
     start = old.start if old.start is not None else start_params(inputs.variables, inputs.mapping)
     report = compare.compare_to_floor(trees(old, first[0]), trees(new, first[1]), floor, MEASURED_FLOOR, None, start)
@@ -186,9 +187,9 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
     seen = dataclasses.replace(seen, nonfinite=nonfinite, data_step=data_step)
     located = locate.attach(mismatch, kind, config, inputs, recorder, seen)
     stage = Where(located.location.kind).stage if located.location is not None else None
-    if diagnosed == 'update' and stage in rule.EARLIER:  # one finding: the reading says where the place is
-        line = rule.diagnose(report, nonfinite, rerun, grads is not None, no_floor, placed=stage)[1]
-        located = dataclasses.replace(located, diagnosis=line)
+    if diagnosed in ('update', 'optimizer') and stage in rule.EARLIER:  # one finding: the place the records found
+        kind, line = rule.diagnose(report, nonfinite, rerun, grads is not None, no_floor, placed=stage)
+        located = dataclasses.replace(located, kind=kind, diagnosis=line)
     return report, located
 
 

@@ -69,6 +69,13 @@ def twin_counts(config: RunConfig, available: int) -> tuple[int, ...]:
 # the reordered placements alone measured too small a floor there (wide fsdp-tp, seed 0: a correct run
 # 11x its floor). Not tp's own placement: its mesh has no data axis, and cnn ended bitwise equal (seed 6).
 CANDIDATES = {'fsdp': ('fsdp', 'fsdp-tp', 'dp'), 'tp': ('fsdp-tp', 'dp', 'fsdp'), 'fsdp-tp': ('fsdp-tp', 'fsdp', 'dp')}
+# Why a twin on another device count computes otherwise, most often (diffusion_distillation's step, tried blind):
+PER_REPLICA = (
+    '; a new side whose arithmetic follows its device count (randomness or clipping per replica sized by the '
+    "mesh) computes otherwise on the twin's devices: do it per group of rows for the pmap side's D "
+    "(rng_modes=('per-device',), step_form='state_rng'; docs/port.md#the-device-count), or measure the floor "
+    "on the run's own program (--twin program, the default)"
+)
 FIT = 1.1  # a sharded run's twin may hold at most this many times the run's bytes per device
 TWINS = 2  # a sharded run's twins: each leaf the larger of their floors
 
@@ -80,10 +87,11 @@ def must_fit(config: RunConfig) -> bool:
 
 
 def twin_kinds(config: RunConfig, available: int) -> tuple[TwinKind, ...]:
-    """The twins of a run: the run's own program from nudged inputs (``--twin program``, ``nudge``), else a
+    """The twins of a run: the run's own program from nudged inputs (``--twin program``, ``nudge``; one process), else a
     sharded strategy's ``CANDIDATES`` (the judge runs the first ``TWINS`` that fit), otherwise ``twin_counts``."""
-    if config.twin == 'program':
-        return tuple(Nudged(d) for d in range(DRAWS))
+    if config.twin == 'program' and jax.process_count() == 1:
+        return DRAWS  # several processes: each runs a device-count twin on its own devices, with no collective,
+        # so that one process's failure is every process's (``gather.together``), with none left waiting in it
     if must_fit(config):
         return tuple(config.devices if s == 'dp' else Reordered(s) for s in CANDIDATES[config.strategy])
     return twin_counts(config, available)
@@ -104,11 +112,19 @@ def label(kind: TwinKind) -> str:
 def describe(kinds: list[TwinKind]) -> str:
     """'on 1 device(s)', 'on 1 and 8 device(s)', or the run's devices and each twin's placement."""
     if all(isinstance(k, Nudged) for k in kinds):
-        draws = f'{len(kinds)} draws' if len(kinds) > 1 else 'one draw'
-        return f"of the run's own program (its initial parameters and batches one spacing off, {draws})"
+        moved = ' and one of its batches alone' if any(not k.params for k in kinds) else ''
+        return f"of the run's own program: one of its initial parameters and batches one spacing off{moved}"
     if all(isinstance(k, int) for k in kinds):
         return f'on {" and ".join(map(str, kinds))} device(s)'
     return "on the run's devices: " + ' and '.join(map(label, kinds))
+
+
+def measuring(kind: TwinKind, tree: compare.Neutral) -> compare.Neutral:
+    """The groups of a twin's tree that are a floor (``Nudged.measures``): every group but a twin's own nudge."""
+    return {g: t for g, t in tree.items() if not isinstance(kind, Nudged) or kind.measures(g)}
+
+
+PROGRAM_TWIN = describe(list(DRAWS))  # what a verdict says of its twins where they are the run's own program
 
 
 def farthest(nnx: compare.Neutral, twins: list[compare.Neutral]) -> compare.Neutral:
@@ -215,6 +231,8 @@ def measure(kind: PortKind, config: RunConfig, new, inputs: Inputs, counts: tupl
             continue
         errors += raised
         refusal = rule.twin_refusal(new.losses, tw.losses)
+        if refusal and isinstance(n, int) and n != config.devices:
+            refusal += PER_REPLICA
         if not refusal and devices_of(n, config) == config.devices:
             refusal = rule.twin_reordered_nothing(new.final, tw.final)
         if not refusal and drawn is not None:
