@@ -14,6 +14,7 @@ from conftest import assert_one_line_error, run_module
 
 from equivalence import cli
 from equivalence.core.port.config import ConfigError
+from equivalence.core.verdict.twin import PROGRAM_TWIN
 
 QUICK = ['--steps-per-call', '2', '--calls', '2']
 
@@ -35,7 +36,7 @@ def test_match_exits_0_on_8_simulated_devices_and_writes_json_and_plots(tmp_path
     assert set(report['max_abs_diff']) >= {'params', 'opt_state', 'losses'}
     assert all(isinstance(v, float) for v in report['max_abs_diff'].values())
     assert report['tolerance']['reason'].startswith('float32 reduction order')
-    assert report['verdict']['mode'] == 'measured' and report['verdict']['twin'] == 'on 1 device(s)'
+    assert report['verdict']['mode'] == 'measured' and report['verdict']['twin'] == PROGRAM_TWIN
     assert report['verdict']['floor_rule']['safety'] > 1 and report['verdict']['kind'] == ''
     pngs = {name: (figures / name).read_bytes() for name in ('losses.png', 'divergence.png')}
     assert all(data.startswith(b'\x89PNG') and len(data) > 10_000 for data in pngs.values())

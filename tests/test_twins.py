@@ -3,6 +3,9 @@
 - At D = 1 with per-device keys the twin on 2 devices keeps the run's ``[1, 2]`` keys.
 - A twin whose random draws are not the run's is refused, even where its first two losses agree.
 - A new side pinned to a mesh built from ``jax.devices()`` at import gets its twin in a fresh process.
+
+These are the device-count twins (``--twin devices``, and every twin of several processes); the default twin
+is the run's own program (``run/nudge.py``; ``tests/test_one_chip.py``), which none of this concerns.
 """
 
 import dataclasses
@@ -40,7 +43,7 @@ def test_a_twin_at_one_device_keeps_the_per_device_keys():
     """D = 1, per-device keys: the twin on 2 devices is given the run's ``[1, 2]`` keys, which do not split
     over 2 devices (it raised IndivisibleError, and the verdict fell back on the fixed screen)."""
     require_devices(2)
-    result = harness.check(PER_DEVICE, devices=1, **QUICK)
+    result = harness.check(PER_DEVICE, devices=1, twin='devices', **QUICK)
     assert result.verdict.twin == 'on 2 device(s)', result.verdict.lines()
     assert result.report.match and result.report.floor is not None
 
@@ -52,7 +55,7 @@ def test_a_twin_that_draws_other_random_numbers_is_refused():
     step with the keys as given draws the run's numbers on any mesh: its twin measures (the control,
     the test above)."""
     require_devices(2)
-    refused = harness.check(MESH_SIZED, devices=2, **QUICK)
+    refused = harness.check(MESH_SIZED, devices=2, twin='devices', **QUICK)
     assert refused.verdict.twin.startswith("refused: it draws other random numbers than the new side's run"), (
         refused.verdict.lines()
     )
@@ -77,7 +80,7 @@ def test_with_no_floor_the_diagnosis_says_why_no_twin_measured_one():
 def pinned():
     require_devices(8)
     return {
-        p.name: harness.check(p, devices=len(jax.devices()), locate=False, **QUICK)
+        p.name: harness.check(p, devices=len(jax.devices()), locate=False, twin='devices', **QUICK)
         for p in (pinned_port.PORT, pinned_port.SLIP)
     }
 
@@ -122,7 +125,7 @@ def test_a_sharded_runs_twins_hold_no_more_per_device_than_the_run():
     only sharded cannot. Its twins are the run's own devices, placed as fsdp and as fsdp-tp, the batch
     rows interleaved: at most 1.1x, in the report and the JSON, and the verdict is still a MATCH."""
     require_devices(8)
-    result = harness.check(workloads.get('wide'), devices=8, strategy='fsdp', **QUICK)
+    result = harness.check(workloads.get('wide'), devices=8, strategy='fsdp', twin='devices', **QUICK)
     assert result.report.match, verdict.details(verdict.failed(result.report))
     placed = ('fsdp, batch rows interleaved', 'fsdp-tp, batch rows interleaved')
     assert result.verdict.twin == f"on the run's devices: {placed[0]} and {placed[1]}"

@@ -27,7 +27,8 @@ from equivalence.core.verdict.first_step import Recorder
 @functools.cache
 def checked(name: str):
     require_devices(2)
-    return harness.check(wp.PORTS[name], devices=2, steps_per_call=2, calls=2, locate=True)
+    twin = 'devices' if name in wp.DEVICE_TWIN else 'program'
+    return harness.check(wp.PORTS[name], devices=2, steps_per_call=2, calls=2, locate=True, twin=twin)
 
 
 def located(name: str):

@@ -122,6 +122,10 @@ def decayed_after_lr(lr=3e-3, decay=1e-2):
     return optax.chain(optax.scale_by_adam(), optax.scale(-lr), optax.add_decayed_weights(-decay * 1.0, kernels))
 
 
+# Held to the device-count twins' floor (``--twin devices``): the Python float's EMA parts by 9 spacings of its
+# largest leaf, which the device-count twin holds to 8 (its EMA is bitwise the run's: a floor of 0); the run's own
+# program from batches one spacing off moves the EMA by one spacing, so it allows 10 and calls it a MATCH.
+DEVICE_TWIN = {'ema-python-float'}
 CORRECT = port('ema-correct')
 PORTS = {
     'correct': CORRECT,

@@ -5,7 +5,7 @@ import sys
 import warnings
 
 from equivalence import cli
-from equivalence.core.port.config import ConfigError, check_available, check_count
+from equivalence.core.port.config import TWINS, ConfigError, check_available, check_count
 
 EXIT_CODES = cli.exit_codes(
     'zero wrong verdicts: every correct port MATCHed, every slip MISMATCHed (with the right kind, where named)',
@@ -28,6 +28,11 @@ def parse(argv: list[str] | None):
         default=None,
         metavar='N',
         help='seeds of the --perturb ladder (default 10; 0 skips)',
+    )
+    parser.add_argument(
+        '--twin',
+        default='program',
+        help="what measures each run's floor, as run's --twin: program (default) or devices (calibration: the two)",
     )
     cli.add_output_flags(parser, 'write every run and the sensitivity as JSON')
     return cli.parse(parser, argv)
@@ -55,6 +60,8 @@ def inputs(argv: list[str] | None, n_available: int | None = None):
         entries = corpus.select(names, args.quick)
     except KeyError as e:
         raise ConfigError(f'unknown corpus entry {e.args[0]!r}; see --list') from None
+    if args.twin not in TWINS:
+        raise ConfigError(f'--twin must be one of {", ".join(TWINS)}, got {args.twin!r}')
     if args.list:
         return args, entries, (), 0, 0
     available = cli.available_devices(n_available)
@@ -91,8 +98,8 @@ def work(validated) -> int:
             print(f'{e.name:<18} {e.truth:<8} {e.kind or "-":<10} {"quick " if e.quick else "      "}{e.what}')
         return cli.EXIT_MATCH
     warnings.filterwarnings('ignore', message='Some donated buffers were not usable')  # the batch, as score_sde
-    cases = runner.run(entries, counts, seeds, progress)
-    s = sensitivity.measure(sens, lambda case: progress(case, ladder=True)) if sens else None
+    cases = runner.run(entries, counts, seeds, progress, twin=args.twin)
+    s = sensitivity.measure(sens, lambda case: progress(case, ladder=True), twin=args.twin) if sens else None
     print(table.text(entries, cases, s, jax.default_backend()))
     if args.json is not None:
         output.write_json(args.json, table.to_json(cases, s), overwrite=args.overwrite)

@@ -40,7 +40,7 @@ from equivalence.core.run.inputs import Inputs
 from equivalence.core.verdict import averages, collectives, compare, forward, slots, stages
 from equivalence.core.verdict.first_step import Recorder
 from equivalence.core.verdict.intercept import NOT_MODULES
-from equivalence.core.verdict.location import ROOT, Location
+from equivalence.core.verdict.location import ROOT, Location, Where
 from equivalence.core.verdict.location import STAGES as STAGE_NAMES
 from equivalence.core.verdict.pairing import pairs
 from equivalence.core.verdict.rule import MEASURED_FLOOR
@@ -305,4 +305,20 @@ def attach(verdict, port_kind: Kind, config: RunConfig, inputs: Inputs, recorder
     except Exception as e:  # noqa: BLE001 -- the verdict stands; the location says why there is none
         found = Location('unlocated', '', '', f'the locating run raised {type(e).__name__}: {str(e)[:200]}')
     ruled_out = tuple(s for s in STAGE_NAMES if s not in stages_for(seen.failed)) if seen is not None else ()
+    if verdict.match:
+        found = unconfirmed(found)
     return dataclasses.replace(verdict, location=dataclasses.replace(found, ruled_out=ruled_out))
+
+
+def unconfirmed(found: Location) -> Location:
+    """A MATCH's location names no place: every leaf the verdict held is within its floor, the first step's
+    module calls too where it held them, so a place that the located recording alone parts at is no evidence
+    the verdict has (diffusion_distillation's correct loop port, ``--locate``: '105 module calls within their
+    floors', MATCH, then 'where: module at up_1.attn_1/norm ... it computes something else'). It says what parted
+    and that no leaf of the verdict confirms it."""
+    if found.kind.stage is None:
+        return found
+    place = found.new if found.kind != 'update' else f'the update ({found.new})'
+    figures = (f'not located: the verdict is a MATCH (every leaf within its floor); the recorded first step parts at '
+               f'{found.kind} {place} ({found.figures}), which no leaf of the verdict confirms')  # fmt: skip
+    return dataclasses.replace(found, kind=Where.UNLOCATED, legacy='', new='', figures=figures, first=None)

@@ -9,6 +9,7 @@ three neutral trees (legacy, NNX, twin) that the verdict's rule compares leaf by
 ``recorded_grads`` reads a model port's first gradient as its optimizer was given it.
 """
 
+import collections
 import contextlib
 
 import numpy as np
@@ -45,15 +46,20 @@ def _module_target(path: str, mapping: dict[str, str], names) -> str | None:
 
 def pairs(legacy: dict[str, Record], nnx_: dict[str, Record], mapping: dict[str, str], names) -> dict[str, str]:
     """``{linen label: NNX label}`` of the module calls both sides made (``path`` or ``path#n`` for
-    the (n+1)-th call); Dropouts no renaming pairs, by their order among the Dropout calls."""
+    the (n+1)-th call), where both sides call the module as often: a module the new side calls once per
+    group of rows (a Python loop over the pmap side's D replicas, as diffusion_distillation's per-replica
+    step ports) holds other rows in its first call than the pmap side's one call, whose rows are every
+    device's; paired, its input parted by 2.0 (other examples' embeddings) and failed a correct port.
+    Dropouts no renaming pairs, by their order among the Dropout calls."""
     out = {}
+    calls = [collections.Counter(label.partition('#')[0] for label in side) for side in (legacy, nnx_)]
     for label in legacy:
         if label in NOT_MODULES:
             continue
         path, _, n = label.partition('#')
         target = _module_target(path, mapping, names)
         other = target if not n else f'{target}#{n}'
-        if target is not None and other in nnx_:
+        if target is not None and other in nnx_ and calls[0][path] == calls[1][target]:
             out[label] = other
     by_order = lambda side: sorted((lab for lab, r in side.items() if 'Dropout' in r.cls), key=lambda x: side[x].order)  # noqa: E731
     taken = set(out.values())

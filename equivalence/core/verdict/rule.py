@@ -220,8 +220,10 @@ def diagnose(
 ) -> tuple[str, str]:  # fmt: skip
     """``(kind, line)`` for a report that does not match; the first kind that explains it wins.
     ``no_floor``: why no twin measured a floor (the verdict's ``twin``), for the ``unmeasured`` line;
-    ``placed``: the stage the location found (a ``Where``'s), which an ``update`` reading of the final
-    leaves must not contradict (a GroupNorm's epsilon read 'the update differs' above 'where: module')."""
+    ``placed``: the stage the location found (a ``Where``'s), which an ``update`` or ``optimizer`` reading of the
+    final leaves must not contradict (a GroupNorm's epsilon read 'the update differs' above 'where: module'; behind
+    diffusion_distillation's zero-initialised output convolutions every first gradient is 0 on both sides, and its
+    slips in the forward pass read 'the optimizer ... differ'): it is ``math``, placed by the first step's records."""
     bad = failed(report)
     if nonfinite:
         return 'non-finite', nonfinite
@@ -254,17 +256,20 @@ def diagnose(
             f'{details(later)}; the EMA is updated differently (its decay, its arithmetic, or which parameters '
             'it averages)' + also
         )
+    if placed in EARLIER:  # what the final leaves show grew from a place the first step's records found
+        return 'math', (
+            f"the first step's loss agrees within its floor{' (and its gradients)' if grads_checked else ''}, later "
+            f'losses or the final state do not: {details(later)}; the first step, recorded module by module, parts '
+            f'earlier, in the {placed} (where: below)' + also
+        )
     if grads_checked:
         return 'optimizer', (
             "the first step's loss and gradients agree within their floor, the state after training does not: "
             f'{details(later)}; the optimizer, its settings or its state differ' + also
         )
-    reading = 'the update differs (the optimizer, its state, or a gradient the loss does not show)'
-    if placed in EARLIER:  # what the final leaves show grew from a place the first step's records found
-        reading = f'the first step, recorded module by module, parts earlier, in the {placed} (where: below)'
     return 'update', (
         f"the first step's loss agrees within its floor, later losses or the final state do not: {details(later)}; "
-        f'{reading}' + also
+        'the update differs (the optimizer, its state, or a gradient the loss does not show)' + also
     )
 
 
