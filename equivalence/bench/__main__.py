@@ -57,6 +57,9 @@ def inputs(argv: list[str] | None, n_available: int | None = None):
 
     args = parse(argv)
     if args.cost:
+        from equivalence.bench import cost
+
+        cost.leave_the_accelerator()  # this process only checks the flags and starts the repeats' processes
         return cost_inputs(args, n_available)
     if args.slip is not None:
         raise ConfigError('--slip names the MISMATCH that --cost times; add --cost')

@@ -44,10 +44,27 @@ class Subject:
     config: object  # RunConfig
 
 
+PLATFORMS = 'EQUIVALENCE_COST_PLATFORMS'  # the JAX_PLATFORMS the repeats' processes run with (the user's)
+
+
+def leave_the_accelerator() -> None:
+    """This process on JAX's CPU backend: one program at a time can hold a TPU chip (libtpu's lock), and a
+    GPU's first process takes 75% of its memory, so a parent that opened the accelerator to count its devices
+    left none to the repeats it starts (a TPU v5e: 'Internal error when accessing libtpu multi-process
+    lockfile', exit 3). The repeats get the user's platforms back (``env``) and check the device count
+    themselves (a count the accelerator lacks is their one-line error, exit 2)."""
+    os.environ.setdefault(PLATFORMS, os.environ.get('JAX_PLATFORMS', ''))
+    os.environ['JAX_PLATFORMS'] = 'cpu'
+    if 'jax' in sys.modules:  # imported, its backend not yet started (the flags are parsed before it)
+        sys.modules['jax'].config.update('jax_platforms', 'cpu')
+
+
 def env() -> dict[str, str]:
     """This process's environment (its device count, its import path: the port's folder on it), with
-    every persistent compilation cache off: each repeat compiles afresh."""
-    environ = {k: v for k, v in os.environ.items() if k != 'JAX_COMPILATION_CACHE_DIR'}
+    every persistent compilation cache off: each repeat compiles afresh; the user's JAX platforms."""
+    environ = {k: v for k, v in os.environ.items() if k not in ('JAX_COMPILATION_CACHE_DIR', 'JAX_PLATFORMS')}
+    if os.environ.get(PLATFORMS):
+        environ['JAX_PLATFORMS'] = os.environ[PLATFORMS]
     path = os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p and os.path.isdir(p))
     return {**environ, **OFF, 'PYTHONPATH': path}
 

@@ -137,3 +137,21 @@ def not_compared(train_state: Any, groups=None) -> list[str]:
 def _why_key(value: Any) -> str:
     n = len(jax.tree.leaves(value))
     return f'{type(value).__name__} ({n} arrays): no counterpart the suite reads (give new_groups=)'
+
+
+def structure(train_state: Any) -> Any:
+    """What a train state is apart from its arrays: a pytree's treedef, NNX objects' graphdef (with their static
+    fields: an optax transformation ``new_state`` made, a TrainState's ``tx``)."""
+    return jax.tree.structure(train_state) if form(train_state) == PYTREE else nnx.split(train_state)[0]
+
+
+def restructured(train_state: Any, structure_: Any) -> Any:
+    """``train_state``'s arrays under another setup's ``structure``: the team's call is one object that JAX's
+    caches key by already, but by its state's static fields too, which ``new_state`` makes afresh; a setup
+    built again (the twin of the run's own program) compiled the call again. Its own, where they differ."""
+    try:
+        if form(train_state) == PYTREE:
+            return jax.tree.unflatten(structure_, jax.tree.leaves(train_state))
+        return nnx.merge(structure_, nnx.split(train_state)[1])
+    except Exception:  # noqa: BLE001 -- another structure: it keeps its own (and compiles its own)
+        return train_state

@@ -134,9 +134,7 @@ class NnxSetup:
     config: RunConfig
     decisions: list = dataclasses.field(default_factory=list)  # sharding.Decision per parameter
 
-    @property
-    def model(self):
-        return nnx.merge(self.graphdef, self.state).model
+    model = property(lambda self: nnx.merge(self.graphdef, self.state).model)
 
     def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
         rng, (keys, batch) = placed_inputs(self, rng, batch_KxG)
@@ -249,8 +247,11 @@ class LoopNewSetup:
         groups = self.port.new_groups or new_side.read_groups
         return convert.groups_to_neutral(gather.to_host(groups(self.train_state)))
 
-    def shared(self, program: Any = None) -> None:
-        """Nothing: its call is the team's own, one object that JAX's caches key by already."""
+    def shared(self, program: Any = None) -> Any:
+        """Its train state's structure, or ``program``'s (another setup's) given to its arrays (``new_side``)."""
+        if program is not None:
+            self.train_state = new_side.restructured(self.train_state, program)
+        return new_side.structure(self.train_state) if program is None else program
 
     def view(self) -> nnx.Module:
         """The team's train state, viewed under ``nnx_sharded.train.TrainState``'s names (``View``); with
@@ -319,10 +320,8 @@ class View(nnx.Module):
         return cls(*convert.find_nnx_objects(train_state))
 
 
-PINNED = (  # what jax.jit says of inputs placed elsewhere than its shardings
-    'does not match the sharding on the respective arg',  # its in_shardings
-    'Received incompatible devices for jitted computation',  # its out_shardings alone, on other devices
-)
+# what jax.jit says of inputs placed elsewhere than its shardings: its in_shardings; its out_shardings alone
+PINNED = ('does not match the sharding on the respective arg', 'Received incompatible devices for jitted computation')
 
 
 def pinned(port: LoopPort, mesh, error: ValueError) -> ConfigError:
