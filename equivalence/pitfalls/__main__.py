@@ -35,9 +35,13 @@ def inputs(argv: list[str] | None, n_available: int | None = None):
     if args.list:
         return args, None
     n_devices = cli.available_devices(n_available)
-    if n_devices < MIN_DEVICES:
+    if n_devices < MIN_DEVICES:  # each trap is a difference between devices (a pmean, a key, a split)
+        import jax
+
+        backend = jax.default_backend()
+        how = 'JAX_NUM_CPU_DEVICES=8' if backend == 'cpu' else 'JAX_PLATFORMS=cpu (8 simulated CPU devices)'
         raise ConfigError(
-            f'the pitfalls need at least {MIN_DEVICES} devices, JAX sees {n_devices}; set JAX_NUM_CPU_DEVICES=8'
+            f'the pitfalls need at least {MIN_DEVICES} devices, JAX sees {n_devices} {backend} device(s); set {how}'
         )
     return args, n_devices
 
