@@ -120,8 +120,13 @@ def assert_port_matches_across_processes(
     process cannot. Fails with the report unless every leaf matches; returns the JSON report.
     ``port`` is ``module:NAME``; the workers find the module in its folder, and this suite where
     the test found it. ``flags``: more ``run`` flags (``['--strategy', 'fsdp']``)."""
+    import jax
+
     from equivalence.core.port import loading
 
+    if jax.default_backend() != 'cpu':  # a TPU chip admits one program, and its host no socket: several
+        # processes on one machine are CPU devices talking over 127.0.0.1 (a cluster runs them: docs/cluster.md)
+        pytest.skip(f'several processes on one machine need the CPU backend; JAX runs on {jax.default_backend()}')
     loading.load(port)  # a name that does not resolve fails here (ConfigError), before any worker starts
     module = sys.modules[port.partition(':')[0]]
     with tempfile.TemporaryDirectory(prefix='equivalence-processes-') as tmp:

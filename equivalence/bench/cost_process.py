@@ -41,12 +41,14 @@ def _train(setup, inputs) -> list[float]:
 
 def bare(port, config) -> dict:
     from equivalence.core import harness, kinds
-    from equivalence.core.run import clock
+    from equivalence.core.run import clock, precision
     from equivalence.core.run import inputs as made
 
     harness.validate(port, config)
     kind = kinds.of(port)
-    with clock.measuring() as measured:
+    # at the check's precision (an accelerator's highest): the same numbers as the check, which a TPU's bare
+    # runs at its default precision were not (vit_port on a v5e: 'the check computed the losses ...' FAIL)
+    with clock.measuring() as measured, precision.computing_at(config.precision):
         with clock.stage('inputs (data, linen initial variables)'):
             inputs = made.make(port, config)
         with clock.stage('legacy side (built, compiled, run)'):

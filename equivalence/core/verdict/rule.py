@@ -101,7 +101,7 @@ class Verdict:
         out = [f'verdict: {self.mode}; ' + '; '.join(self.done)]
         for leaf in self.noise_dominated:
             out.append(
-                f'NOISE-DOMINATED {leaf.name}: reordering {whose(leaf)}sums alone moves it by {leaf.floor:.2e} '
+                f'NOISE-DOMINATED {leaf.name}: {whose(leaf)}twin moves it by {leaf.floor:.2e} '
                 f'(legacy differs by {leaf.max_abs:.2e}); its final value cannot verify it'
             )
         hides = f': {NOISE_HIDES}' if self.hidden_by_noise else ''
@@ -175,7 +175,7 @@ def early_excess(
 
 
 NOISE_HIDES = (
-    'reordering the sums alone moves them by about as much as legacy differs, so a slip there would pass '
+    "the run's own rounding (its twin) moves them by about as much as legacy differs, so a slip there would pass "
     'unseen; every leaf is within its floor, and that proves nothing here'
 )
 
