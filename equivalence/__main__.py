@@ -19,6 +19,7 @@ GUIDES = (
     ('docs/ladder.md', 'the migration as rungs: pmap linen -> jit linen -> NNX, each checked the same way'),
     ('docs/verdict.md', 'what MATCH proves, the tolerance and why, run flags, the JSON report'),
     ('docs/commands.md', 'what every command shares: validation, exit codes 0 to 5 and 130, reports'),
+    ('docs/accelerators.md', 'on one TPU chip or GPU: the floor, the precision, every command, measured'),
     ('docs/strategies.md', 'FSDP, TP, 2-D meshes and shard_map, each checked against pmap'),
     ('docs/cluster.md', 'several processes and clusters: --processes, SLURM, timeouts'),
     ('docs/checkpoints.md', 'legacy saves, migrate, restoring onto a mesh, run --resume-at'),
