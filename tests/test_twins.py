@@ -59,6 +59,7 @@ def test_a_twin_that_draws_other_random_numbers_is_refused():
     assert refused.verdict.twin.startswith("refused: it draws other random numbers than the new side's run"), (
         refused.verdict.lines()
     )
+    assert 'docs/port.md#the-device-count' in refused.verdict.twin  # the likely cause, and what fits (issue 51)
     assert refused.report.floor is None
     # no floor measured, so the verdict is NOT VERIFIED in its own words (exit 5), never the fixed screen's MATCH
     assert refused.outcome is Outcome.NOT_VERIFIED and refused.verdict.unverified.startswith(

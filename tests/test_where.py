@@ -20,7 +20,9 @@ from equivalence.core.port.config import RunConfig
 from equivalence.core.port.naming import PortError
 from equivalence.core.report import plots, render
 from equivalence.core.run import inputs as made
+from equivalence.core.run import nudge
 from equivalence.core.verdict import compare, hidden, locate
+from equivalence.core.verdict import rule as verdict
 from equivalence.core.verdict.first_step import Recorder
 
 
@@ -254,3 +256,39 @@ def test_a_slot_that_parts_on_a_later_step_is_the_optimizer_only_where_its_numbe
     assert (
         slots._later_slot(_Step(momentum.finals, step=1, prior={path: before}), '0/trace', [path], leaves, '') is None
     )
+
+
+def test_each_module_call_is_allowed_what_the_runs_own_program_makes_of_a_one_spacing_difference():
+    """A correct GroupNorm UNet's ModelPort failed on a GroupNorm 8.5 spacings apart, allowed 'floor 0.00e+00'
+    and 8 spacings (issue 51): the device-count twin computes each example's forward pass as the run does,
+    bitwise, so it measured nothing at a module, and the two programs' own rounding was read as a slip. The
+    twin of the run's own program, its inputs one spacing off, moves every module call: each has a floor of
+    its own. The control: the device-count twin leaves the module floors at 0."""
+    require_devices(2)
+    port = my_port.LOOP
+    config = RunConfig(workload=port.name, devices=2, steps_per_call=1, calls=1, batch_size=port.default_batch,
+                       rng_mode=port.rng_modes[0])  # fmt: skip
+    kind, fed = kinds.of(port), made.make(port, config)
+    floors = {}
+    for twin in (nudge.DRAWS[0], 1):
+        found = locate.judge_step(kind, *Recorder(kind, config, fed, twin).forward, fed.mapping, fed.variables)
+        floors[twin] = [m.output_floor for m in found.modules]
+    assert len(floors[1]) >= 4 and all(f is not None and f > 0 for f in floors[nudge.DRAWS[0]]), floors
+    assert not all(f is not None and f > 0 for f in floors[1]), floors
+
+
+def test_a_match_names_no_place_and_a_later_reading_defers_to_a_first_step_place():
+    """A report never contradicts itself (issue 51): a MATCH located on request names no place, whatever its
+    recording alone parts at (diffusion_distillation's correct loop: '105 module calls within their floors',
+    MATCH, then 'where: module at up_1.attn_1/norm ... computes something else'); and a MISMATCH whose first
+    gradients agree (a zero-initialised output hides every one of them) but whose first step parts in the
+    forward pass is that math, not 'the optimizer ... differ'."""
+    module = locate.Location('module', 'LayerNorm_0', 'norm', 'its output 2.15e-06 apart (allowed 1.91e-06)')
+    said = locate.unconfirmed(module)
+    assert said.kind == 'unlocated' and said.new == '' and 'norm' in said.figures
+    assert locate.unconfirmed(locate.Location('none', '', '', 'nothing parts')).kind == 'none'
+    ref, new = ({'params': {'w': np.full(3, x, np.float32)}} for x in (1.0, 1.1))
+    off = compare.compare_to_floor(ref, new, new, verdict.MEASURED_FLOOR)  # the twin at the new side: a floor of 0
+    assert verdict.diagnose(off, '', None, True)[0] == 'optimizer'
+    assert verdict.diagnose(off, '', None, True, placed='forward')[0] == 'math'
+    assert verdict.diagnose(off, '', None, False, placed='forward')[0] == 'math'

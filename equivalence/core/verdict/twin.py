@@ -231,8 +231,6 @@ def measure(kind: PortKind, config: RunConfig, new, inputs: Inputs, counts: tupl
             continue
         errors += raised
         refusal = rule.twin_refusal(new.losses, tw.losses)
-        if refusal and isinstance(n, int) and n != config.devices:
-            refusal += PER_REPLICA
         if not refusal and devices_of(n, config) == config.devices:
             refusal = rule.twin_reordered_nothing(new.final, tw.final)
         if not refusal and drawn is not None:
@@ -240,6 +238,8 @@ def measure(kind: PortKind, config: RunConfig, new, inputs: Inputs, counts: tupl
                 with clock.stage("the run's first call again, its random draws recorded"):
                     drawn_by_run = [run_draws(kind, config, inputs)]
             refusal = draws.refusal(drawn_by_run[0], drawn)
+        if refusal and isinstance(n, int) and n != config.devices:  # its losses or its draws: the likely cause
+            refusal += PER_REPLICA
         if refusal:
             why.append((n, f'{refusal} ({describe([n])}{" in a fresh process" if in_fresh else ""})'))
         else:
