@@ -253,7 +253,7 @@ def own_program(kind: PortKind, config: RunConfig, new, inputs: Inputs, n: Nudge
     """``(the PathResult of the run's own program from inputs nudged by ``n``, or None; why it measures
     nothing, or '')``: the same program, devices, keys and rows, so only a non-finite loss refuses it (its
     first losses move with its inputs: no loss is held to the run's within spacings)."""
-    with clock.stage(f'twin {describe([n])}'):
+    with clock.stage(f'twin of {n}'):
         tw = run_twin(kind, config, inputs, n, program=new.program)
     bad = [k for k, (a, b) in enumerate(zip(new.losses, tw.losses, strict=True)) if np.isfinite(a) != np.isfinite(b)]
     if bad:
