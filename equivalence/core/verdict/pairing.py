@@ -49,8 +49,8 @@ def pairs(legacy: dict[str, Record], nnx_: dict[str, Record], mapping: dict[str,
     the (n+1)-th call), where both sides call the module as often, or one side's further calls repeat its
     first (a bridge's wrapper and the linen module inside it: one call seen twice): a module the new side calls once per
     group of rows (a Python loop over the pmap side's D replicas, as diffusion_distillation's per-replica
-    step ports) holds other rows in its first call than the pmap side's one call, whose rows are every
-    device's; paired, its input parted by 2.0 (other examples' embeddings) and failed a correct port.
+    step ports, unrolled) holds other rows in each call than the pmap side's one call over every device's.
+    (Calls folded into one record, a Python loop inside one trace: ``recorded.value`` compares no rows there.)
     Dropouts no renaming pairs, by their order among the Dropout calls."""
     out = {}
     calls = [collections.Counter(label.partition('#')[0] for label in side) for side in (legacy, nnx_)]
