@@ -176,7 +176,8 @@ def early_excess(
 
 NOISE_HIDES = (
     "the run's own rounding (its twin) moves them by about as much as legacy differs, so a slip there would pass "
-    'unseen; every leaf is within its floor, and that proves nothing here'
+    'unseen; every leaf is within its floor, and that proves nothing here; more steps (--calls) move parameters '
+    'that have barely left their initial values (a zero-initialised layer) beyond their noise'
 )
 
 
