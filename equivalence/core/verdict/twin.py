@@ -1,4 +1,6 @@
-"""The twin: the NNX side run again, on the same data, keys and initial state, on another mesh.
+"""The twins: the run's own compiled program from inputs one spacing off (``--twin program``, the default in one
+process: ``run.nudge``, ``own_program``), or, as follows, the NNX side run again, on the same data, keys and
+initial state, on another mesh (``--twin devices``, and every process of a run of several).
 
 Only the order of the float32 reductions changes. In per-device mode the NNX step draws
 its noise by vmapping over the ``[D, 2]`` key array inside one global program
@@ -253,8 +255,11 @@ def own_program(kind: PortKind, config: RunConfig, new, inputs: Inputs, n: Nudge
     """``(the PathResult of the run's own program from inputs nudged by ``n``, or None; why it measures
     nothing, or '')``: the same program, devices, keys and rows, so only a non-finite loss refuses it (its
     first losses move with its inputs: no loss is held to the run's within spacings)."""
-    with clock.stage(f'twin of {n}'):
-        tw = run_twin(kind, config, inputs, n, program=new.program)
+    try:
+        with clock.stage(f'twin of {n}'):
+            tw = run_twin(kind, config, inputs, n, program=new.program)
+    except Exception as e:  # noqa: BLE001 -- the port's own code raised on nudged inputs: no floor, said why
+        return None, f'not run: {n} raised {blame.first_line(e)}'
     bad = [k for k, (a, b) in enumerate(zip(new.losses, tw.losses, strict=True)) if np.isfinite(a) != np.isfinite(b)]
     if bad:
         k = bad[0]
