@@ -123,11 +123,14 @@ def run(port: Port, config: RunConfig, progress: Progress | None = None, diagnos
 
 def _default_gap(port: Port, config: RunConfig) -> dict | None:
     """How far apart the two sides end at the backend's default precision (``precision.gap``), run again bare:
-    what the check at ``highest`` did not judge. None where they cannot run so."""
+    what the check at ``highest`` did not judge. None where they cannot run so (the verdict stands)."""
     default = dataclasses.replace(config, precision='default')
-    with clock.stage("both sides again at the backend's default precision (said, not judged)"):
-        prepared = prepare(port, default)
-        old, new = both_sides(prepared.kind, default, prepared.inputs)
+    try:
+        with clock.stage("both sides again at the backend's default precision (said, not judged)"):
+            prepared = prepare(port, default)
+            old, new = both_sides(prepared.kind, default, prepared.inputs)
+    except Exception:  # noqa: BLE001 -- a figure beside the verdict, never an error in place of it
+        return None
     return precision.gap(old, new)
 
 

@@ -18,7 +18,6 @@ import dataclasses
 import jax
 import numpy as np
 
-PRECISIONS = ('auto', 'highest', 'default')  # config.PRECISIONS, kept without importing JAX there
 DEFAULT_ROUNDING = {  # what a backend's default precision does to float32 matrix products
     'cpu': 'float32',
     'tpu': 'bfloat16 passes',

@@ -188,8 +188,8 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
     located = locate.attach(mismatch, kind, config, inputs, recorder, seen)
     stage = Where(located.location.kind).stage if located.location is not None else None
     if diagnosed in ('update', 'optimizer') and stage in rule.EARLIER:  # one finding: the place the records found
-        kind, line = rule.diagnose(report, nonfinite, rerun, grads is not None, no_floor, placed=stage)
-        located = dataclasses.replace(located, kind=kind, diagnosis=line)
+        reading, line = rule.diagnose(report, nonfinite, rerun, grads is not None, no_floor, placed=stage)
+        located = dataclasses.replace(located, kind=reading, diagnosis=line)
     return report, located
 
 
