@@ -51,3 +51,30 @@ def test_one_device_and_no_process_gives_a_measured_verdict(tmp_path):
     assert slip == 1
     devices_twin, _ = one_chip(tmp_path, '--twin', 'devices')
     assert devices_twin == 5  # no second mesh and no fresh process: no floor, no verdict
+
+
+def test_on_an_accelerator_a_check_computes_at_highest_and_says_the_default_precisions_gap(monkeypatch):
+    """On an accelerator (the backend said to be a TPU here; the CPU computes float32 in float32 at every
+    precision) a check runs at ``highest``, says so in the header and the JSON's ``device``, and runs both sides
+    again at the default precision for their gap, which is not judged. ``--precision highest`` skips that; the
+    CPU, as it is, computes at its default and says nothing of it."""
+    import jax
+
+    from equivalence.core import harness
+    from equivalence.core.port import workloads
+    from equivalence.core.report import render
+
+    small = {'devices': 2, 'steps_per_call': 2, 'calls': 2}
+    on_cpu = harness.check(workloads.get('mlp'), **small)
+    assert on_cpu.device.precision == 'default' and on_cpu.device.default_gap is None
+    assert 'precision' not in render.header(on_cpu, 'cpu')
+    monkeypatch.setattr(jax, 'default_backend', lambda: 'tpu')
+    result = harness.check(workloads.get('mlp'), **small)
+    said = render.to_json(result, {})['device']
+    assert said['backend'] == 'tpu' and said['precision'] == 'highest' and result.outcome.label == 'MATCH'
+    assert set(said['default_gap']) == {'losses', 'first_loss', 'params'}
+    assert 'at highest precision' in render.header(result, 'tpu')
+    stages = [s['name'] for s in result.timing['stages']]
+    assert any('default precision' in name for name in stages)
+    asked = harness.check(workloads.get('mlp'), precision='highest', **small)
+    assert asked.device.precision == 'highest' and asked.device.default_gap is None
