@@ -2,6 +2,8 @@
 
 import dataclasses
 
+import ml_dtypes
+
 
 @dataclasses.dataclass(frozen=True)
 class Tolerance:
@@ -18,3 +20,12 @@ FLOAT32_REDUCTION_ORDER = Tolerance(
     atol=1e-6,
     reason='float32 reduction order: pmean of per-device means vs one global mean',
 )
+
+
+def is_float(dtype) -> bool:
+    """Whether leaves of ``dtype`` are floats: numpy's, and ml_dtypes' (bfloat16, float8), which
+    numpy does not call floating; every other leaf is a counter, equal or wrong."""
+    try:
+        return ml_dtypes.finfo(dtype).dtype.kind in 'fV'  # V: ml_dtypes' own
+    except (ValueError, TypeError):
+        return False

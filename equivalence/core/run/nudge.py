@@ -21,6 +21,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from equivalence.core.port.tolerance import is_float
+
 WIDTHS = {2: np.uint16, 4: np.uint32, 8: np.uint64}  # IEEE binary floats of these byte sizes, as their bits
 CARRIED = ('ema',)  # groups that hold the initial parameters themselves: a parameter nudge is carried, not grown
 
@@ -47,10 +49,6 @@ class Nudged:
 
 DRAWS = (Nudged(0), Nudged(1, params=False))  # a leaf's floor is the larger of theirs (BatchNorm's scales absorb
 # a batch-only nudge: the experiment's P = 0 there; the parameters' nudge reaches them)
-
-
-def is_float(dtype) -> bool:
-    return np.dtype(dtype).kind == 'f' or 'bfloat16' in str(dtype) or 'float8' in str(dtype)
 
 
 def nudge(x: Any, draw: int) -> Any:

@@ -5,7 +5,7 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
-from equivalence.core.port.tolerance import FLOAT32_REDUCTION_ORDER, Tolerance  # noqa: F401 -- part of this API
+from equivalence.core.port.tolerance import FLOAT32_REDUCTION_ORDER, Tolerance, is_float  # noqa: F401 -- part of this API
 
 Neutral = dict[str, dict[str, np.ndarray]]
 
@@ -113,15 +113,6 @@ def spacing32(x: float) -> float:
 def spacing(x: float, dtype) -> float:
     """The spacing of ``dtype`` (float32, bfloat16, float16, ...) at ``|x|``, ``|x|`` rounded to it first."""
     return float(np.spacing(np.asarray(abs(x)).astype(dtype)))
-
-
-def is_float(dtype) -> bool:
-    """Whether leaves of ``dtype`` are floats: numpy's, and ml_dtypes' (bfloat16, float8), which
-    numpy does not call floating; every other leaf is a counter, equal or wrong."""
-    try:
-        return ml_dtypes.finfo(dtype).dtype.kind in 'fV'  # V: ml_dtypes' own
-    except (ValueError, TypeError):
-        return False
 
 
 def narrower(dtype) -> bool:
