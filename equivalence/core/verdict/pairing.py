@@ -9,7 +9,6 @@ three neutral trees (legacy, NNX, twin) that the verdict's rule compares leaf by
 ``recorded_grads`` reads a model port's first gradient as its optimizer was given it.
 """
 
-import collections
 import contextlib
 
 import numpy as np
@@ -46,21 +45,15 @@ def _module_target(path: str, mapping: dict[str, str], names) -> str | None:
 
 def pairs(legacy: dict[str, Record], nnx_: dict[str, Record], mapping: dict[str, str], names) -> dict[str, str]:
     """``{linen label: NNX label}`` of the module calls both sides made (``path`` or ``path#n`` for
-    the (n+1)-th call), where both sides call the module as often, or one side's further calls repeat its
-    first (a bridge's wrapper and the linen module inside it: one call seen twice): a module the new side calls once per
-    group of rows (a Python loop over the pmap side's D replicas, as diffusion_distillation's per-replica
-    step ports, unrolled) holds other rows in each call than the pmap side's one call over every device's.
-    (Calls folded into one record, a Python loop inside one trace: ``recorded.value`` compares no rows there.)
-    Dropouts no renaming pairs, by their order among the Dropout calls."""
+    the (n+1)-th call); Dropouts no renaming pairs, by their order among the Dropout calls."""
     out = {}
-    calls = [collections.Counter(label.partition('#')[0] for label in side) for side in (legacy, nnx_)]
     for label in legacy:
         if label in NOT_MODULES:
             continue
         path, _, n = label.partition('#')
         target = _module_target(path, mapping, names)
         other = target if not n else f'{target}#{n}'
-        if target is not None and other in nnx_ and (calls[0][path] == calls[1][target] or _repeats(nnx_, target)):
+        if target is not None and other in nnx_:
             out[label] = other
     by_order = lambda side: sorted((lab for lab, r in side.items() if 'Dropout' in r.cls), key=lambda x: side[x].order)  # noqa: E731
     taken = set(out.values())
@@ -68,19 +61,6 @@ def pairs(legacy: dict[str, Record], nnx_: dict[str, Record], mapping: dict[str,
         if a not in out and b not in taken:
             out[a] = b
     return out
-
-
-def _repeats(side: dict[str, Record], path: str) -> bool:
-    """Whether every further call of ``path`` on this side (``path#n``) was given the very inputs of its first."""
-    first = side[path].values[min(side[path].values)][0]
-    for label, record in side.items():
-        if label.partition('#')[0] == path and label != path:
-            again = record.values[min(record.values)][0]
-            if len(again) != len(first) or not all(
-                np.shape(a) == np.shape(b) and np.array_equal(a, b) for a, b in zip(again, first, strict=True)
-            ):
-                return False
-    return True
 
 
 def trees(raw: dict, paired: dict[str, str]) -> tuple[dict, dict, dict]:
