@@ -55,6 +55,13 @@ def parse(argv: list[str] | None):
         help='say where the first step parts (module, loss, gradient, statistic, optimizer slot) on MATCH too; '
         'a MISMATCH always says it (one more first step on each side)',
     )
+    parser.add_argument(
+        '--reference',
+        default=None,
+        metavar='FILE',
+        help='read the pmap side from FILE, recorded once by python -m equivalence.record, and run only the new '
+        'side (the pmap code need not be importable; docs/reference.md)',
+    )
     cli.add_output_flags(parser, 'write a machine-readable report', plot=True)
     distributed.add_flags(parser)
     checkpoint_options.add_flags(parser)
@@ -68,8 +75,12 @@ def inputs(argv: list[str] | None, n_available: int | None = None):
     extra = {'perturb': args.perturb, 'nnx_form': args.nnx_form, 'verdict': args.verdict}
     extra |= {'twin': args.twin, 'precision': args.precision}
     extra['locate'] = args.locate or None
+    extra['reference'] = args.reference
     wl, config = cli.run_config(args, n_available, **extra)
     checkpoints = checkpoint_options.from_args(args)
+    if args.reference is not None and (checkpoints.requested or args.processes > 1):
+        raise cli.ConfigError('--reference runs the new side alone, in one process: it takes no --resume-at, '
+                              '--checkpoint-dir or --processes')  # fmt: skip
     checkpoints.check(config, several=args.processes > 1 or distributed.worker.is_worker(args))
     return args, wl, config, checkpoints
 

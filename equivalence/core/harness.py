@@ -16,12 +16,12 @@ from equivalence.core import kinds, preflight
 from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.port.kind import Kind
 from equivalence.core.port.ports import Port
-from equivalence.core.run import clock, precision, randomness
+from equivalence.core.run import clock, precision, randomness, reference
 from equivalence.core.run import inputs as made
-from equivalence.core.run.facts import has_batch_stats
+from equivalence.core.run.facts import has_batch_stats, name_mapping
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.run.sides import PathResult, Progress, both_sides, compared, run_legacy, run_new, silent
-from equivalence.core.verdict import hints
+from equivalence.core.verdict import hints, referenced
 from equivalence.core.verdict.judge import RunResult, judged
 from equivalence.core.verdict.outcome import Outcome
 
@@ -49,6 +49,8 @@ def prepare(port: Port, config: RunConfig, n_steps: int | None = None) -> Prepar
     two sides' names, once), then its inputs made. ``config`` must have passed ``validate``. ``n_steps``:
     the steps the pre-flight asks ``make_data`` for (bench's pool)."""
     kind = kinds.of(port)
+    if config.reference is not None:
+        return _from_reference(kind, config)
     with clock.stage("initial variables: linen's initialisation traced, compiled on a thread"):
         started, compiling = _init_aside(port, config)
     with clock.stage('pre-flight (the port traced abstractly)'):
@@ -63,6 +65,33 @@ def prepare(port: Port, config: RunConfig, n_steps: int | None = None) -> Prepar
         if compiling is not None:
             compiling.result()
         return Prepared(kind, config, made.make(port, config, mapping, started))
+
+
+def _from_reference(kind: Kind, config: RunConfig) -> Prepared:
+    """A port whose pmap side is read from ``config.reference`` (``verdict.referenced``): its inputs are the
+    recorded ones, its names paired with the new side's (``naming.PortError``, exit 2, where they do not pair),
+    nothing of the pmap code run or imported. A reference that does not fit is exit 2 before any training."""
+    with clock.stage(f'reference {config.reference} read, every array checked against its sha256'):
+        held, recorded = referenced.read(config.reference, kind, config)
+        mapping = name_mapping(kind.port, held['variables'])
+    inputs = Inputs(held['variables'], held['calls'], held['rng'], mapping, recorded=recorded.named(mapping))
+    return Prepared(kind, config, inputs)
+
+
+def record(port: Port, config: RunConfig, path: str, say: clock.Say | None = None) -> dict:
+    """The pmap side of a check recorded at ``path`` (``python -m equivalence.record``): the inputs made as a
+    check makes them, the legacy run and its first steps recorded (``referenced.record``); the new side is
+    neither run nor paired. ``{'timing': ...}``: what each stage cost."""
+    kind = kinds.of(port)
+    with clock.measuring(say) as measured:
+        with precision.computing_at(config.precision):
+            with clock.stage('inputs (data, keys, initial variables)'):
+                inputs = made.unpaired(port, config)
+            with clock.stage(f'legacy side: {kind.programs()[0]}, {len(inputs.calls)} calls, then its first steps '
+                             'recorded module by module'):  # fmt: skip
+                tree = referenced.record(kind, config, inputs)
+            reference.save(path, config, port.name, tree)
+    return {'timing': measured.summary(), 'losses': tree['legacy'].losses}
 
 
 def _init_aside(port: Port, config: RunConfig) -> tuple:
@@ -115,7 +144,7 @@ def run(port: Port, config: RunConfig, progress: Progress | None = None, diagnos
         with precision.computing_at(config.precision):
             result = _run(port, config, progress or silent, diagnose, checkpoints)
         result.device = precision.Device.here(config.devices, config.precision)
-        if diagnose and config.precision == 'auto' and result.device.precision == 'highest':
+        if diagnose and config.precision == 'auto' and result.device.precision == 'highest' and not config.reference:
             result.device = dataclasses.replace(result.device, default_gap=_default_gap(port, config))
     result.timing = measured.summary()
     return result
@@ -138,6 +167,13 @@ def _run(port: Port, config: RunConfig, progress: Progress, diagnose: bool, chec
     prepared = prepare(port, config)
     kind, inputs = prepared.kind, prepared.inputs
     resumed = False
+    if inputs.recorded is not None:
+        with clock.stage(f'new side: {kind.programs()[1]}, {len(inputs.calls)} calls (compiled, run)'):
+            new = run_new(kind, config, inputs, progress)
+        result = judgement(kind, config, inputs.recorded.legacy, new, inputs, diagnose=diagnose)
+        result.notes.append(f'the pmap side read from the reference {config.reference}, recorded on '
+                            f'{referenced.where_recorded(inputs.recorded.environment)}')  # fmt: skip
+        return result
     if checkpoints is None:
         old, new = both_sides(kind, config, inputs, progress)
         result = judgement(kind, config, old, new, inputs, diagnose=diagnose)

@@ -40,6 +40,7 @@ class RunConfig:
     locate: bool | None = None  # where the first step parts (verdict.locate): None: on MISMATCH; True: MATCH too
     precision: str = 'auto'  # auto: highest on an accelerator (said, with the default's gap), as it is on CPU
     twin: str = 'program'  # the floor's twin: the run's own program, inputs one spacing off; or other device counts
+    reference: str | None = None  # --reference: the pmap side read from this recording, not run (verdict.referenced)
     available: dataclasses.InitVar[int | None] = None  # devices JAX sees; None: not checked (library use)
     data_k: dataclasses.InitVar[int] = 1  # bench: each call's data covers max(K, data_k) steps
 

@@ -33,6 +33,7 @@ class Inputs:
     whole: list | None = dataclasses.field(default=None, repr=False)  # every row of each call (several processes)
     restore: Callable | None = None  # --resume-at: loads the checkpoint into a setup, returns the key chain
     first_call: int = 0  # --resume-at: the calls are those from this one on
+    recorded: Any = None  # --reference: the pmap side read from a reference (verdict.referenced.Recorded), not run
 
     @property
     def whole_calls(self) -> list:
@@ -41,6 +42,13 @@ class Inputs:
 
     def single_process_probes(self) -> str:
         """Why the probes that re-run both sides cannot run here; '' when they can."""
+        if self.recorded is not None:
+            return 'the pmap side is a recorded reference'
+        return self.first_steps_unrecorded()
+
+    def first_steps_unrecorded(self) -> str:
+        """Why the first steps cannot be recorded module by module here (the location, the first gradients);
+        '' when they can: a reference holds the pmap side's."""
         if self.restore is not None:
             return 'resumed from a checkpoint'
         return 'several processes' if jax.process_count() > 1 else ''
@@ -54,6 +62,16 @@ def make(port: Port, config: RunConfig, mapping: dict | None = None, started: 'S
     mapping = name_mapping(port, variables) if mapping is None else mapping
     whole = global_calls(port, config) if jax.process_count() > 1 else None
     return Inputs(variables, calls, rng, mapping, whole)
+
+
+def unpaired(port: Port, config: RunConfig) -> Inputs:
+    """The inputs ``make`` makes, in one process, with nothing of the new side asked: linen's variables from
+    the same key, every row of each call, the same key chain; no names paired (a reference's recording)."""
+    calls = global_calls(port, config)
+    rng, init_rng = jax.random.split(jax.random.PRNGKey(config.seed))
+    args, kwargs = init_inputs(port, jax.tree.map(lambda v: v[0, :1], calls[0]))
+    variables = dict(_init_program(port, args, kwargs)(init_rng))
+    return Inputs(variables, calls, rng, {})
 
 
 @dataclasses.dataclass(frozen=True)

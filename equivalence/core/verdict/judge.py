@@ -111,7 +111,7 @@ def legacy_floor(kind: Kind, config: RunConfig, old, new, inputs: Inputs, twins:
     """``(first-step gradients or None, the legacy twin's PathResult or None, what ran, what raised)``. A
     model port's first-step gradients are probed first: when they differ the difference is math, which no
     chaos excuses, and no legacy twin runs (nor may it hide a backward-pass slip)."""
-    cannot = inputs.single_process_probes()
+    cannot = inputs.first_steps_unrecorded()  # a reference holds the pmap side's first steps and its twin
     if cannot:
         return None, None, [f'legacy twin not run: {cannot}'], ()
     grads, done = None, []
@@ -130,11 +130,11 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
            errors: tuple = (), grads=None) -> tuple[compare.Report, Verdict]:  # fmt: skip
     """Gradients (strict, or to diagnose; ``grads`` if already probed), the diagnosis on MISMATCH, and
     where the sides part: ``(the report, with the gradients' leaves, the verdict)``."""
-    cannot = inputs.single_process_probes()
+    cannot, unrecorded = inputs.single_process_probes(), inputs.first_steps_unrecorded()
     recorder = recorder or Recorder(kind, config, inputs, None)
     if grads is None and kind.observes_grads and (config.verdict == 'strict' or (not report.match and diagnose)):
-        if cannot:
-            done = [*done, f'first-step gradients not probed: {cannot}']
+        if unrecorded:
+            done = [*done, f'first-step gradients not probed: {unrecorded}']
         else:
             with clock.stage("first-step gradients (each side's first step recorded)"):
                 grads = first_step.grads_report(recorder)
@@ -151,7 +151,7 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
     if (
         hidden.needed(report, seen)
         and diagnose
-        and not cannot
+        and not unrecorded
         and config.verdict != 'screen'
         and config.locate is not False
     ):

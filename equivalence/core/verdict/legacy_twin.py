@@ -61,10 +61,9 @@ def run(kind: Kind, config: RunConfig, old, new, twins: dict, inputs: Inputs):
     Another count, not the same step vmapped over the D device rows on one device (which would
     keep per-device keys): that keeps each device's grouping of the batch sums, where this chaos
     is born, and ends 3.3e-7 from legacy on 8 in the seed-4 case above, missing it."""
-    counts = twin.twin_counts(config, len(jax.devices()))  # the first NNX twin's count: 1, or 2 on D = 1
-    if not counts:
+    n = count(config)
+    if n is None:
         return None, 'legacy twin not run: no second device count fits', ()
-    n = counts[0]
     if config.calls < 2:
         why = 'with one call there is no early state to tell chaos from a real difference'
         return None, f'legacy twin not run: {why}', ()
@@ -78,8 +77,7 @@ def run(kind: Kind, config: RunConfig, old, new, twins: dict, inputs: Inputs):
         why = f'NNX is off after the first call, {excess}: not chaos, which grows from rounding'
         return None, f'legacy twin not run: {why}', ()
     try:
-        on_n = dataclasses.replace(config, devices=n, strategy='dp', mesh=None, nnx_form='split')
-        other = with_rows(kind.port, config, n, inputs) if by_rows else sides.run_legacy(kind, on_n, inputs)
+        other = inputs.recorded.legacy_twin(n) if inputs.recorded is not None else on_count(kind, config, n, inputs)
     except Exception as e:  # noqa: BLE001 -- pmap code written for one device count
         error = f'legacy twin on {n} device(s): {type(e).__name__}: {e}'
         return None, f'legacy twin on {n} device(s) not run: it raised {blame.first_line(e)}', (error,)
@@ -93,6 +91,21 @@ def run(kind: Kind, config: RunConfig, old, new, twins: dict, inputs: Inputs):
         return None, f'legacy twin on {n} device(s) {refusal}', ()
     keys = f", drawing with the run's {config.devices} per-device keys" if by_rows else ''
     return other, f"a legacy twin on {n} device(s){keys} measured the pmap side's own floor", ()
+
+
+def count(config: RunConfig) -> int | None:
+    """The device count the legacy twin runs on (the first NNX twin's: 1, or 2 on D = 1); None: none fits."""
+    counts = twin.twin_counts(config, len(jax.devices()))
+    return counts[0] if counts else None
+
+
+def on_count(kind: Kind, config: RunConfig, n: int, inputs: Inputs) -> sides.PathResult:
+    """The pmap side on ``n`` devices, with the run's data and keys (``with_rows``: drawing with the run's D
+    per-device key rows, where a model port draws random numbers)."""
+    if config.rng_mode == 'per-device' and kind.draws_random_numbers():
+        return with_rows(kind.port, config, n, inputs)
+    return sides.run_legacy(kind, dataclasses.replace(config, devices=n, strategy='dp', mesh=None, nnx_form='split'),
+                            inputs)  # fmt: skip
 
 
 # -- drawing with the run's per-device keys ---------------------------------------------------

@@ -293,7 +293,7 @@ def attach(verdict, port_kind: Kind, config: RunConfig, inputs: Inputs, recorder
     --resume-at) or raises, the location says so and the verdict stands."""
     if config.locate is False or (verdict.match and not config.locate):
         return verdict
-    cannot = inputs.single_process_probes()
+    cannot = inputs.first_steps_unrecorded()
     if cannot:
         return dataclasses.replace(verdict, location=Location('unlocated', '', '', f'not run: {cannot}'))
     if verdict.kind == 'bookkeeping':  # leaves on one side only: no number parts, so no place does

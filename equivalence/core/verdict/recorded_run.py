@@ -40,7 +40,7 @@ class Reuse:
 
 
 def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, n_twin: twin.TwinKind | None, steps: int = 1,
-                forward: bool = False, reuse: Reuse | None = None):  # fmt: skip
+                forward: bool = False, reuse: Reuse | None = None, only_legacy: bool = False):  # fmt: skip
     """``({side: PathResult after ``steps`` steps}, {side: {label: Record}})``: the first ``steps``
     steps of each side (legacy, nnx, and twin when ``n_twin``: a count, or a sharded run's
     ``twin.Reordered``), each a call of its own, every module call recorded; a ``Record`` holds the
@@ -50,21 +50,22 @@ def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, n_twin: twin.Twin
     again with the recording in them, and no other run takes a recording trace, nor does this one take
     theirs; nothing is cleared. ``forward``: the forward pass alone, each call compiled with only what its
     callbacks and its losses need (``setup.forward``): the results' states are the states before the step,
-    and no gradient or cotangent is recorded."""
+    and no gradient or cotangent is recorded. ``only_legacy``: the pmap side alone (a reference's recording);
+    ``inputs.recorded``: the pmap side's, read from a reference, not run."""
     reuse = reuse or Reuse()
     one = dataclasses.replace(probe.probe_config(config), steps_per_call=1, calls=steps)
     first, recording = [step_batch(inputs.calls, j) for j in range(steps)], kind.recording()
     fed = dataclasses.replace(inputs, calls=first)
     hooks = {'after_call': _next_call, 'before_call': _first_call, 'forward': forward}
-    runs = {
+    runs = {} if only_legacy else {
         'new': (lambda: recording.new_setup(one, fed),
                 lambda setup: sides.run_new(recording, one, fed, setup=setup, **hooks)),
     }  # fmt: skip
-    if n_twin:
+    if n_twin and not only_legacy:
         runs['twin'] = (lambda: recording.twin_setup(one, inputs, n_twin),
                         lambda setup: twin.run_twin(recording, one, dataclasses.replace(fed, whole=None), n_twin,
                                                     setup=setup, **hooks))  # fmt: skip
-    abstract = facts.abstract_model(kind.port)  # None: a new side of linen alone (nn.intercept_methods sees it)
+    abstract = None if only_legacy else facts.abstract_model(kind.port)  # None: a new side of linen alone
     graph = nnx.iter_graph(abstract) if abstract is not None else ()
     classes = {type(m) for _, m in graph if isinstance(m, nnx.Module)}
     results, s, compiling, rows = {}, _SESSION, None, None
@@ -73,12 +74,13 @@ def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, n_twin: twin.Twin
         with _patched(classes), _RECORDINGS(reuse.session), draws.recording([]):
             # The pmap side is traced first, as it always was, and compiles on a thread while the new side
             # and the twin run; it runs last, its values recorded then (a callback reads the side as it runs).
-            s.side, s.axis, s.mesh, s.call = 'legacy', kind.axis_name, None, -1  # building: not kept
-            legacy_setup = reuse.share('legacy', recording.legacy_setup(one, fed))
-            compiling = None if forward else sides.prefetch(legacy_setup, fed)  # forward: not this program
-            s.side = None
-            runs['legacy'] = (lambda: legacy_setup,
-                              lambda setup: sides.run_legacy(recording, one, fed, setup=setup, **hooks))  # fmt: skip
+            if inputs.recorded is None:
+                s.side, s.axis, s.mesh, s.call = 'legacy', kind.axis_name, None, -1  # building: not kept
+                legacy_setup = reuse.share('legacy', recording.legacy_setup(one, fed))
+                compiling = None if forward else sides.prefetch(legacy_setup, fed)  # forward: not this program
+                s.side = None
+                legacy_run = lambda setup: sides.run_legacy(recording, one, fed, setup=setup, **hooks)  # noqa: E731
+                runs['legacy'] = (lambda: legacy_setup, legacy_run)
             for side, (build, run) in runs.items():
                 s.side, s.axis, s.mesh, s.call = side, None, None, -1  # building: not kept
                 same = side == 'twin' and isinstance(n_twin, Nudged)  # the run's own program: the new side's
@@ -101,6 +103,8 @@ def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, n_twin: twin.Twin
         randomness.take_unbridged()  # the checked runs' lines were taken; these are the same layers'
     if rows is not None:
         s.raw['twin'] = {label: in_order(record, rows) for label, record in s.raw['twin'].items()}
+    if inputs.recorded is not None:
+        results['legacy'], s.raw['legacy'] = inputs.recorded.first_steps(steps, forward)
     return results, s.raw
 
 

@@ -1,0 +1,216 @@
+"""A reference: the pmap side of a check, recorded once where it ran (``python -m equivalence.record``), then
+read by every later check in place of running it (``run --reference FILE``).
+
+One ``.npz`` file (numpy's own zip of ``.npy`` arrays, which every numpy since 1.x reads without pickle):
+every array of the recording by a number, and one entry ``manifest``, a JSON text holding the recording's
+structure (``encode``), what the run was (its ``RunConfig`` fields that decide what it computed: ``FITTED``),
+where it ran (``environment``) and a sha256 of every array. Not Orbax: a team records in the environment its
+pmap code ran in (jax 0.4, flax of its time), where the Orbax of today is not installed; ``.npz`` needs numpy
+alone, and a file is one thing to keep beside the port's tests.
+
+Read (``load``): a file that is not a reference, an array whose sha256 fails, or a run it does not fit
+(``fits``: another K, C, batch, seed, key mode, device count or workload) is ``BadReference``, exit 2, one
+line naming what differs, before anything is trained.
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import sys
+import tempfile
+import zipfile
+from typing import Any
+
+import jax
+import numpy as np
+
+from equivalence.core.port.config import ConfigError, RunConfig
+
+FORMAT = 'equivalence-reference'
+VERSION = 1
+# What a run must share with the recorded one to compute the same thing: the rest (strategy, twin, verdict,
+# precision, the NNX form) is the new side's or the verdict's own, free to differ.
+FITTED = ('workload', 'devices', 'steps_per_call', 'calls', 'batch_size', 'seed', 'rng_mode')
+FLAGS = {'steps_per_call': '--steps-per-call', 'batch_size': '--batch-size', 'rng_mode': '--rng'}
+
+
+class BadReference(ConfigError):
+    """A reference that cannot be read, is damaged, or does not fit the run: exit 2, before any training."""
+
+
+# -- the structure of a recording, as JSON beside its arrays ----------------------------------------------------
+
+
+def encode(tree: Any, arrays: list) -> Any:
+    """``tree`` as a JSON value, each array appended to ``arrays`` and named by its index. Keeps what the
+    verdict reads apart: a tuple from a list, a set, a dict of any keys (a device index), a typed key (its key
+    data and implementation), a named tuple or dataclass by its class name and fields."""
+    if tree is None or isinstance(tree, bool | str) or type(tree) in (int, float):
+        return tree
+    if isinstance(tree, jax.Array) and jax.dtypes.issubdtype(tree.dtype, jax.dtypes.prng_key):
+        arrays.append(np.asarray(jax.random.key_data(tree)))
+        return {'key': len(arrays) - 1, 'impl': str(jax.random.key_impl(tree))}
+    if isinstance(tree, np.ndarray | np.generic | jax.Array | int | float):
+        arrays.append(np.asarray(tree))
+        return {'array': len(arrays) - 1}
+    if isinstance(tree, tuple) and hasattr(tree, '_fields'):
+        return {'record': type(tree).__name__, 'fields': {k: encode(v, arrays) for k, v in tree._asdict().items()}}
+    if dataclasses.is_dataclass(tree):
+        fields = {f.name: encode(getattr(tree, f.name), arrays) for f in dataclasses.fields(tree)}
+        return {'record': type(tree).__name__, 'fields': fields}
+    if isinstance(tree, tuple):
+        return {'tuple': [encode(v, arrays) for v in tree]}
+    if isinstance(tree, list):
+        return [encode(v, arrays) for v in tree]
+    if isinstance(tree, set | frozenset):
+        return {type(tree).__name__: [encode(v, arrays) for v in sorted(tree, key=repr)]}
+    if hasattr(tree, 'items'):  # a dict, a FrozenDict, an nnx.State read as pure
+        return {'dict': [[encode(k, arrays), encode(v, arrays)] for k, v in tree.items()]}
+    raise TypeError(f'a reference cannot hold {type(tree).__name__}')
+
+
+def decode(node: Any, arrays: dict, types: dict[str, type]) -> Any:
+    """``encode``'s inverse; ``types``: the named tuples and dataclasses it may hold, by class name."""
+    if node is None or isinstance(node, bool | int | float | str):
+        return node
+    if isinstance(node, list):
+        return [decode(v, arrays, types) for v in node]
+    if 'array' in node:
+        return arrays[node['array']]
+    if 'key' in node:
+        return jax.random.wrap_key_data(arrays[node['key']], impl=node['impl'])
+    if 'record' in node:
+        cls = types.get(node['record'])
+        if cls is None:
+            raise BadReference(f'reference: holds a {node["record"]}, which this suite does not read')
+        return cls(**{k: decode(v, arrays, types) for k, v in node['fields'].items()})
+    if 'tuple' in node:
+        return tuple(decode(v, arrays, types) for v in node['tuple'])
+    if 'set' in node or 'frozenset' in node:
+        kind, items = next(iter(node.items()))
+        return (set if kind == 'set' else frozenset)(_hashable(decode(v, arrays, types)) for v in items)
+    return {_hashable(decode(k, arrays, types)): decode(v, arrays, types) for k, v in node['dict']}
+
+
+def _hashable(x: Any) -> Any:
+    """A 0-d array where a set or a key held a number (``encode`` keeps numbers as arrays): the number."""
+    if isinstance(x, np.ndarray) and x.ndim == 0:
+        return x.item()
+    if isinstance(x, tuple):
+        return tuple(_hashable(v) for v in x)
+    return x
+
+
+def digest(a: np.ndarray) -> str:
+    """sha256 of an array's dtype, shape and bytes."""
+    h = hashlib.sha256(f'{a.dtype.str}{a.shape}'.encode())
+    h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def environment() -> dict:
+    """Where a recording ran: what could change its numbers."""
+    versions = {}
+    for name in ('jax', 'jaxlib', 'flax', 'optax', 'numpy'):
+        module = sys.modules.get(name)
+        if module is None:
+            try:
+                module = __import__(name)
+            except ImportError:
+                continue
+        versions[name] = getattr(module, '__version__', '?')
+    device = jax.devices()[0]
+    return {
+        'versions': versions,
+        'python': platform.python_version(),
+        'backend': jax.default_backend(),
+        'device_kind': device.device_kind,
+        'device_count': jax.device_count(),
+        'process_count': jax.process_count(),
+        'precision': str(jax.config.jax_default_matmul_precision),
+        'threefry_partitionable': bool(jax.config.jax_threefry_partitionable),
+        'xla_flags': os.environ.get('XLA_FLAGS', ''),
+    }
+
+
+# -- the file ---------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """A recording read back: its ``config`` (``FITTED`` fields), ``environment``, and its ``tree`` (what the
+    recorder wrote: the inputs, the legacy run, its first steps recorded), still encoded until ``tree`` is
+    decoded with the types the reader knows (``content``)."""
+
+    path: str
+    config: dict
+    environment: dict
+    structure: Any
+    arrays: dict
+
+    def content(self, types: dict[str, type]) -> Any:
+        return decode(self.structure, self.arrays, types)
+
+    def fits(self, config: RunConfig, port_name: str) -> None:
+        """``BadReference`` naming the first thing this run does not share with the recorded one."""
+        given = {**{k: getattr(config, k) for k in FITTED}, 'workload': port_name}
+        for name in FITTED:
+            if given[name] != self.config.get(name):
+                flag = FLAGS.get(name, f'--{name}') if name != 'workload' else 'the port'
+                recorded, here = self.config.get(name), given[name]
+                raise BadReference(f'reference {self.path}: recorded with {flag} {recorded}, this run has {here}: run '
+                                   f'the check with {flag} {recorded}, or record a reference for this run')  # fmt: skip
+
+
+def save(path: str, config: RunConfig, port_name: str, tree: Any) -> None:
+    """Write ``tree`` as a reference at ``path``, atomically (a temporary file renamed into place)."""
+    arrays: list = []
+    structure = encode(tree, arrays)
+    named = {f'a{i}': a for i, a in enumerate(arrays)}
+    manifest = {
+        'format': FORMAT,
+        'version': VERSION,
+        'config': {**{k: getattr(config, k) for k in FITTED}, 'workload': port_name},
+        'environment': environment(),
+        'sha256': {name: digest(a) for name, a in named.items()},
+        'tree': structure,
+    }
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix='.npz.tmp')
+    try:
+        with os.fdopen(fd, 'wb') as f:
+            np.savez_compressed(f, manifest=np.array(json.dumps(manifest)), **named)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as a file the user wrote: mkstemp makes it private
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load(path: str) -> Reference:
+    """The reference at ``path``, every array checked against its sha256 (``BadReference`` otherwise)."""
+    if not os.path.isfile(path):
+        raise BadReference(f'reference {path}: no such file')
+    try:
+        with np.load(path, allow_pickle=False) as held:
+            manifest = json.loads(str(held['manifest']))
+            arrays = {name: held[name] for name in held.files if name != 'manifest'}
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile, json.JSONDecodeError) as e:
+        raise BadReference(f'reference {path}: not a reference this suite wrote ({type(e).__name__})') from None
+    if manifest.get('format') != FORMAT:
+        raise BadReference(f'reference {path}: not a reference this suite wrote (format {manifest.get("format")!r})')
+    if manifest.get('version') != VERSION:
+        raise BadReference(f'reference {path}: format version {manifest.get("version")}, this suite reads {VERSION}')
+    hashes = manifest.get('sha256', {})
+    if set(hashes) != set(arrays):
+        raise BadReference(f'reference {path}: {len(arrays)} arrays, its manifest lists {len(hashes)}: damaged')
+    for name, a in arrays.items():
+        if digest(a) != hashes[name]:
+            raise BadReference(f'reference {path}: array {name} fails its sha256: damaged since it was recorded')
+    by_index = {int(name[1:]): a for name, a in arrays.items()}
+    return Reference(path, manifest['config'], manifest['environment'], manifest['tree'], by_index)

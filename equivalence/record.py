@@ -1,0 +1,54 @@
+"""``python -m equivalence.record``: the pmap side of a check, run once and written to a reference file that
+``python -m equivalence.run --reference FILE`` checks the new side against, anywhere, after the pmap code is gone
+(docs/reference.md). Exit 0 when written; 2 on bad input (an existing file is replaced only with --overwrite)."""
+
+import sys
+import warnings
+
+from equivalence import cli
+
+EXIT_CODES = cli.exit_codes('the reference is written', None, workers=False)
+
+
+def parse(argv: list[str] | None):
+    from equivalence.core.port.workloads import WORKLOADS
+
+    parser = cli.OneLineParser(prog='python -m equivalence.record', description=__doc__, epilog=EXIT_CODES)
+    cli.add_run_flags(parser, list(WORKLOADS))
+    parser.add_argument('--out', required=True, metavar='FILE', help='the reference to write (.npz)')
+    parser.add_argument('--overwrite', action='store_true', help='replace an existing reference')
+    return cli.parse(parser, argv)
+
+
+def inputs(argv: list[str] | None, n_available: int | None = None):
+    """Every flag parsed and checked, nothing run: ``(args, workload, RunConfig)``; raises ``ConfigError``."""
+    from equivalence.core.report import output
+
+    args = parse(argv)
+    output.check_file(args.out, args.overwrite, flag='--out')
+    wl, config = cli.run_config(args, n_available)
+    return args, wl, config
+
+
+def work(validated) -> int:
+    from equivalence.core import harness
+    from equivalence.core.run import clock
+
+    args, wl, config = validated
+    warnings.filterwarnings('ignore', message='Some donated buffers were not usable')
+    done = harness.record(wl, config, args.out, say=clock.Lines(sys.stderr))
+    steps = config.steps_per_call * config.calls
+    print(f'wrote {args.out}: the pmap side of {wl.name!r}, {steps} steps on {config.devices} devices, '
+          f'last loss {float(done["losses"][-1]):.6g}')  # fmt: skip
+    print(f'check a port against it: python -m equivalence.run --workload {wl.name} --reference {args.out} '
+          f'--devices {config.devices} --steps-per-call {config.steps_per_call} --calls {config.calls} '
+          f'--batch-size {config.batch_size} --seed {config.seed} --rng {config.rng_mode}')  # fmt: skip
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.main(inputs, work, argv)
+
+
+if __name__ == '__main__':
+    sys.exit(main())
