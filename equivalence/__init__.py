@@ -31,6 +31,7 @@ _PUBLIC = {
     'PortError': ('equivalence.core.port.naming', 'PortError'),
     'ConfigError': ('equivalence.core.port.config', 'ConfigError'),
     'check': ('equivalence.core.harness', 'check'),
+    'RECORDED': ('equivalence.core.port.port_fields', 'RECORDED'),  # a pmap-side field read from a reference
     'read_groups': ('equivalence.core.port.new_side', 'read_groups'),  # new_groups='s default, to start from
 }
 __all__ = list(_PUBLIC)

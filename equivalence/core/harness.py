@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import jax
 
 from equivalence.core import kinds, preflight
+from equivalence.core.port import port_fields
 from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.port.kind import Kind
 from equivalence.core.port.ports import Port
@@ -28,6 +29,10 @@ from equivalence.core.verdict.outcome import Outcome
 
 def validate(port: Port, config: RunConfig) -> None:
     """What a port cannot do with these flags, as ``ConfigError`` (exit 2), before any work."""
+    recorded = port_fields.recorded_fields(port)
+    if recorded and config.reference is None:
+        how = 'check it with --reference FILE (python -m equivalence.record writes one where the pmap code runs)'
+        raise ConfigError(f'port {port.name!r}: {recorded[0]}=RECORDED, its pmap side read from a reference: {how}')
     if config.rng_mode not in port.rng_modes:
         raise ConfigError(f'--rng {config.rng_mode}: port {port.name!r} supports {", ".join(port.rng_modes)}')
     kinds.of(port).validate(config)

@@ -22,7 +22,7 @@ from equivalence.core.run import reference, sides
 from equivalence.core.run.facts import uses_dropout
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.run.sides import PathResult
-from equivalence.core.verdict import legacy_twin, recorded_run
+from equivalence.core.verdict import legacy_twin, recorded_run, unverified
 from equivalence.core.verdict.locate import MAX_STEPS
 from equivalence.core.verdict.recorded import Record
 
@@ -38,6 +38,7 @@ class Recorded:
     first: dict
     path: str
     environment: dict
+    output_layer: frozenset  # the paths of the layer the linen model applies last (``unverified.output_layer``)
     twin: dict  # the legacy twin, run where the pmap side was recorded: {'devices': n, 'result': PathResult or
     # None, 'error': what it raised}
 
@@ -61,7 +62,8 @@ class Recorded:
         first = {at: (_renamed(result, mapping), raw) for at, (result, raw) in self.first.items()}
         ran = self.twin.get('result')
         twin = self.twin if ran is None else {**self.twin, 'result': _renamed(ran, mapping)}
-        return dataclasses.replace(self, legacy=legacy, first=first, twin=twin)
+        last = frozenset(mapping.get(p, p) for p in self.output_layer)
+        return dataclasses.replace(self, legacy=legacy, first=first, twin=twin, output_layer=last)
 
     def first_steps(self, steps: int, forward: bool) -> tuple[PathResult, dict]:
         """The pmap side's first ``steps`` steps as ``recorded_run.first_steps`` records them; the whole step's
@@ -106,8 +108,9 @@ def record(kind: Kind, config: RunConfig, inputs: Inputs) -> dict:
         results, raw = recorded_run.first_steps(kind, config, inputs, None, steps, forward=forward, only_legacy=True)
         first.append([steps, forward, dataclasses.replace(results['legacy'], raw=None), raw['legacy']])
     held = {'variables': inputs.variables, 'calls': inputs.calls, 'rng': inputs.rng}
+    last = sorted(unverified.output_layer(kind.port, inputs.variables, inputs.calls[0], {}))
     return {'inputs': held, 'legacy': legacy, 'first_steps': first, 'twin': _twin(kind, config, inputs),
-            'dropout': uses_dropout(kind.port)}  # fmt: skip
+            'output_layer': last, 'dropout': uses_dropout(kind.port)}  # fmt: skip
 
 
 def read(path: str, kind: Kind, config: RunConfig) -> tuple[dict, Recorded]:
@@ -122,7 +125,8 @@ def read(path: str, kind: Kind, config: RunConfig) -> tuple[dict, Recorded]:
                                      f'new model {"has no" if content["dropout"] else "has"} Dropout or attention '
                                      'layer: the two do not draw the same numbers')  # fmt: skip
     first = {(int(s), bool(f)): (result, raw) for s, f, result, raw in content['first_steps']}
-    recorded = Recorded(content['legacy'], first, path, held.environment, content['twin'])
+    last = frozenset(content['output_layer'])
+    recorded = Recorded(content['legacy'], first, path, held.environment, last, content['twin'])
     return content['inputs'], recorded
 
 

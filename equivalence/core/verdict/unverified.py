@@ -39,7 +39,8 @@ def unverified(port: Port, inputs: Inputs, report: compare.Report, judged: Verdi
     (``rule.not_verified``); any other verdict as it is."""
     if not judged.match:
         return judged
-    why = rule.not_verified(report, output_layer(port, inputs.variables, inputs.calls[0], inputs.mapping))
+    last = inputs.recorded.output_layer if inputs.recorded is not None else None  # a reference's, recorded
+    why = rule.not_verified(report, last or output_layer(port, inputs.variables, inputs.calls[0], inputs.mapping))
     if not why:
         return judged
     return dataclasses.replace(judged, match=False, unverified=why, hidden_by_noise=True)
