@@ -22,6 +22,9 @@ def parse(argv: list[str] | None):
 
 def inputs(argv: list[str] | None, n_available: int | None = None):
     """Every flag parsed and checked, nothing run: ``(args, workload, RunConfig)``; raises ``ConfigError``."""
+    from equivalence import compat
+
+    compat.install()  # the pmap side's modules on the JAX the pmap code ran on (jax 0.4.38 and up)
     from equivalence.core.report import output
 
     args = parse(argv)

@@ -3,16 +3,18 @@ and shapes, whether it holds batch statistics, dropout, state of its own), the t
 (``name_mapping``), and the model built holding linen's weights (``model_holding``).
 """
 
+import contextlib
 import dataclasses
 import functools
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 from flax import nnx
 
 from equivalence.core.port import convert, naming
-from equivalence.core.port.ports import Port
+from equivalence.core.port.ports import Port, init_inputs
 
 
 def abstract_model(port: Port) -> nnx.Module | None:
@@ -34,11 +36,14 @@ class ModelFacts:
 
 
 _FACTS: dict[int, tuple[weakref.ref, ModelFacts | None]] = {}
+_ALONE: ModelFacts | None = None  # while a reference is recorded, every port's (``linen_alone``)
 
 
 def model_facts(port: Port) -> ModelFacts | None:
     """``ModelFacts`` of the port's NNX model, built once per port object (a run asks a dozen times;
     each abstract model is an ``nnx.eval_shape`` of the whole model); None without a model."""
+    if _ALONE is not None:
+        return _ALONE
     held = _FACTS.get(id(port))
     if held is not None and held[0]() is port:
         return held[1]
@@ -55,6 +60,34 @@ def model_facts(port: Port) -> ModelFacts | None:
     key = id(port)
     _FACTS[key] = (weakref.ref(port, lambda _, key=key: _FACTS.pop(key, None)), facts)
     return facts
+
+
+@contextlib.contextmanager
+def linen_alone(port: Port, batch_KxG: Any) -> Iterator[bool]:
+    """While recording a reference (``verdict.referenced``): the port's facts read from its linen model, not its
+    NNX one, which the recorder never builds (it may not exist where the pmap code runs, nor import there). The
+    one the pmap side reads is whether the model has Dropout or attention layers (then both sides are handed
+    dropout keys), as linen's modules say in an abstract ``init``; yields it."""
+    import flax.linen as nn
+
+    classes: set[type] = set()
+
+    def seen(next_fun, args, kwargs, context):
+        classes.add(type(context.module))
+        return next_fun(*args, **kwargs)
+
+    example = jax.tree.map(lambda v: v[0, :1], batch_KxG)
+    args, kwargs = init_inputs(port, example)
+    key = jax.random.PRNGKey(0)
+    with nn.intercept_methods(seen):
+        jax.eval_shape(lambda: port.legacy_model().init({'params': key, 'dropout': key}, *args, **kwargs))
+    global _ALONE
+    dropout = any(issubclass(c, nn.Dropout | nn.MultiHeadDotProductAttention) for c in classes)
+    _ALONE = ModelFacts(None, False, dropout, False)  # the port's, and the recording copies made of it
+    try:
+        yield dropout
+    finally:
+        _ALONE = None
 
 
 def name_mapping(port: Port, variables: dict) -> dict[str, str]:

@@ -73,9 +73,13 @@ def _store(label: str, cls: str, order: int, names, settings: tuple, layout: tup
         entry[3].append((_SESSION.call, device, list(inputs), list(outputs), layout, order))
 
 
+# NNX's objects, left out of a call's arrays (flax 0.10, where a reference's recorder may run, calls it Object)
+_NNX_OBJECTS = (getattr(nnx, 'Pytree', None) or nnx.Object, nnx.Variable)
+
+
 def _arrays(tree: Any) -> list:
     """The array leaves of a call's arguments or result (no keys, no NNX objects)."""
-    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Pytree | nnx.Variable))
+    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, _NNX_OBJECTS))
     return [
         x
         for x in leaves

@@ -102,15 +102,24 @@ def inner(x: Any) -> Any:
     ``linearize``, any tracer carrying a ``primal`` and a ``tangent``): its primal; a ``vmap``'s
     ``BatchTracer`` and a ``remat``'s ``RematTracer``: the value they carry (``val``)."""
     from jax._src import core
-    from jax._src.interpreters import batching, remat
+    from jax._src.interpreters import batching
 
     if not isinstance(x, core.Tracer):
         return None
     if hasattr(x, 'primal') and hasattr(x, 'tangent'):
         return x.primal
-    if isinstance(x, batching.BatchTracer | remat.RematTracer):
+    if isinstance(x, (batching.BatchTracer, *_remat_tracer())):
         return x.val
     return None
+
+
+def _remat_tracer() -> tuple[type, ...]:
+    """``remat``'s tracer, where this JAX has one (jax 0.4, a reference's recorder's, has none)."""
+    try:
+        from jax._src.interpreters import remat
+    except ImportError:
+        return ()
+    return (remat.RematTracer,)
 
 
 def in_order(record: Record, rows: np.ndarray) -> Record:

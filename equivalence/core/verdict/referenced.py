@@ -18,8 +18,7 @@ import jax
 from equivalence.core.port import blame, convert
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
-from equivalence.core.run import reference, sides
-from equivalence.core.run.facts import uses_dropout
+from equivalence.core.run import facts, reference, sides
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.run.sides import PathResult
 from equivalence.core.verdict import legacy_twin, recorded_run, unverified
@@ -101,6 +100,11 @@ def _twin(kind: Kind, config: RunConfig, inputs: Inputs) -> dict:
 def record(kind: Kind, config: RunConfig, inputs: Inputs) -> dict:
     """What a reference holds of this run's pmap side (``inputs``: unpaired, ``mapping`` empty): the legacy run,
     then its first steps recorded, each as the check's location would ask for them."""
+    with facts.linen_alone(kind.port, inputs.calls[0]) as dropout:
+        return _record(kind, config, inputs) | {'dropout': dropout}
+
+
+def _record(kind: Kind, config: RunConfig, inputs: Inputs) -> dict:
     legacy = dataclasses.replace(sides.run_legacy(kind, config, inputs), raw=None)
     total = sum(jax.tree.leaves(call)[0].shape[0] for call in inputs.calls)
     first = []
@@ -110,7 +114,7 @@ def record(kind: Kind, config: RunConfig, inputs: Inputs) -> dict:
     held = {'variables': inputs.variables, 'calls': inputs.calls, 'rng': inputs.rng}
     last = sorted(unverified.output_layer(kind.port, inputs.variables, inputs.calls[0], {}))
     return {'inputs': held, 'legacy': legacy, 'first_steps': first, 'twin': _twin(kind, config, inputs),
-            'output_layer': last, 'dropout': uses_dropout(kind.port)}  # fmt: skip
+            'output_layer': last}  # fmt: skip
 
 
 def read(path: str, kind: Kind, config: RunConfig) -> tuple[dict, Recorded]:
@@ -119,7 +123,7 @@ def read(path: str, kind: Kind, config: RunConfig) -> tuple[dict, Recorded]:
     held = reference.load(path)
     held.fits(config, kind.port.name)
     content = held.content(TYPES)
-    if bool(content['dropout']) != uses_dropout(kind.port):
+    if bool(content['dropout']) != facts.uses_dropout(kind.port):
         said = 'with' if content['dropout'] else 'without'
         raise reference.BadReference(f'reference {path}: recorded {said} dropout keys handed to the model, and the '
                                      f'new model {"has no" if content["dropout"] else "has"} Dropout or attention '

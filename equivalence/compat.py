@@ -1,0 +1,82 @@
+"""What the recorder needs of a JAX older than the suite's (``python -m equivalence.record`` where the pmap
+code ran: jax 0.4.x with the flax linen of its time, docs/reference.md), given where that JAX lacks it.
+
+The pmap side's modules import four names that jax 0.4.38 does not have; ``install`` gives each where it is
+missing, and does nothing on the JAX the suite pins (each is there):
+
+- ``jax.make_user_context`` (a value that keys JAX's trace cache: ``draws``, ``masks``, ``intercept``): here a
+  context whose every change outside a trace clears JAX's caches, so that no trace made under one value is
+  taken under another (slower, the same traces);
+- ``jax.extend.core.get_opaque_trace_state``: JAX's own, from ``jax._src.core``, where 0.4.38 keeps it;
+- ``jax.sharding.AxisType`` and ``jax.typeof``: read by the new side alone (an explicit mesh's axes), which the
+  recorder never runs; an enum of the three axis types and JAX's abstract value stand in.
+
+The device count: 0.4.38 reads no ``JAX_NUM_CPU_DEVICES``, only XLA's flag (``devices.simulate_cpu_devices``).
+"""
+
+import contextlib
+import enum
+import importlib.metadata
+
+
+def version(package: str = 'jax') -> tuple[int, ...]:
+    """``package``'s installed version as numbers, read without importing it: ``(0, 4, 38)``."""
+    try:
+        text = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return ()
+    return tuple(int(p) for p in text.split('.')[:3] if p.isdigit())
+
+
+class _UserContext:
+    """``jax.make_user_context`` where JAX has none: the value, and JAX's caches cleared on each change."""
+
+    def __init__(self, default_value=None):
+        self.value = default_value
+
+    @contextlib.contextmanager
+    def __call__(self, value):
+        before, self.value = self.value, value
+        _clear()
+        try:
+            yield
+        finally:
+            self.value = before
+            _clear()
+
+
+def _clear() -> None:
+    """JAX's caches cleared, unless a trace is under way (a value entered inside a traced function: clearing
+    then would free what the trace holds)."""
+    import jax
+    from jax._src import core
+
+    if core.trace_state_clean():
+        jax.clear_caches()
+
+
+class _AxisType(enum.Enum):
+    Auto = 'auto'
+    Explicit = 'explicit'
+    Manual = 'manual'
+
+
+def install() -> list[str]:
+    """Each missing name given (see the module's text); the names given, none on the suite's own JAX."""
+    import jax
+    import jax.extend.core
+    import jax.sharding
+
+    given = []
+    if not hasattr(jax, 'make_user_context'):
+        jax.make_user_context, given = _UserContext, [*given, 'jax.make_user_context']
+    if not hasattr(jax.extend.core, 'get_opaque_trace_state'):
+        from jax._src.core import get_opaque_trace_state
+
+        jax.extend.core.get_opaque_trace_state = get_opaque_trace_state
+        given.append('jax.extend.core.get_opaque_trace_state')
+    if not hasattr(jax.sharding, 'AxisType'):
+        jax.sharding.AxisType, given = _AxisType, [*given, 'jax.sharding.AxisType']
+    if not hasattr(jax, 'typeof'):
+        jax.typeof, given = jax.core.get_aval, [*given, 'jax.typeof']
+    return given
