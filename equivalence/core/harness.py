@@ -173,12 +173,7 @@ def _run(port: Port, config: RunConfig, progress: Progress, diagnose: bool, chec
     kind, inputs = prepared.kind, prepared.inputs
     resumed = False
     if inputs.recorded is not None:
-        with clock.stage(f'new side: {kind.programs()[1]}, {len(inputs.calls)} calls (compiled, run)'):
-            new = run_new(kind, config, inputs, progress)
-        result = judgement(kind, config, inputs.recorded.legacy, new, inputs, diagnose=diagnose)
-        result.notes.append(f'the pmap side read from the reference {config.reference}, recorded on '
-                            f'{referenced.where_recorded(inputs.recorded.environment)}')  # fmt: skip
-        return result
+        return _against_reference(prepared, progress, diagnose)
     if checkpoints is None:
         old, new = both_sides(kind, config, inputs, progress)
         result = judgement(kind, config, old, new, inputs, diagnose=diagnose)
@@ -187,6 +182,25 @@ def _run(port: Port, config: RunConfig, progress: Progress, diagnose: bool, chec
     if diagnose and not resumed:  # the hint runs both sides again on 1 device: part of a MISMATCH's diagnosis
         on_one = lambda: _matches_on_one(port, config)  # noqa: E731
         result.notes += hints.masked_loss(config.devices, inputs.calls, result.outcome, on_one)
+    return result
+
+
+def _against_reference(prepared: Prepared, progress: Progress, diagnose: bool) -> RunResult:
+    """The new side alone, judged against the pmap side a reference holds. Its random numbers are drawn as
+    the recorded run drew them: JAX's threefry splits and draws other bits for the same key since jax 0.5
+    (``jax_threefry_partitionable``), so the recorded setting is the check's, and said where it is not today's."""
+    kind, config, inputs = prepared.kind, prepared.config, prepared.inputs
+    recorded = inputs.recorded
+    partitionable = recorded.environment.get('threefry_partitionable', jax.config.jax_threefry_partitionable)
+    with jax.threefry_partitionable(bool(partitionable)):
+        with clock.stage(f'new side: {kind.programs()[1]}, {len(inputs.calls)} calls (compiled, run)'):
+            new = run_new(kind, config, inputs, progress)
+        result = judgement(kind, config, recorded.legacy, new, inputs, diagnose=diagnose)
+    result.notes.append(f'the pmap side read from the reference {config.reference}, recorded on '
+                        f'{referenced.where_recorded(recorded.environment)}')  # fmt: skip
+    if bool(partitionable) != bool(jax.config.jax_threefry_partitionable):
+        result.notes.append(f'keys drawn as the reference drew them: jax_threefry_partitionable={bool(partitionable)} '
+                            f'(this JAX draws other numbers from the same key by default)')  # fmt: skip
     return result
 
 
