@@ -43,7 +43,7 @@ def work(validated) -> int:
     steps = config.steps_per_call * config.calls
     print(f'wrote {args.out}: the pmap side of {wl.name!r}, {steps} steps on {config.devices} devices, '
           f'last loss {float(done["losses"][-1]):.6g}')  # fmt: skip
-    print(f'check a port against it: python -m equivalence.run --workload {wl.name} --reference {args.out} '
+    print(f'check a port against it: python -m equivalence.run --workload {args.workload} --reference {args.out} '
           f'--devices {config.devices} --steps-per-call {config.steps_per_call} --calls {config.calls} '
           f'--batch-size {config.batch_size} --seed {config.seed} --rng {config.rng_mode}')  # fmt: skip
     return 0

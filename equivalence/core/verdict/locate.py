@@ -37,7 +37,7 @@ from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
 from equivalence.core.run import clock
 from equivalence.core.run.inputs import Inputs
-from equivalence.core.verdict import averages, collectives, compare, forward, slots, stages
+from equivalence.core.verdict import averages, collectives, compare, forward, location, slots, stages
 from equivalence.core.verdict.first_step import Recorder
 from equivalence.core.verdict.intercept import NOT_MODULES
 from equivalence.core.verdict.location import ROOT, Location, Where
@@ -307,6 +307,8 @@ def attach(verdict, port_kind: Kind, config: RunConfig, inputs: Inputs, recorder
     ruled_out = tuple(s for s in STAGE_NAMES if s not in stages_for(seen.failed)) if seen is not None else ()
     if verdict.match:
         found = unconfirmed(found)
+    elif inputs.recorded is not None and inputs.recorded.other_jax():
+        found = location.across_versions(found, inputs.recorded.other_jax())
     return dataclasses.replace(verdict, location=dataclasses.replace(found, ruled_out=ruled_out))
 
 

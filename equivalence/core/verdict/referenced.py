@@ -64,6 +64,15 @@ class Recorded:
         last = frozenset(mapping.get(p, p) for p in self.output_layer)
         return dataclasses.replace(self, legacy=legacy, first=first, twin=twin, output_layer=last)
 
+    def other_jax(self) -> str:
+        """'' where it was recorded on this JAX and backend; else where it was, in words (``jax 0.4.38, cpu``)."""
+        here = reference.environment()
+        keys = lambda env: (env['versions'].get('jax'), env['versions'].get('jaxlib'), env.get('backend'))  # noqa: E731
+        if keys(self.environment) == keys(here):
+            return ''
+        versions = self.environment.get('versions', {})
+        return f'jax {versions.get("jax")} (jaxlib {versions.get("jaxlib")}, {self.environment.get("backend")})'
+
     def first_steps(self, steps: int, forward: bool) -> tuple[PathResult, dict]:
         """The pmap side's first ``steps`` steps as ``recorded_run.first_steps`` records them; the whole step's
         where its forward pass alone was not recorded (the locator reads the same calls from it)."""
