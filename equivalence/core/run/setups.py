@@ -295,9 +295,8 @@ def batch_rows(batch_KxR: Any, config: RunConfig) -> rows.Rows:
 @functools.cache
 def input_rows(config: RunConfig) -> rows.Rows:
     """The rows of the global batch this process reads: those its pmap devices take, and those its
-    devices hold of the NNX batch (all of them where the batch is copied over a ``model`` axis); in one process,
-    every row (and no mesh built: the pmap side alone, recording a reference, reads this too)."""
-    if jax.process_count() == 1:
+    devices hold of the NNX batch (all of them where the batch is copied over a ``model`` axis); one process: all."""
+    if jax.process_count() == 1:  # no mesh built: a reference's recorder, with the pmap side alone, reads this too
         return slice(0, config.batch_size)
     g, held = config.batch_size, rows.held_rows(sharding.batch_sharding(nnx_mesh(config)), config.batch_size)
     return rows.hull(rows.pmap_rows(config.devices, g), held)
