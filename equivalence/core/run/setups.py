@@ -296,9 +296,8 @@ def batch_rows(batch_KxR: Any, config: RunConfig) -> rows.Rows:
 def input_rows(config: RunConfig) -> rows.Rows:
     """The rows of the global batch this process reads: those its pmap devices take, and those its
     devices hold of the NNX batch (all of them where the batch is copied over a ``model`` axis); one process: all."""
-    if jax.process_count() == 1:  # no mesh built: a reference's recorder, with the pmap side alone, reads this too
-        return slice(0, config.batch_size)
-    g, held = config.batch_size, rows.held_rows(sharding.batch_sharding(nnx_mesh(config)), config.batch_size)
+    g = config.batch_size  # one process, no mesh built: a reference's recorder (the pmap side alone) reads it too
+    held = slice(0, g) if jax.process_count() == 1 else rows.held_rows(sharding.batch_sharding(nnx_mesh(config)), g)
     return rows.hull(rows.pmap_rows(config.devices, g), held)
 
 
