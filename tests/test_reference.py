@@ -1,0 +1,126 @@
+"""A reference: the pmap side recorded once where it ran, the port checked against it ever after
+(``python -m equivalence.record``, ``run --reference``; docs/reference.md).
+
+``tests/data/*_jax0.4.38.npz`` were recorded on jax 0.4.38, flax 0.10.2, optax 0.2.4 (the classic pmap, before
+jax 0.8 built it on jit and shard_map), CPU, with the command docs/reference.md gives; checking one here costs a
+few seconds, where making its environment would cost minutes.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import ROOT, assert_one_line_error, import_example, require_devices, run_module
+
+from equivalence.core import harness
+from equivalence.core.port import workloads
+from equivalence.core.port.config import RunConfig
+from equivalence.core.run import reference
+from equivalence.core.verdict.outcome import Outcome
+
+DATA = os.path.join(ROOT, 'tests', 'data')
+CLASSIC = {'mlp': 8, 'score': 16}  # workload -> the global batch it was recorded with (D = 2, K = 2, C = 2)
+FLAGS = {'devices': 2, 'steps_per_call': 2, 'calls': 2}
+MLP_PORT = os.path.join(ROOT, 'examples', 'mlp_port')
+
+
+def classic(name: str) -> str:
+    return os.path.join(DATA, f'{name}_jax0.4.38.npz')
+
+
+@pytest.mark.parametrize('name', CLASSIC)
+def test_a_reference_recorded_on_the_classic_pmap_checks_the_port_on_todays_jax(name):
+    """Recorded on jax 0.4.38, checked here: the correct port MATCHes, and a 0.1% learning-rate slip MISMATCHes
+    at the place a check of both sides on today's JAX names (score draws its noise from the step's keys: it
+    MATCHes only because the check draws them as jax 0.4 did, ``jax_threefry_partitionable`` as recorded)."""
+    require_devices(2)
+    port, path, batch = workloads.WORKLOADS[name], classic(name), CLASSIC[name]
+    held = reference.load(path)
+    assert held.environment['versions']['jax'] == '0.4.38' and not held.environment['threefry_partitionable']
+    assert harness.check(port, reference=path, batch_size=batch, **FLAGS).outcome is Outcome.MATCH
+    slip = harness.check(port, reference=path, batch_size=batch, perturb=1e-3, **FLAGS)
+    both = harness.check(port, batch_size=batch, perturb=1e-3, **FLAGS)  # the control: today's pmap beside it
+    assert slip.outcome is both.outcome is Outcome.MISMATCH
+    assert slip.verdict.location.kind == both.verdict.location.kind != 'unlocated'
+
+
+def damaged_copy(path: str, target) -> str:
+    """The reference with one number of one array changed, its manifest (and the sha256 it lists) kept."""
+    with np.load(path) as held:
+        entries = {k: held[k] for k in held.files}
+    name = max((k for k in entries if k != 'manifest'), key=lambda k: entries[k].size)
+    changed = entries[name].copy()
+    changed.flat[0] = changed.flat[0] + 1
+    np.savez(target, **{**entries, name: changed})
+    return str(target)
+
+
+def test_a_damaged_or_ill_fitting_reference_is_refused_before_anything_trains(tmp_path, monkeypatch):
+    require_devices(2)
+    port, path = workloads.WORKLOADS['mlp'], classic('mlp')
+
+    def trains(*args, **kwargs):
+        raise AssertionError('the new side ran')
+
+    monkeypatch.setattr(harness, 'run_new', trains)
+    (tmp_path / 'junk.npz').write_bytes(b'not a zip')
+    refused = {
+        'damaged': dict(reference=damaged_copy(path, tmp_path / 'damaged.npz'), batch_size=8),
+        'another C': dict(reference=path, batch_size=8, calls=3),
+        'another batch': dict(reference=path, batch_size=16),
+        'another seed': dict(reference=path, batch_size=8, seed=1),
+        'not a reference': dict(reference=str(tmp_path / 'junk.npz'), batch_size=8),
+        'no file': dict(reference=str(tmp_path / 'none.npz'), batch_size=8),
+    }
+    for why, flags in refused.items():
+        with pytest.raises(reference.BadReference):
+            harness.check(port, **{**FLAGS, **flags})
+        assert why  # each of them refused
+    with pytest.raises(reference.BadReference):  # another port, under the same flags
+        harness.check(workloads.WORKLOADS['score'], reference=path, batch_size=8, **FLAGS)
+    proc = run_module('equivalence.run', '--workload', 'mlp', '--devices', '2', '--steps-per-call', '2', '--calls', '2',
+                      '--batch-size', '8', '--reference', refused['damaged']['reference'])  # fmt: skip
+    assert_one_line_error(proc, 'sha256')
+    assert proc.stdout == ''
+
+
+CHECKS = """
+import json, sys
+sys.modules['legacy_code'] = None  # the pmap code is gone: importing it raises
+from equivalence.run import main
+run = ['--devices', '2', '--steps-per-call', '2', '--calls', '2']
+codes = [main(['--workload', 'new_only:LOOP', *run, '--reference', sys.argv[1]]),
+         main(['--workload', 'new_only:LOOP_EPSILON_SLIP', *run, '--reference', sys.argv[1], '--json', sys.argv[2]])]
+try:
+    main(['--workload', 'new_only:LOOP', *run])
+except SystemExit as e:
+    codes.append(e.code)
+print(json.dumps(codes))
+"""
+
+
+def test_a_port_whose_pmap_code_is_gone_is_checked_against_the_reference_recorded_while_it_ran(tmp_path):
+    """examples/mlp_port: ``my_port:LOOP`` recorded, then ``new_only`` (every pmap field ``RECORDED``) checked in
+    a process where ``legacy_code`` cannot be imported: MATCH, and its LayerNorm epsilon slip MISMATCH at the
+    module; without a reference such a port is refused (exit 2). A reference is never overwritten unasked."""
+    require_devices(2)
+    ref, report = str(tmp_path / 'loop.npz'), str(tmp_path / 'slip.json')
+    (port,) = import_example('mlp_port', 'my_port')
+    config = RunConfig(workload=port.LOOP.name, devices=2, steps_per_call=2, calls=2, batch_size=64,
+                       rng_mode='global')  # fmt: skip
+    harness.record(port.LOOP, config, ref)
+    written = open(ref, 'rb').read()
+    again = run_module('equivalence.record', '--workload', 'mlp', '--devices', '2', '--out', ref)
+    assert_one_line_error(again, '--overwrite')
+    assert open(ref, 'rb').read() == written
+    env = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS')}
+    proc = subprocess.run([sys.executable, '-c', CHECKS, ref, report], cwd=MLP_PORT, capture_output=True, text=True,
+                          timeout=300, env={**env, 'PYTHONPATH': ROOT})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [0, 1, 2]
+    with open(report) as f:
+        location = json.load(f)['verdict']['location']
+    assert (location['kind'], location['new']) == ('module', 'norm')
