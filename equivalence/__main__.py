@@ -7,6 +7,7 @@ import sys
 
 COMMANDS = (
     ('equivalence.run', 'train both paths from one seed, compare every leaf: MATCH, MISMATCH or NOT VERIFIED'),
+    ('equivalence.record --out FILE', 'the pmap side recorded once; run --reference FILE checks the port against it'),
     ('equivalence.explain', 'what XLA compiled for each path: collectives, placements, memory, three answers'),
     ('equivalence.bench', 'steps/s, dispatch and compile time of both paths and NNX variants, side by side'),
     ('equivalence.pitfalls', 'eleven porting traps, each run wrong (damage measured) and fixed (matches)'),
@@ -19,6 +20,7 @@ GUIDES = (
     ('docs/ladder.md', 'the migration as rungs: pmap linen -> jit linen -> NNX, each checked the same way'),
     ('docs/verdict.md', 'what MATCH proves, the tolerance and why, run flags, the JSON report'),
     ('docs/commands.md', 'what every command shares: validation, exit codes 0 to 5 and 130, reports'),
+    ('docs/reference.md', 'record once, check forever: the pmap side recorded, checked after its code is gone'),
     ('docs/accelerators.md', 'on one TPU chip or GPU: the floor, the precision, every command, measured'),
     ('docs/strategies.md', 'FSDP, TP, 2-D meshes and shard_map, each checked against pmap'),
     ('docs/cluster.md', 'several processes and clusters: --processes, SLURM, timeouts'),

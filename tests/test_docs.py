@@ -34,6 +34,7 @@ COMPLETE = re.compile(r'<!--\s*complete example:\s*(\S+)\s*-->')
 COMMANDS = {
     'equivalence': 'equivalence.__main__',
     'equivalence.run': 'equivalence.run',
+    'equivalence.record': 'equivalence.record',
     'equivalence.explain': 'equivalence.explain.__main__',
     'equivalence.bench': 'equivalence.bench.__main__',
     'equivalence.pitfalls': 'equivalence.pitfalls.__main__',
