@@ -12,7 +12,7 @@ from equivalence.core.verdict.outcome import Outcome
 from equivalence.corpus.entry import Entry
 from equivalence.devices import release_compiled_programs
 
-VERDICTS = ('MATCH', 'MISMATCH', 'NOT VERIFIED', 'ERROR')  # the tables' columns: each outcome's label, and ERROR
+OUTCOMES = (Outcome.MATCH, Outcome.MISMATCH, Outcome.NOT_VERIFIED, None)  # the tables' columns; None: an ERROR
 LADDER = (1e-3, 3e-4, 1e-4, 3e-5, 1e-5, 3e-6, 1e-6, 3e-7, 1e-7)  # --perturb levels, walked down to the first miss
 SENSITIVITY_DEVICES = 8  # issue 16: the smallest --perturb detected at D=8 on mlp
 
@@ -54,7 +54,7 @@ class Case:
     @property
     def verdict(self) -> str:
         """How the tables and the JSON name it: the outcome's label, or 'ERROR'."""
-        return 'ERROR' if self.outcome is None else self.outcome.label
+        return label(self.outcome)
 
     def to_json(self) -> dict:
         """Its fields, the outcome as its label under ``verdict``, and whether it is wrong."""
@@ -158,9 +158,15 @@ def run(
     return cases
 
 
+def label(outcome: Outcome | None) -> str:
+    """'MATCH', 'MISMATCH', 'NOT VERIFIED', or 'ERROR' (None: the run raised)."""
+    return 'ERROR' if outcome is None else outcome.label
+
+
+VERDICTS = tuple(label(o) for o in OUTCOMES)
+
+
 def confusion(cases: list[Case]) -> dict[tuple[str, str], int]:
-    """``{(truth, verdict): runs}`` for every truth and verdict, zeros included."""
-    counts = {(t, v): 0 for t in ('correct', 'slip') for v in VERDICTS}
-    for case in cases:
-        counts[case.truth, case.verdict] += 1
-    return counts
+    """``{(truth, verdict): runs}`` for every truth and verdict (its label), zeros included."""
+    truths = ('correct', 'slip')
+    return {(t, label(o)): sum(c.truth == t and c.outcome is o for c in cases) for t in truths for o in OUTCOMES}

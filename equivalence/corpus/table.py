@@ -5,7 +5,7 @@ import statistics
 
 from equivalence.core.verdict.outcome import Outcome
 from equivalence.corpus.entry import Entry
-from equivalence.corpus.runner import VERDICTS, Case, confusion
+from equivalence.corpus.runner import OUTCOMES, VERDICTS, Case, confusion, label
 from equivalence.corpus.sensitivity import Sensitivity
 
 
@@ -22,7 +22,7 @@ def entry_row(entry: Entry, cases: list[Case]) -> str:
     runs = [c for c in cases if c.entry == entry.name]
     if not runs:
         return f'{entry.name:<18} {entry.truth:<8} {entry.kind or "-":<10} not run (its device counts were not asked)'
-    n = {v: sum(c.verdict == v for c in runs) for v in VERDICTS}
+    n = {label(o): sum(c.outcome is o for c in runs) for o in OUTCOMES}
     kinds = ','.join(sorted({c.kind for c in runs if c.kind})) or '-'
     wrong = [c for c in runs if c.wrong]
     seconds = [c.seconds for c in runs]
