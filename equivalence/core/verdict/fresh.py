@@ -105,14 +105,17 @@ def run_twin(kind: Any, config: Any, inputs: Any, n: int, draws: bool):
 
 
 def failure(said: str, proc: subprocess.CompletedProcess) -> str:
-    """Why the child failed: its record (``TYPE: first line``); without one, the last line it printed."""
+    """Why the child failed: its record (``TYPE: first line``); without one (or when it ended after its
+    record said done), the last line it printed."""
     try:
         with open(said) as f:
             ended = json.load(f)
     except (OSError, ValueError):
-        lines = proc.stderr.strip().splitlines() or [f'exit {proc.returncode}']
-        return lines[-1]
-    return f'{ended["error"]}: {ended["message"]}'
+        ended = {}
+    if ended.get('outcome') == 'failed':
+        return f'{ended["error"]}: {ended["message"]}'
+    lines = proc.stderr.strip().splitlines() or [f'exit {proc.returncode}']
+    return lines[-1]
 
 
 def _typed(rng: Any) -> bool:
