@@ -20,7 +20,7 @@ from equivalence import compilation_cache, devices
 from equivalence.core.port import blame
 from equivalence.core.port.config import ConfigError
 from equivalence.core.verdict.outcome import Outcome
-from equivalence.distributed import worker
+from equivalence.distributed import records, worker
 
 EXIT_MATCH, EXIT_MISMATCH = Outcome.MATCH.exit_code, Outcome.MISMATCH.exit_code  # a check's outcome (run)
 EXIT_NOT_VERIFIED = Outcome.NOT_VERIFIED.exit_code  # run: every leaf compares, but where a slip would hide is noise
@@ -78,7 +78,7 @@ class OneLineParser(argparse.ArgumentParser):
 def fail(message: str, whole: str = '') -> NoReturn:
     """One ``error:`` line and exit 2; ``whole``, the text the line shortened, goes to a file it names."""
     line = ' '.join(str(message).splitlines())
-    print('error: ' + line + (f'; {_whole_text_file(whole)}' if whole else ''), file=sys.stderr)
+    print(records.error(line + (f'; {_whole_text_file(whole)}' if whole else '')), file=sys.stderr)
     sys.exit(EXIT_BAD_INPUT)
 
 

@@ -31,6 +31,10 @@ from jax.sharding import PartitionSpec as P
 from legacy_pmap.train import TrainState, replicate, unreplicate
 
 
+class StateMismatch(ValueError):
+    """A checkpoint whose leaves do not fit the train state it is restored into."""
+
+
 def make_manager(directory: str, keep: int | None = None, preserve: Sequence[int] = ()) -> ocp.CheckpointManager:
     """Keeps the last ``keep`` steps (all when None) and every step in ``preserve``; synchronous,
     as the old ``save_checkpoint`` was. Every process makes one (Orbax's barriers span them all)."""
@@ -124,14 +128,14 @@ def open_step(directory: str, step: int | None = None) -> tuple[ocp.CheckpointMa
 
 def restore(directory: str, target: TrainState, step: int | None = None) -> tuple[TrainState, jax.Array, dict]:
     """``(state, rng, meta)``: the unreplicated state as host arrays, typed as ``target``; then
-    ``load_into`` puts it back on the devices. Raises ``ValueError`` naming the first leaf that
-    does not fit ``target``. Read as saved, then placed into ``target`` leaf by leaf: a state
+    ``load_into`` puts it back on the devices. Raises ``StateMismatch`` (a ``ValueError``) naming
+    the first leaf that does not fit ``target``. Read as saved, then placed into ``target`` leaf by leaf: a state
     whose leaves fit restores whatever empty fields (``None``, ``{}``) either side carries."""
     manager, step = open_step(directory, step)
     saved = manager.item_metadata(step)['state']
     mismatch = first_mismatch(spec(saved), spec(target))
     if mismatch is not None:
-        raise ValueError(
+        raise StateMismatch(
             f'checkpoint {directory} step {step} does not fit this train state: first mismatching leaf {mismatch}'
         )
     items = ocp.args.Composite(

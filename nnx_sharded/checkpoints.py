@@ -27,6 +27,10 @@ from jax.sharding import PartitionSpec as P
 SAVED = nnx.Not(nnx.RngState)  # what a checkpoint holds: all but the random streams
 
 
+class StateMismatch(ValueError):
+    """A checkpoint whose leaves do not fit the train state it is restored into."""
+
+
 def make_manager(directory: str, keep: int | None = None, preserve: Sequence[int] = ()) -> ocp.CheckpointManager:
     """Keeps the last ``keep`` steps (all when None) and every step in ``preserve``; synchronous
     (a save returns with the step on disk), as the legacy side."""
@@ -120,12 +124,12 @@ def open_step(directory: str, step: int | None = None) -> tuple[ocp.CheckpointMa
 
 def restore(directory: str, target: dict, step: int | None = None) -> tuple[dict, jax.Array, dict]:
     """``(state, rng, meta)``: the ``state_dict`` as arrays already placed as ``target`` says;
-    ``load_into`` puts them into a train state. Raises ``ValueError`` naming the first leaf
-    that does not fit ``target``."""
+    ``load_into`` puts them into a train state. Raises ``StateMismatch`` (a ``ValueError``) naming
+    the first leaf that does not fit ``target``."""
     manager, step = open_step(directory, step)
     mismatch = first_mismatch(spec(manager.item_metadata(step)['state']), spec(target))
     if mismatch is not None:
-        raise ValueError(
+        raise StateMismatch(
             f'checkpoint {directory} step {step} does not fit this train state: first mismatching leaf {mismatch}'
         )
     items = ocp.args.Composite(

@@ -5,10 +5,16 @@ import importlib
 import os
 import subprocess
 import sys
+import tempfile
 
 from equivalence import devices
+from equivalence.core.run import said
 
 devices.simulate_cpu_devices()
+
+# Every stage line a check says, here or in a process a test starts, is recorded in this file (``said``):
+# ``message_lines`` tells a command's messages from its stages' lines by these records, not by wording.
+os.environ[said.EVENTS_ENV] = os.path.join(tempfile.gettempdir(), f'equivalence-stages-{os.getpid()}.jsonl')
 
 # The tests' programs are compiled the way that compiles fastest while keeping what the tests are
 # about, the float32 sums of the pmap and jit programs that differ (docs/performance.md):
@@ -155,10 +161,9 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, expected: str) -> N
 
 
 def message_lines(stderr: str) -> list[str]:
-    """stderr's lines less the stages a check says as it works (``clock.is_stage_line``): its messages."""
-    from equivalence.core.run import clock
-
-    return [line for line in stderr.strip().splitlines() if not clock.is_stage_line(line)]
+    """stderr's lines less the stages a check says as it works (those ``said`` recorded): its messages."""
+    stages = {s.line.strip() for s in said.read(os.environ[said.EVENTS_ENV])}
+    return [line for line in stderr.strip().splitlines() if line.strip() not in stages]
 
 
 # Two workers (pyproject's addopts). The tests of one file share what they build (module fixtures,

@@ -19,7 +19,7 @@ from equivalence import run as run_command
 from equivalence.checkpoint import __main__ as checkpoint_command
 from equivalence.checkpoint import layout, migrate, resume, store
 from equivalence.checkpoint.options import CheckpointOptions
-from equivalence.core import kinds
+from equivalence.core import harness, kinds
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.run import inputs as made
@@ -125,60 +125,71 @@ def test_migrate_command_prints_every_leaf_and_refuses_to_overwrite_without_forc
 # -- any placement: 2, 4 and 8 devices; NNX -> NNX bitwise -------------------------------------------
 
 
+def resumed_at(port, config: RunConfig, step: int, root, nnx_devices: int | None = None, **options):
+    """``run --resume-at step --checkpoint-dir root``: the harness's own run with its checkpoint hooks (legacy
+    saves, ``migrate``, the new side restored onto ``nnx_devices`` devices and trained on)."""
+    checkpoints = CheckpointOptions(resume_at=step, directory=str(root), **options)
+    return resume.run(port, config, checkpoints, nnx_devices=nnx_devices)
+
+
 @pytest.fixture(scope='module')
 def mlp_global(tmp_path_factory):
-    """Legacy mlp on 8 devices, global keys (the same numbers on any device count), saved at step 4 of 8."""
+    """Legacy mlp on 8 devices, global keys (the same numbers on any device count), saved at step 4 of 8,
+    migrated, and NNX resumed from it on 8 devices: ``(config, its checkpoint folder, the result)``."""
     root = tmp_path_factory.mktemp('mlp_global')
     config = RunConfig(workload='mlp', devices=8, steps_per_call=2, calls=4, batch_size=64, rng_mode='global')
-    legacy = resume.train_legacy(MLP, config, CheckpointOptions(resume_at=4), str(root / 'legacy'))
-    migrate.migrate(legacy.directory, str(root / 'nnx'), MLP, step=4)
-    return config, legacy, str(root / 'nnx')
+    return config, root, resumed_at(MLP, config, 4, root)
 
 
 @pytest.mark.parametrize('devices', [2, 4, 8])
-def test_migrated_checkpoint_restores_sharded_onto_2_4_8_devices_and_resumes_to_a_match(mlp_global, devices):
+def test_migrated_checkpoint_restores_sharded_onto_2_4_8_devices_and_resumes_to_a_match(mlp_global, devices, tmp_path):
     require_devices(devices)
-    config, legacy, nnx_dir = mlp_global
-    restored = _read_nnx(MLP, nnx_dir, devices)
+    config, root, on_8 = mlp_global
+    restored = _read_nnx(MLP, str(root / 'nnx'), devices)
     mesh = sharding.make_mesh(devices)
     for path, leaf in restored.items():  # straight from disk onto the mesh: each device holds its copy
         assert leaf.sharding == sharding.replicated(mesh) and len(leaf.sharding.device_set) == devices, path
-    result = resume.resume_nnx(MLP, dataclasses.replace(config, devices=devices), legacy, nnx_dir, 4)
+    result = on_8 if devices == 8 else resumed_at(MLP, config, 4, tmp_path, nnx_devices=devices)
     assert result.report.match, [(leaf.name, leaf.max_abs) for leaf in result.report.leaves if not leaf.ok]
-    assert len(result.new.losses) == 4
+    assert result.resumed_at == 4 and len(result.new.losses) == 4
     assert result.verdict.twin == PROGRAM_TWIN  # the twin restored the same checkpoint: the floor is measured
 
 
 def test_restore_train_state_in_your_own_code_on_both_sides(mlp_global):
     """The README's recipe: an NNX train state onto a 4-device mesh, a legacy one replicated on 2 devices."""
     require_devices(4)
-    config, legacy, nnx_dir = mlp_global
+    _, root, _ = mlp_global
+    nnx_dir, legacy_dir = str(root / 'nnx'), str(root / 'legacy')
     mesh = sharding.make_mesh(4)
     make = lambda: train.TrainState(nnx_models.MLP(rngs=nnx.Rngs(0)), MLP.make_tx(1.0), None)  # noqa: E731
     train_state, rng, meta = nnx_checkpoints.restore_train_state(nnx_dir, make, mesh)
     assert int(train_state.optimizer.step[...]) == 4 and meta['step'] == 4 and rng.shape == (2,)
     assert train_state.model.hidden.kernel[...].sharding == sharding.replicated(mesh)
     make_state = layout.legacy_init(MLP)
-    pstate, _, _ = legacy_checkpoints.restore_train_state(legacy.directory, make_state, jax.devices()[:2], step=4)
+    pstate, _, _ = legacy_checkpoints.restore_train_state(legacy_dir, make_state, jax.devices()[:2], step=4)
     assert pstate.params['hidden']['kernel'].shape[0] == 2 and int(pstate.step[0]) == 4
     np.testing.assert_array_equal(pstate.params['hidden']['kernel'][1], train_state.model.hidden.kernel[...])
 
 
-def test_resuming_on_other_data_than_where_the_checkpoint_stopped_mismatches(mlp_global):
+def test_resuming_on_other_data_than_where_the_checkpoint_stopped_mismatches(mlp_global, tmp_path, monkeypatch):
     """Negative control: the comparison fails when the data stream does not continue at step 4."""
-    config, legacy, nnx_dir = mlp_global
-    shifted = dataclasses.replace(legacy.prepared.inputs, calls=[legacy.calls[0], *legacy.calls[:-1]])
-    early = dataclasses.replace(legacy, prepared=dataclasses.replace(legacy.prepared, inputs=shifted))  # 2, 3 -> 1, 2
-    result = resume.resume_nnx(MLP, config, early, nnx_dir, 4)
-    assert not result.report.match
+    config, _, _ = mlp_global
+    given = harness.resumed_inputs
+
+    def one_call_early(inputs, at, k):  # the calls after step 4 are 2, 3: given 1, 2
+        return dataclasses.replace(given(inputs, at, k), calls=inputs.calls[at.step // k - 1 : -1])
+
+    monkeypatch.setattr(harness, 'resumed_inputs', one_call_early)
+    result = resumed_at(MLP, config, 4, tmp_path)
+    assert result.resumed_at == 4 and not result.report.match
 
 
-def test_a_resumed_run_is_held_to_the_floor_of_a_resumed_twin_which_fails_what_the_screen_passes(mlp_global):
+def test_a_resumed_run_is_held_to_the_floor_of_a_resumed_twin_which_fails_what_the_screen_passes(mlp_global, tmp_path):
     """Negative control for the twin on ``--resume-at``: NNX resumed with a learning rate 1.00001 times
     (``--perturb 1e-5``) passes the fixed screen; the floor of a twin restored from the same checkpoint
     fails it. The probes that start from the initial state do not run, and say so."""
-    config, legacy, nnx_dir = mlp_global
-    result = resume.resume_nnx(MLP, dataclasses.replace(config, perturb=1e-5), legacy, nnx_dir, 4)
+    config, _, _ = mlp_global
+    result = resumed_at(MLP, dataclasses.replace(config, perturb=1e-5), 4, tmp_path)  # NNX's optimizer only
     done = result.verdict.done
     assert not result.report.match and done[0] == 'fixed screen passed' and result.verdict.twin == PROGRAM_TWIN
     assert done[-1] == 'first-step gradients not probed: resumed from a checkpoint' and result.verdict.kind == 'update'
@@ -229,16 +240,15 @@ def test_resuming_without_the_recorded_key_chain_is_not_the_same_run(score_nnx):
 
 @pytest.fixture(scope='module')
 def loop_port_checkpoint(tmp_path_factory):
-    """The example loop port's own pmap TrainState (step, params, opt_state; AdamW), saved at steps 2 and 4."""
+    """The example loop port's own pmap TrainState (step, params, opt_state; AdamW), saved at steps 2 and 4,
+    and NNX resumed at step 2 (the user's nnx.jit loop): ``(its legacy checkpoints, the result)``."""
     config = RunConfig(workload='mlp-port-loop', devices=2, steps_per_call=2, calls=2, batch_size=8, rng_mode='global')
-    directory = str(tmp_path_factory.mktemp('loop') / 'legacy')
-    legacy = resume.train_legacy(my_port.LOOP, config, CheckpointOptions(every=1), directory)
-    return config, legacy
+    root = tmp_path_factory.mktemp('loop')
+    return str(root / 'legacy'), resumed_at(my_port.LOOP, config, 2, root, every=1)
 
 
 def test_a_user_loop_port_migrates_through_its_names_and_resumes(loop_port_checkpoint, tmp_path):
-    config, legacy = loop_port_checkpoint
-    directory = legacy.directory
+    directory, result = loop_port_checkpoint
     migration = migrate.migrate(directory, str(tmp_path / 'nnx'), my_port.LOOP, step=2)
     pairs = {p.legacy: p.nnx for p in migration.pairs}
     assert pairs['params/Dense_0/kernel'] == 'model/fc1/kernel'  # names={'Dense_0': 'fc1', ...}
@@ -248,14 +258,13 @@ def test_a_user_loop_port_migrates_through_its_names_and_resumes(loop_port_check
     state, _, _ = store.read_nnx(str(tmp_path / 'nnx'), nnx_checkpoints.state_dict(layout.View(model, optimizer)))
     nnx_checkpoints.load_into(layout.View(model, optimizer), state)  # into the user's own objects
     assert int(optimizer.step[...]) == 2
-    result = resume.resume_nnx(my_port.LOOP, config, legacy, str(tmp_path / 'nnx'), 2)  # the user's nnx.jit loop
-    assert result.report.match and len(result.new.losses) == 2
+    assert result.resumed_at == 2 and result.report.match and len(result.new.losses) == 2
 
 
 def test_another_optimizer_is_said_before_anything_is_written(loop_port_checkpoint, tmp_path):
     """An NNX port with another optimizer (SGD with momentum, not AdamW): no optimizer leaf can map. The
     pre-flight says so in one line naming both sides' slots (exit 2), and no NNX_DIR is made."""
-    directory = loop_port_checkpoint[1].directory
+    directory = loop_port_checkpoint[0]
     (tmp_path / 'sgd_port.py').write_text(
         'import dataclasses, my_port, optax\nfrom flax import nnx\n'
         'def state(model):\n    return model, nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)\n'

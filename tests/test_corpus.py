@@ -17,6 +17,7 @@ import types
 import pytest
 
 from equivalence import corpus
+from equivalence.core.verdict.outcome import Outcome
 from equivalence.corpus import runner
 from equivalence.corpus.__main__ import main
 from tests.conftest import require_devices
@@ -46,7 +47,7 @@ def cases() -> dict[str, runner.Case]:
 )
 def test_correct_port_matches(cases, name):
     case = cases[name]
-    assert case.verdict == 'MATCH', f'{name}: {case.verdict} ({case.detail})'
+    assert case.outcome is Outcome.MATCH, f'{name}: {case.verdict} ({case.detail})'
 
 
 @pytest.mark.parametrize(
@@ -58,25 +59,28 @@ def test_correct_port_matches(cases, name):
 )
 def test_slip_mismatches_with_its_kind(cases, name):
     case = cases[name]
-    assert case.verdict == 'MISMATCH', f'{name}: {case.verdict} ({case.detail})'
+    assert case.outcome is Outcome.MISMATCH, f'{name}: {case.verdict} ({case.detail})'
     assert not case.wrong_kind, f'{name}: diagnosed {case.kind!r}, the slip is {case.expected_kind!r}'
 
 
-def fake_case(truth: str, verdict: str, kind: str | None = None) -> runner.Case:
-    return runner.Case('e', truth, 'math' if truth == 'slip' else None, 2, 0, verdict, kind, 1.0)
+def fake_case(truth: str, outcome: Outcome | None, kind: str | None = None) -> runner.Case:
+    return runner.Case('e', truth, 'math' if truth == 'slip' else None, 2, 0, outcome, kind, 1.0)
 
 
 def test_a_wrong_verdict_is_counted_and_a_missing_diagnosis_tolerated():
     """The judge itself: which verdicts are wrong, and the diagnosis read whether or not the verdict has one."""
+    match, mismatch, error = Outcome.MATCH, Outcome.MISMATCH, None  # None: the run raised
     wrong = {(t, v, k): fake_case(t, v, k).wrong for t, v, k in [
-        ('correct', 'MATCH', None), ('correct', 'MISMATCH', None), ('correct', 'ERROR', None),
-        ('slip', 'MISMATCH', None), ('slip', 'MISMATCH', 'math'), ('slip', 'MISMATCH', 'optimizer'),
-        ('slip', 'MATCH', None),
+        ('correct', match, None), ('correct', mismatch, None), ('correct', error, None),
+        ('slip', mismatch, None), ('slip', mismatch, 'math'), ('slip', mismatch, 'optimizer'),
+        ('slip', match, None),
     ]}  # fmt: skip
     assert [k for k, w in wrong.items() if w] == [
-        ('correct', 'MISMATCH', None), ('correct', 'ERROR', None), ('slip', 'MISMATCH', 'optimizer'),
-        ('slip', 'MATCH', None),
+        ('correct', mismatch, None), ('correct', error, None), ('slip', mismatch, 'optimizer'),
+        ('slip', match, None),
     ]  # fmt: skip
+    assert fake_case('slip', error).to_json()['verdict'] == 'ERROR'
+    assert fake_case('slip', Outcome.NOT_VERIFIED).to_json()['verdict'] == 'NOT VERIFIED'
     today = types.SimpleNamespace(report=types.SimpleNamespace(match=False))
     assert runner.diagnosis_kind(today) is None
     assert (

@@ -7,12 +7,11 @@ seconds are not asserted (shared machines): only what the counts and the lines s
 import io
 import json
 import os
-import re
 import subprocess
 import sys
 import textwrap
 
-from conftest import ROOT
+from conftest import ROOT, message_lines
 
 from equivalence import compilation_cache
 from equivalence.core.run import clock
@@ -58,8 +57,7 @@ def test_a_second_check_reads_its_programs_from_the_cache_and_says_its_stages_as
         said = proc.stderr.strip().splitlines()
         names = [s['name'] for s in timing['stages'] if s['depth'] <= 1]
         assert all(any(line.lstrip().startswith(name) for line in said) for name in names), (names, said)
-        stage_line = r' \.\.\.( \d+\.\d s( \(.*\))?)?$|: done in \d+\.\d s'  # a stage with parts: its name, then them
-        assert all(re.search(stage_line, line) for line in said), said
+        assert message_lines(proc.stderr) == [], said  # every line a stage's (its record), none a message
         *_, time_line, verdict = proc.stdout.strip().splitlines()
         assert time_line.startswith(f'time: {timing["wall_s"]:.1f} s') and verdict.startswith('MATCH')
     top = [s['name'] for s in t1['stages'] if s['depth'] == 0]
@@ -78,7 +76,9 @@ def test_stage_lines_begin_when_slow_nest_under_their_stage_and_say_a_failure_on
     (the command's error line is then the only line), a slow one that it failed."""
     import time
 
-    out = io.StringIO()
+    from equivalence.core.run import said
+
+    out, before = io.StringIO(), len(said.read(os.environ[said.EVENTS_ENV]))
     c = clock.Clock(clock.Lines(out, delay=0.05))
     with c.stage('verdict'):
         with c.stage('twin on 1 device(s)'):
@@ -104,6 +104,10 @@ def test_stage_lines_begin_when_slow_nest_under_their_stage_and_say_a_failure_on
         verdict: done in 0.2 s
         slow ... failed after 0.2 s
     """), out.getvalue()
+    records = said.read(os.environ[said.EVENTS_ENV])[before:]  # each line, as the typed record read back
+    assert [s.line for s in records] == out.getvalue().splitlines()
+    states = [('verdict', 'begun'), ('twin on 1 device(s)', 'done'), ('quick', 'done'), ('verdict', 'done')]
+    assert [(s.stage, s.state) for s in records] == [*states, ('slow', 'failed')]
 
 
 def test_work_handed_to_a_thread_counts_in_the_stage_that_handed_it_over():

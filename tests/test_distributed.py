@@ -366,16 +366,29 @@ def test_the_launcher_gives_workers_the_same_flags_and_their_own_address():
     assert env['JAX_NUM_CPU_DEVICES'] == '4' and env['JAX_COORDINATOR_BIND_ADDRESS'] == '127.0.0.1:1234'
 
 
-def test_the_one_line_names_the_telling_line_of_a_workers_log(tmp_path):
-    log = tmp_path / 'worker-0.log'
-    log.write_text(
-        'Traceback (most recent call last):\nValueError: boom\n'
-        'error: process 0: internal error: ValueError: boom\n[Gloo] Rank 0 is connected\n'
-    )
-    assert launch.last_reason(str(log)) == 'error: process 0: internal error: ValueError: boom'
-    assert launch.describe(3, launch.last_reason(str(log))) == 'failed with an internal error (ValueError: boom)'
+def test_the_one_line_names_what_a_worker_said_in_its_records_else_the_telling_line_of_its_log(tmp_path, monkeypatch):
+    """A worker's own ``error:`` line comes back as a JSON record, not read out of its log: whole for bad input
+    (exit 2), its detail otherwise; a worker that said nothing (a signal, an abort) is told by its log."""
+    from types import SimpleNamespace
+
+    from equivalence.distributed import records
+
+    monkeypatch.setattr(records, 'PATH', launch.records_path(str(tmp_path), 0))
+    line = records.error('ValueError: boom', where='process 0', internal=True)
+    assert line == 'error: process 0: internal error: ValueError: boom'
+    (tmp_path / 'worker-0.log').write_text(f'Traceback (most recent call last):\nValueError: boom\n{line}\n[Gloo] ok\n')
+    assert records.last_error(records.PATH) == {'event': 'error', 'line': line, 'detail': 'ValueError: boom'}
+    procs, logs = [SimpleNamespace(pid=7), SimpleNamespace(pid=8)], str(tmp_path)
+    code, said = launch.failure(procs, [launch.EXIT_INTERNAL, None], 0, logs, 1.25)
+    assert code == launch.EXIT_WORKER_DIED
+    assert said == ('error: worker 0 of 2 (pid 7) failed with an internal error (ValueError: boom) after 1.2 s; '
+                    f'stopped the other 1 with SIGKILL; logs in {logs}')  # fmt: skip
+    bad = records.error('--batch-size 100 is not divisible by --devices 8')
+    with open(records.PATH, 'a') as f:
+        f.write('{"event": "error", "li')  # cut short: the worker was killed while writing it
+    assert launch.failure(procs, [launch.EXIT_BAD_INPUT, 0], 0, logs, 1.0) == (launch.EXIT_BAD_INPUT, bad)
+    log = tmp_path / 'worker-1.log'
     log.write_text('F1130 04:43:58.073611   23901 client.h:80] Terminating process because ...\n    @ 0x7f frames\n')
-    assert launch.describe(-signal.SIGABRT, launch.last_reason(str(log))) == (
-        'was killed by SIGABRT (Terminating process because ...)'
-    )
+    code, said = launch.failure(procs, [0, -signal.SIGABRT], 1, logs, 2.0)
+    assert said.startswith('error: worker 1 of 2 (pid 8) was killed by SIGABRT (Terminating process because ...)')
     assert launch.describe(-signal.SIGKILL, '') == 'was killed by SIGKILL'

@@ -2,17 +2,22 @@
 Transformer's Orbax ``CheckpointManager`` migrate through the port's names and resume to MATCH;
 the same refusals as the suite's own layout."""
 
+import contextlib
+import dataclasses
 import os
+import tempfile
+from collections.abc import Callable
 
 import jax
 import pytest
 from conftest import ROOT, import_example, require_devices, run_module
 
 from equivalence.checkpoint import migrate, resume
+from equivalence.checkpoint.options import CheckpointOptions
 from equivalence.checkpoint.store import CheckpointError
 from equivalence.core import harness
 from equivalence.core.port.config import RunConfig
-from equivalence.core.run import adapters, sides
+from equivalence.core.run import adapters
 
 # Compiled at XLA's level 0 in this worker (conftest.at_level_0_in_process), as the subject allows:
 AT_LEVEL_0 = (
@@ -35,19 +40,38 @@ def team_saver(name: str, old, directory: str):
     return lambda setup, calls_done, rng: old.save_checkpoint(manager, setup.pstate)
 
 
+@dataclasses.dataclass(frozen=True)
+class TeamCheckpoints(resume.Checkpoints):
+    """``run --resume-at``'s own hooks (``resume.Checkpoints``), but the legacy side saves with the team's code
+    (``save``: a folder -> the hook) into ``<root>/team``, the folder the session migrates and resumes from."""
+
+    save: Callable | None = None
+
+    @contextlib.contextmanager
+    def session(self, prepared):
+        with super().session(prepared) as session:
+            session.directory = os.path.join(session.root, 'team')
+            session.after_legacy_call = self.save(session.directory)
+            yield session
+
+
 def resumed(name: str, tmp_path):
-    """``(migration, result, port, team dir, resume again)`` of the example's LOOP, saved after every call."""
+    """``(migration, result, port, team dir, resume again)`` of the example's LOOP, saved after every call by
+    the team's code, migrated and resumed at step 2: the harness's own run (``harness.run``, its checkpoint
+    hooks). ``resume again``: the same run afresh, in a folder of its own."""
     old, my_port = example(name)
     port = my_port.LOOP
     config = RunConfig(workload=port.name, devices=2, steps_per_call=2, calls=2, batch_size=8,
                        rng_mode=port.rng_modes[0])  # fmt: skip
-    prepared = harness.prepare(port, config)
-    team_dir, nnx_dir = str(tmp_path / 'team'), str(tmp_path / 'nnx')
-    legacy = sides.run_legacy(prepared.kind, config, prepared.inputs, after_call=team_saver(name, old, team_dir))
-    migration = migrate.migrate(team_dir, nnx_dir, port, step=2)
-    run = resume.LegacyRun(legacy, team_dir, prepared)
-    again = lambda: resume.resume_nnx(port, config, run, nnx_dir, 2)  # noqa: E731
-    return migration, again(), port, team_dir, again
+    save = lambda directory: team_saver(name, old, directory)  # noqa: E731
+
+    def again(root: str):
+        checkpoints = TeamCheckpoints(CheckpointOptions(resume_at=2, directory=root), save=save)
+        return harness.run(port, config, checkpoints=checkpoints)
+
+    result, team_dir = again(str(tmp_path)), str(tmp_path / 'team')
+    migration = migrate.migrate(team_dir, str(tmp_path / 'migrated'), port, step=2)  # what the run's own mapped
+    return migration, result, port, team_dir, lambda: again(tempfile.mkdtemp(dir=tmp_path))
 
 
 @pytest.fixture(scope='module')

@@ -164,3 +164,20 @@ def test_the_legacy_twin_with_per_device_keys_draws_what_the_run_draws():
     assert verdict.twin_refusal(run.losses, on_one.losses, 'legacy') == ''
     plain = sides.run_legacy(kinds.of(cnn), dataclasses.replace(config, devices=1), fed)
     assert verdict.twin_refusal(run.losses, plain.losses, 'legacy').startswith('refused: its loss at step 1')
+
+
+def test_a_fresh_process_that_fails_says_why_in_a_json_record_not_a_line_read_back(tmp_path):
+    """The child writes how it ended (JSON: the exception's type and first line), which the parent reads;
+    a child that ended before it could write one is told by the last line it printed."""
+    import subprocess
+    import sys
+
+    ask, answer, said = (str(tmp_path / name) for name in ('request.pkl', 'result.pkl', 'ended.json'))
+    command = [sys.executable, '-m', fresh.CHILD, 'mlp', '1', ask, answer, said]
+    proc = subprocess.run(command, env=fresh.env(1), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr
+    ended = json.loads((tmp_path / 'ended.json').read_text())
+    assert ended['outcome'] == 'failed' and ended['error'] == 'FileNotFoundError' and ask in ended['message']
+    assert fresh.failure(said, proc) == f'FileNotFoundError: {ended["message"]}'
+    died = subprocess.CompletedProcess(command, -9, '', 'Fatal Python error: Aborted\n')
+    assert fresh.failure(str(tmp_path / 'none.json'), died) == 'Fatal Python error: Aborted'

@@ -74,8 +74,9 @@ def read(directory: str, target: Any, step: int | None) -> tuple[Any, None, dict
     saved = checkpointer.metadata(path).item_metadata.tree
     mismatch = legacy_checkpoints.first_mismatch(legacy_checkpoints.spec(saved), legacy_checkpoints.spec(target))
     if mismatch is not None:
-        raise ValueError(f'checkpoint {path} ({layout}) does not fit the port\'s train state: first mismatching leaf '
-                         f'{mismatch}')  # fmt: skip
+        raise legacy_checkpoints.StateMismatch(
+            f"checkpoint {path} ({layout}) does not fit the port's train state: first mismatching leaf {mismatch}"
+        )
     restored = checkpointer.restore(path)
     flat = {legacy_checkpoints.path_str(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]}
     state = jax.tree_util.tree_map_with_path(lambda p, _: np.asarray(flat[legacy_checkpoints.path_str(p)]), target)

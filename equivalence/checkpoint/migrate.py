@@ -109,8 +109,10 @@ def migrate(legacy_dir: str, nnx_dir: str, port: Port, step: int | None = None, 
     preflight.check_states(kinds.of(port))
     try:
         state, rng, meta = store.read_legacy(legacy_dir, _legacy_target(port), step)
-    except CheckpointError as e:  # another workload's checkpoint: the one it records is named
-        raise CheckpointError(f'{e}{_workload_hint(recorded, port)}' if 'does not fit' in str(e) else str(e)) from None
+    except store.StateMismatch as e:  # another workload's checkpoint: the one it records is named
+        raise CheckpointError(f'{e}{_workload_hint(recorded, port)}') from None
+    except CheckpointError as e:
+        raise CheckpointError(str(e)) from None
     legacy_leaves, mapping, outside, skipped = _legacy_leaves(port, state)
     abstract = nnx_checkpoints.state_dict(nnx.eval_shape(layout.nnx_init(port)))
     places = layout.group_places(port)

@@ -168,39 +168,3 @@ def run(port: Port, config: RunConfig, options: CheckpointOptions, progress=None
         say=None):  # fmt: skip
     """``harness.run`` with legacy checkpoints; with ``resume_at``, NNX resumes from the migrated one."""
     return harness.run(port, config, progress, checkpoints=Checkpoints(options, nnx_devices), say=say)
-
-
-# -- the same, in parts (tests, and a team resuming by hand) ------------------------------------
-
-
-@dataclasses.dataclass
-class LegacyRun:
-    """The uninterrupted legacy run, and what NNX needs to resume beside it."""
-
-    result: sides.PathResult
-    directory: str  # its checkpoints
-    prepared: Prepared  # the port's kind, the config, the inputs both sides start from
-
-    @property
-    def calls(self) -> list:
-        return self.prepared.inputs.calls
-
-
-def train_legacy(port: Port, config: RunConfig, options: CheckpointOptions, directory: str, progress=None) -> LegacyRun:
-    """All K x C legacy steps, saving every ``save_every`` calls into ``directory`` (the step
-    NNX resumes from is kept whatever ``keep`` says)."""
-    prepared = harness.prepare(port, config)
-    preserve = [options.resume_at] if options.resume_at else []
-    hook = legacy_saver(directory, config, options.save_every(config), options.keep, preserve)
-    result = sides.run_legacy(prepared.kind, config, prepared.inputs, progress or sides.silent, after_call=hook)
-    return LegacyRun(result, directory, prepared)
-
-
-def resume_nnx(port: Port, config: RunConfig, legacy: LegacyRun, nnx_dir: str, step: int, progress=None):
-    """NNX restored from ``nnx_dir``'s ``step`` onto ``config.devices`` devices, trained on the
-    calls after it, and judged against the legacy run's end (``harness.judgement``)."""
-    prepared = dataclasses.replace(legacy.prepared, config=config)
-    restore = restorer(nnx_dir, config, step, key_chain(prepared, config, step))
-    inputs = harness.resumed_inputs(prepared.inputs, Resume(step, config, restore), config.steps_per_call)
-    new = sides.run_new(prepared.kind, config, inputs, progress or sides.silent)
-    return harness.judgement(prepared.kind, config, legacy.result, new, inputs, step)

@@ -31,6 +31,13 @@ class CheckpointError(ConfigError):
     """A checkpoint that cannot be read or does not fit: exit 2, one line."""
 
 
+class StateMismatch(CheckpointError):
+    """A checkpoint whose leaves do not fit the train state it is read into (another workload's)."""
+
+
+MISMATCHES = (legacy_checkpoints.StateMismatch, nnx_checkpoints.StateMismatch)
+
+
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
     """Orbax's logs (``ERROR:absl:...`` before it raises) and stray tracebacks from its threads
@@ -56,7 +63,8 @@ def reading(directory: str) -> Iterator[None]:
             raise
         except Exception as e:  # noqa: BLE001 -- a damaged file fails anywhere in orbax or tensorstore
             time.sleep(SETTLE_S)  # still silenced: the other reads finish and print into the void
-            raise CheckpointError(describe(directory, e)) from None
+            error = StateMismatch if isinstance(e, MISMATCHES) else CheckpointError
+            raise error(describe(directory, e)) from None
 
 
 def describe(directory: str, error: Exception) -> str:

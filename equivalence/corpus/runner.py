@@ -8,10 +8,11 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterable
 
+from equivalence.core.verdict.outcome import Outcome
 from equivalence.corpus.entry import Entry
 from equivalence.devices import release_compiled_programs
 
-VERDICTS = ('MATCH', 'MISMATCH', 'NOT VERIFIED', 'ERROR')
+OUTCOMES = (Outcome.MATCH, Outcome.MISMATCH, Outcome.NOT_VERIFIED, None)  # the tables' columns; None: an ERROR
 LADDER = (1e-3, 3e-4, 1e-4, 3e-5, 1e-5, 3e-6, 1e-6, 3e-7, 1e-7)  # --perturb levels, walked down to the first miss
 SENSITIVITY_DEVICES = 8  # issue 16: the smallest --perturb detected at D=8 on mlp
 
@@ -37,7 +38,7 @@ class Case:
     expected_kind: str | None  # slips: the diagnosis kind the verdict should name
     devices: int
     seed: int
-    verdict: str  # 'MATCH', 'MISMATCH', 'NOT VERIFIED' or 'ERROR'
+    outcome: Outcome | None  # the check's outcome; None: the run raised (an ERROR)
     kind: str | None  # the diagnosis kind the verdict named; None: it named none
     seconds: float
     detail: str = ''  # the worst leaf, or the error
@@ -51,18 +52,30 @@ class Case:
     done: str = ''  # what the verdict measured, in its own words ('; '-joined): the legacy twin among them
 
     @property
+    def verdict(self) -> str:
+        """How the tables and the JSON name it: the outcome's label, or 'ERROR'."""
+        return label(self.outcome)
+
+    def to_json(self) -> dict:
+        """Its fields, the outcome as its label under ``verdict``, and whether it is wrong."""
+        fields = {('verdict' if k == 'outcome' else k): v for k, v in vars(self).items()}
+        return {**fields, 'verdict': self.verdict, 'wrong': self.wrong}
+
+    @property
     def wrong_kind(self) -> bool:
-        return self.verdict == 'MISMATCH' and self.kind is not None and self.kind not in ACCEPTED[self.expected_kind]
+        return (
+            self.outcome is Outcome.MISMATCH and self.kind is not None and self.kind not in ACCEPTED[self.expected_kind]
+        )
 
     @property
     def wrong(self) -> bool:
         """A correct port that does not MATCH, a slip that does not MISMATCH or is misdiagnosed, or an
         error: NOT VERIFIED is never the right verdict on an entry whose truth is known."""
-        if self.verdict in ('ERROR', 'NOT VERIFIED'):
+        if self.outcome in (None, Outcome.NOT_VERIFIED):
             return True
         if self.truth == 'correct':
-            return self.verdict == 'MISMATCH'
-        return self.verdict == 'MATCH' or self.wrong_kind
+            return self.outcome is Outcome.MISMATCH
+        return self.outcome is Outcome.MATCH or self.wrong_kind
 
 
 def diagnosis_kind(result) -> str | None:
@@ -114,17 +127,17 @@ def run_case(entry: Entry, devices: int, seed: int, **overrides) -> Case:
         result = equivalence.check(
             entry.port, devices=devices, seed=seed, **{'locate': False, **entry.flags, **overrides}
         )
-        verdict = result.outcome.label
+        outcome = result.outcome
         kind, detail = diagnosis_kind(result), worst_leaf(result.report)
         judged = getattr(result, 'verdict', None)
         said = {'twin': getattr(judged, 'twin', '') or '', 'done': '; '.join(getattr(judged, 'done', ()))}
         extra = {**margins(result.report), **said}
     except Exception as e:  # noqa: BLE001 -- one broken run is a wrong verdict, not the end of the corpus
-        verdict, kind, detail = 'ERROR', None, f'{type(e).__name__}: {(str(e).splitlines() or [""])[0][:200]}'
+        outcome, kind, detail = None, None, f'{type(e).__name__}: {(str(e).splitlines() or [""])[0][:200]}'
         extra = {}
     seconds = time.perf_counter() - start
     release_compiled_programs()
-    return Case(entry.name, entry.truth, entry.kind, devices, seed, verdict, kind, seconds, detail, **extra)
+    return Case(entry.name, entry.truth, entry.kind, devices, seed, outcome, kind, seconds, detail, **extra)
 
 
 def run(
@@ -145,9 +158,15 @@ def run(
     return cases
 
 
+def label(outcome: Outcome | None) -> str:
+    """'MATCH', 'MISMATCH', 'NOT VERIFIED', or 'ERROR' (None: the run raised)."""
+    return 'ERROR' if outcome is None else outcome.label
+
+
+VERDICTS = tuple(label(o) for o in OUTCOMES)
+
+
 def confusion(cases: list[Case]) -> dict[tuple[str, str], int]:
-    """``{(truth, verdict): runs}`` for every truth and verdict, zeros included."""
-    counts = {(t, v): 0 for t in ('correct', 'slip') for v in VERDICTS}
-    for case in cases:
-        counts[case.truth, case.verdict] += 1
-    return counts
+    """``{(truth, verdict): runs}`` for every truth and verdict (its label), zeros included."""
+    truths = ('correct', 'slip')
+    return {(t, label(o)): sum(c.truth == t and c.outcome is o for c in cases) for t in truths for o in OUTCOMES}

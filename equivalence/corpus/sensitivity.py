@@ -9,6 +9,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+from equivalence.core.verdict.outcome import Outcome
 from equivalence.corpus.entry import Entry
 from equivalence.corpus.runner import LADDER, SENSITIVITY_DEVICES, Case, run_case
 
@@ -23,10 +24,10 @@ class Sensitivity:
 
     @property
     def false_mismatches(self) -> list[Case]:
-        return [c for c in self.baseline if c.verdict != 'MATCH']
+        return [c for c in self.baseline if c.outcome is not Outcome.MATCH]
 
     def detected(self, level: float) -> int:
-        return sum(c.verdict == 'MISMATCH' for c in self.levels[level])
+        return sum(c.outcome is Outcome.MISMATCH for c in self.levels[level])
 
     @property
     def smallest(self) -> float | None:
@@ -56,6 +57,6 @@ def measure(seeds: int, progress: Callable[[Case], None] | None = None, **overri
     baseline, levels = level(0.0), {}
     for perturb in LADDER:
         levels[perturb] = level(perturb)
-        if any(c.verdict != 'MISMATCH' for c in levels[perturb]):
+        if any(c.outcome is not Outcome.MISMATCH for c in levels[perturb]):
             break
     return Sensitivity(SENSITIVITY_DEVICES, seeds, baseline, levels, time.perf_counter() - start)

@@ -3,8 +3,9 @@ sensitivity, and the count of wrong verdicts; and the same as JSON."""
 
 import statistics
 
+from equivalence.core.verdict.outcome import Outcome
 from equivalence.corpus.entry import Entry
-from equivalence.corpus.runner import VERDICTS, Case, confusion
+from equivalence.corpus.runner import OUTCOMES, VERDICTS, Case, confusion, label
 from equivalence.corpus.sensitivity import Sensitivity
 
 
@@ -21,7 +22,7 @@ def entry_row(entry: Entry, cases: list[Case]) -> str:
     runs = [c for c in cases if c.entry == entry.name]
     if not runs:
         return f'{entry.name:<18} {entry.truth:<8} {entry.kind or "-":<10} not run (its device counts were not asked)'
-    n = {v: sum(c.verdict == v for c in runs) for v in VERDICTS}
+    n = {label(o): sum(c.outcome is o for c in runs) for o in OUTCOMES}
     kinds = ','.join(sorted({c.kind for c in runs if c.kind})) or '-'
     wrong = [c for c in runs if c.wrong]
     seconds = [c.seconds for c in runs]
@@ -59,13 +60,13 @@ def wrong_cases(cases: list[Case], s: Sensitivity | None) -> list[Case]:
 def summary(cases: list[Case], s: Sensitivity | None) -> str:
     wrong = wrong_cases(cases, s)
     by = {
-        'correct -> MISMATCH': sum(c.truth == 'correct' and c.verdict == 'MISMATCH' for c in wrong),
-        'slip -> MATCH': sum(c.verdict == 'MATCH' for c in wrong),
+        'correct -> MISMATCH': sum(c.truth == 'correct' and c.outcome is Outcome.MISMATCH for c in wrong),
+        'slip -> MATCH': sum(c.outcome is Outcome.MATCH for c in wrong),
         'slip -> wrong kind': sum(c.wrong_kind for c in wrong),
-        'NOT VERIFIED': sum(c.verdict == 'NOT VERIFIED' for c in wrong),
-        'ERROR': sum(c.verdict == 'ERROR' for c in wrong),
+        'NOT VERIFIED': sum(c.outcome is Outcome.NOT_VERIFIED for c in wrong),
+        'ERROR': sum(c.outcome is None for c in wrong),
     }
-    named = sum(c.kind is not None for c in cases if c.verdict == 'MISMATCH')
+    named = sum(c.kind is not None for c in cases if c.outcome is Outcome.MISMATCH)
     total = len(cases) + (len(s.baseline) if s is not None else 0)
     parts = ', '.join(f'{k} {v}' for k, v in by.items())
     return f'{len(wrong)} wrong verdicts of {total} runs ({parts}); diagnosis kind named on {named} MISMATCH runs'
@@ -84,7 +85,7 @@ def to_json(cases: list[Case], s: Sensitivity | None) -> dict:
     out = {
         'wrong': len(wrong_cases(cases, s)),
         'confusion': {f'{t}/{v}': n for (t, v), n in confusion(cases).items()},
-        'cases': [{**c.__dict__, 'wrong': c.wrong} for c in cases],
+        'cases': [c.to_json() for c in cases],
         'versions': versions(),
     }
     if s is not None:
@@ -95,8 +96,6 @@ def to_json(cases: list[Case], s: Sensitivity | None) -> dict:
             'false_mismatches': len(s.false_mismatches),
             'detected': {f'{level:g}': s.detected(level) for level in s.levels},
             'seconds': round(s.seconds, 1),
-            'cases': [
-                {**c.__dict__, 'wrong': c.wrong} for c in [*s.baseline, *(c for v in s.levels.values() for c in v)]
-            ],
+            'cases': [c.to_json() for c in [*s.baseline, *(c for v in s.levels.values() for c in v)]],
         }
     return out

@@ -3,7 +3,8 @@
 Each worker is ``python -m <command> <the same flags> --coordinator 127.0.0.1:PORT
 --num-processes N --process-id I`` with D/N simulated CPU devices, joined through a
 coordinator on a free port of 127.0.0.1. Process 0's stdout is this command's stdout
-(the report); every worker's stderr goes to a log file.
+(the report); every worker's stderr goes to a log file, and what it has to say to the launcher
+(its one ``error:`` line) to a file of JSON records beside it (``records``).
 
 The launcher never waits on a collective: it only watches its children. The first worker
 that ends abnormally (a signal, an exception, a failed join) ends the run: the others are
@@ -27,6 +28,7 @@ import time
 from collections.abc import Sequence
 
 from equivalence.core.port.config import ConfigError
+from equivalence.distributed import records
 
 POLL_S = 0.1  # how often the launcher looks at its workers
 ENDING_TOGETHER_S = 20  # workers that finished normally leave within a shutdown barrier of each other
@@ -55,8 +57,9 @@ def worker_argv(argv: Sequence[str], port: int, n: int, i: int) -> list[str]:
     return [*out, '--coordinator', f'127.0.0.1:{port}', '--num-processes', str(n), '--process-id', str(i)]
 
 
-def worker_env(local_devices: int, port: int) -> dict[str, str]:
-    """CPU only, D/N simulated devices, the coordinator bound to 127.0.0.1, unbuffered logs."""
+def worker_env(local_devices: int, port: int, said: str | None = None) -> dict[str, str]:
+    """CPU only, D/N simulated devices, the coordinator bound to 127.0.0.1, unbuffered logs; ``said``:
+    the file of the worker's records."""
     env = dict(os.environ)
     flags = [f for f in env.get('XLA_FLAGS', '').split() if 'xla_force_host_platform_device_count' not in f]
     env.update(
@@ -66,6 +69,8 @@ def worker_env(local_devices: int, port: int) -> dict[str, str]:
         JAX_COORDINATOR_BIND_ADDRESS=f'127.0.0.1:{port}',  # read by jax.distributed.initialize
         PYTHONUNBUFFERED='1',
     )
+    if said is not None:
+        env[records.ENV] = said
     return env
 
 
@@ -82,12 +87,17 @@ def start(module: str, argv: Sequence[str], n: int, local_devices: int, logs: st
         command = [sys.executable, '-m', module, *worker_argv(argv, port, n, i)]
         log = open(os.path.join(logs, f'worker-{i}.log'), 'w')  # noqa: SIM115 -- the child holds it
         stdout = None if i == 0 else log
-        procs.append(subprocess.Popen(command, stdout=stdout, stderr=log, env=worker_env(local_devices, port),
-                                      preexec_fn=_die_with_parent))  # fmt: skip
+        env = worker_env(local_devices, port, records_path(logs, i))
+        procs.append(subprocess.Popen(command, stdout=stdout, stderr=log, env=env, preexec_fn=_die_with_parent))
         log.close()
     with open(os.path.join(logs, 'workers.txt'), 'w') as f:
         f.writelines(f'{i} {p.pid} {" ".join(p.args)}\n' for i, p in enumerate(procs))
     return procs
+
+
+def records_path(logs: str, i: int) -> str:
+    """Where worker ``i`` writes its records (``records``): JSON, one line each."""
+    return os.path.join(logs, f'worker-{i}.records.jsonl')
 
 
 def supervise(procs: list[subprocess.Popen], logs: str) -> tuple[int, str | None]:
@@ -120,11 +130,13 @@ def _rank(code: int) -> int:
 def failure(
     procs: list[subprocess.Popen], codes: list[int | None], i: int, logs: str, after_s: float
 ) -> tuple[int, str]:
-    """The one line for worker ``i``'s end, and the launcher's exit code."""
-    reason = last_reason(os.path.join(logs, f'worker-{i}.log'))
+    """The one line for worker ``i``'s end, and the launcher's exit code: the worker's own ``error:`` line
+    (its last record) when it had one, else the most telling line of its log."""
+    said = records.last_error(records_path(logs, i))
     code = codes[i]
-    if code == EXIT_BAD_INPUT and reason.startswith('error: '):
-        return EXIT_BAD_INPUT, reason
+    if code == EXIT_BAD_INPUT and said is not None:
+        return EXIT_BAD_INPUT, said['line']
+    reason = said['detail'] if said is not None else last_reason(os.path.join(logs, f'worker-{i}.log'))
     others = sum(1 for j, c in enumerate(codes) if j != i and c is None)
     stopped = f'; stopped the other {others} with SIGKILL' if others else ''
     who = f'worker {i} of {len(procs)} (pid {procs[i].pid})'
@@ -132,8 +144,9 @@ def failure(
 
 
 def describe(code: int, reason: str) -> str:
-    """What happened to a worker, from its exit status and the telling line of its log."""
-    detail = f' ({DETAIL_PREFIX.sub("", reason)})' if reason else ''
+    """What happened to a worker, from its exit status and what it said (its record's detail, or the
+    telling line of its log)."""
+    detail = f' ({reason})' if reason else ''
     if code < 0:
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f'signal {-code}'
         return f'was killed by {name}' + (detail if code == -signal.SIGABRT else '')
@@ -144,28 +157,25 @@ def describe(code: int, reason: str) -> str:
     return f'exited with code {code}' + detail
 
 
-DETAIL_PREFIX = re.compile(r'^error: (process \d+( of [\d?]+)?: )?(internal error: )?')
 FATAL = re.compile(r'^[FE]\d{4} [\d:.]+\s+\d+ [\w.]+:\d+\] (.*)')  # absl's fatal and error log lines
 EXCEPTION = re.compile(r'^[\w.]+(Error|Exception|Interrupt)\b.*')
 
 
 def last_reason(path: str, width: int = 240) -> str:
-    """The most telling line of a worker's log: its ``error:`` line (whole: it is the command's own
-    one line, a port's mistake with its fix), else a fatal log line of the runtime, else the last
-    exception, else the last line."""
+    """The most telling line of a worker's log that said nothing itself (no record): a fatal log line of
+    the runtime (absl's), else the last Python exception, else the last line; ``width`` at most."""
     try:
         with open(path, errors='replace') as f:
             lines = [line.strip() for line in f if line.strip()]
     except OSError:
         return ''
     for pick in (
-        lambda s: s if s.startswith('error: ') else None,
         lambda s: m.group(1) if (m := FATAL.match(s)) else None,
         lambda s: s if EXCEPTION.match(s) else None,
     ):
         found = [p for p in map(pick, lines) if p]
         if found:
-            return found[-1] if found[-1].startswith('error: ') else found[-1][:width]
+            return found[-1][:width]
     return lines[-1][:width] if lines else ''
 
 

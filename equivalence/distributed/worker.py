@@ -22,6 +22,8 @@ import time
 import traceback
 from collections.abc import Callable
 
+from equivalence.distributed import records
+
 INIT_TIMEOUT_S = 60  # every process must have joined by then: a cluster starts its tasks within seconds
 HEARTBEAT_TIMEOUT_S = 10  # a dead peer is noticed after this (measured: survivors abort ~8 s after a SIGKILL)
 JAX_INIT_GRACE_S = 10  # JAX's own connect deadline comes this much later, so that ours speaks first
@@ -60,7 +62,7 @@ def join(args: argparse.Namespace) -> None:
     import jax
 
     if args.process_id is not None and args.num_processes is not None and not 0 <= args.process_id < args.num_processes:
-        _leave(f'error: --process-id must be in 0..{args.num_processes - 1}, got {args.process_id}', 2)
+        _leave(records.error(f'--process-id must be in 0..{args.num_processes - 1}, got {args.process_id}'), 2)
     timer = threading.Timer(args.init_timeout, _gave_up, (args, time.monotonic()))
     timer.daemon = True
     timer.start()
@@ -73,7 +75,7 @@ def join(args: argparse.Namespace) -> None:
             heartbeat_timeout_seconds=args.heartbeat_timeout,
         )
     except ValueError as e:  # JAX found no cluster environment to fill in what the flags left out
-        _leave(f'error: --distributed: {NO_CLUSTER} (JAX: {str(e).strip()})', 2)
+        _leave(records.error(f'--distributed: {NO_CLUSTER} (JAX: {str(e).strip()})'), 2)
     finally:
         timer.cancel()
     JOINED.append(True)
@@ -83,11 +85,9 @@ def join(args: argparse.Namespace) -> None:
 def _gave_up(args: argparse.Namespace, started: float) -> None:
     where = args.coordinator or os.environ.get('JAX_COORDINATOR_ADDRESS') or 'the detected coordinator'
     waited = time.monotonic() - started
-    _leave(
-        f'error: process {_id(args)} of {_count(args)}: no run formed through {where} within {waited:.0f} s '
-        f'(--init-timeout {args.init_timeout}): {_probe(args.coordinator)}',
-        EXIT_WORKER,
-    )
+    said = (f'no run formed through {where} within {waited:.0f} s (--init-timeout {args.init_timeout}): '
+            f'{_probe(args.coordinator)}')  # fmt: skip
+    _leave(records.error(said, where=f'process {_id(args)} of {_count(args)}'), EXIT_WORKER)
 
 
 def _probe(address: str | None) -> str:
@@ -182,21 +182,23 @@ PEER_LOST = re.compile(r'Connection closed by peer|Connection reset by peer|Brok
 
 
 def peer_lost(e: BaseException) -> str | None:
-    """One line, when ``e`` is a collective failing because a peer process left the run; else None."""
+    """One line (recorded for the launcher), when ``e`` is a collective failing because a peer process
+    left the run; else None."""
     if 'jax' not in sys.modules or not several():
         return None
     if type(e).__name__ != 'JaxRuntimeError' or not PEER_LOST.search(str(e)):
         return None
     import jax
 
-    return (f'error: process {jax.process_index()} of {jax.process_count()}: a peer process left the run '
-            f'during a collective ({_first_line(e)})')  # fmt: skip
+    said = f'a peer process left the run during a collective ({_first_line(e)})'
+    return records.error(said, where=f'process {jax.process_index()} of {jax.process_count()}')
 
 
 def _internal(e: BaseException) -> int:
     import jax
 
-    print(f'error: process {jax.process_index()}: internal error: {_first_line(e)}', file=sys.stderr, flush=True)
+    line = records.error(_first_line(e), where=f'process {jax.process_index()}', internal=True)
+    print(line, file=sys.stderr, flush=True)
     return EXIT_INTERNAL
 
 

@@ -15,9 +15,9 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from equivalence.core import harness
 from equivalence.core.port import convert, workloads
 from equivalence.core.port.config import RunConfig
-from equivalence.core.run.inputs import make_inputs
 from equivalence.pitfalls.base import CaseResult, first_line, max_abs_diff, within_tol, yes
 from nnx_sharded import losses as nnx_losses
 from nnx_sharded import sharding
@@ -48,7 +48,8 @@ def placed(model_factory, batch_G: dict, mesh) -> tuple[nnx.Module, dict]:
 def run(devices: int) -> CaseResult:
     wl = workloads.get('mlp')
     config = RunConfig(workload='mlp', devices=devices, steps_per_call=1, calls=1, batch_size=wl.default_batch)
-    variables, calls, _ = make_inputs(wl, config)
+    fed = harness.prepare(wl, config).inputs  # the harness's own preparation (pre-flight, inputs)
+    variables, calls = fed.variables, fed.calls
     batch_G = {k: v[0] for k, v in calls[0].items()}
 
     model = wl.nnx_model(nnx.Rngs(0))

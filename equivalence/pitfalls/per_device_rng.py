@@ -9,12 +9,10 @@ implements both (``--rng per-device|global``, see docs/randomness.md), and eithe
 
 import numpy as np
 
-from equivalence.core import kinds
+from equivalence.core import harness
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.run import sides
-from equivalence.core.run.facts import name_mapping
-from equivalence.core.run.inputs import Inputs, make_inputs
 from equivalence.core.verdict import compare
 from equivalence.pitfalls.base import DAMAGE, CaseResult, yes
 
@@ -33,9 +31,8 @@ def run(devices: int) -> CaseResult:
         mode: RunConfig(workload='score', devices=devices, steps_per_call=5, calls=2, batch_size=128, rng_mode=mode)
         for mode in ('per-device', 'global')
     }
-    variables, calls, rng = make_inputs(wl, configs['global'])  # the same for both modes
-    kind = kinds.of(wl)
-    fed = Inputs(variables, calls, rng, name_mapping(wl, variables))
+    prepared = harness.prepare(wl, configs['global'])  # the harness's own: its kind, pre-flight, inputs
+    kind, fed = prepared.kind, prepared.inputs  # the same inputs for both modes
     legacy = {m: sides.run_legacy(kind, c, fed) for m, c in configs.items()}
     nnx = {m: sides.run_new(kind, c, fed) for m, c in configs.items()}
     reports = {

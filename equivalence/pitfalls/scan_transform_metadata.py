@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from equivalence.core import harness
 from equivalence.core.port import convert, workloads
 from equivalence.core.port.config import RunConfig
-from equivalence.core.run.inputs import make_inputs
 from equivalence.pitfalls.base import CaseResult, max_abs_diff, within_tol, yes
 from nnx_sharded import losses as nnx_losses
 from nnx_sharded import sharding
@@ -79,7 +79,8 @@ def identical(a: dict, b: dict) -> bool:
 def run(devices: int) -> CaseResult:
     wl = workloads.get('mlp')
     config = RunConfig(workload='mlp', devices=devices, steps_per_call=5, calls=1, batch_size=wl.default_batch)
-    variables, calls, _ = make_inputs(wl, config)
+    fed = harness.prepare(wl, config).inputs  # the harness's own preparation (pre-flight, inputs)
+    variables, calls = fed.variables, fed.calls
     model = wl.nnx_model(nnx.Rngs(0))
     convert.load_linen_variables(model, variables)
     graphdef, state = sharded.create_state(model, wl.make_tx(1.0), None)

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from equivalence.core import harness
 from equivalence.core.port import convert, workloads
 from equivalence.core.port.config import RunConfig
-from equivalence.core.run.inputs import make_inputs
 from equivalence.pitfalls.base import CaseResult, max_abs_diff, within_tol, yes
 from legacy_pmap import losses as legacy_losses
 from nnx_sharded import sharding
@@ -57,7 +57,8 @@ def grad_fns(model, mesh) -> dict:
 def run(devices: int) -> CaseResult:
     wl = workloads.get('mlp')
     config = RunConfig(workload='mlp', devices=devices, steps_per_call=1, calls=1, batch_size=wl.default_batch)
-    variables, calls, _ = make_inputs(wl, config)
+    fed = harness.prepare(wl, config).inputs  # the harness's own preparation (pre-flight, inputs)
+    variables, calls = fed.variables, fed.calls
     batch_G = {k: v[0] for k, v in calls[0].items()}
     fns = grad_fns(wl.legacy_model(), sharding.make_mesh(devices))
     grads = {name: convert.flatten(f(variables['params'], batch_G)) for name, f in fns.items()}

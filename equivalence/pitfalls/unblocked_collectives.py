@@ -29,7 +29,6 @@ import subprocess
 import sys
 import time
 
-from equivalence.core.run import inputs as made
 from equivalence.pitfalls.base import CaseResult, yes
 
 NUMBER = 9
@@ -133,7 +132,7 @@ def child(mode: str, calls: int) -> dict:
     import numpy as np
     from flax import nnx
 
-    from equivalence.core import kinds
+    from equivalence.core import harness
     from equivalence.core.port import convert, workloads
     from equivalence.core.port.config import RunConfig
     from equivalence.core.verdict import compare
@@ -144,9 +143,10 @@ def child(mode: str, calls: int) -> dict:
     warnings.filterwarnings('ignore', message='Some donated buffers were not usable')
     wl = workloads.get('mlp')
     config = RunConfig(workload='mlp', devices=len(jax.devices()), steps_per_call=1, calls=1, batch_size=64)
-    fed = made.make(wl, config)
+    prepared = harness.prepare(wl, config)  # the harness's own: its kind, pre-flight, inputs
+    fed, kind = prepared.inputs, prepared.kind
     batches, rng = fed.calls, fed.rng
-    setup = kinds.of(wl).new_setup(config, fed)
+    setup = kind.new_setup(config, fed)
     _, keys = sharded.next_call_keys(rng, config.devices, config.rng_mode)
     carry = (sharding.place_keys(keys, setup.mesh, config.rng_mode), setup.state)
     batch = sharding.place_batch(batches[0], setup.mesh)  # placed once, as a prefetching pipeline would
@@ -159,7 +159,7 @@ def child(mode: str, calls: int) -> dict:
     if mode == 'block':
         model = nnx.merge(setup.graphdef, carry[1]).model
         params = convert.flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-        reference = pmap_params(legacy, kinds.of(wl).legacy_setup(config, fed), batches[0], rng, calls)
+        reference = pmap_params(legacy, kind.legacy_setup(config, fed), batches[0], rng, calls)
         report = compare.compare({'params': reference}, {'params': params})
         out |= {'match': report.match, 'max_abs_params': report.max_abs('params')}
     return out

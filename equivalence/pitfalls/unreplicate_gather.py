@@ -15,10 +15,9 @@ from collections.abc import Callable
 
 import jax
 
-from equivalence.core import kinds
+from equivalence.core import harness
 from equivalence.core.port import convert, workloads
 from equivalence.core.port.config import RunConfig
-from equivalence.core.run import inputs as made
 from equivalence.pitfalls.base import CaseResult, max_abs_diff
 from legacy_pmap import train as legacy
 
@@ -62,9 +61,10 @@ def pmap_state(devices: int):
     """The suite's replicated train state after one real pmap(scan) call (mlp workload)."""
     wl = workloads.get('mlp')
     config = RunConfig(workload='mlp', devices=devices, steps_per_call=2, calls=1, batch_size=wl.default_batch)
-    fed = made.make(wl, config)
+    prepared = harness.prepare(wl, config)  # the harness's own: its kind, pre-flight, inputs
+    fed = prepared.inputs
     calls, rng = fed.calls, fed.rng
-    setup = kinds.of(wl).legacy_setup(config, fed)
+    setup = prepared.kind.legacy_setup(config, fed)
     _, args = setup.call_args(rng, calls[0])
     (_, pstate), _ = setup.p_train_step(*args)
     return pstate

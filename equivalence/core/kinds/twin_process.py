@@ -1,9 +1,12 @@
 """The fresh process of a twin that needs another device count (``verdict.fresh``): the port loaded by
 name afresh, its kind built, the twin run on this process's devices, its results written back.
 
-``python -m equivalence.core.kinds.twin_process SPEC N REQUEST RESULT``.
+``python -m equivalence.core.kinds.twin_process SPEC N REQUEST RESULT RECORD``: ``RECORD`` is a JSON
+record of how it ended, ``{"outcome": "done"}`` or ``{"outcome": "failed", "error": TYPE, "message":
+its first line}``, which the parent reads (not this process's stderr).
 """
 
+import json
 import pickle
 import sys
 
@@ -36,14 +39,20 @@ def child(spec: str, n: int, ask: str, answer: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    spec, n, ask, answer = argv
+    spec, n, ask, answer, said = argv
     try:
         child(spec, int(n), ask, answer)
-    except Exception as e:  # noqa: BLE001 -- the parent reports the last line as why the twin did not run
-        line = (str(e).splitlines() or [''])[0][:400]
-        print(f'{type(e).__name__}: {line}', file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 -- the parent reports it as why the twin did not run
+        message = (str(e).splitlines() or [''])[0][:400]
+        record(said, {'outcome': 'failed', 'error': type(e).__name__, 'message': message})
         return 1
+    record(said, {'outcome': 'done'})
     return 0
+
+
+def record(path: str, what: dict) -> None:
+    with open(path, 'w') as f:
+        json.dump(what, f)
 
 
 if __name__ == '__main__':

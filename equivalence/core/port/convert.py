@@ -117,6 +117,10 @@ def find_nnx_groups(train_state: Any) -> dict[str, Any]:
     return nnx_groups(*find_nnx_objects(train_state))
 
 
+class UnreadableState(TypeError):
+    """A new train state the suite cannot read by itself: the port is to give ``new_groups=``."""
+
+
 def find_nnx_objects(train_state: Any) -> tuple[nnx.Module, nnx.Optimizer, nnx.Module | None]:
     """``(model, optimizer, ema or None)`` of a user's NNX train state, shaped as ``find_nnx_groups`` reads it."""
     if isinstance(train_state, tuple | list):
@@ -126,7 +130,7 @@ def find_nnx_objects(train_state: Any) -> tuple[nnx.Module, nnx.Optimizer, nnx.M
     optimizers = [o for o in objects if isinstance(o, nnx.Optimizer)]
     models = [o for o in objects if isinstance(o, nnx.Module) and not isinstance(o, nnx.Optimizer)]
     if len(optimizers) != 1 or len(models) != 1:
-        raise TypeError(
+        raise UnreadableState(
             'the NNX train state must be (model, optimizer) or have .model and .optimizer; '
             f'got {type(train_state).__name__}: give the port new_groups='
         )

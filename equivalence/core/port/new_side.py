@@ -82,7 +82,7 @@ def read_groups(train_state: Any) -> dict[str, Any]:
         return convert.find_nnx_groups(nnx.merge(named['graphdef'], named['state']))
     if named is None or named.get('params') is None:
         given = sorted(named) if named is not None else type(train_state).__name__
-        raise TypeError(
+        raise convert.UnreadableState(
             f"the new train state must be NNX objects (model, optimizer), hold 'params' and 'opt_state' "
             f'by field or key, or be a tuple (params, opt_state); got {given}: give the port new_groups='
         )

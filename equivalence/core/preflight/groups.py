@@ -102,8 +102,8 @@ def new_groups(port: LoopPort, ts: Any, field: str) -> dict | None:
         groups = jax.eval_shape(lambda s: fn(rebuild(s)), state)
     except HOST_ONLY:  # reads values on the host: only the run can check it
         return None
-    except TypeError as e:
-        if port.new_groups is not None or 'new_groups=' not in str(e):
+    except convert.UnreadableState as e:
+        if port.new_groups is not None:  # the port's own new_groups called read_groups
             raise raised(port, field, e, 'new_groups(train_state) -> {group: tree}') from None
         raise fail(
             port,

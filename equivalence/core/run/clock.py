@@ -1,6 +1,7 @@
 """A check measures itself: each stage's wall seconds, the seconds XLA spent compiling in it and the
 programs it compiled (JAX's own backend-compile events, ``jax.monitoring``), and says each stage as it
-begins and ends (``Lines``), so that a person sees where a check is while it works.
+begins and ends (``Lines``), so that a person sees where a check is while it works; each line said is
+also a typed record (``said``), which is what reads a command's stderr back, never the lines' wording.
 
 One clock runs at a time (``measuring``); code anywhere below opens a stage with ``stage(name)``, which
 does nothing when no clock runs (a library call that did not ask). Stages nest, in the thread that opens
@@ -19,6 +20,8 @@ import threading
 import time
 from collections.abc import Iterator
 from typing import Protocol, TextIO
+
+from equivalence.core.run.said import Said, told
 
 COMPILE_EVENT = '/jax/core/compile/backend_compile_duration'  # jax._src.dispatch.BACKEND_COMPILE_EVENT
 CACHE_HIT_EVENT = '/jax/compilation_cache/cache_hits'  # a program read from the persistent cache
@@ -162,6 +165,7 @@ class Lines:
         self._open: list[Stage] = []  # stages begun and not ended, outermost first
         self._said: set[int] = set()  # the open stages whose name is written (id)
         self._tail: Stage | None = None  # the stage whose line the stream's last write left open
+        self._partial = ''  # that line's text so far
         self._timer: threading.Timer | None = None
         self._lock = threading.RLock()
 
@@ -188,25 +192,28 @@ class Lines:
         if self.bar is not None:
             if not failed:
                 self.bar.write(f'{self._name(st)} ...{tail}', file=self.stream)
+                told(Said(st.name, st.depth, 'done', f'{self._name(st)} ...{tail}'))
             return
         with self._lock:
             self._cancel()
             said = id(st) in self._said
             self._open.remove(st)
             self._said.discard(id(st))
+            state = 'failed' if failed else 'done'
             if self._tail is st:
-                self._write(f' failed after {st.wall_s:.1f} s\n' if failed else tail + '\n', continues=True)
+                self._write(f' failed after {st.wall_s:.1f} s\n' if failed else tail + '\n', st, state, True)
             elif failed:
-                self._write(f'{self._name(st)}: failed after {st.wall_s:.1f} s\n' if said else '')
+                self._write(f'{self._name(st)}: failed after {st.wall_s:.1f} s\n' if said else '', st, state)
             else:
-                self._write(f'{self._name(st)}: done in{tail}\n' if said else f'{self._name(st)} ...{tail}\n')
+                done = f'{self._name(st)}: done in{tail}\n' if said else f'{self._name(st)} ...{tail}\n'
+                self._write(done, st, state)
             self._tail = None
 
     def _say_name(self, st: Stage) -> None:
         with self._lock:
             if id(st) in self._said or st not in self._open:
                 return
-            self._write(f'{self._name(st)} ...')  # after another stage's open line (one with parts): below it
+            self._write(f'{self._name(st)} ...', st, 'begun')  # after another stage's open line: below it
             self._said.add(id(st))
             self._tail = st
 
@@ -218,22 +225,18 @@ class Lines:
     def _name(self, st: Stage) -> str:
         return f'{self.prefix}{"  " * st.depth}{st.name}'
 
-    def _write(self, text: str, continues: bool = False) -> None:
-        """``text`` on a line of its own, or (``continues``) ending the open one."""
+    def _write(self, text: str, st: Stage, state: str, continues: bool = False) -> None:
+        """``text`` on a line of its own, or (``continues``) ending the open one; each line ended, told."""
         if self._tail is not None and not continues and text:
             self.stream.write('\n')
-            self._tail = None
+            told(Said(self._tail.name, self._tail.depth, 'begun', self._partial))
+            self._tail, self._partial = None, ''
         self.stream.write(text)
         self.stream.flush()
-
-
-STAGE_LINE = re.compile(r' \.\.\.( \d+\.\d s( \(.*\))?| failed after \d+\.\d s)?$|: (done in|failed after) \d+\.\d s')
-
-
-def is_stage_line(line: str) -> bool:
-    """Whether ``line`` of stderr is a stage's (``Lines``), not a message: what a script reading a
-    command's error line skips."""
-    return not line.startswith(('error:', 'internal error')) and STAGE_LINE.search(line) is not None
+        self._partial += text
+        if self._partial.endswith('\n'):
+            told(Said(st.name, st.depth, state, self._partial[:-1]))
+            self._partial = ''
 
 
 _CURRENT: Clock | None = None

@@ -7,17 +7,20 @@ raises (a jit sharding error), and at D = 1 a process that sees one device has n
 This module runs the twin (``twin.run_twin``) in a child process that sees ``n`` devices: the
 port's module is imported afresh there, so its mesh is built from those ``n`` devices.
 
-The child is ``python -m equivalence.core.kinds.twin_process SPEC N REQUEST RESULT``. It is given the
+The child is ``python -m equivalence.core.kinds.twin_process SPEC N REQUEST RESULT RECORD``. It is given the
 checked run's config (its keys are the run's: ``[D, 2]`` in per-device mode), the linen
 variables, every call's whole batch and the key chain, in ``REQUEST`` (a pickle this process
 wrote); it writes the twin's final state, losses, parameters after each call, metrics and, for a
-loop port, the random numbers its first call draws (``draws``) to ``RESULT``. A failure is its
-last stderr line. Only where a fresh process can see another count: the CPU backend
+loop port, the random numbers its first call draws (``draws``) to ``RESULT``, and how it ended to
+``RECORD`` (JSON: a failure's exception type and first line); a child that ended before it could
+write one (a signal, a crash at import) is told by its exit status and the runtime's last stderr
+line. Only where a fresh process can see another count: the CPU backend
 (``JAX_NUM_CPU_DEVICES``), one process (a multi-process run's twins stay in each process), and a
 port the child can import by name (``module:NAME``, or a built-in workload).
 """
 
 import dataclasses
+import json
 import os
 import pickle
 import subprocess
@@ -87,19 +90,32 @@ def run_twin(kind: Any, config: Any, inputs: Any, n: int, draws: bool):
                'calls': jax.device_get(inputs.whole_calls), 'draws': draws,
                'rng': jax.device_get(jax.random.key_data(rng) if _typed(rng) else rng)}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix='equivalence-twin-') as folder:
-        ask, answer = os.path.join(folder, 'request.pkl'), os.path.join(folder, 'result.pkl')
+        ask, answer, said = (os.path.join(folder, name) for name in ('request.pkl', 'result.pkl', 'ended.json'))
         with open(ask, 'wb') as f:
             pickle.dump(request, f)
-        command = [sys.executable, '-m', CHILD, spec, str(n), ask, answer]
+        command = [sys.executable, '-m', CHILD, spec, str(n), ask, answer, said]
         proc = subprocess.run(command, env=env(n), capture_output=True, text=True, timeout=TIMEOUT_S)
         if proc.returncode != 0:
-            lines = proc.stderr.strip().splitlines() or [f'exit {proc.returncode}']
-            raise RuntimeError(f'in a fresh process on {n} device(s): {lines[-1]}')
+            raise RuntimeError(f'in a fresh process on {n} device(s): {failure(said, proc)}')
         with open(answer, 'rb') as f:
             out = pickle.load(f)
     result = sides.PathResult(out['final'], out['losses'], out['params_per_call'], None, mesh=out['mesh'])
     result.metrics, result.memory = out['metrics'], out['memory']
     return result, out['draws']
+
+
+def failure(said: str, proc: subprocess.CompletedProcess) -> str:
+    """Why the child failed: its record (``TYPE: first line``); without one (or when it ended after its
+    record said done), the last line it printed."""
+    try:
+        with open(said) as f:
+            ended = json.load(f)
+    except (OSError, ValueError):
+        ended = {}
+    if ended.get('outcome') == 'failed':
+        return f'{ended["error"]}: {ended["message"]}'
+    lines = proc.stderr.strip().splitlines() or [f'exit {proc.returncode}']
+    return lines[-1]
 
 
 def _typed(rng: Any) -> bool:
