@@ -1,5 +1,6 @@
 """A reference: the pmap side recorded once where it ran, the port checked against it ever after
-(``python -m equivalence.record``, ``run --reference``; docs/reference.md).
+(``python -m equivalence.record``, ``run --reference``; docs/reference.md). ``mlp_tpu_v5e.npz`` was recorded on
+a TPU v5e chip (jax 0.10.2, D = 1): a CPU check refuses it.
 
 ``tests/data/*_jax0.4.38.npz`` were recorded on jax 0.4.38, flax 0.10.2, optax 0.2.4 (the classic pmap, before
 jax 0.8 built it on jit and shard_map), CPU, with the command docs/reference.md gives; checking one here costs a
@@ -74,6 +75,7 @@ def test_a_damaged_or_ill_fitting_reference_is_refused_before_anything_trains(tm
         'another seed': dict(reference=path, batch_size=8, seed=1),
         'not a reference': dict(reference=str(tmp_path / 'junk.npz'), batch_size=8),
         'no file': dict(reference=str(tmp_path / 'none.npz'), batch_size=8),
+        'another backend': dict(reference=os.path.join(DATA, 'mlp_tpu_v5e.npz'), batch_size=8, devices=1),
     }
     for why, flags in refused.items():
         with pytest.raises(reference.BadReference):

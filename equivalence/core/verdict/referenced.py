@@ -131,6 +131,13 @@ def read(path: str, kind: Kind, config: RunConfig) -> tuple[dict, Recorded]:
     ``path``, refused (``reference.BadReference``, exit 2) where it is damaged or does not fit this run."""
     held = reference.load(path)
     held.fits(config, kind.port.name)
+    recorded, here = held.environment.get('backend'), jax.default_backend()
+    if recorded != here:  # TPU: float32 divides, square roots and transcendentals not rounded as the CPU rounds them
+        raise reference.BadReference(
+            f'reference {path}: recorded on {recorded}, this check runs on {here}, which rounds float32 otherwise '
+            f'(a correct mlp recorded on a TPU is 5 leaves past its floor here): check on {recorded}, or record '
+            f'on {here} (docs/reference.md)'
+        )
     content = held.content(TYPES)
     if bool(content['dropout']) != facts.uses_dropout(kind.port):
         said = 'with' if content['dropout'] else 'without'
