@@ -87,6 +87,8 @@ def record(port: Port, config: RunConfig, path: str, say: clock.Say | None = Non
     """The pmap side of a check recorded at ``path`` (``python -m equivalence.record``): the inputs made as a
     check makes them, the legacy run and its first steps recorded (``referenced.record``); the new side is
     neither run nor paired. ``{'timing': ...}``: what each stage cost."""
+    if jax.process_count() > 1:
+        raise ConfigError('a reference is recorded in one process: its pmap side spans the devices this process sees')
     kind = kinds.of(port)
     with clock.measuring(say) as measured:
         with precision.computing_at(config.precision):
