@@ -13,7 +13,7 @@ from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.port.kind import Form, Setup
 from equivalence.core.port.ports import LoopPort
 from equivalence.core.preflight import groups, steps, trace
-from equivalence.core.run import adapters, loop_side, nudge, setups, step_side
+from equivalence.core.run import adapters, draws, loop_side, nudge, setups, step_side
 from equivalence.core.run.inputs import Inputs
 from legacy_pmap import train as legacy
 from nnx_sharded import sharding
@@ -25,13 +25,24 @@ class Loop:
     numbers drawn as its code says), its train states are its own."""
 
     port: LoopPort
-    suite_loops = False
-    observes_grads = False
-    checks_draws = True
 
     @property
     def axis_name(self) -> str:
         return self.port.axis_name
+
+    def new_ahead(self) -> None:
+        """None: the team's own new call compiles its programs as it runs, while the pmap side compiles."""
+
+    def first_step_probe(self) -> None:
+        """None: a loop port's gradients are its own step's, not seen (its first moment is read for them)."""
+
+    def draws_recorder(self) -> draws.FirstCall:
+        """Its step draws as its own code says: a twin's first call is recorded, its draws checked against the run's."""
+        return draws.FirstCall()
+
+    def bench(self, plan: Any) -> Any:
+        """Its bench variants: its own pmap step and new call, and what the suite derives of it (``plan.loop_port``)."""
+        return plan.loop_port()
 
     def validate(self, config: RunConfig) -> None:
         if (config.strategy, config.nnx_form) != ('dp', 'split'):
@@ -86,7 +97,10 @@ class FusedLoop(Loop):
     in one call on each side."""
 
     form = Form.FUSED
-    records_on_mesh = True
+
+    def recording_mesh(self, setup: Setup) -> Any:
+        """The mesh the first-step recording gathers each value of a new side onto: its own."""
+        return setup.mesh
 
     def preflight(self, config: RunConfig, variables: dict, batch_KxG: Any, mapping: dict) -> None:
         old_state = trace.trace_legacy_loop(self.port, config, variables, batch_KxG)
@@ -127,7 +141,9 @@ class StepLoop(Loop):
     ``run.adapters`` and run by ``run.step_side``; its pre-flight traces one step of each side."""
 
     form = Form.STEP
-    records_on_mesh = False  # the team's own programs: a value is recorded where it is
+
+    def recording_mesh(self, setup: Setup) -> None:
+        """None: the team's own programs, a value is recorded where it is."""
 
     def preflight(self, config: RunConfig, variables: dict, batch_KxG: Any, mapping: dict) -> None:
         old_state, new_state = steps.trace_steps(self.port, config, variables, batch_KxG, mapping)

@@ -1,6 +1,7 @@
 """A model port: the suite's own loops train the team's two models, with their losses and optimizer."""
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from flax import nnx
@@ -12,7 +13,7 @@ from equivalence.core.preflight import trace
 from equivalence.core.run import facts, model_side, nudge
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.run.model_side import TwinKind
-from equivalence.core.verdict import intercept
+from equivalence.core.verdict import first_step, intercept
 from legacy_pmap import losses as legacy_losses
 from legacy_pmap import train as legacy
 from nnx_sharded import train as sharded
@@ -25,10 +26,6 @@ class Model:
 
     port: ModelPort
     form = Form.MODEL
-    suite_loops = True
-    observes_grads = True
-    checks_draws = False  # the suite draws a model port's numbers from the run's keys: the same by construction
-    records_on_mesh = True
     axis_name = legacy.AXIS
 
     def validate(self, config: RunConfig) -> None:
@@ -51,6 +48,27 @@ class Model:
         if isinstance(twin, nudge.Nudged):  # the run's own side, from its inputs nudged
             return self.new_setup(config, nudge.inputs(inputs, twin))
         return model_side.twin_setup(self.port, config, inputs.variables, inputs.mapping, twin, lr_scale)
+
+    def new_ahead(self) -> Callable[[RunConfig, Inputs], Setup]:
+        """What builds the new side before the legacy side runs, so that it compiles on a thread too: the
+        new side's program is the suite's own."""
+        return self.new_setup
+
+    def first_step_probe(self) -> Callable[[Any], Any]:
+        """The first step's gradients, seen: the suite's optimizer is given them (``first_step.grads_report``)."""
+        return first_step.grads_report
+
+    def draws_recorder(self) -> None:
+        """None: the suite draws a model port's numbers from the run's keys, the same by construction, so a
+        twin's draws are not checked against the run's."""
+
+    def recording_mesh(self, setup: Setup) -> Any:
+        """The mesh the first-step recording gathers each value of a new side (or twin) onto: its own."""
+        return setup.mesh
+
+    def bench(self, plan: Any) -> Any:
+        """Its bench variants: the suite's own loops over the two models (``plan.model_port``)."""
+        return plan.model_port()
 
     def legacy_notes(self, setup: Setup) -> list[str]:
         return []

@@ -59,13 +59,14 @@ class Kind(Protocol):
 
     port: Port
     form: Form
-    suite_loops: bool  # the suite's own loops train it (a model port): its optimizer and losses are the suite's
-    observes_grads: bool  # the first step's gradients are seen (the suite's optimizer is given them)
-    checks_draws: bool  # its step draws as its own code says: a twin's draws are checked against the run's
-    records_on_mesh: bool  # the first-step recording gathers each value onto the run's mesh
     axis_name: str  # the pmap axis its step's collectives name
 
     def validate(self, config: RunConfig) -> None: ...
+    def new_ahead(self) -> Any: ...  # what builds the new side ahead (compiled on a thread), or None
+    def first_step_probe(self) -> Any: ...  # recorder -> the first step's gradients compared, or None: not seen
+    def draws_recorder(self) -> Any: ...  # records a twin's first call's draws (run.draws.FirstCall), or None
+    def recording_mesh(self, setup: Setup) -> Any: ...  # where the recording gathers a new side's values, or None
+    def bench(self, plan: Any) -> Any: ...  # its bench variants: plan.model_port() or plan.loop_port()
     def preflight(self, config: RunConfig, variables: dict, batch_KxG: Any, mapping: dict) -> None: ...
     def check_states(self, variables: dict, mapping: dict) -> None: ...
     def legacy_setup(self, config: RunConfig, inputs: Any) -> Setup: ...

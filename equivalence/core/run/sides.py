@@ -154,9 +154,10 @@ def both_sides(kind: Kind, config: RunConfig, inputs: Inputs, progress: Progress
             legacy_setup = kind.legacy_setup(config, inputs)
             compiling[0] = prefetch(legacy_setup, inputs)
         new_setup = new = None
-        if kind.suite_loops:  # the new side's program is the suite's own: it compiles on a thread too
+        build_ahead = kind.new_ahead()  # the suite's own program: it compiles on a thread too
+        if build_ahead is not None:
             with clock.stage(f'new side: {new_program} built and traced, compiled on a thread'):
-                new_setup = kind.new_setup(config, inputs)
+                new_setup = build_ahead(config, inputs)
                 compiling[1] = prefetch(new_setup, inputs)
         if compiling[1] is None:  # the team's own call: compiled as it runs, while the pmap side compiles
             with clock.stage(f'new side: {new_program}, {c} calls (compiled, run)'):
