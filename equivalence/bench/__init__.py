@@ -37,7 +37,7 @@ def run(wl, config, repeats: int, compile_repeats: int, strategy_configs=()):
     machine = measure.machine()
     progress('building variants')
     feed = variants.Feed(prepared.kind, prepared.inputs, config, pool_steps(config))
-    built, not_built = prepared.kind.bench(plan.Plan(wl, config, feed, K_SCALING, tuple(strategy_configs)))
+    built, not_built = prepared.kind.asked(plan.Plan(wl, config, feed, K_SCALING, tuple(strategy_configs)))
     compiles = {}
     for v in built:
         progress(f'compile x{compile_repeats}: {v.label}')

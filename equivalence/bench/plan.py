@@ -1,4 +1,4 @@
-"""What the bench times of a port, asked of its kind (``kind.bench(plan)``): a model port's variants are the
+"""What the bench times of a port, asked of its kind (``kind.asked(plan)``): a model port's variants are the
 suite's own loops over its two models (``model_port``); a loop port's are its own pmap step and new call,
 with the forms of its call the suite can derive beside them (``loop_port``)."""
 

@@ -40,9 +40,10 @@ class Loop:
         """Its step draws as its own code says: a twin's first call is recorded, its draws checked against the run's."""
         return draws.FirstCall()
 
-    def bench(self, plan: Any) -> Any:
-        """Its bench variants: its own pmap step and new call, and what the suite derives of it (``plan.loop_port``)."""
-        return plan.loop_port()
+    def asked(self, asker: Any) -> Any:
+        """What a command above the core asks of a loop port (its bench variants, its new side measured):
+        ``asker.loop_port()``, its own pmap step and new call."""
+        return asker.loop_port()
 
     def validate(self, config: RunConfig) -> None:
         if (config.strategy, config.nnx_form) != ('dp', 'split'):

@@ -66,9 +66,10 @@ class Model:
         """The mesh the first-step recording gathers each value of a new side (or twin) onto: its own."""
         return setup.mesh
 
-    def bench(self, plan: Any) -> Any:
-        """Its bench variants: the suite's own loops over the two models (``plan.model_port``)."""
-        return plan.model_port()
+    def asked(self, asker: Any) -> Any:
+        """What a command above the core asks of a model port (its bench variants, its new side measured):
+        ``asker.model_port()``, the suite's own loops over its two models."""
+        return asker.model_port()
 
     def legacy_notes(self, setup: Setup) -> list[str]:
         return []

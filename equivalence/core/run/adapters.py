@@ -148,9 +148,9 @@ def legacy_step(port: LoopPort) -> Callable:
     return _scanned(inner) or inner
 
 
-def wrapped_notes(port: Any) -> list[str]:
+def wrapped_notes(port: LoopPort) -> list[str]:
     """The report's line saying that the suite ran what a pmapped ``legacy_step`` wraps; [] otherwise."""
-    inner = pmapped(getattr(port, 'legacy_step', None))
+    inner = pmapped(port.legacy_step)
     if inner is None:
         return []
     step = _scanned(inner) or inner

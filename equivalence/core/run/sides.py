@@ -109,7 +109,7 @@ def run_legacy(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, a
     result.metrics, result.notes = loop_metrics(setup), [*getattr(setup, 'notes', [])]
     result.left_out = set(getattr(setup, 'uneven', ()))
     result.notes += kind.legacy_notes(setup)
-    if getattr(port, 'eval_data', None) is not None:
+    if port.eval_data is not None:
         state, data = legacy.unreplicate_to_host(setup.pstate), port.eval_data()
         logits = port.legacy_predict(port.legacy_model(), state.params, state.model_state, data['x'])
         result.eval_accuracy = accuracy(logits, data['y'])
@@ -134,7 +134,7 @@ def run_new(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, afte
     result.memory = None if forward else footprint.per_device(setup, calls[0], rng)
     result.metrics = loop_metrics(setup)
     result.notes = kind.new_notes(setup)
-    if getattr(port, 'eval_data', None) is not None:
+    if port.eval_data is not None:
         data = port.eval_data()
         logits = port.nnx_predict(setup.model, data['x'])
         result.eval_accuracy = accuracy(logits, data['y'])
@@ -214,7 +214,7 @@ def compared(kind: Kind, old: PathResult, new: PathResult) -> tuple[Callable[[Pa
     full = lambda path: with_losses(path.final, path.losses, kept(path.metrics))  # noqa: E731
     # A state read by the suite that holds no step counter (a tuple (params, opt_state)) leaves
     # the counter out, said; groups the port maps itself must map it (else: bookkeeping).
-    notes = [] if getattr(kind.port, 'legacy_groups', None) else states.align(full(old), full(new))[2]
+    notes = [] if kind.port.legacy_groups else states.align(full(old), full(new))[2]
 
     def tree(path: PathResult) -> convert.Neutral:
         return states.without(full(path), 'step') if notes else full(path)

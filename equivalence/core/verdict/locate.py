@@ -93,7 +93,7 @@ def judge_step(
     notes = _notes(port_kind, raw, paired, 'twin' in results)
     legacy = results.get('legacy')
     pmap_side = None if legacy is None or at > 1 or 'collective' not in allowed else (
-        collectives.gradients_not_averaged(legacy.raw, getattr(port_kind.port, 'legacy_groups', None)
+        collectives.gradients_not_averaged(legacy.raw, port_kind.port.legacy_groups
                                            or states.legacy_groups)
         or collectives.loss_not_averaged(legacy.device_losses, results['new'].losses)
     )  # fmt: skip
