@@ -296,8 +296,8 @@ def batch_rows(batch_KxR: Any, config: RunConfig) -> rows.Rows:
 def input_rows(config: RunConfig) -> rows.Rows:
     """The rows of the global batch this process reads: those its pmap devices take, and those its
     devices hold of the NNX batch (all of them where the batch is copied over a ``model`` axis)."""
-    g, held = config.batch_size, rows.held_rows(sharding.batch_sharding(nnx_mesh(config)), config.batch_size)
-    return rows.hull(rows.pmap_rows(config.devices, g), held)
+    mesh, g = nnx_mesh(config), config.batch_size
+    return rows.hull(rows.pmap_rows(config.devices, g), rows.held_rows(sharding.batch_sharding(mesh), g))
 
 
 def twin_placed_inputs(setup, rng, batch_KxG) -> tuple[jax.Array, tuple]:

@@ -164,10 +164,11 @@ def run_twin(
     (``gather.together``): none waits for a twin that will never be shared. ``forward``: ``sides.run_calls``'
     (no bytes measured). ``program``: the run's compiled call, which a twin of the run's own program runs
     (``Nudged``: its calls nudged as its setup's initial parameters are)."""
-    setup = setup or gather.together(kind.twin_setup, config, inputs, n_twin, lr_scale)
     calls, rng = inputs.whole_calls, inputs.rng
     if isinstance(n_twin, Nudged):
         calls = [nudge.tree(c, n_twin.draw) for c in calls]
+    setup = setup or gather.together(kind.twin_setup, config, inputs, n_twin, lr_scale)
+    if isinstance(n_twin, Nudged):
         setup.shared(program)
     if inputs.restore is not None:
         rng = gather.together(inputs.restore, setup)
