@@ -13,8 +13,9 @@ from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.port.kind import Form, Setup
 from equivalence.core.port.ports import LoopPort
 from equivalence.core.preflight import groups, steps, trace
-from equivalence.core.run import adapters, draws, loop_side, nudge, setups, step_side
+from equivalence.core.run import adapters, draws, loop_side, nudge, setups, sides, step_side
 from equivalence.core.run.inputs import Inputs
+from equivalence.core.verdict import legacy_twin
 from legacy_pmap import train as legacy
 from nnx_sharded import sharding
 
@@ -54,6 +55,12 @@ class Loop:
             )
         adapters.check(self.port)
 
+    def legacy_accuracy(self, setup: Setup) -> None:
+        """None: a loop port gives no held-out split."""
+
+    def new_accuracy(self, setup: Setup) -> None:
+        """None: a loop port gives no held-out split."""
+
     def legacy_notes(self, setup: Setup) -> list[str]:
         return states.legacy_not_compared(legacy.unreplicate_to_host(setup.pstate), self.port.legacy_groups)
 
@@ -75,8 +82,10 @@ class Loop:
         under ``jax.jit`` (its new state built from linen's variables)."""
         return 'NNX' if self.port.nnx_model is not None else 'linen under jax.jit'
 
-    def draws_random_numbers(self) -> None:
-        """Unknown: the step is the port's own (its legacy twin is judged by its losses)."""
+    def legacy_twin(self, config: RunConfig, n: int, inputs: Inputs) -> tuple[Any, bool]:
+        """``(its pmap step run on n devices, False)``: the step draws as its own code says, with the keys the
+        suite hands it (its legacy twin is judged by its losses)."""
+        return sides.run_legacy(self, legacy_twin.on(config, n), inputs), False
 
     def recording(self) -> 'Loop':
         """As it is: its step is its own, only its modules are seen."""

@@ -10,10 +10,10 @@ from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Form, Setup
 from equivalence.core.port.ports import ModelPort
 from equivalence.core.preflight import trace
-from equivalence.core.run import facts, model_side, nudge
+from equivalence.core.run import facts, model_side, nudge, sides
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.run.model_side import TwinKind
-from equivalence.core.verdict import first_step, intercept
+from equivalence.core.verdict import first_step, intercept, legacy_twin
 from legacy_pmap import losses as legacy_losses
 from legacy_pmap import train as legacy
 from nnx_sharded import train as sharded
@@ -71,6 +71,22 @@ class Model:
         ``asker.model_port()``, the suite's own loops over its two models."""
         return asker.model_port()
 
+    def legacy_accuracy(self, setup: Setup) -> float | None:
+        """The pmap side's held-out accuracy (``eval_data``, a classifier's), or None without one."""
+        port = self.port
+        if port.eval_data is None:
+            return None
+        state, data = legacy.unreplicate_to_host(setup.pstate), port.eval_data()
+        logits = port.legacy_predict(port.legacy_model(), state.params, state.model_state, data['x'])
+        return sides.accuracy(logits, data['y'])
+
+    def new_accuracy(self, setup: Setup) -> float | None:
+        """The new side's held-out accuracy, or None without ``eval_data``."""
+        if self.port.eval_data is None:
+            return None
+        data = self.port.eval_data()
+        return sides.accuracy(self.port.nnx_predict(setup.model, data['x']), data['y'])
+
     def legacy_notes(self, setup: Setup) -> list[str]:
         return []
 
@@ -93,6 +109,14 @@ class Model:
 
     def loss_names(self) -> tuple[str, str]:
         return tuple(getattr(f, '__qualname__', repr(f)) for f in (self.port.legacy_loss, self.port.nnx_loss))
+
+    def legacy_twin(self, config: RunConfig, n: int, inputs: Inputs) -> tuple[Any, bool]:
+        """``(the pmap side run on n devices, whether it drew with the run's D key rows)``: where its step
+        consumes random numbers in per-device mode, each example gets the numbers it got in the run
+        (``legacy_twin.with_rows``), whatever the count."""
+        if config.rng_mode == 'per-device' and self.draws_random_numbers():
+            return legacy_twin.with_rows(self.port, config, n, inputs), True
+        return sides.run_legacy(self, legacy_twin.on(config, n), inputs), False
 
     def draws_random_numbers(self) -> bool:
         """Whether its step consumes random numbers (Dropout, attention, its own noise)."""

@@ -16,7 +16,6 @@ from equivalence.core.port.kind import Kind
 from equivalence.core.run import clock, footprint, randomness
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.run.setups import NnxGraphSetup, NnxSetup
-from legacy_pmap import train as legacy
 
 
 @dataclasses.dataclass
@@ -99,7 +98,7 @@ def run_legacy(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, a
                before_call=None, setup=None, forward: bool = False) -> PathResult:  # fmt: skip
     """The pmap path; its leaves are named as the NNX side names them (``inputs.mapping``). ``setup``: built
     already (``prefetch``), else here. ``forward``: ``run_calls``'."""
-    port, mapping = kind.port, inputs.mapping
+    mapping = inputs.mapping
     setup = setup or kind.legacy_setup(config, inputs)
     start = _params(setup.neutral(), mapping)  # before the first call: what the port's own state holds
     losses, per_call = run_calls(setup, inputs.calls, inputs.rng, mapping, progress, 'legacy', after_call, before_call,
@@ -109,10 +108,7 @@ def run_legacy(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, a
     result.metrics, result.notes = loop_metrics(setup), [*getattr(setup, 'notes', [])]
     result.left_out = set(getattr(setup, 'uneven', ()))
     result.notes += kind.legacy_notes(setup)
-    if port.eval_data is not None:
-        state, data = legacy.unreplicate_to_host(setup.pstate), port.eval_data()
-        logits = port.legacy_predict(port.legacy_model(), state.params, state.model_state, data['x'])
-        result.eval_accuracy = accuracy(logits, data['y'])
+    result.eval_accuracy = kind.legacy_accuracy(setup)
     return result
 
 
@@ -122,7 +118,7 @@ def run_new(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, afte
     into the setup, which returns its key chain: ``inputs.calls`` are then the ones after the checkpoint.
     ``setup``: built already (``prefetch``), else here. ``forward``: ``run_calls``' (no bytes measured: that
     would compile the whole call)."""
-    port, calls, rng = kind.port, inputs.calls, inputs.rng
+    calls, rng = inputs.calls, inputs.rng
     setup = setup or kind.new_setup(config, inputs)
     if inputs.restore is not None:
         rng = inputs.restore(setup)
@@ -134,10 +130,7 @@ def run_new(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, afte
     result.memory = None if forward else footprint.per_device(setup, calls[0], rng)
     result.metrics = loop_metrics(setup)
     result.notes = kind.new_notes(setup)
-    if port.eval_data is not None:
-        data = port.eval_data()
-        logits = port.nnx_predict(setup.model, data['x'])
-        result.eval_accuracy = accuracy(logits, data['y'])
+    result.eval_accuracy = kind.new_accuracy(setup)
     return result
 
 
