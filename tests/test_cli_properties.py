@@ -11,6 +11,7 @@ gives 0, 1 or 5, invalid 2, and no traceback.
 """
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import io
@@ -310,7 +311,7 @@ def broken_ports(draw) -> tuple[str, str, object]:
     import hostile_ports
 
     good = getattr(hostile_ports, level)
-    fields = [f for f in (*PORT_FIELDS, *OTHER_FIELDS) if hasattr(good, f)]
+    fields = [f for f in (*PORT_FIELDS, *OTHER_FIELDS) if f in {x.name for x in dataclasses.fields(good)}]
     field = draw(st.sampled_from(fields), label='field')
     value = draw(wrong_callable(PORT_FIELDS[field]) if field in PORT_FIELDS else OTHER_FIELDS[field], label='value')
     return level, field, value

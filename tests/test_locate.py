@@ -611,7 +611,7 @@ def test_unpaired_module_calls_are_a_note_not_an_error():
     """A linen call with no NNX call paired to it is said in a note (the ViT example's slips raised
     KeyError: 'nnx' here, and their location was 'unlocated')."""
     raw = {'legacy': {'Dense_0': None, 'Dropout_0': None}, 'new': {'fc': None}}
-    notes = locate._notes(types.SimpleNamespace(observes_grads=True), raw, {'Dense_0': 'fc'}, True)
+    notes = locate._notes(types.SimpleNamespace(first_step_probe=lambda: print), raw, {'Dense_0': 'fc'}, True)
     said = [note.text for note in notes if note.tag == locate.UNPAIRED]
     assert said == ['1 of 2 linen module calls paired with new ones (1 recorded); not paired: Dropout_0'], said
 
@@ -624,7 +624,9 @@ def test_a_later_step_that_starts_from_parameters_apart_names_no_module(monkeypa
     warmup's zero first update): the module stands (the control)."""
     found = location.Location('module', 'Embed_0', 'embed', 'its output parts')
     monkeypatch.setattr(locate, 'STAGES', (('forward', lambda step: found),))
-    kind = types.SimpleNamespace(observes_grads=True, port=types.SimpleNamespace(names=None, legacy_groups=None))
+    kind = types.SimpleNamespace(
+        first_step_probe=lambda: print, port=types.SimpleNamespace(names=None, legacy_groups=None)
+    )
 
     def judged(apart: float):
         before = {'embed/embedding': np.ones((4, 2), np.float32)}

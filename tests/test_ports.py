@@ -287,9 +287,10 @@ def test_explain_and_bench_read_a_loop_port():
         assert len(grads) == 6, (m.path, grads)  # fc1, norm, fc2: kernel or scale, and bias
     nnx_params = [p.name for p in m.placements if p.group == 'params']
     assert '0/fc1/kernel' in nnx_params
-    feed = variants.Feed(my_port.LOOP, config, pool_steps=4)
+    prepared = harness.prepare(my_port.LOOP, dataclasses.replace(config, calls=1), 4)
+    feed = variants.Feed(prepared.kind, prepared.inputs, config, pool_steps=4)
     first = {}
-    for v in variants.build_all(my_port.LOOP, config, feed, k_scaling=2):
+    for v in variants.build_loop(my_port.LOOP, config, feed, k_scaling=2):
         first[v.name] = v.host_losses(v.call(v.place(1)[0]))
     assert set(first) == {'legacy', 'nnx', 'legacy_k1', 'nnx_k1'}
     np.testing.assert_allclose(first['nnx'], first['legacy'], rtol=1e-5, atol=1e-6)

@@ -21,25 +21,23 @@ def run(wl, config, repeats: int, compile_repeats: int, strategy_configs=()):
 
     ``strategy_configs``: the shipped NNX call is also timed under each config's strategy and
     form, beside the data-parallel variants and legacy pmap."""
-    from equivalence.bench import loop, variants
+    from equivalence.bench import plan, variants
     from equivalence.bench import report as benchreport
     from equivalence.bench import timing as measure
-    from equivalence.core import harness, kinds, preflight
+    from equivalence.core import harness, kinds
     from nnx_sharded import sharding
 
     sharding.take_fallbacks()  # what earlier calls traced is theirs
-    kind = kinds.of(wl)
-    kind.one_program_each('bench')
+    kinds.of(wl).one_program_each('bench')
     for cfg in (config, *strategy_configs):
         harness.validate(wl, cfg)
-    preflight.check(kind, config, pool_steps(config))
+    # the harness's own preparation: the pre-flight over the pool's steps, the inputs of one call, names paired once
+    prepared = harness.prepare(wl, dataclasses.replace(config, calls=1), pool_steps(config))
     progress = measure.Progress(f'{config.workload} D={config.devices} K={config.steps_per_call}')
     machine = measure.machine()
     progress('building variants')
-    feed = variants.Feed(wl, config, pool_steps(config))
-    built = variants.build_all(wl, config, feed, K_SCALING, strategy_configs)
-    derived = loop.Derived([], []) if kind.suite_loops else loop.derive(wl, config, feed)
-    built[2:2] = derived.variants  # beside the port's call at K
+    feed = variants.Feed(prepared.kind, prepared.inputs, config, pool_steps(config))
+    built, not_built = prepared.kind.asked(plan.Plan(wl, config, feed, K_SCALING, tuple(strategy_configs)))
     compiles = {}
     for v in built:
         progress(f'compile x{compile_repeats}: {v.label}')
@@ -53,7 +51,7 @@ def run(wl, config, repeats: int, compile_repeats: int, strategy_configs=()):
     blocks = measure.interleaved(built, repeats, config.calls, progress)
     progress.done()
     machine['load_avg_1m_end'] = measure.machine()['load_avg_1m']
-    result = benchreport.BenchResult(config, repeats, machine, built, blocks, compiles, scaling, first, derived.notes)
+    result = benchreport.BenchResult(config, repeats, machine, built, blocks, compiles, scaling, first, not_built)
     result.placement = sharding.take_fallbacks()  # the shipped call's gradient all-reduce, where it fell back
     return result
 

@@ -21,13 +21,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from equivalence.core import kinds
 from equivalence.core.port.config import RunConfig
+from equivalence.core.port.kind import Kind
 from equivalence.core.port.ports import LoopPort
 from equivalence.core.port.ports import ModelPort as Workload
 from equivalence.core.port.workloads import WORKLOADS
-from equivalence.core.run import inputs as made
 from equivalence.core.run import randomness, setups
+from equivalence.core.run.inputs import Inputs
 from equivalence.distributed import rows
 from legacy_pmap import train as legacy
 from nnx_sharded import sharding
@@ -53,12 +53,13 @@ class Feed:
     variant sees the same first steps whatever its K.
     """
 
-    def __init__(self, wl: Workload, config: RunConfig, pool_steps: int):
-        data = wl.make_data(np.random.default_rng(config.seed), pool_steps, config.batch_size)
+    def __init__(self, kind: Kind, inputs: Inputs, config: RunConfig, pool_steps: int):
+        """``kind`` and ``inputs``: the harness's preparation (``harness.prepare``: the linen variables, the
+        names paired once, the key chain); ``kind`` builds each side's setups."""
+        data = kind.port.make_data(np.random.default_rng(config.seed), pool_steps, config.batch_size)
         self.data, self.pool_steps, self.devices = data, pool_steps, config.devices
-        self.inputs = made.make(wl, dataclasses.replace(config, calls=1))  # the linen variables, names paired
-        self.variables, self.rng = self.inputs.variables, self.inputs.rng
-        self.kind = kinds.of(wl)  # what builds each side's setups
+        self.kind, self.inputs = kind, inputs
+        self.variables, self.rng = inputs.variables, inputs.rng
 
     def batches(self, k: int, n: int, start: int) -> list[dict[str, np.ndarray]]:
         """``n`` batches ``[K, G, ...]`` from call ``start`` on, on the host: each variant hands JAX
@@ -296,14 +297,12 @@ def build_loop(port: LoopPort, config: RunConfig, feed: Feed, k_scaling: int) ->
 SUITES_OWN = ('jit_bare', 'nnx_first', 'nnx_transposed', 'nnx_cached')  # the suite's own history and probes
 
 
-def build_all(wl: Workload, config: RunConfig, feed: Feed, k_scaling: int, strategy_configs=()) -> list[Variant]:
-    """The fused variants at K, then one step per call, then both paths at ``k_scaling``, then
+def build_model(wl: Workload, config: RunConfig, feed: Feed, k_scaling: int, strategy_configs=()) -> list[Variant]:
+    """A model port: the fused variants at K, then one step per call, then both paths at ``k_scaling``, then
     the shipped call under each of ``strategy_configs`` (the default variants are data parallel). The
     suite's own variants (``SUITES_OWN``: its NNX call as first shipped, bare and reordered jits, the
     cached graph form), which measure the suite's history, are timed for the built-in workloads only:
     a team's model port gets the two sides, the graph form it may write, and K = 1 and ``k_scaling``."""
-    if not feed.kind.suite_loops:
-        return build_loop(wl, config, feed, k_scaling)
     extra = strategy_variants(wl, feed, list(strategy_configs))
     k, own = config.steps_per_call, WORKLOADS.get(config.workload) is wl
     variants = [

@@ -60,7 +60,7 @@ def group_places(port: Port) -> dict[str, str] | None:
     """For a loop port with ``new_groups=``: ``{'params/fc1/kernel': 'net/fc1/kernel'}``, where each
     leaf its groups read lives in its own train state's checkpoint. Found without allocating: each
     abstract leaf is a distinct marker, and the groups hand the markers back. None without new_groups."""
-    if getattr(port, 'new_groups', None) is None:
+    if port.new_groups is None:
         return None
     train_state = nnx.eval_shape(nnx_init(port))
     state = nnx.state(train_state, nnx_checkpoints.SAVED)
@@ -77,4 +77,4 @@ def group_places(port: Port) -> dict[str, str] | None:
 
 def legacy_groups(port: Port) -> Callable[[Any], dict]:
     """One replica of the port's legacy train state -> ``{group: tree}``, as the comparison reads it."""
-    return getattr(port, 'legacy_groups', None) or states.legacy_groups
+    return port.legacy_groups or states.legacy_groups

@@ -228,7 +228,7 @@ def _legacy_leaves(port: Port, state: Any) -> tuple[dict[str, np.ndarray], dict[
     variables = {'params': groups['params'], **(groups.get('model_state') or {})}
     mapping = facts.name_mapping(port, variables)  # naming.PortError: one line, exit 2
     leaves = {f'{g}/{p}': a for g, tree in neutral.items() for p, a in tree.items()}
-    outside, skipped = outside_groups(state, groups, getattr(port, 'skip', ()))
+    outside, skipped = outside_groups(state, groups, port.skip)
     return leaves, mapping, outside, skipped
 
 

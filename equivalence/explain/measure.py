@@ -69,7 +69,6 @@ def measure_nnx_loop(setup: Any, args: tuple) -> PathMeasurement:
 def measure_both(port: Any, config: Any) -> tuple[PathMeasurement, PathMeasurement]:
     """One call of each path of a port (built-in or user's), compiled and read."""
     from equivalence.core import harness, kinds
-    from equivalence.core.run import setups
     from nnx_sharded import sharding
 
     sharding.take_fallbacks()  # what earlier calls traced is theirs
@@ -81,5 +80,18 @@ def measure_both(port: Any, config: Any) -> tuple[PathMeasurement, PathMeasureme
     _, legacy_args = legacy_setup.call_args(inputs.rng, inputs.calls[0])
     nnx_setup = kind.new_setup(config, inputs)
     _, nnx_args = nnx_setup.call_args(inputs.rng, inputs.calls[0])
-    measure_nnx_call = measure_nnx if isinstance(nnx_setup, setups.NnxSetup) else measure_nnx_loop
-    return measure_legacy(legacy_setup, legacy_args), measure_nnx_call(nnx_setup, nnx_args)
+    return measure_legacy(legacy_setup, legacy_args), kind.asked(NewSide(nnx_setup, nnx_args))
+
+
+class NewSide:
+    """The new side's call measured as its kind builds it (``kind.asked``): the suite's own (a model port's
+    ``setups.NnxSetup``) or the team's (a loop port's, over its split state)."""
+
+    def __init__(self, setup: Any, args: tuple):
+        self.setup, self.args = setup, args
+
+    def model_port(self) -> PathMeasurement:
+        return measure_nnx(self.setup, self.args)
+
+    def loop_port(self) -> PathMeasurement:
+        return measure_nnx_loop(self.setup, self.args)

@@ -13,8 +13,9 @@ from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.port.kind import Form, Setup
 from equivalence.core.port.ports import LoopPort
 from equivalence.core.preflight import groups, steps, trace
-from equivalence.core.run import adapters, loop_side, nudge, setups, step_side
+from equivalence.core.run import adapters, draws, loop_side, nudge, setups, sides, step_side
 from equivalence.core.run.inputs import Inputs
+from equivalence.core.verdict import legacy_twin
 from legacy_pmap import train as legacy
 from nnx_sharded import sharding
 
@@ -25,13 +26,25 @@ class Loop:
     numbers drawn as its code says), its train states are its own."""
 
     port: LoopPort
-    suite_loops = False
-    observes_grads = False
-    checks_draws = True
 
     @property
     def axis_name(self) -> str:
         return self.port.axis_name
+
+    def new_ahead(self) -> None:
+        """None: the team's own new call compiles its programs as it runs, while the pmap side compiles."""
+
+    def first_step_probe(self) -> None:
+        """None: a loop port's gradients are its own step's, not seen (its first moment is read for them)."""
+
+    def draws_recorder(self) -> draws.FirstCall:
+        """Its step draws as its own code says: a twin's first call is recorded, its draws checked against the run's."""
+        return draws.FirstCall()
+
+    def asked(self, asker: Any) -> Any:
+        """What a command above the core asks of a loop port (its bench variants, its new side measured):
+        ``asker.loop_port()``, its own pmap step and new call."""
+        return asker.loop_port()
 
     def validate(self, config: RunConfig) -> None:
         if (config.strategy, config.nnx_form) != ('dp', 'split'):
@@ -41,6 +54,12 @@ class Loop:
                 "--perturb scales the suite's NNX optimizer: a loop port brings its own (perturb it there)"
             )
         adapters.check(self.port)
+
+    def legacy_accuracy(self, setup: Setup) -> None:
+        """None: a loop port gives no held-out split."""
+
+    def new_accuracy(self, setup: Setup) -> None:
+        """None: a loop port gives no held-out split."""
 
     def legacy_notes(self, setup: Setup) -> list[str]:
         return states.legacy_not_compared(legacy.unreplicate_to_host(setup.pstate), self.port.legacy_groups)
@@ -63,8 +82,10 @@ class Loop:
         under ``jax.jit`` (its new state built from linen's variables)."""
         return 'NNX' if self.port.nnx_model is not None else 'linen under jax.jit'
 
-    def draws_random_numbers(self) -> None:
-        """Unknown: the step is the port's own (its legacy twin is judged by its losses)."""
+    def legacy_twin(self, config: RunConfig, n: int, inputs: Inputs) -> tuple[Any, bool]:
+        """``(its pmap step run on n devices, False)``: the step draws as its own code says, with the keys the
+        suite hands it (its legacy twin is judged by its losses)."""
+        return sides.run_legacy(self, legacy_twin.on(config, n), inputs), False
 
     def recording(self) -> 'Loop':
         """As it is: its step is its own, only its modules are seen."""
@@ -86,7 +107,10 @@ class FusedLoop(Loop):
     in one call on each side."""
 
     form = Form.FUSED
-    records_on_mesh = True
+
+    def recording_mesh(self, setup: Setup) -> Any:
+        """The mesh the first-step recording gathers each value of a new side onto: its own."""
+        return setup.mesh
 
     def preflight(self, config: RunConfig, variables: dict, batch_KxG: Any, mapping: dict) -> None:
         old_state = trace.trace_legacy_loop(self.port, config, variables, batch_KxG)
@@ -127,7 +151,9 @@ class StepLoop(Loop):
     ``run.adapters`` and run by ``run.step_side``; its pre-flight traces one step of each side."""
 
     form = Form.STEP
-    records_on_mesh = False  # the team's own programs: a value is recorded where it is
+
+    def recording_mesh(self, setup: Setup) -> None:
+        """None: the team's own programs, a value is recorded where it is."""
 
     def preflight(self, config: RunConfig, variables: dict, batch_KxG: Any, mapping: dict) -> None:
         old_state, new_state = steps.trace_steps(self.port, config, variables, batch_KxG, mapping)

@@ -1,6 +1,7 @@
 """A model port: the suite's own loops train the team's two models, with their losses and optimizer."""
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from flax import nnx
@@ -9,10 +10,10 @@ from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Form, Setup
 from equivalence.core.port.ports import ModelPort
 from equivalence.core.preflight import trace
-from equivalence.core.run import facts, model_side, nudge
+from equivalence.core.run import facts, model_side, nudge, sides
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.run.model_side import TwinKind
-from equivalence.core.verdict import intercept
+from equivalence.core.verdict import first_step, intercept, legacy_twin
 from legacy_pmap import losses as legacy_losses
 from legacy_pmap import train as legacy
 from nnx_sharded import train as sharded
@@ -25,10 +26,6 @@ class Model:
 
     port: ModelPort
     form = Form.MODEL
-    suite_loops = True
-    observes_grads = True
-    checks_draws = False  # the suite draws a model port's numbers from the run's keys: the same by construction
-    records_on_mesh = True
     axis_name = legacy.AXIS
 
     def validate(self, config: RunConfig) -> None:
@@ -52,6 +49,44 @@ class Model:
             return self.new_setup(config, nudge.inputs(inputs, twin))
         return model_side.twin_setup(self.port, config, inputs.variables, inputs.mapping, twin, lr_scale)
 
+    def new_ahead(self) -> Callable[[RunConfig, Inputs], Setup]:
+        """What builds the new side before the legacy side runs, so that it compiles on a thread too: the
+        new side's program is the suite's own."""
+        return self.new_setup
+
+    def first_step_probe(self) -> Callable[[Any], Any]:
+        """The first step's gradients, seen: the suite's optimizer is given them (``first_step.grads_report``)."""
+        return first_step.grads_report
+
+    def draws_recorder(self) -> None:
+        """None: the suite draws a model port's numbers from the run's keys, the same by construction, so a
+        twin's draws are not checked against the run's."""
+
+    def recording_mesh(self, setup: Setup) -> Any:
+        """The mesh the first-step recording gathers each value of a new side (or twin) onto: its own."""
+        return setup.mesh
+
+    def asked(self, asker: Any) -> Any:
+        """What a command above the core asks of a model port (its bench variants, its new side measured):
+        ``asker.model_port()``, the suite's own loops over its two models."""
+        return asker.model_port()
+
+    def legacy_accuracy(self, setup: Setup) -> float | None:
+        """The pmap side's held-out accuracy (``eval_data``, a classifier's), or None without one."""
+        port = self.port
+        if port.eval_data is None:
+            return None
+        state, data = legacy.unreplicate_to_host(setup.pstate), port.eval_data()
+        logits = port.legacy_predict(port.legacy_model(), state.params, state.model_state, data['x'])
+        return sides.accuracy(logits, data['y'])
+
+    def new_accuracy(self, setup: Setup) -> float | None:
+        """The new side's held-out accuracy, or None without ``eval_data``."""
+        if self.port.eval_data is None:
+            return None
+        data = self.port.eval_data()
+        return sides.accuracy(self.port.nnx_predict(setup.model, data['x']), data['y'])
+
     def legacy_notes(self, setup: Setup) -> list[str]:
         return []
 
@@ -74,6 +109,14 @@ class Model:
 
     def loss_names(self) -> tuple[str, str]:
         return tuple(getattr(f, '__qualname__', repr(f)) for f in (self.port.legacy_loss, self.port.nnx_loss))
+
+    def legacy_twin(self, config: RunConfig, n: int, inputs: Inputs) -> tuple[Any, bool]:
+        """``(the pmap side run on n devices, whether it drew with the run's D key rows)``: where its step
+        consumes random numbers in per-device mode, each example gets the numbers it got in the run
+        (``legacy_twin.with_rows``), whatever the count."""
+        if config.rng_mode == 'per-device' and self.draws_random_numbers():
+            return legacy_twin.with_rows(self.port, config, n, inputs), True
+        return sides.run_legacy(self, legacy_twin.on(config, n), inputs), False
 
     def draws_random_numbers(self) -> bool:
         """Whether its step consumes random numbers (Dropout, attention, its own noise)."""

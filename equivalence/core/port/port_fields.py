@@ -80,7 +80,7 @@ def check(port: Any) -> None:
             check_callable(port, 'legacy_step', n, form, optional=False)
     if not isinstance(port.default_batch, int) or isinstance(port.default_batch, bool) or port.default_batch < 1:
         raise _error(port, 'default_batch', f'must be a positive int, got {port.default_batch!r}')
-    axis = getattr(port, 'axis_name', 'batch')
+    axis = vars(port).get('axis_name', 'batch')  # a field of a loop port's; a model port's pmap is the suite's
     if not isinstance(axis, str) or not axis:
         raise _error(port, 'axis_name', f'must be the pmap axis name your lax.pmean uses, a str; got {axis!r}')
     ema = getattr(port, 'ema_rate', None)

@@ -61,6 +61,12 @@ class ModelPort:
     eval_data: Callable | None = None  # () -> {'x', 'y'} held-out split, for classifiers
     legacy_predict: Callable | None = None  # (model, params, model_state, x) -> logits
     nnx_predict: Callable | None = None  # (model, x) -> logits
+    # What a loop port declares and a model port has not, answered alike (class attributes, not fields): the
+    # suite's own train states, read by their fields; nothing skipped; the axis named by the suite's pmap.
+    legacy_groups = None
+    new_groups = None
+    skip = ()
+    axis_name = None  # the suite's pmap names it (legacy_pmap.train.AXIS)
 
     def __post_init__(self):
         port_fields.check(self)  # each wrong field: one ConfigError line naming it and the fix
@@ -121,6 +127,7 @@ class LoopPort:
     rng_arg: str | None = None  # 'state_rng': the parameter the pmap step takes its key by (dropout_rng=; its
     # first, train_step(base_rng, state, batch); or any, state and batch its other two: rng_call); None: the 3rd
     new_rng_arg: str | None = None  # the same for new_step; None: rng_arg where new_step has it, else the 3rd
+    eval_data = None  # a model port's held-out split (a class attribute, not a field): a loop port has none
 
     def __post_init__(self):
         port_fields.check(self)

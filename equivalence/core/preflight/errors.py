@@ -80,10 +80,10 @@ def line(port: Port, field: str, error: BaseException, expected: str = '') -> st
     text += f'; expected {expected}' if expected else ''
     for pattern, fix in FIXES:
         m = pattern.search(str(error))
-        if m and pattern is FIXES[0][0] and not hasattr(port, 'axis_name'):  # a model port: the suite's pmap axis
+        if m and pattern is FIXES[0][0] and port.axis_name is None:  # a model port: the suite's pmap axis
             fix = SUITE_AXIS
         if m:
-            return text + '; fix: ' + fix.format(*m.groups(), axis=getattr(port, 'axis_name', legacy.AXIS))
+            return text + '; fix: ' + fix.format(*m.groups(), axis=port.axis_name or legacy.AXIS)
     return text
 
 

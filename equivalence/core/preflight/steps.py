@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from equivalence.core.port import step_forms
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort
 from equivalence.core.preflight.errors import HOST_ONLY, blamed, fail, kind
@@ -26,11 +27,6 @@ from equivalence.core.run import adapters, randomness
 from equivalence.distributed import rows
 
 SDS = jax.ShapeDtypeStruct
-EXPECTED = {
-    'state': '(state, batch) -> (state, out)',
-    'state_rng': '(state, batch, rng) -> (state, out)',
-    'carry': '((rng, state), batch) -> ((rng, state), out)',
-}
 
 
 def trace_steps(port: LoopPort, config: RunConfig, variables: dict, batch_KxG: Any, mapping: dict) -> tuple:
@@ -51,7 +47,7 @@ def trace_legacy_step(port: LoopPort, config: RunConfig, variables: dict, batch_
     stacked = jax.tree.map(lambda s: SDS((n, *s.shape), s.dtype), state)
     batch = jax.tree.map(lambda v: SDS((n, v.shape[1] // d, *v.shape[2:]), v.dtype), batch_KxG)
     keys = SDS((n, 2), np.uint32)
-    expected = f'legacy_step{EXPECTED[port.step_form]}'
+    expected = f'legacy_step{step_forms.of(port).expected}'
     one = adapters.one_step(port)
 
     def step(state, batch, key):
@@ -91,10 +87,8 @@ def trace_nnx_side(port: LoopPort, config: RunConfig, batch_KxG: Any, ts: Any) -
 
     if step is not None:  # one step, its global batch
         batch, keys = jax.tree.map(lambda v: SDS(v.shape[1:], v.dtype), batch_KxG), key
-    elif port.step_form == 'state_rng':  # the fused call: one key per step, stacked
-        batch, keys = batch_KxG, SDS((k, *key.shape), key.dtype)
-    else:
-        batch, keys = batch_KxG, (key if port.step_form == 'carry' else None)
+    else:  # the fused call: its keys as its form takes them (one per step, stacked; one; none)
+        batch, keys = batch_KxG, step_forms.of(port).fused_keys(key, k)
     with blamed(port, field, _new_step_form(port)), randomness.bridged(mode):
         try:
             out = jax.eval_shape(pure, state, keys, batch)
@@ -110,8 +104,7 @@ def _new_step_form(port: LoopPort) -> str:
     if port.new_step is None:
         return ''
     keyword = adapters.new_rng_keyword(port)
-    key = {'state': '', 'state_rng': f', {keyword}=key' if keyword else ', key'}[port.step_form]
-    hint = '' if keyword or port.step_form == 'state' else " (new_rng_arg='dropout_rng' passes it by keyword)"
+    key, hint = step_forms.of(port).new_step_text(keyword)
     return f'new_step(train_state, batch{key}) -> (train_state, out){hint}'
 
 

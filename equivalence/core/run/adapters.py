@@ -22,7 +22,6 @@ not the global value on the pmap side: it is listed as not compared, with that r
 """
 
 import functools
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -31,33 +30,28 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from equivalence.core.port import convert, port_fields
+from equivalence.core.port import convert, step_forms
 from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.port.port_fields import pmapped
 from equivalence.core.port.ports import LoopPort
 from legacy_pmap import train as legacy
 
-STEP_FORMS = ('carry', 'state', 'state_rng')
 LOOPS = ('steps', 'scan')
 
 
 def legacy_loop(port: LoopPort) -> str:
-    return port.legacy_loop or ('scan' if port.step_form == 'carry' else 'steps')
+    return port.legacy_loop or step_forms.of(port).default_loop
 
 
 def check(port: LoopPort) -> None:
     """A loop port's step fields that do not fit together, as ``ConfigError`` (exit 2)."""
-    where = f'port {port.name!r}'
-    if port.step_form not in STEP_FORMS:
-        raise ConfigError(f'{where}: step_form {port.step_form!r} is not one of {", ".join(STEP_FORMS)}')
+    where, form = f'port {port.name!r}', step_forms.of(port)
     if legacy_loop(port) not in LOOPS:
         raise ConfigError(f'{where}: legacy_loop {port.legacy_loop!r} is not one of {", ".join(LOOPS)}')
-    if port.step_form == 'carry' and legacy_loop(port) != 'scan':
-        raise ConfigError(f"{where}: a 'carry' step returns its key chain: it runs under scan (legacy_loop='scan')")
+    form.check_loop(legacy_loop(port), where)
     if (port.new_call is None) == (port.new_step is None):
         raise ConfigError(f'{where}: give exactly one of new_call (K steps per call) and new_step (one step)')
-    if port.new_step is not None and port.step_form == 'carry':
-        raise ConfigError(f"{where}: new_step takes step_form 'state' or 'state_rng'; a 'carry' port gives new_call")
+    form.check_new_step(port, where)
     if port.loss is not None and not (isinstance(port.loss, str) or callable(port.loss)):
         raise ConfigError(f'{where}: loss must be a metrics key or a function of the metrics, got {port.loss!r}')
 
@@ -81,12 +75,11 @@ def programs(port: LoopPort) -> tuple[str, str]:
 
 def describe(port: LoopPort) -> str:
     """One line for the report: how the team's step ran on each side."""
-    form = {'carry': '((rng, state), batch)', 'state': '(state, batch)', 'state_rng': '(state, batch, rng)'}
     run = 'pmap(step) called K times per call' if legacy_loop(port) == 'steps' else 'pmap(scan(step))'
     nnx_run = 'new_step called K times per call' if port.new_step is not None else 'new_call, K steps per call'
     loss = 'the output' if port.loss is None else (repr(port.loss) if isinstance(port.loss, str) else 'loss=function')
     new = 'NNX' if port.nnx_model is not None else 'linen under jax.jit'
-    return f'loop port: step{form[port.step_form]} as {run}; {new} {nnx_run}; loss read from {loss}'
+    return f'loop port: step{step_forms.of(port).signature} as {run}; {new} {nnx_run}; loss read from {loss}'
 
 
 # -- reading what a step returns ---------------------------------------------------------------
@@ -122,18 +115,9 @@ def replica_outputs(out_nxK: Any) -> tuple[Any, list[str]]:
 # -- keys --------------------------------------------------------------------------------------
 
 
-def step_keys(next_keys: Callable, rng: jax.Array, n: int, mode: str, k: int) -> tuple[jax.Array, list]:
-    """K keys from the host chain, one per step, each drawn as one call's keys are (``next_call_keys``)."""
-    keys = []
-    for _ in range(k):
-        rng, key = next_keys(rng, n, mode)
-        keys.append(key)
-    return rng, keys
-
-
 def key_draws_per_call(port: LoopPort, config: RunConfig) -> int:
     """How many times one call of a step form draws from the host key chain (``chain_at``)."""
-    return {'carry': 1, 'state': 0, 'state_rng': config.steps_per_call}[port.step_form]
+    return step_forms.of(port).key_draws_per_call(config.steps_per_call)
 
 
 def chain_at(draws_per_call: int, config: RunConfig, rng: jax.Array, calls: int) -> jax.Array:
@@ -164,9 +148,9 @@ def legacy_step(port: LoopPort) -> Callable:
     return _scanned(inner) or inner
 
 
-def wrapped_notes(port: Any) -> list[str]:
+def wrapped_notes(port: LoopPort) -> list[str]:
     """The report's line saying that the suite ran what a pmapped ``legacy_step`` wraps; [] otherwise."""
-    inner = pmapped(getattr(port, 'legacy_step', None))
+    inner = pmapped(port.legacy_step)
     if inner is None:
         return []
     step = _scanned(inner) or inner
@@ -183,71 +167,36 @@ def _name(fn: Any) -> str:
 
 def one_step(port: LoopPort) -> Callable:
     """``(state, batch, key) -> (state, out)`` from the team's step."""
-    step = legacy_step(port)
-    if port.step_form == 'state':
-        return lambda state, batch, key: step(state, batch)
-    how, names = port_fields.rng_call(port)
-    if how == 'first':
-        return lambda state, batch, key: step(key, state, batch)
-    if how == 'names':  # every argument by its name: the key's, and the state's and batch's (rng_call)
-        return lambda state, batch, key: step(**{port.rng_arg: key, names[0]: state, names[1]: batch})
-    if port.step_form == 'state_rng' and port.rng_arg:
-        return lambda state, batch, key: step(state, batch, **{port.rng_arg: key})
-    if port.step_form == 'state_rng':
-        return step
-    return lambda state, batch, key: _carry_step(step, state, batch, key)
-
-
-def _carry_step(step: Callable, state, batch, key):
-    (_, state), out = step((key, state), batch)
-    return state, out
+    return step_forms.of(port).one_step(legacy_step(port), port)
 
 
 def new_rng_keyword(port: LoopPort) -> str | None:
-    """The keyword ``new_step`` takes its key by: ``new_rng_arg``; else ``rng_arg`` where the new step
-    has a parameter of that name that is not its third positional one (upstream calls it
-    ``dropout_rng`` on both sides, and ``functools.partial`` binding the arguments before it leaves
-    it keyword-only); else None, the third positional argument (a ``jax.jit`` with ``in_shardings``
-    takes no keyword arguments)."""
-    if port.step_form != 'state_rng' or port.new_step is None:
-        return None
-    if port.new_rng_arg:
-        return port.new_rng_arg
-    positional, names = _parameters(port.new_step)
-    if port.rng_arg and port.rng_arg in names and positional[2:3] != [port.rng_arg]:
-        return port.rng_arg
-    return None
-
-
-def _parameters(fn: Callable) -> tuple[list[str], set[str]]:
-    """``(positional parameter names, all parameter names)`` of ``fn``'s signature; none when it has none."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # a callable with no signature to read: it takes the key positionally
-        return [], set()
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return [p.name for p in params if p.kind in kinds], {p.name for p in params}
+    """The keyword ``new_step`` takes its key by (``step_forms.StateRng.new_rng_keyword``), or None."""
+    return step_forms.of(port).new_rng_keyword(port)
 
 
 def new_step_call(port: LoopPort) -> Callable:
     """``(train_state, batch, key) -> whatever new_step returns``, as the new step is called: no key
     (``'state'``), the key by keyword (``new_rng_keyword``) or third."""
-    if port.step_form == 'state':
-        return lambda ts, batch, key: port.new_step(ts, batch)
-    keyword = new_rng_keyword(port)
-    if keyword:
-        return lambda ts, batch, key: port.new_step(ts, batch, **{keyword: key})
-    return lambda ts, batch, key: port.new_step(ts, batch, key)
+    return step_forms.of(port).new_step_call(port)
 
 
 def legacy_program(port: LoopPort, devices) -> Callable:
-    """``run(pstate, batch_nxK, keys) -> (pstate, out_nxK)``: pmap(step) K times, or pmap(scan(step))."""
+    """``run(pstate, batch_nxK, keys) -> (pstate, out_nxK)``: pmap(step) K times, or pmap(scan(step)); or,
+    where the key chain is the scan's carry, as the step expects, the fused call."""
+    carried = lambda: _carried_program(port, devices)  # noqa: E731
+    return step_forms.of(port).program(carried, lambda: _stepped_program(port, devices))
+
+
+def _carried_program(port: LoopPort, devices) -> Callable:
+    fused = legacy.make_fused_call(legacy_step(port), devices, port.axis_name)
+    carry = lambda pstate, batch, keys: _unpack_carry(fused((keys, pstate), batch))  # noqa: E731
+    carry.lowered = lambda pstate, batch, keys: [fused.lower((keys, pstate), batch)]  # setups.LegacySetup.lowered
+    return carry
+
+
+def _stepped_program(port: LoopPort, devices) -> Callable:
     one = one_step(port)
-    if port.step_form == 'carry':  # the key chain is the scan's carry, as the step expects
-        fused = legacy.make_fused_call(legacy_step(port), devices, port.axis_name)
-        carry = lambda pstate, batch, keys: _unpack_carry(fused((keys, pstate), batch))  # noqa: E731
-        carry.lowered = lambda pstate, batch, keys: [fused.lower((keys, pstate), batch)]  # setups.LegacySetup.lowered
-        return carry
     if legacy_loop(port) == 'scan':
         scan = lambda state, batch_K, keys_K: jax.lax.scan(lambda s, xs: one(s, *xs), state, (batch_K, keys_K))  # noqa: E731
         return jax.pmap(scan, axis_name=port.axis_name, devices=devices, donate_argnums=1)

@@ -58,9 +58,9 @@ def make(port: Port, config: RunConfig, mapping: dict | None = None, started: 'S
     """The inputs of a run of ``port`` under ``config``: ``make_inputs``, the names paired once
     (``mapping``, when the pre-flight has paired them already), every row of each call where this
     process reads only some. ``started``: ``start``'s, made already (its init compiled meanwhile)."""
+    whole = global_calls(port, config) if jax.process_count() > 1 else None
     variables, calls, rng = make_inputs(port, config, started)
     mapping = name_mapping(port, variables) if mapping is None else mapping
-    whole = global_calls(port, config) if jax.process_count() > 1 else None
     return Inputs(variables, calls, rng, mapping, whole)
 
 
@@ -79,7 +79,7 @@ class Start:
     """What ``make_inputs`` makes before linen's initialisation runs: the data, the key chain, and the
     initialisation as one ``jax.jit`` (``lowered``: traced, for a thread to compile while the pre-flight runs)."""
 
-    calls: list
+    whole: list  # every call's whole batch (``global_calls``): this process's rows are taken from it later
     rng: jax.Array
     init_rng: jax.Array
     init: Callable  # jax.jit(key -> linen's variables)
@@ -90,11 +90,10 @@ class Start:
 
 def start(port: Port, config: RunConfig) -> Start:
     whole = global_calls(port, config)
-    calls = [rows.local_batch(batch_KxG, config.devices, input_rows(config)) for batch_KxG in whole]
     rng, init_rng = jax.random.split(jax.random.PRNGKey(config.seed))
     example = jax.tree.map(lambda v: v[0, :1], whole[0])
     args, kwargs = init_inputs(port, example)
-    return Start(calls, rng, init_rng, _init_program(port, args, kwargs))
+    return Start(whole, rng, init_rng, _init_program(port, args, kwargs))
 
 
 _INITS: collections.OrderedDict = collections.OrderedDict()  # key -> (the port, weakly; its jitted init)
@@ -149,7 +148,13 @@ def make_inputs(port: Port, config: RunConfig, started: Start | None = None) -> 
     """Linen variables, the data of each call (pytrees of ``[K, G, ...]``; with several processes,
     only this process's rows ``[K, G*n/D, ...]``), and the training key. ``started``: ``start``'s."""
     s = started or start(port, config)
-    return dict(s.init(s.init_rng)), s.calls, s.rng
+    return dict(s.init(s.init_rng)), local_calls(s.whole, config), s.rng
+
+
+def local_calls(whole: list, config: RunConfig) -> list:
+    """This process's rows of each call (``input_rows``), ``[K, G*n/D, ...]``; all of them with one process."""
+    held = input_rows(config)
+    return [rows.local_batch(batch_KxG, config.devices, held) for batch_KxG in whole]
 
 
 def global_calls(port: Port, config: RunConfig) -> list:

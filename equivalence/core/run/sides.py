@@ -16,7 +16,6 @@ from equivalence.core.port.kind import Kind
 from equivalence.core.run import clock, footprint, randomness
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.run.setups import NnxGraphSetup, NnxSetup
-from legacy_pmap import train as legacy
 
 
 @dataclasses.dataclass
@@ -99,7 +98,7 @@ def run_legacy(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, a
                before_call=None, setup=None, forward: bool = False) -> PathResult:  # fmt: skip
     """The pmap path; its leaves are named as the NNX side names them (``inputs.mapping``). ``setup``: built
     already (``prefetch``), else here. ``forward``: ``run_calls``'."""
-    port, mapping = kind.port, inputs.mapping
+    mapping = inputs.mapping
     setup = setup or kind.legacy_setup(config, inputs)
     start = _params(setup.neutral(), mapping)  # before the first call: what the port's own state holds
     losses, per_call = run_calls(setup, inputs.calls, inputs.rng, mapping, progress, 'legacy', after_call, before_call,
@@ -109,10 +108,7 @@ def run_legacy(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, a
     result.metrics, result.notes = loop_metrics(setup), [*getattr(setup, 'notes', [])]
     result.left_out = set(getattr(setup, 'uneven', ()))
     result.notes += kind.legacy_notes(setup)
-    if getattr(port, 'eval_data', None) is not None:
-        state, data = legacy.unreplicate_to_host(setup.pstate), port.eval_data()
-        logits = port.legacy_predict(port.legacy_model(), state.params, state.model_state, data['x'])
-        result.eval_accuracy = accuracy(logits, data['y'])
+    result.eval_accuracy = kind.legacy_accuracy(setup)
     return result
 
 
@@ -122,7 +118,7 @@ def run_new(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, afte
     into the setup, which returns its key chain: ``inputs.calls`` are then the ones after the checkpoint.
     ``setup``: built already (``prefetch``), else here. ``forward``: ``run_calls``' (no bytes measured: that
     would compile the whole call)."""
-    port, calls, rng = kind.port, inputs.calls, inputs.rng
+    calls, rng = inputs.calls, inputs.rng
     setup = setup or kind.new_setup(config, inputs)
     if inputs.restore is not None:
         rng = inputs.restore(setup)
@@ -134,10 +130,7 @@ def run_new(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, afte
     result.memory = None if forward else footprint.per_device(setup, calls[0], rng)
     result.metrics = loop_metrics(setup)
     result.notes = kind.new_notes(setup)
-    if getattr(port, 'eval_data', None) is not None:
-        data = port.eval_data()
-        logits = port.nnx_predict(setup.model, data['x'])
-        result.eval_accuracy = accuracy(logits, data['y'])
+    result.eval_accuracy = kind.new_accuracy(setup)
     return result
 
 
@@ -154,9 +147,10 @@ def both_sides(kind: Kind, config: RunConfig, inputs: Inputs, progress: Progress
             legacy_setup = kind.legacy_setup(config, inputs)
             compiling[0] = prefetch(legacy_setup, inputs)
         new_setup = new = None
-        if kind.suite_loops:  # the new side's program is the suite's own: it compiles on a thread too
+        build_ahead = kind.new_ahead()  # the suite's own program: it compiles on a thread too
+        if build_ahead is not None:
             with clock.stage(f'new side: {new_program} built and traced, compiled on a thread'):
-                new_setup = kind.new_setup(config, inputs)
+                new_setup = build_ahead(config, inputs)
                 compiling[1] = prefetch(new_setup, inputs)
         if compiling[1] is None:  # the team's own call: compiled as it runs, while the pmap side compiles
             with clock.stage(f'new side: {new_program}, {c} calls (compiled, run)'):
@@ -213,7 +207,7 @@ def compared(kind: Kind, old: PathResult, new: PathResult) -> tuple[Callable[[Pa
     full = lambda path: with_losses(path.final, path.losses, kept(path.metrics))  # noqa: E731
     # A state read by the suite that holds no step counter (a tuple (params, opt_state)) leaves
     # the counter out, said; groups the port maps itself must map it (else: bookkeeping).
-    notes = [] if getattr(kind.port, 'legacy_groups', None) else states.align(full(old), full(new))[2]
+    notes = [] if kind.port.legacy_groups else states.align(full(old), full(new))[2]
 
     def tree(path: PathResult) -> convert.Neutral:
         return states.without(full(path), 'step') if notes else full(path)

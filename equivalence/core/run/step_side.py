@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from equivalence.core.port import new_side, states
+from equivalence.core.port import new_side, states, step_forms
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort
 from equivalence.core.run import pruned, randomness, setups
@@ -24,7 +24,6 @@ from equivalence.core.run.adapters import (
     read_output,
     replica_outputs,
     returns_state,
-    step_keys,
 )
 from equivalence.distributed import rows
 from legacy_pmap import train as legacy
@@ -43,13 +42,9 @@ class StepLegacySetup(setups.LegacySetup):
 
     def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
         n, mode, k = self.config.devices, self.config.rng_mode, self.config.steps_per_call
-        n_local, keys = len(rows.positions(n)), None
-        if self.port.step_form == 'carry':
-            rng, keys_D = legacy.next_call_keys(rng, n, mode)
-            keys = rows.local_keys(keys_D, n)
-        elif self.port.step_form == 'state_rng':
-            rng, per_step = step_keys(legacy.next_call_keys, rng, n, mode, k)
-            keys = rows.local_keys(jnp.stack(per_step, axis=1), n)  # [D, K, 2]
+        n_local, form = len(rows.positions(n)), step_forms.of(self.port)
+        rng, keys = form.keys(legacy.next_call_keys, rng, n, mode, k)
+        keys = None if keys is None else rows.local_keys(form.legacy_keys(keys), n)  # [D, 2] or [D, K, 2]
         batch_nxK = jax.tree.map(lambda v: legacy.shard_batch(v, n_local), batch_KxG)
         return rng, (self.pstate, batch_nxK, keys)
 
@@ -90,12 +85,13 @@ class StepNewSetup(setups.LoopNewSetup):
     metrics: list = dataclasses.field(default_factory=list)
 
     def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
+        form = step_forms.of(self.port)
+        return form.program(lambda: setups.placed_inputs(self, rng, batch_KxG), lambda: self._step_args(rng, batch_KxG))
+
+    def _step_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
+        """A call's arguments where the key chain is not the call's carry: a key per step, or none."""
         n, mode, k = self.config.devices, self.config.rng_mode, self.config.steps_per_call
-        if self.port.step_form == 'carry':
-            return setups.placed_inputs(self, rng, batch_KxG)
-        keys = None
-        if self.port.step_form == 'state_rng':
-            rng, keys = step_keys(sharded.next_call_keys, rng, n, mode, k)
+        rng, keys = step_forms.of(self.port).keys(sharded.next_call_keys, rng, n, mode, k)
         if self.port.new_step is None:  # the user's fused call: one key per step, stacked
             stacked = None if keys is None else sharding.put(jnp.stack(keys), sharding.replicated(self.mesh))
             return rng, (stacked, sharding.place_batch(batch_KxG, self.mesh))

@@ -114,10 +114,10 @@ def legacy_floor(kind: Kind, config: RunConfig, old, new, inputs: Inputs, twins:
     cannot = inputs.first_steps_unrecorded()  # a reference holds the pmap side's first steps and its twin
     if cannot:
         return None, None, [f'legacy twin not run: {cannot}'], ()
-    grads, done = None, []
-    if kind.observes_grads:
+    grads, done, probe = None, [], kind.first_step_probe()
+    if probe is not None:
         with clock.stage("first-step gradients (each side's first step recorded)"):
-            grads = first_step.grads_report(recorder)
+            grads = probe(recorder)
         done.append(f'first-step gradients {"agree" if grads.match else "differ"}')
         if not grads.match:
             return grads, None, done, ()
@@ -132,12 +132,13 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
     where the sides part: ``(the report, with the gradients' leaves, the verdict)``."""
     cannot, unrecorded = inputs.single_process_probes(), inputs.first_steps_unrecorded()
     recorder = recorder or Recorder(kind, config, inputs, None)
-    if grads is None and kind.observes_grads and (config.verdict == 'strict' or (not report.match and diagnose)):
+    probe = kind.first_step_probe()
+    if grads is None and probe is not None and (config.verdict == 'strict' or (not report.match and diagnose)):
         if unrecorded:
             done = [*done, f'first-step gradients not probed: {unrecorded}']
         else:
             with clock.stage("first-step gradients (each side's first step recorded)"):
-                grads = first_step.grads_report(recorder)
+                grads = probe(recorder)
             report = dataclasses.replace(report, leaves=[*report.leaves, *grads.leaves])
             done = [*done, f'first-step gradients {"agree" if grads.match else "differ"}']
     noisy, errors = tuple(leaf for leaf in report.leaves if leaf.noise_dominated), tuple(errors)

@@ -67,7 +67,6 @@ def run(kind: Kind, config: RunConfig, old, new, twins: dict, inputs: Inputs):
     if config.calls < 2:
         why = 'with one call there is no early state to tell chaos from a real difference'
         return None, f'legacy twin not run: {why}', ()
-    by_rows = config.rng_mode == 'per-device' and kind.draws_random_numbers()  # drawn as the run's D devices draw
     first = [{'params': tw.params_per_call[0]} for tw in twins.values()]
     twin_first = twin.farthest({'params': new.params_per_call[0]}, first).get('params', {})
     fed, start = compare.feeding_dtypes(old.final), old.start or start_params(inputs.variables, inputs.mapping)
@@ -76,8 +75,9 @@ def run(kind: Kind, config: RunConfig, old, new, twins: dict, inputs: Inputs):
     if excess:
         why = f'NNX is off after the first call, {excess}: not chaos, which grows from rounding'
         return None, f'legacy twin not run: {why}', ()
-    try:
-        other = inputs.recorded.legacy_twin(n) if inputs.recorded is not None else on_count(kind, config, n, inputs)
+    try:  # run by the kind: with the run's D key rows where its step draws random numbers per device
+        recorded = inputs.recorded  # a reference's: the pmap side run so where it was recorded
+        other, by_rows = recorded.legacy_twin(n) if recorded is not None else kind.legacy_twin(config, n, inputs)
     except Exception as e:  # noqa: BLE001 -- pmap code written for one device count
         error = f'legacy twin on {n} device(s): {type(e).__name__}: {e}'
         return None, f'legacy twin on {n} device(s) not run: it raised {blame.first_line(e)}', (error,)
@@ -97,15 +97,6 @@ def count(config: RunConfig) -> int | None:
     """The device count the legacy twin runs on (the first NNX twin's: 1, or 2 on D = 1); None: none fits."""
     counts = twin.twin_counts(config, len(jax.devices()))
     return counts[0] if counts else None
-
-
-def on_count(kind: Kind, config: RunConfig, n: int, inputs: Inputs) -> sides.PathResult:
-    """The pmap side on ``n`` devices, with the run's data and keys (``with_rows``: drawing with the run's D
-    per-device key rows, where a model port draws random numbers)."""
-    if config.rng_mode == 'per-device' and kind.draws_random_numbers():
-        return with_rows(kind.port, config, n, inputs)
-    return sides.run_legacy(kind, dataclasses.replace(config, devices=n, strategy='dp', mesh=None, nnx_form='split'),
-                            inputs)  # fmt: skip
 
 
 # -- drawing with the run's per-device keys ---------------------------------------------------
@@ -145,10 +136,15 @@ class RowsSetup(setups.LegacySetup):
         return rng, ((jnp.broadcast_to(keys_D, (n, *keys_D.shape)), self.pstate), batch_nxK)
 
 
+def on(config: RunConfig, n: int) -> RunConfig:
+    """The legacy twin's config: the run's on ``n`` devices, data parallel."""
+    return dataclasses.replace(config, devices=n, strategy='dp', mesh=None, nnx_form='split')
+
+
 def with_rows(port: ModelPort, config: RunConfig, n: int, inputs: Inputs) -> sides.PathResult:
     """The legacy twin on ``n`` devices of a per-device run of ``config``, drawing with the run's D key rows:
     its ``PathResult``, leaves named as the NNX side names them."""
-    on_n = dataclasses.replace(config, devices=n, strategy='dp', mesh=None, nnx_form='split')
+    on_n = on(config, n)
     variables, calls, rng, mapping = inputs.variables, inputs.calls, inputs.rng, inputs.mapping
     tx, noise = port.make_tx(1.0), setups.port_noise(port, uses_dropout(port))
     model, loss = port.legacy_model(), setups.legacy_loss(port, on_n)

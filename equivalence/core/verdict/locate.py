@@ -93,7 +93,7 @@ def judge_step(
     notes = _notes(port_kind, raw, paired, 'twin' in results)
     legacy = results.get('legacy')
     pmap_side = None if legacy is None or at > 1 or 'collective' not in allowed else (
-        collectives.gradients_not_averaged(legacy.raw, getattr(port_kind.port, 'legacy_groups', None)
+        collectives.gradients_not_averaged(legacy.raw, port_kind.port.legacy_groups
                                            or states.legacy_groups)
         or collectives.loss_not_averaged(legacy.device_losses, results['new'].losses)
     )  # fmt: skip
@@ -175,7 +175,7 @@ def _notes(port_kind: Kind, raw: dict, paired: dict, twin_ran: bool) -> list[Not
     if not twin_ran:
         text = 'no twin in this process: each value is held to 8 float32 spacings of its largest value'
         notes.append(Note(NO_TWIN, text))
-    if not port_kind.observes_grads:
+    if port_kind.first_step_probe() is None:  # its gradients are its own step's
         notes.append(Note(LOOP_GRADS, "a loop port's gradients are its own step's: not observed (its first moment, "
                           'which holds them after one step, is read for them)'))  # fmt: skip
     return notes

@@ -102,7 +102,7 @@ def probe_config(config: RunConfig) -> RunConfig:
 
 
 def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, twin_setup=None) -> dict:
-    """``{'legacy', 'new', 'twin'}`` -> ``FirstStep`` of a model port (``kind.suite_loops``); ``twin_setup``
+    """``{'legacy', 'new', 'twin'}`` -> ``FirstStep`` of a model port (``kinds.model.Model``); ``twin_setup``
     is a fresh twin (``kind.twin_setup``); without one, 'twin' is the NNX side's own step (a floor of 0:
     only the ulp minimum applies)."""
     port, variables, calls, rng, mapping = kind.port, inputs.variables, inputs.calls, inputs.rng, inputs.mapping

@@ -87,7 +87,7 @@ def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, n_twin: twin.Twin
                 setup = reuse.share('new' if same else side, build())
                 rows = getattr(setup, 'rows', None) if side == 'twin' else rows  # a Reordered twin's row order
                 s.axis = kind.axis_name if side == 'legacy' else None
-                s.mesh = setup.mesh if side != 'legacy' and kind.records_on_mesh else None
+                s.mesh = kind.recording_mesh(setup) if side != 'legacy' else None
                 if side == 'legacy' and compiling is not None:
                     compiling.result()
                 results[side] = run(setup)

@@ -41,8 +41,9 @@ class Recorded:
     twin: dict  # the legacy twin, run where the pmap side was recorded: {'devices': n, 'result': PathResult or
     # None, 'error': what it raised}
 
-    def legacy_twin(self, n: int) -> PathResult:
-        """The pmap side on ``n`` devices as it ran where it was recorded (``legacy_twin.on_count``); raises
+    def legacy_twin(self, n: int) -> tuple[PathResult, bool]:
+        """``(the pmap side on n devices as it ran where it was recorded, whether it drew with the run's D key
+        rows)``, as ``kind.legacy_twin`` gives it; raises
         what it raised there, or where it was recorded on another count."""
         if self.twin.get('devices') != n:
             recorded = self.twin.get('devices')
@@ -53,7 +54,7 @@ class Recorded:
             )
         if self.twin.get('result') is None:
             raise RuntimeError(f'where it was recorded it raised {self.twin.get("error")}')
-        return dataclasses.replace(self.twin['result'])
+        return dataclasses.replace(self.twin['result']), bool(self.twin.get('by_rows'))
 
     def named(self, mapping: dict[str, str]) -> 'Recorded':
         """Its leaves under the new side's names (``mapping``: the check's pairing)."""
@@ -100,8 +101,8 @@ def _twin(kind: Kind, config: RunConfig, inputs: Inputs) -> dict:
     if n is None or config.calls < 2:
         return {'devices': None, 'result': None, 'error': None}
     try:
-        return {'devices': n, 'result': dataclasses.replace(legacy_twin.on_count(kind, config, n, inputs), raw=None),
-                'error': None}  # fmt: skip
+        other, by_rows = kind.legacy_twin(config, n, inputs)
+        return {'devices': n, 'result': dataclasses.replace(other, raw=None), 'by_rows': by_rows, 'error': None}
     except Exception as e:  # noqa: BLE001 -- pmap code written for one device count: the check says what it raised
         return {'devices': n, 'result': None, 'error': f'{type(e).__name__}: {blame.first_line(e)}'}
 

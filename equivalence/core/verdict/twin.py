@@ -164,10 +164,11 @@ def run_twin(
     (``gather.together``): none waits for a twin that will never be shared. ``forward``: ``sides.run_calls``'
     (no bytes measured). ``program``: the run's compiled call, which a twin of the run's own program runs
     (``Nudged``: its calls nudged as its setup's initial parameters are)."""
-    setup = setup or gather.together(kind.twin_setup, config, inputs, n_twin, lr_scale)
     calls, rng = inputs.whole_calls, inputs.rng
     if isinstance(n_twin, Nudged):
         calls = [nudge.tree(c, n_twin.draw) for c in calls]
+    setup = setup or gather.together(kind.twin_setup, config, inputs, n_twin, lr_scale)
+    if isinstance(n_twin, Nudged):
         setup.shared(program)
     if inputs.restore is not None:
         rng = gather.together(inputs.restore, setup)
@@ -274,10 +275,10 @@ def one_twin(kind: PortKind, config: RunConfig, inputs: Inputs, n, fit: dict | N
     ``TwinNotRun`` saying why not. ``fit``: the run's bytes per device, which a candidate twin must not
     exceed ``FIT`` times; ``built``: setups built already, by twin (one that did not fit may run later as
     the fallback)."""
-    check, calls, errors = checks_draws(kind), inputs.whole_calls, []
+    calls, errors = inputs.whole_calls, []
     raised = f'{n} device(s) are more than this process sees'
     if devices_of(n, config) <= len(jax.local_devices()):
-        drawn = draws.FirstCall() if check else None
+        drawn = draws_recorder(kind)
         try:
             built = {} if built is None else built
             setup = built[n] = built.get(n) or kind.twin_setup(config, inputs, n)
@@ -293,7 +294,7 @@ def one_twin(kind: PortKind, config: RunConfig, inputs: Inputs, n, fit: dict | N
     if cannot:
         raise TwinNotRun(f'not run: {raised}; and no fresh process: {cannot}', tuple(errors))
     try:
-        tw, drawn = fresh.run_twin(kind, config, inputs, n, check)
+        tw, drawn = fresh.run_twin(kind, config, inputs, n, draws_recorder(kind) is not None)
     except Exception as e:  # noqa: BLE001 -- the fresh process failed too: both reasons
         errors.append(f'twin on {n} device(s) in a fresh process: {type(e).__name__}: {e}')
         raise TwinNotRun(f'not run: {raised}; {blame.first_line(e)}', tuple(errors)) from None
@@ -310,12 +311,12 @@ def too_big(setup, batch_KxG, rng, fit: dict | None, n) -> None:
         raise TwinNotRun(f"not run {describe([n])}: it would hold {ratio:.2f}x the run's bytes per device")
 
 
-def checks_draws(kind: PortKind) -> bool:
-    """Whether a twin's random draws are checked against the run's: where the port's step draws as its
-    code says (``kind.checks_draws``: a loop port's; a model port's are drawn by the suite from the run's
-    keys, the same by construction), in one process (the run's first call is run again, recording, which
-    across processes is collective)."""
-    return kind.checks_draws and jax.process_count() == 1
+def draws_recorder(kind: PortKind) -> draws.FirstCall | None:
+    """What records a twin's random draws, to check them against the run's, or None: where the port's step
+    draws as its code says (``kind.draws_recorder``: a loop port's; a model port's are drawn by the suite
+    from the run's keys, the same by construction), in one process (the run's first call is run again,
+    recording, which across processes is collective)."""
+    return kind.draws_recorder() if jax.process_count() == 1 else None
 
 
 def run_draws(kind: PortKind, config: RunConfig, inputs: Inputs) -> draws.Draws:
