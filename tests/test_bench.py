@@ -102,9 +102,9 @@ def test_first_call_check_catches_a_different_loss():
     variants = [Variant(n, n, 2, None, None, None) for n in ('legacy', 'other')]
     losses = np.array([1.0, 0.5], np.float32)
     result = benchreport.BenchResult(RunConfig(), 1, {}, variants, {}, {}, {}, {'legacy': losses, 'other': losses})
-    assert result.agreement(variants[1]).ok
+    assert result.agrees(variants[1])
     result.first['other'] = losses + np.float32(1e-4)
-    assert not result.agreement(variants[1]).ok
+    assert not result.agrees(variants[1])
 
 
 HLO_SAMPLE = """

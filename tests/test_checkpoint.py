@@ -24,7 +24,8 @@ from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.run import inputs as made
 from equivalence.core.run import sides
-from equivalence.core.verdict.twin import PROGRAM_TWIN
+from equivalence.core.run.nudge import DRAWS
+from equivalence.core.verdict.findings import Finding, LegacyTwin, NotRun, Probe, Screen, Twins
 from legacy_pmap import checkpoints as legacy_checkpoints
 from legacy_pmap import models as legacy_models
 from nnx_sharded import checkpoints as nnx_checkpoints
@@ -146,7 +147,7 @@ def test_migrated_checkpoint_restores_sharded_onto_2_4_8_devices_and_resumes_to_
     result = resume.resume_nnx(MLP, dataclasses.replace(config, devices=devices), legacy, nnx_dir, 4)
     assert result.report.match, [(leaf.name, leaf.max_abs) for leaf in result.report.leaves if not leaf.ok]
     assert len(result.new.losses) == 4
-    assert result.verdict.twin == PROGRAM_TWIN  # the twin restored the same checkpoint: the floor is measured
+    assert result.verdict.twin == Twins(DRAWS)  # the twin restored the same checkpoint: the floor is measured
 
 
 def test_restore_train_state_in_your_own_code_on_both_sides(mlp_global):
@@ -180,9 +181,9 @@ def test_a_resumed_run_is_held_to_the_floor_of_a_resumed_twin_which_fails_what_t
     config, legacy, nnx_dir = mlp_global
     result = resume.resume_nnx(MLP, dataclasses.replace(config, perturb=1e-5), legacy, nnx_dir, 4)
     done = result.verdict.done
-    assert not result.report.match and done[0] == 'fixed screen passed' and result.verdict.twin == PROGRAM_TWIN
-    assert done[-1] == 'first-step gradients not probed: resumed from a checkpoint' and result.verdict.kind == 'update'
-    assert 'legacy twin not run: resumed from a checkpoint' in done
+    assert not result.report.match and done[0] == Screen(passed=True) and result.verdict.twin == Twins(DRAWS)
+    assert done[-1] == NotRun(Probe.GRADS, 'resumed from a checkpoint') and result.verdict.kind is Finding.UPDATE
+    assert LegacyTwin(LegacyTwin.Ran.NOT_RUN, why='resumed from a checkpoint') in done
 
 
 @pytest.fixture(scope='module')

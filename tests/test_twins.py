@@ -22,10 +22,13 @@ from equivalence.core import harness, kinds
 from equivalence.core.port import loading, workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.report import render as report
+from equivalence.core.report import words
 from equivalence.core.run import inputs as made
 from equivalence.core.run import model_side, sides
+from equivalence.core.run.model_side import Reordered
 from equivalence.core.verdict import compare, fresh, legacy_twin
 from equivalence.core.verdict import rule as verdict
+from equivalence.core.verdict.findings import Finding, Memory, NoTwin, Twins, Unmeasured
 from equivalence.core.verdict.outcome import Outcome
 
 
@@ -44,7 +47,7 @@ def test_a_twin_at_one_device_keeps_the_per_device_keys():
     over 2 devices (it raised IndivisibleError, and the verdict fell back on the fixed screen)."""
     require_devices(2)
     result = harness.check(PER_DEVICE, devices=1, twin='devices', **QUICK)
-    assert result.verdict.twin == 'on 2 device(s)', result.verdict.lines()
+    assert result.verdict.twin == Twins((2,)), words.lines(result.verdict)
     assert result.report.match and result.report.floor is not None
 
 
@@ -56,25 +59,23 @@ def test_a_twin_that_draws_other_random_numbers_is_refused():
     the test above)."""
     require_devices(2)
     refused = harness.check(MESH_SIZED, devices=2, twin='devices', **QUICK)
-    assert refused.verdict.twin.startswith("refused: it draws other random numbers than the new side's run"), (
-        refused.verdict.lines()
-    )
-    assert 'docs/port.md#the-device-count' in refused.verdict.twin  # the likely cause, and what fits (issue 51)
+    no_twin = refused.verdict.twin
+    assert no_twin.why is NoTwin.Why.TWIN, words.lines(refused.verdict)
+    assert no_twin.detail.startswith("refused: it draws other random numbers than the new side's run"), no_twin
+    assert 'docs/port.md#the-device-count' in no_twin.detail  # the likely cause, and what fits (issue 51)
     assert refused.report.floor is None
-    # no floor measured, so the verdict is NOT VERIFIED in its own words (exit 5), never the fixed screen's MATCH
-    assert refused.outcome is Outcome.NOT_VERIFIED and refused.verdict.unverified.startswith(
-        "no twin measured this port's noise floor"
-    )
+    # no floor measured, so the verdict is NOT VERIFIED (exit 5) for that reason, never the fixed screen's MATCH
+    assert refused.outcome is Outcome.NOT_VERIFIED and refused.verdict.unverified == Unmeasured(no_twin, True)
 
 
 def test_with_no_floor_the_diagnosis_says_why_no_twin_measured_one():
     """The ``unmeasured`` line gives the twin's own reason, not a guess about device counts."""
     ref = {'params': {'w': np.array([1.0], np.float32)}}
     off = compare.compare(ref, {'params': {'w': np.array([1.1], np.float32)}}, compare.FLOAT32_REDUCTION_ORDER)
-    why = "refused: it draws other random numbers than the new side's run"
-    kind, line = verdict.diagnose(off, '', None, False, why)
-    assert kind == 'unmeasured' and line.endswith(f'no twin measured one: {why}'), line
-    assert 'even batch' not in line
+    why = NoTwin(NoTwin.Why.TWIN, "refused: it draws other random numbers than the new side's run")
+    found = verdict.diagnose(off, None, None, False, why)
+    assert found.kind is Finding.UNMEASURED and found.no_floor is why, found
+    assert words.diagnosis(found).endswith(f'no twin measured one: {why.detail}')  # the reason, not a guess
 
 
 @pytest.fixture(scope='module')
@@ -101,7 +102,7 @@ def test_a_new_side_pinned_to_its_own_mesh_gets_its_floor_from_a_fresh_process(p
     screen, 'unmeasured' on MISMATCH). A fresh process that sees 1 device imports the port afresh and
     runs it: a measured floor, and the slip is a MISMATCH judged by it."""
     result = pinned[pinned_port.PORT.name]
-    assert result.verdict.twin == 'on 1 device(s) in a fresh process', result.verdict.lines()
+    assert result.verdict.twin == Twins((1,), fresh=(1,)), words.lines(result.verdict)
     assert result.report.match
     said = report.to_json(result, {})
     assert said['verdict']['floor_rule'] is not None
@@ -116,7 +117,7 @@ def test_a_new_side_pinned_to_its_own_mesh_gets_its_floor_from_a_fresh_process(p
     assert memory['run']['source'] == 'arrays' and memory['twins']['1 device(s)']['held'] > memory['run']['held']
     slipped = pinned[pinned_port.SLIP.name]
     assert not slipped.report.match and slipped.report.floor is not None
-    assert slipped.verdict.kind != 'unmeasured' and slipped.verdict.twin == 'on 1 device(s) in a fresh process'
+    assert slipped.verdict.kind is not Finding.UNMEASURED and slipped.verdict.twin == Twins((1,), fresh=(1,))
     json.dumps(report.to_json(slipped, {}))  # the report of a twin that ran elsewhere is plain data
 
 
@@ -127,15 +128,16 @@ def test_a_sharded_runs_twins_hold_no_more_per_device_than_the_run():
     rows interleaved: at most 1.1x, in the report and the JSON, and the verdict is still a MATCH."""
     require_devices(8)
     result = harness.check(workloads.get('wide'), devices=8, strategy='fsdp', twin='devices', **QUICK)
-    assert result.report.match, verdict.details(verdict.failed(result.report))
+    assert result.report.match, verdict.failed(result.report)
     placed = ('fsdp, batch rows interleaved', 'fsdp-tp, batch rows interleaved')
-    assert result.verdict.twin == f"on the run's devices: {placed[0]} and {placed[1]}"
+    assert result.verdict.twin == Twins((Reordered('fsdp'), Reordered('fsdp-tp')))
     memory = report.to_json(result, {})['verdict']['memory']
     run = memory['run']['held']
     assert set(memory['twins']) == set(placed)
     assert all(0 < twin_['held'] <= 1.1 * run for twin_ in memory['twins'].values()), memory
-    said = 'bytes per device (XLA memory analysis of one call): run '
-    assert any(line.startswith(said) for line in result.verdict.done)
+    said = 'bytes per device (XLA memory analysis of one call): run '  # the report's line, from the record
+    assert Memory(memory['run'], memory['twins']) in result.verdict.done
+    assert any(line.startswith(said) for line in words.done(result.verdict))
 
 
 def test_a_reordered_twin_gives_every_example_its_own_noise():
