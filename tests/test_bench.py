@@ -158,7 +158,7 @@ def test_cost_mode_times_a_check_and_a_slips_mismatch_against_the_two_bare_runs(
     for s in (match, slip):
         assert s['ratio_vs_bare'] == s['wall_s']['median'] / bare['wall_s']['median']
     assert match['outcome'] == 'MATCH' and report['check_losses_are_the_bare_runs']
-    assert slip['outcome'] == 'MISMATCH' and slip['diagnosis'] and slip['where'].startswith('where: ')
+    assert slip['outcome'] == 'MISMATCH' and slip['diagnosis_kind'] == 'math' and slip['diagnosis'] and slip['where']
     assert 'epsilon 1e-06 ↔ 1e-05' in slip['where'], slip['where']
     assert [(t['threshold'], t['outcome_expected']) for t in report['targets']] == [(1.25, 'MATCH'), (2.0, 'MISMATCH')]
     assert {'cpu_cores', 'load_avg_1m', 'load_avg_1m_end', 'versions'} <= set(report['machine'])
