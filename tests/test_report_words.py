@@ -11,6 +11,7 @@ from equivalence.core.run.model_side import Reordered
 from equivalence.core.verdict.compare import LeafDiff
 from equivalence.core.verdict.findings import (
     Diagnosis,
+    Excess,
     Finding,
     Held,
     Hidden,
@@ -20,7 +21,9 @@ from equivalence.core.verdict.findings import (
     NoTwin,
     Probe,
     Probed,
+    Refusal,
     Screen,
+    TwinRefused,
     Twins,
     Unmeasured,
 )
@@ -129,4 +132,30 @@ def test_the_first_step_held_module_by_module():
     )
     assert words.held(Held(calls=22, part=('module', 'attn/out'), whole_failed=True)).endswith(
         '(in the forward pass alone: the whole step could not be recorded)'
+    )
+
+
+def test_why_a_twin_is_refused():
+    spacings = Refusal(Refusal.Why.SPACINGS, 2, 2.5, 2.5001, 40.0)
+    assert words.refusal(spacings) == (
+        'refused: its loss at step 2 is 40 float32 spacings from the new run (2.5001 vs 2.5, more than 8): it does '
+        'not compute the same thing, so it measures no floor'
+    )
+    assert words.refusal(Refusal(Refusal.Why.NON_FINITE, 1, 2.5, float('nan'), side='legacy')) == (
+        'refused: a non-finite loss at step 1 (legacy 2.5, twin nan)'
+    )
+    other = Refusal(Refusal.Why.DRAWS, detail='refused: it draws other random numbers')
+    drawn = TwinRefused(1, other, per_replica=True)
+    said = words.twin(NoTwin(NoTwin.Why.TWIN, drawn))
+    assert said.startswith('refused: it draws other random numbers; a new side whose arithmetic follows its device')
+    assert 'docs/port.md#the-device-count' in said and said.endswith('(on 1 device(s))')
+    early = Excess('w', 1e-5, 1.91e-6)
+    assert words.legacy_twin(LegacyTwin(LegacyTwin.Ran.NOT_RUN, why=early)) == (
+        'legacy twin not run: NNX is off after the first call, params/w 1.00e-05 from the legacy run (allowed '
+        '1.91e-06): not chaos, which grows from rounding'
+    )
+    refused = LegacyTwin(LegacyTwin.Ran.REFUSED, 1, Refusal(Refusal.Why.EARLY, side='legacy', excess=early))
+    assert words.legacy_twin(refused) == (
+        'legacy twin on 1 device(s) refused: after the first call, params/w 1.00e-05 from the legacy run (allowed '
+        '1.91e-06): on another count it computes something else'
     )

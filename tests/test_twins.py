@@ -28,7 +28,7 @@ from equivalence.core.run import model_side, sides
 from equivalence.core.run.model_side import Reordered
 from equivalence.core.verdict import compare, fresh, legacy_twin
 from equivalence.core.verdict import rule as verdict
-from equivalence.core.verdict.findings import Finding, Memory, NoTwin, Twins, Unmeasured
+from equivalence.core.verdict.findings import Finding, Memory, NoTwin, Refusal, TwinRefused, Twins, Unmeasured
 from equivalence.core.verdict.outcome import Outcome
 
 
@@ -61,8 +61,8 @@ def test_a_twin_that_draws_other_random_numbers_is_refused():
     refused = harness.check(MESH_SIZED, devices=2, twin='devices', **QUICK)
     no_twin = refused.verdict.twin
     assert no_twin.why is NoTwin.Why.TWIN, words.lines(refused.verdict)
-    assert no_twin.detail.startswith("refused: it draws other random numbers than the new side's run"), no_twin
-    assert 'docs/port.md#the-device-count' in no_twin.detail  # the likely cause, and what fits (issue 51)
+    assert no_twin.detail == TwinRefused(1, no_twin.detail.refusal, fresh=False, per_replica=True), no_twin
+    assert no_twin.detail.refusal.why is Refusal.Why.DRAWS  # per_replica: the likely cause said (issue 51)
     assert refused.report.floor is None
     # no floor measured, so the verdict is NOT VERIFIED (exit 5) for that reason, never the fixed screen's MATCH
     assert refused.outcome is Outcome.NOT_VERIFIED and refused.verdict.unverified == Unmeasured(no_twin, True)
@@ -163,6 +163,8 @@ def test_the_legacy_twin_with_per_device_keys_draws_what_the_run_draws():
     same = legacy_twin.with_rows(cnn, config, 2, fed)
     assert all(np.array_equal(run.final[g][p], same.final[g][p]) for g in run.final for p in run.final[g])
     on_one = legacy_twin.with_rows(cnn, config, 1, fed)
-    assert verdict.twin_refusal(run.losses, on_one.losses, 'legacy') == ''
+    assert verdict.twin_refusal(run.losses, on_one.losses, 'legacy') is None
     plain = sides.run_legacy(kinds.of(cnn), dataclasses.replace(config, devices=1), fed)
-    assert verdict.twin_refusal(run.losses, plain.losses, 'legacy').startswith('refused: its loss at step 1')
+    refused = verdict.twin_refusal(run.losses, plain.losses, 'legacy')
+    assert (refused.why, refused.step, refused.side) == (Refusal.Why.SPACINGS, 1, 'legacy'), refused
+    assert refused.spacings > verdict.TWIN_ULPS, refused

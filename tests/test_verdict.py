@@ -20,7 +20,7 @@ from equivalence.core.run import inputs as made
 from equivalence.core.run import model_side, sides
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.verdict import compare, fresh, judge, legacy_twin, rule, twin
-from equivalence.core.verdict.findings import Finding, LegacyTwin, NoTwin, Probe, Probed, Screen
+from equivalence.core.verdict.findings import Excess, Finding, LegacyTwin, NoTwin, Probe, Probed, Refusal, Screen
 
 sys.path.insert(0, os.path.join(ROOT, 'examples', 'mlp_port'))
 import my_port  # noqa: E402  (the example, imported as a user's module)
@@ -52,8 +52,8 @@ def test_perturb_1e_5_is_caught_at_8_devices():
     result = run(workloads.get('mlp'), perturb=1e-5, steps_per_call=5, calls=4)
     assert kind(result) is Finding.OPTIMIZER
     # no pmap-side chaos can excuse it: NNX is already off after the first call, where chaos has not set in
-    last = result.verdict.done[-1]
-    assert last.ran is LegacyTwin.Ran.NOT_RUN and last.why.startswith('NNX is off after the first call, params/')
+    last = result.verdict.done[-1]  # not run: NNX is off after the first call, in a parameter
+    assert last.ran is LegacyTwin.Ran.NOT_RUN and isinstance(last.why, Excess) and last.why.spread > last.why.limit
     assert {leaf.group for leaf in rule.failed(result.report)} >= {'params'}
 
 
@@ -117,8 +117,9 @@ def test_a_twin_that_changes_the_math_is_refused():
     fed, kind = made.make(port, config), kinds.of(port)
     new = sides.run_new(kind, config, fed)
     honest, secret = (twin.run_twin(kind, config, fed, 1, lr_scale=s) for s in (1.0, 1.0 + 1e-3))
-    assert rule.twin_refusal(new.losses, honest.losses) == ''
-    assert rule.twin_refusal(new.losses, secret.losses).startswith('refused: its loss at step 2')
+    assert rule.twin_refusal(new.losses, honest.losses) is None
+    refused = rule.twin_refusal(new.losses, secret.losses)
+    assert (refused.why, refused.step) == (Refusal.Why.SPACINGS, 2) and refused.spacings > rule.TWIN_ULPS, refused
 
 
 def test_a_twin_that_raises_is_named_by_its_culprit_and_its_whole_text_goes_to_the_report(monkeypatch):
@@ -209,9 +210,10 @@ def test_a_legacy_twin_that_could_compute_something_else_is_refused():
     nnx1, twin1 = {'w': legacy1['w'] + 1e-7}, {'w': legacy1['w'] + 2e-7}  # the NNX twin: 1e-7, allows 1e-6
     chaos_to_come = {'w': legacy1['w'] + 5e-7}
     different = {'w': legacy1['w'] + 1e-5}
-    assert rule.early_excess(legacy1, chaos_to_come, nnx1, twin1, rule.MEASURED_FLOOR) == ''
+    assert rule.early_excess(legacy1, chaos_to_come, nnx1, twin1, rule.MEASURED_FLOOR) is None
     excess = rule.early_excess(legacy1, different, nnx1, twin1, rule.MEASURED_FLOOR)
-    assert excess == 'params/w 1.00e-05 from the legacy run (allowed 1.91e-06)', excess  # 8 spacings of 2.0
+    assert excess.path == 'w' and np.isclose(excess.spread, 1e-5, rtol=1e-3), excess
+    assert excess.limit == 8 * np.spacing(np.float32(2.0)), excess  # 8 spacings of 2.0
 
 
 def test_the_twin_splits_the_batch_otherwise_than_the_checked_run():

@@ -8,6 +8,7 @@ from equivalence.core.verdict import twin as twins
 from equivalence.core.verdict.compare import LeafDiff
 from equivalence.core.verdict.findings import (
     Diagnosis,
+    Excess,
     Finding,
     Held,
     Hidden,
@@ -18,11 +19,13 @@ from equivalence.core.verdict.findings import (
     NoTwin,
     Probe,
     Probed,
+    Refusal,
     Screen,
+    TwinRefused,
     Twins,
     Unmeasured,
 )
-from equivalence.core.verdict.rule import NOT_VERIFIED_SHARE, Verdict
+from equivalence.core.verdict.rule import NOT_VERIFIED_SHARE, TWIN_ULPS, Verdict
 
 SHOWN = 3  # leaves named per group and side; the rest counted
 
@@ -30,6 +33,14 @@ NOISE_HIDES = (
     "the run's own rounding (its twin) moves them by about as much as legacy differs, so a slip there would pass "
     'unseen; every leaf is within its floor, and that proves nothing here; more steps (--calls) move parameters '
     'that have barely left their initial values (a zero-initialised layer) beyond their noise'
+)
+
+# Why a twin on another device count computes otherwise, most often (diffusion_distillation's step, tried blind):
+PER_REPLICA = (
+    '; a new side whose arithmetic follows its device count (randomness or clipping per replica sized by the '
+    "mesh) computes otherwise on the twin's devices: do it per group of rows for the pmap side's D "
+    "(rng_modes=('per-device',), step_form='state_rng'; docs/port.md#the-device-count), or measure the floor "
+    "on the run's own program (--twin program, the default)"
 )
 
 PROBES = {Probe.GRADS: 'first-step gradients', Probe.LEGACY_TWIN: 'legacy twin',
@@ -93,7 +104,7 @@ def twin(record: Twins | NoTwin | None) -> str:
             return f'not run: no second mesh fits ({record.detail or "an odd batch"})'
         if record.why is NoTwin.Why.SCREEN_PASSED:
             return 'not run: --verdict screen, and the screen passed'
-        return record.detail
+        return reason(record.detail)
     on = twins.describe(list(record.kinds))
     on += f' in each of {record.processes} processes' if record.processes > 1 else ''
     if record.fresh:
@@ -102,14 +113,56 @@ def twin(record: Twins | NoTwin | None) -> str:
     return on
 
 
+def reason(detail) -> str:
+    """Why one twin measures no floor: its own words (it did not run), or its ``TwinRefused``."""
+    if not isinstance(detail, TwinRefused):
+        return detail
+    said = refusal(detail.refusal)
+    if detail.refusal.why is Refusal.Why.OWN_NON_FINITE:  # the run's own program
+        return f'{said} ({detail.kind})'
+    said += PER_REPLICA if detail.per_replica else ''
+    return f'{said} ({twins.describe([detail.kind])}{" in a fresh process" if detail.fresh else ""})'
+
+
+def refusal(r: Refusal) -> str:
+    """Why a twin is refused as a floor."""
+    why = Refusal.Why
+    if r.why is why.NON_FINITE:
+        return f'refused: a non-finite loss at step {r.step} ({r.side.lower()} {r.run}, twin {r.twin})'
+    if r.why is why.SPACINGS:
+        return (
+            f'refused: its loss at step {r.step} is {r.spacings:.0f} float32 spacings from the {r.side} run '
+            f'({r.twin:.9g} vs {r.run:.9g}, more than {TWIN_ULPS:g}): it does not compute the same thing, '
+            'so it measures no floor'
+        )
+    if r.why is why.SAME_ORDER:
+        return "refused: it ended in bitwise the new side's state: it summed the gradients in the same order, no floor"
+    if r.why is why.OWN_NON_FINITE:
+        return f"refused: its loss at step {r.step} is {r.twin}, the run's {r.run}"
+    if r.why is why.ANY_NON_FINITE:
+        return 'refused: a non-finite loss'
+    if r.why is why.EARLY:
+        return f'refused: after the first call, {excess(r.excess)}: on another count it computes something else'
+    return r.detail  # DRAWS: the run room's words on the draws
+
+
+def excess(e: Excess) -> str:
+    return f'params/{e.path} {e.spread:.2e} from the legacy run (allowed {e.limit:.2e})'
+
+
 def legacy_twin(record: LegacyTwin) -> str:
     on, ran = f'legacy twin on {record.devices} device(s)', LegacyTwin.Ran
+    if record.ran is ran.NOT_RUN and isinstance(record.why, Excess):
+        return (
+            f'legacy twin not run: NNX is off after the first call, {excess(record.why)}: not chaos, which grows '
+            'from rounding'
+        )
     if record.ran is ran.NOT_RUN:
         return f'legacy twin not run: {record.why}'
     if record.ran is ran.RAISED:
         return f'{on} not run: it raised {record.why}'
     if record.ran is ran.REFUSED:
-        return f'{on} {record.why}'
+        return f'{on} {refusal(record.why) if isinstance(record.why, Refusal) else record.why}'
     keys = f", drawing with the run's {record.rows} per-device keys" if record.rows else ''
     return f"a {on}{keys} measured the pmap side's own floor"
 

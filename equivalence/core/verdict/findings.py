@@ -45,7 +45,7 @@ class NoTwin:
         TWIN = 'twin'  # ``detail``: what became of it ('not run: ...', 'refused: ...'), said by ``verdict.twin``
 
     why: Why
-    detail: str = ''
+    detail: object = ''  # NO_MESH: why (a str); TWIN: the twin's own words, or a ``TwinRefused``
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +138,7 @@ class LegacyTwin:
 
     ran: Ran
     devices: int | None = None
-    why: str = ''
+    why: object = ''  # words (a reason from elsewhere), an ``Excess`` (NOT_RUN: NNX off early) or a ``Refusal``
     rows: int | None = None  # it drew with the run's per-device keys, this many rows
 
 
@@ -151,3 +151,49 @@ class Held:
     part: tuple[str, str] | None = None  # (the location's kind, the module call) where it parts
     whole_failed: bool = False  # the whole step could not be recorded: the forward pass alone decided
     alone: LeafDiff | None = None  # the forward pass alone parted here, the whole step did not
+
+
+# -- why a twin measures no floor ----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Excess:
+    """A parameter already farther from the legacy run after the first call than the NNX twin allows there
+    (``rule.early_excess``): chaos starts at rounding level, so this is no chaos."""
+
+    path: str
+    spread: float
+    limit: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """Why a twin that ran is refused as a floor: it does not compute what the run computes."""
+
+    class Why(enum.Enum):
+        NON_FINITE = 'non-finite'  # a non-finite loss at ``step`` (``run``, ``twin``: the two losses)
+        SPACINGS = 'spacings'  # its loss at ``step`` is ``spacings`` float32 spacings from the run's
+        SAME_ORDER = 'same-order'  # it ended in bitwise the new side's state: no reordering, no floor
+        DRAWS = 'draws'  # ``detail``: how its random draws differ from the run's (``run.draws.refusal``)
+        OWN_NON_FINITE = 'own-non-finite'  # the run's own program: its loss at ``step`` finite on one only
+        ANY_NON_FINITE = 'any-non-finite'  # a legacy twin: some loss not finite
+        EARLY = 'early'  # a legacy twin: ``excess`` after the first call, on another count
+
+    why: Why
+    step: int = 0
+    run: float = 0.0
+    twin: float = 0.0
+    spacings: float = 0.0
+    side: str = 'new'  # whose run it is held to: 'new', or 'legacy' for a legacy twin
+    detail: str = ''
+    excess: Excess | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TwinRefused:
+    """A twin of the verdict's (``twin.measure``) refused as a floor: which, why, where it ran."""
+
+    kind: object  # its ``model_side.TwinKind``
+    refusal: Refusal
+    fresh: bool = False  # it ran in a fresh process
+    per_replica: bool = False  # on another device count: the likely cause said (``words.PER_REPLICA``)

@@ -25,7 +25,7 @@ from equivalence.core.run import setups, sides
 from equivalence.core.run.facts import uses_dropout
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.verdict import compare, rule, twin
-from equivalence.core.verdict.findings import LegacyTwin
+from equivalence.core.verdict.findings import LegacyTwin, Refusal
 from equivalence.core.verdict.rule import MEASURED_FLOOR
 from equivalence.core.verdict.unverified import start_params
 from equivalence.distributed import rows
@@ -78,9 +78,8 @@ def run(kind: Kind, config: RunConfig, old, new, twins: dict, inputs: Inputs):
     fed, start = compare.feeding_dtypes(old.final), old.start or start_params(inputs.variables, inputs.mapping)
     first_call = (new.params_per_call[0], twin_first, MEASURED_FLOOR, fed, start)
     excess = rule.early_excess(old.params_per_call[0], new.params_per_call[0], *first_call)
-    if excess:
-        why = f'NNX is off after the first call, {excess}: not chaos, which grows from rounding'
-        return None, LegacyTwin(NOT_RUN, why=why), ()
+    if excess is not None:  # NNX is off after the first call: not chaos, which grows from rounding
+        return None, LegacyTwin(NOT_RUN, why=excess), ()
     try:
         on_n = dataclasses.replace(config, devices=n, strategy='dp', mesh=None, nnx_form='split')
         other = with_rows(kind.port, config, n, inputs) if by_rows else sides.run_legacy(kind, on_n, inputs)
@@ -88,12 +87,12 @@ def run(kind: Kind, config: RunConfig, old, new, twins: dict, inputs: Inputs):
         error = f'legacy twin on {n} device(s): {type(e).__name__}: {e}'
         return None, LegacyTwin(LegacyTwin.Ran.RAISED, n, blame.first_line(e)), (error,)
     refusal = rule.twin_refusal(old.losses, other.losses, 'legacy')
-    if not refusal and not np.isfinite(other.losses).all():
-        refusal = 'refused: a non-finite loss'
-    if not refusal:
+    if refusal is None and not np.isfinite(other.losses).all():
+        refusal = Refusal(Refusal.Why.ANY_NON_FINITE, side='legacy')
+    if refusal is None:  # on another count it computes something else
         excess = rule.early_excess(old.params_per_call[0], other.params_per_call[0], *first_call)
-        refusal = excess and f'refused: after the first call, {excess}: on another count it computes something else'
-    if refusal:
+        refusal = Refusal(Refusal.Why.EARLY, side='legacy', excess=excess) if excess is not None else None
+    if refusal is not None:
         return None, LegacyTwin(LegacyTwin.Ran.REFUSED, n, refusal), ()
     return other, LegacyTwin(LegacyTwin.Ran.MEASURED, n, rows=config.devices if by_rows else None), ()
 

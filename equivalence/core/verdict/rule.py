@@ -30,7 +30,17 @@ import numpy as np
 
 from equivalence.core.verdict import compare
 from equivalence.core.verdict.compare import FloorRule, LeafDiff, Report, spacing32
-from equivalence.core.verdict.findings import Diagnosis, Finding, Hidden, NonFinite, NoTwin, Twins, Unmeasured
+from equivalence.core.verdict.findings import (
+    Diagnosis,
+    Excess,
+    Finding,
+    Hidden,
+    NonFinite,
+    NoTwin,
+    Refusal,
+    Twins,
+    Unmeasured,
+)
 from equivalence.core.verdict.outcome import Outcome
 
 # Measured (scratch sweep, legacy / NNX / twin on the same inputs, default 4 calls x 5 steps):
@@ -113,24 +123,20 @@ def ulps(a: float, b: float) -> float:
     return abs(a - b) / spacing32(max(abs(a), abs(b)) or 1.0)
 
 
-def twin_refusal(nnx_losses: np.ndarray, twin_losses: np.ndarray, side: str = 'new') -> str:
-    """'' when the twin computes what the ``side`` run (NNX, or legacy for a legacy twin) computes;
+def twin_refusal(nnx_losses: np.ndarray, twin_losses: np.ndarray, side: str = 'new') -> Refusal | None:
+    """None when the twin computes what the ``side`` run (NNX, or legacy for a legacy twin) computes;
     else why it is refused as a floor."""
     for k in range(min(2, len(nnx_losses))):
         n, t = float(nnx_losses[k]), float(twin_losses[k])
         if not (np.isfinite(n) and np.isfinite(t)):
-            return f'refused: a non-finite loss at step {k + 1} ({side.lower()} {n}, twin {t})'
+            return Refusal(Refusal.Why.NON_FINITE, k + 1, n, t, side=side)
         if ulps(n, t) > TWIN_ULPS:
-            return (
-                f'refused: its loss at step {k + 1} is {ulps(n, t):.0f} float32 spacings from the {side} run '
-                f'({t:.9g} vs {n:.9g}, more than {TWIN_ULPS:g}): it does not compute the same thing, '
-                'so it measures no floor'
-            )
-    return ''
+            return Refusal(Refusal.Why.SPACINGS, k + 1, n, t, ulps(n, t), side=side)
+    return None
 
 
-def twin_reordered_nothing(nnx_final: compare.Neutral, twin_final: compare.Neutral) -> str:
-    """'' unless the twin ended in bitwise the NNX run's state: then its gradients were summed in the same
+def twin_reordered_nothing(nnx_final: compare.Neutral, twin_final: compare.Neutral) -> Refusal | None:
+    """None unless the twin ended in bitwise the NNX run's state: then its gradients were summed in the same
     order (code pinned to its own mesh runs unchanged on a twin of as many devices: a hand-written tp
     ``shard_map``), and its floor of 0 would hold legacy to the ulp minimum. Asked only of a twin on
     as many devices as the checked run (tp's): on another count such code raises instead."""
@@ -141,14 +147,14 @@ def twin_reordered_nothing(nnx_final: compare.Neutral, twin_final: compare.Neutr
         if p in twin_final.get(g, {}) and compare.is_float(np.asarray(a).dtype)
     ]
     if pairs and all(np.array_equal(a, b) for a, b in pairs):
-        return "refused: it ended in bitwise the new side's state: it summed the gradients in the same order, no floor"
-    return ''
+        return Refusal(Refusal.Why.SAME_ORDER)
+    return None
 
 
 def early_excess(
     legacy: dict, other: dict, nnx: dict, twin: dict, rule: FloorRule, fed: dict | None = None, start=None
-) -> str:
-    """'' unless some parameter of ``other`` after the first call is already farther from the legacy
+) -> Excess | None:
+    """None unless some parameter of ``other`` after the first call is already farther from the legacy
     run's (``legacy``) than the NNX twin allows the NNX run there (``rule``, per leaf, in its own
     precision: ``fed`` and ``start`` as for ``compare.compare_to_floor``); else which, by how much,
     against what. Chaos starts at rounding level and grows: a difference present from the first
@@ -164,8 +170,8 @@ def early_excess(
         finite = bool(np.isfinite(b).all())
         spread = float(np.abs(np.asarray(a, np.float64) - b).max(initial=0.0)) if finite else np.inf
         if spread > limit:
-            return f'params/{path} {spread:.2e} from the legacy run (allowed {limit:.2e})'
-    return ''
+            return Excess(path, spread, limit)
+    return None
 
 
 def not_verified(report: Report, output_layer: set[str]) -> Hidden | None:

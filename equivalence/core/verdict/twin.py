@@ -52,6 +52,7 @@ from equivalence.core.run.inputs import Inputs
 from equivalence.core.run.model_side import Reordered, TwinKind
 from equivalence.core.run.nudge import DRAWS, Nudged
 from equivalence.core.verdict import compare, fresh, rule
+from equivalence.core.verdict.findings import Refusal, TwinRefused
 from equivalence.distributed import gather
 
 
@@ -71,13 +72,6 @@ def twin_counts(config: RunConfig, available: int) -> tuple[int, ...]:
 # the reordered placements alone measured too small a floor there (wide fsdp-tp, seed 0: a correct run
 # 11x its floor). Not tp's own placement: its mesh has no data axis, and cnn ended bitwise equal (seed 6).
 CANDIDATES = {'fsdp': ('fsdp', 'fsdp-tp', 'dp'), 'tp': ('fsdp-tp', 'dp', 'fsdp'), 'fsdp-tp': ('fsdp-tp', 'fsdp', 'dp')}
-# Why a twin on another device count computes otherwise, most often (diffusion_distillation's step, tried blind):
-PER_REPLICA = (
-    '; a new side whose arithmetic follows its device count (randomness or clipping per replica sized by the '
-    "mesh) computes otherwise on the twin's devices: do it per group of rows for the pmap side's D "
-    "(rng_modes=('per-device',), step_form='state_rng'; docs/port.md#the-device-count), or measure the floor "
-    "on the run's own program (--twin program, the default)"
-)
 FIT = 1.1  # a sharded run's twin may hold at most this many times the run's bytes per device
 TWINS = 2  # a sharded run's twins: each leaf the larger of their floors
 
@@ -194,7 +188,7 @@ class Measured:
     """The twins that measured a floor, and what became of the others."""
 
     twins: dict  # twin kind -> its PathResult: each ran and computed what the NNX run computes
-    why: tuple[str, ...]  # why each other twin did not run or was refused
+    why: tuple  # why each other twin did not run (its words) or was refused (``findings.TwinRefused``)
     fresh: tuple  # the twin kinds that ran in a fresh process
     errors: tuple[str, ...]  # the whole text of what a twin raised (the JSON report)
 
@@ -233,17 +227,16 @@ def measure(kind: PortKind, config: RunConfig, new, inputs: Inputs, counts: tupl
             continue
         errors += raised
         refusal = rule.twin_refusal(new.losses, tw.losses)
-        if not refusal and devices_of(n, config) == config.devices:
+        if refusal is None and devices_of(n, config) == config.devices:
             refusal = rule.twin_reordered_nothing(new.final, tw.final)
-        if not refusal and drawn is not None:
+        if refusal is None and drawn is not None:
             if not drawn_by_run:  # once, when a twin needs it
                 with clock.stage("the run's first call again, its random draws recorded"):
                     drawn_by_run = [run_draws(kind, config, inputs)]
-            refusal = draws.refusal(drawn_by_run[0], drawn)
-        if refusal and isinstance(n, int) and n != config.devices:  # its losses or its draws: the likely cause
-            refusal += PER_REPLICA
-        if refusal:
-            why.append((n, f'{refusal} ({describe([n])}{" in a fresh process" if in_fresh else ""})'))
+            said = draws.refusal(drawn_by_run[0], drawn)
+            refusal = Refusal(Refusal.Why.DRAWS, detail=said) if said else None
+        if refusal is not None:  # on another count, its losses or its draws: the likely cause said (words.PER_REPLICA)
+            why.append((n, TwinRefused(n, refusal, in_fresh, isinstance(n, int) and n != config.devices)))
         else:
             twins[n] = tw
             fresh_ones += [n] if in_fresh else []
@@ -263,7 +256,7 @@ def own_program(kind: PortKind, config: RunConfig, new, inputs: Inputs, n: Nudge
     bad = [k for k, (a, b) in enumerate(zip(new.losses, tw.losses, strict=True)) if np.isfinite(a) != np.isfinite(b)]
     if bad:
         k = bad[0]
-        return None, f"refused: its loss at step {k + 1} is {tw.losses[k]}, the run's {new.losses[k]} ({n})"
+        return None, TwinRefused(n, Refusal(Refusal.Why.OWN_NON_FINITE, k + 1, new.losses[k], tw.losses[k]))
     return tw, ''
 
 
