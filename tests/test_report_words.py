@@ -26,6 +26,7 @@ from equivalence.core.verdict.findings import (
     TwinRefused,
     Twins,
     Unmeasured,
+    Unrun,
 )
 from equivalence.core.verdict.outcome import Outcome
 from equivalence.core.verdict.rule import Verdict
@@ -159,3 +160,14 @@ def test_why_a_twin_is_refused():
         'legacy twin on 1 device(s) refused: after the first call, params/w 1.00e-05 from the legacy run (allowed '
         '1.91e-06): on another count it computes something else'
     )
+
+
+def test_why_a_twin_did_not_run():
+    assert words.reason(Unrun(1, None, no_fresh='several processes')) == (
+        'not run: 1 device(s) are more than this process sees; and no fresh process: several processes'
+    )
+    assert words.reason(Unrun(1, 'ValueError: pinned', fresh_raised='RuntimeError: exited 1')) == (
+        'not run: on 1 device(s) it raised ValueError: pinned; RuntimeError: exited 1'
+    )
+    too_big = words.reason(Unrun(8, ratio=1.46))
+    assert too_big == "not run on 8 device(s): it would hold 1.46x the run's bytes per device"

@@ -14,13 +14,24 @@ import pmap_side_chaos
 from conftest import ROOT, require_devices
 
 from equivalence.core import harness, kinds
-from equivalence.core.port import workloads
+from equivalence.core.port import blame, workloads
 from equivalence.core.port.config import RunConfig
+from equivalence.core.report import render, words
 from equivalence.core.run import inputs as made
 from equivalence.core.run import model_side, sides
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.verdict import compare, fresh, judge, legacy_twin, rule, twin
-from equivalence.core.verdict.findings import Excess, Finding, LegacyTwin, NoTwin, Probe, Probed, Refusal, Screen
+from equivalence.core.verdict.findings import (
+    Excess,
+    Finding,
+    LegacyTwin,
+    NoTwin,
+    Probe,
+    Probed,
+    Refusal,
+    Screen,
+    Unrun,
+)
 
 sys.path.insert(0, os.path.join(ROOT, 'examples', 'mlp_port'))
 import my_port  # noqa: E402  (the example, imported as a user's module)
@@ -146,17 +157,19 @@ def test_a_twin_that_raises_is_named_by_its_culprit_and_its_whole_text_goes_to_t
     measured = twin.measure(kinds.of(port), config, None, inputs, (1,))
     twins, why, in_fresh = measured.twins, measured.why, measured.fresh
     assert twins == {} and in_fresh == () and len(why) == 1, why
-    assert why[0].startswith('not run: on 1 device(s) it raised ValueError: Sharding passed'), why
-    assert 'for arg type: uint32[2,2]; RuntimeError: ' in why[0] and '\n' not in why[0], why
-    assert why[0].endswith('No module named my_port'), why
+    culprits = blame.first_line(ValueError(text)), blame.first_line(RuntimeError(fresh_text))
+    assert why[0] == Unrun(1, culprits[0], fresh_raised=culprits[1]), why
+    no_twin = NoTwin(NoTwin.Why.TWIN, why[0])
+    said = words.twin(no_twin)  # the verdict's line, as a user reads it: both culprits' clauses, on one line
+    assert said.startswith('not run: on 1 device(s) it raised ValueError: Sharding passed'), said
+    assert 'for arg type: uint32[2,2]; RuntimeError: ' in said and '\n' not in said, said
+    assert said.endswith('No module named my_port'), said
     report = compare.Report([], port.tolerance)
     kind = kinds.of(port)
-    no_twin = NoTwin(NoTwin.Why.TWIN, why[0])
     _, judged = judge.finish(kind, config, report, None, None, inputs, [no_twin], no_twin, None, True, measured.errors)
     result = judge.RunResult(config, None, None, report, verdict=judged)
-    from equivalence.core.report import render as report_module
 
-    assert report_module.verdict_json(result)['errors'] == [
+    assert render.verdict_json(result)['errors'] == [
         f'twin on 1 device(s): ValueError: {text}',
         f'twin on 1 device(s) in a fresh process: RuntimeError: {fresh_text}',
     ]

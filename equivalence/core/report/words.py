@@ -24,6 +24,7 @@ from equivalence.core.verdict.findings import (
     TwinRefused,
     Twins,
     Unmeasured,
+    Unrun,
 )
 from equivalence.core.verdict.rule import NOT_VERIFIED_SHARE, TWIN_ULPS, Verdict
 
@@ -114,7 +115,9 @@ def twin(record: Twins | NoTwin | None) -> str:
 
 
 def reason(detail) -> str:
-    """Why one twin measures no floor: its own words (it did not run), or its ``TwinRefused``."""
+    """Why one twin measures no floor: it did not run (``Unrun``), or it was refused (``TwinRefused``)."""
+    if isinstance(detail, Unrun):
+        return unrun(detail)
     if not isinstance(detail, TwinRefused):
         return detail
     said = refusal(detail.refusal)
@@ -122,6 +125,16 @@ def reason(detail) -> str:
         return f'{said} ({detail.kind})'
     said += PER_REPLICA if detail.per_replica else ''
     return f'{said} ({twins.describe([detail.kind])}{" in a fresh process" if detail.fresh else ""})'
+
+
+def unrun(d: Unrun) -> str:
+    on = twins.describe([d.kind])
+    if d.ratio is not None:
+        return f"not run {on}: it would hold {d.ratio:.2f}x the run's bytes per device"
+    if d.own:
+        return f'not run: {d.kind} raised {d.raised}'
+    said = f'{d.kind} device(s) are more than this process sees' if d.raised is None else f'{on} it raised {d.raised}'
+    return f'not run: {said}; ' + (f'and no fresh process: {d.no_fresh}' if d.no_fresh else d.fresh_raised)
 
 
 def refusal(r: Refusal) -> str:

@@ -197,3 +197,15 @@ class TwinRefused:
     refusal: Refusal
     fresh: bool = False  # it ran in a fresh process
     per_replica: bool = False  # on another device count: the likely cause said (``words.PER_REPLICA``)
+
+
+@dataclasses.dataclass(frozen=True)
+class Unrun:
+    """A twin of the verdict's that did not run (``twin.measure``): which, and what stopped it."""
+
+    kind: object  # its ``model_side.TwinKind``
+    raised: str | None = None  # the first line of what it raised here; None: more devices than this process sees
+    no_fresh: str = ''  # why no fresh process could run it either (``fresh.why_not``) ...
+    fresh_raised: str = ''  # ... or the first line of what the fresh process raised
+    ratio: float | None = None  # not run: it would hold this many times the run's bytes per device
+    own: bool = False  # the run's own program, which raised on nudged inputs

@@ -52,7 +52,7 @@ from equivalence.core.run.inputs import Inputs
 from equivalence.core.run.model_side import Reordered, TwinKind
 from equivalence.core.run.nudge import DRAWS, Nudged
 from equivalence.core.verdict import compare, fresh, rule
-from equivalence.core.verdict.findings import Refusal, TwinRefused
+from equivalence.core.verdict.findings import Refusal, TwinRefused, Unrun
 from equivalence.distributed import gather
 
 
@@ -188,17 +188,17 @@ class Measured:
     """The twins that measured a floor, and what became of the others."""
 
     twins: dict  # twin kind -> its PathResult: each ran and computed what the NNX run computes
-    why: tuple  # why each other twin did not run (its words) or was refused (``findings.TwinRefused``)
+    why: tuple  # why each other twin did not run (``findings.Unrun``) or was refused (``findings.TwinRefused``)
     fresh: tuple  # the twin kinds that ran in a fresh process
     errors: tuple[str, ...]  # the whole text of what a twin raised (the JSON report)
 
 
 class TwinNotRun(Exception):
-    """Why a twin did not run, as the verdict line says it; ``errors``: the whole text of what it raised."""
+    """Why a twin did not run (``findings.Unrun``); ``errors``: the whole text of what it raised."""
 
-    def __init__(self, why: str, errors: tuple[str, ...] = ()):
-        super().__init__(why)
-        self.errors = errors
+    def __init__(self, unrun: Unrun, errors: tuple[str, ...] = ()):
+        super().__init__(unrun)
+        self.unrun, self.errors = unrun, errors
 
 
 def measure(kind: PortKind, config: RunConfig, new, inputs: Inputs, counts: tuple) -> Measured:
@@ -222,7 +222,7 @@ def measure(kind: PortKind, config: RunConfig, new, inputs: Inputs, counts: tupl
             with clock.stage(f'twin {describe([n])}'):
                 tw, drawn, in_fresh, raised = one_twin(kind, config, inputs, n, limit, built)
         except TwinNotRun as e:
-            why.append((n, str(e)))
+            why.append((n, e.unrun))
             errors += e.errors
             continue
         errors += raised
@@ -252,7 +252,7 @@ def own_program(kind: PortKind, config: RunConfig, new, inputs: Inputs, n: Nudge
         with clock.stage(f'twin of {n}'):
             tw = run_twin(kind, config, inputs, n, program=new.program)
     except Exception as e:  # noqa: BLE001 -- the port's own code raised on nudged inputs: no floor, said why
-        return None, f'not run: {n} raised {blame.first_line(e)}'
+        return None, Unrun(n, blame.first_line(e), own=True)
     bad = [k for k, (a, b) in enumerate(zip(new.losses, tw.losses, strict=True)) if np.isfinite(a) != np.isfinite(b)]
     if bad:
         k = bad[0]
@@ -268,7 +268,7 @@ def one_twin(kind: PortKind, config: RunConfig, inputs: Inputs, n, fit: dict | N
     exceed ``FIT`` times; ``built``: setups built already, by twin (one that did not fit may run later as
     the fallback)."""
     check, calls, errors = checks_draws(kind), inputs.whole_calls, []
-    raised = f'{n} device(s) are more than this process sees'
+    raised = None  # more devices than this process sees
     if devices_of(n, config) <= len(jax.local_devices()):
         drawn = draws.FirstCall() if check else None
         try:
@@ -281,15 +281,15 @@ def one_twin(kind: PortKind, config: RunConfig, inputs: Inputs, n, fit: dict | N
             raise
         except Exception as e:  # noqa: BLE001 -- NNX code pinned to its own mesh cannot run on the twin's
             errors.append(f'twin on {n} device(s): {type(e).__name__}: {e}')
-            raised = f'{describe([n])} it raised {blame.first_line(e)}'
+            raised = blame.first_line(e)
     cannot = fresh.why_not(config, inputs.restore is not None)
     if cannot:
-        raise TwinNotRun(f'not run: {raised}; and no fresh process: {cannot}', tuple(errors))
+        raise TwinNotRun(Unrun(n, raised, no_fresh=cannot), tuple(errors))
     try:
         tw, drawn = fresh.run_twin(kind, config, inputs, n, check)
     except Exception as e:  # noqa: BLE001 -- the fresh process failed too: both reasons
         errors.append(f'twin on {n} device(s) in a fresh process: {type(e).__name__}: {e}')
-        raise TwinNotRun(f'not run: {raised}; {blame.first_line(e)}', tuple(errors)) from None
+        raise TwinNotRun(Unrun(n, raised, fresh_raised=blame.first_line(e)), tuple(errors)) from None
     return tw, drawn, True, tuple(errors)
 
 
@@ -299,8 +299,7 @@ def too_big(setup, batch_KxG, rng, fit: dict | None, n) -> None:
         return
     held = footprint.per_device(setup, batch_KxG, rng)
     if held is not None and held['held'] > FIT * fit['held']:
-        ratio = held['held'] / fit['held']
-        raise TwinNotRun(f"not run {describe([n])}: it would hold {ratio:.2f}x the run's bytes per device")
+        raise TwinNotRun(Unrun(n, ratio=held['held'] / fit['held']))
 
 
 def checks_draws(kind: PortKind) -> bool:
