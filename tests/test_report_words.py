@@ -45,7 +45,7 @@ def test_each_step_the_verdict_took_is_said_in_order():
         NotRun(Probe.RERUN, 'several processes'),
         NotRun(Probe.GRADS, 'resumed from a checkpoint'),
         LegacyTwin(LegacyTwin.Ran.MEASURED, 1, rows=8),
-        LegacyTwin(LegacyTwin.Ran.NOT_RUN, why='with one call there is no early state'),
+        LegacyTwin(LegacyTwin.Ran.NOT_RUN, why=LegacyTwin.Skip.ONE_CALL),
         LegacyTwin(LegacyTwin.Ran.RAISED, 2, 'ValueError: boom'),
         Probed(Probe.RERUN, agree=True),
     ))  # fmt: skip
@@ -57,7 +57,7 @@ def test_each_step_the_verdict_took_is_said_in_order():
         'deterministic re-run (dropout off) not run: several processes',
         'first-step gradients not probed: resumed from a checkpoint',
         "a legacy twin on 1 device(s), drawing with the run's 8 per-device keys measured the pmap side's own floor",
-        'legacy twin not run: with one call there is no early state',
+        'legacy twin not run: with one call there is no early state to tell chaos from a real difference',
         'legacy twin on 2 device(s) not run: it raised ValueError: boom',
         'deterministic re-run (dropout off) matches',
     ]

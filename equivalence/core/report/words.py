@@ -44,6 +44,11 @@ PER_REPLICA = (
     "on the run's own program (--twin program, the default)"
 )
 
+SKIPS = {
+    LegacyTwin.Skip.NO_COUNT: 'no second device count fits',
+    LegacyTwin.Skip.ONE_CALL: 'with one call there is no early state to tell chaos from a real difference',
+}
+
 PROBES = {Probe.GRADS: 'first-step gradients', Probe.LEGACY_TWIN: 'legacy twin',
           Probe.RERUN: 'deterministic re-run (dropout off)'}  # fmt: skip
 
@@ -171,7 +176,7 @@ def legacy_twin(record: LegacyTwin) -> str:
             'from rounding'
         )
     if record.ran is ran.NOT_RUN:
-        return f'legacy twin not run: {record.why}'
+        return f'legacy twin not run: {SKIPS.get(record.why, record.why)}'
     if record.ran is ran.RAISED:
         return f'{on} not run: it raised {record.why}'
     if record.ran is ran.REFUSED:

@@ -136,9 +136,16 @@ class LegacyTwin:
         RAISED = 'raised'  # ``why``: the first line of what it raised
         REFUSED = 'refused'  # ``why``: why it does not compute what the pmap run computes
 
+    class Skip(enum.Enum):
+        """Why it was not run, where the verdict decided so."""
+
+        NO_COUNT = 'no-count'  # no second device count fits
+        ONE_CALL = 'one-call'  # with one call there is no early state to tell chaos from a real difference
+
     ran: Ran
     devices: int | None = None
-    why: object = ''  # words (a reason from elsewhere), an ``Excess`` (NOT_RUN: NNX off early) or a ``Refusal``
+    why: object = ''  # NOT_RUN: a ``Skip``, an ``Excess`` (NNX off early) or why not here; RAISED: its first
+    # line; REFUSED: a ``Refusal``
     rows: int | None = None  # it drew with the run's per-device keys, this many rows
 
 

@@ -67,11 +67,10 @@ def run(kind: Kind, config: RunConfig, old, new, twins: dict, inputs: Inputs):
     is born, and ends 3.3e-7 from legacy on 8 in the seed-4 case above, missing it."""
     counts = twin.twin_counts(config, len(jax.devices()))  # the first NNX twin's count: 1, or 2 on D = 1
     if not counts:
-        return None, LegacyTwin(NOT_RUN, why='no second device count fits'), ()
+        return None, LegacyTwin(NOT_RUN, why=LegacyTwin.Skip.NO_COUNT), ()
     n = counts[0]
-    if config.calls < 2:
-        why = 'with one call there is no early state to tell chaos from a real difference'
-        return None, LegacyTwin(NOT_RUN, why=why), ()
+    if config.calls < 2:  # no early state to tell chaos from a real difference
+        return None, LegacyTwin(NOT_RUN, why=LegacyTwin.Skip.ONE_CALL), ()
     by_rows = config.rng_mode == 'per-device' and kind.draws_random_numbers()  # drawn as the run's D devices draw
     first = [{'params': tw.params_per_call[0]} for tw in twins.values()]
     twin_first = twin.farthest({'params': new.params_per_call[0]}, first).get('params', {})
