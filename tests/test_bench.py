@@ -79,7 +79,6 @@ def test_bad_input_exits_2_with_one_line(capsys):
     """As a process, more devices than this shell's JAX sees; in-process, the bench's own flag (the
     flags it shares with run: test_cli's table, through this command too)."""
     proc = bench('--devices', '16')
-    assert 'Traceback' not in proc.stderr
     assert_one_line_error(proc, 'JAX_NUM_CPU_DEVICES=16')
     with pytest.raises(SystemExit) as exit_:
         cli.validate(functools.partial(bench_main.inputs, n_available=8), ['--repeats', '0'])

@@ -124,7 +124,6 @@ def test_a_workload_named_by_its_path_its_file_or_a_standard_module_name_says_wh
     assert 'rename the file, e.g. random_port.py, and pass --workload random_port:MODEL' in str(e.value)
     # As a command the file comes first on the path: it shadows random, before the suite can start.
     proc = run_module('equivalence.run', '--workload', 'random:MODEL', env={'PYTHONPATH': str(tmp_path)})
-    assert 'Traceback' not in proc.stderr
     assert_one_line_error(proc, f"{tmp_path / 'random.py'} shadows the standard library's random")
 
 
