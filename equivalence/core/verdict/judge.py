@@ -122,7 +122,7 @@ def legacy_floor(kind: Kind, config: RunConfig, old, new, inputs: Inputs, twins:
     return grads, other, [*done, said], raised
 
 
-def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twin_text, recorder, diagnose: bool,
+def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twin_record, recorder, diagnose: bool,
            errors: tuple = (), grads=None) -> tuple[compare.Report, Verdict]:  # fmt: skip
     """Gradients (strict, or to diagnose; ``grads`` if already probed), the diagnosis on MISMATCH, and
     where the sides part: ``(the report, with the gradients' leaves, the verdict)``."""
@@ -156,7 +156,7 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
         report, done = dataclasses.replace(report, leaves=[*report.leaves, *extra]), [*done, said]
         seen = dataclasses.replace(seen, failed=seen.failed | {leaf.group for leaf in extra})
     outcome = Outcome.MATCH if report.match else Outcome.MISMATCH  # NOT VERIFIED: ``unverified``, after
-    judged = Verdict(outcome, config.verdict, tuple(done), twin=twin_text, noise_dominated=noisy, errors=errors)
+    judged = Verdict(outcome, config.verdict, tuple(done), twin=twin_record, noise_dominated=noisy, errors=errors)
     if report.match:
         return report, locate.attach(judged, kind, config, inputs, recorder, seen)  # only when --locate asks
     if not diagnose:  # only its outcome is read: no gradients probed, no re-run, not located
@@ -177,7 +177,7 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
         {'legacy': old.final, 'new': new.final},
         first_step.data_nonfinite(inputs.whole_calls),
     )
-    no_floor = twin_text if report.floor is None else None
+    no_floor = twin_record if report.floor is None else None
     diagnosed = rule.diagnose(report, nonfinite, rerun, grads is not None, no_floor)
     mismatch = dataclasses.replace(judged, done=tuple(done), diagnosis=diagnosed)
     data_step = nonfinite.data_step if nonfinite is not None else None
