@@ -289,7 +289,7 @@ def agree(loc: locate.Location) -> None:
 def test_a_layernorm_epsilon_is_located_at_that_layernorm():
     loc = located('layernorm-eps')
     assert (loc.kind, loc.legacy, loc.new) == ('module', 'LayerNorm_0', 'norm'), loc.line()
-    assert loc.figures.endswith('its settings differ: epsilon 1e-06 ↔ 1e-05'), loc.line()  # the constant itself
+    assert loc.settings == (('epsilon', 1e-06, 1e-05),), loc.line()  # the constant itself
     m = first(loc)  # Dense_0 (fc1) before it agrees
     assert m.input_ok and not m.output_ok
     assert [c.legacy for c in loc.modules[: loc.first]] == ['Dense_0']
@@ -298,7 +298,7 @@ def test_a_layernorm_epsilon_is_located_at_that_layernorm():
 def test_a_batchnorm_epsilon_is_located_at_that_batchnorm():
     loc = located('batchnorm-eps')
     assert (loc.kind, loc.legacy, loc.new) == ('module', 'BatchNorm_0', 'norm'), loc.line()
-    assert loc.figures.endswith('its settings differ: epsilon 1e-05 ↔ 0.001'), loc.line()
+    assert loc.settings == (('epsilon', 1e-05, 0.001),), loc.line()
     m = first(loc)
     assert m.input_ok and not m.output_ok and loc.modules[0].legacy == 'fc1'
 
@@ -325,7 +325,7 @@ def test_an_activation_after_a_linen_self_attention_with_dropout_is_located_afte
 def test_a_dropout_that_draws_otherwise_is_randomness_at_that_dropout():
     loc = located('dropout-rate')
     assert (loc.kind, loc.legacy, loc.new) == ('randomness', 'Dropout_0', 'drop'), loc.line()
-    assert loc.figures.endswith('its settings differ: rate 0.1 ↔ 0.2'), loc.line()
+    assert loc.settings == (('rate', 0.1, 0.2),), loc.line()
     m = first(loc)
     assert m.input_ok and not m.output_ok
 

@@ -321,4 +321,5 @@ def unconfirmed(found: Location) -> Location:
     place = found.new if found.kind != 'update' else f'the update ({found.new})'
     figures = (f'not located: the verdict is a MATCH (every leaf within its floor); the recorded first step parts at '
                f'{found.kind} {place} ({found.figures}), which no leaf of the verdict confirms')  # fmt: skip
-    return dataclasses.replace(found, kind=Where.UNLOCATED, legacy='', new='', figures=figures, first=None)
+    return dataclasses.replace(found, kind=Where.UNLOCATED, legacy='', new='', figures=figures, first=None,
+                               settings=())  # fmt: skip
