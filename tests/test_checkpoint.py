@@ -24,7 +24,8 @@ from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.run import inputs as made
 from equivalence.core.run import sides
-from equivalence.core.verdict.twin import PROGRAM_TWIN
+from equivalence.core.run.nudge import DRAWS
+from equivalence.core.verdict.findings import Finding, LegacyTwin, NotRun, Probe, Screen, Twins
 from legacy_pmap import checkpoints as legacy_checkpoints
 from legacy_pmap import models as legacy_models
 from nnx_sharded import checkpoints as nnx_checkpoints
@@ -152,7 +153,7 @@ def test_migrated_checkpoint_restores_sharded_onto_2_4_8_devices_and_resumes_to_
     result = on_8 if devices == 8 else resumed_at(MLP, config, 4, tmp_path, nnx_devices=devices)
     assert result.report.match, [(leaf.name, leaf.max_abs) for leaf in result.report.leaves if not leaf.ok]
     assert result.resumed_at == 4 and len(result.new.losses) == 4
-    assert result.verdict.twin == PROGRAM_TWIN  # the twin restored the same checkpoint: the floor is measured
+    assert result.verdict.twin == Twins(DRAWS)  # the twin restored the same checkpoint: the floor is measured
 
 
 def test_restore_train_state_in_your_own_code_on_both_sides(mlp_global):
@@ -191,9 +192,9 @@ def test_a_resumed_run_is_held_to_the_floor_of_a_resumed_twin_which_fails_what_t
     config, _, _ = mlp_global
     result = resumed_at(MLP, dataclasses.replace(config, perturb=1e-5), 4, tmp_path)  # NNX's optimizer only
     done = result.verdict.done
-    assert not result.report.match and done[0] == 'fixed screen passed' and result.verdict.twin == PROGRAM_TWIN
-    assert done[-1] == 'first-step gradients not probed: resumed from a checkpoint' and result.verdict.kind == 'update'
-    assert 'legacy twin not run: resumed from a checkpoint' in done
+    assert not result.report.match and done[0] == Screen(passed=True) and result.verdict.twin == Twins(DRAWS)
+    assert done[-1] == NotRun(Probe.GRADS, 'resumed from a checkpoint') and result.verdict.kind is Finding.UPDATE
+    assert LegacyTwin(LegacyTwin.Ran.NOT_RUN, why='resumed from a checkpoint') in done
 
 
 @pytest.fixture(scope='module')
@@ -321,8 +322,8 @@ def test_a_damaged_file_exits_2_with_one_line(done_when, tmp_path, damage, expec
     with pytest.raises(SystemExit) as exit_:
         checkpoint_command.main(['migrate', legacy_dir, str(tmp_path / 'nnx'), '--step', '20'])
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and 'Traceback' not in err
-    lines = message_lines(err)
+    assert exit_.value.code == 2, err
+    lines = message_lines(err)  # one line: no traceback
     assert len(lines) == 1 and lines[0].startswith('error: ') and legacy_dir in lines[0], err  # or a file in it
     assert expected in err and not (tmp_path / 'nnx').exists()
 

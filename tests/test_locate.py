@@ -27,11 +27,13 @@ from equivalence import run as run_command
 from equivalence.core import harness, kinds
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
-from equivalence.core.report import plots, render
+from equivalence.core.report import plots, render, words
 from equivalence.core.run import inputs as made
 from equivalence.core.run import model_side
 from equivalence.core.verdict import first_step, implied, locate, location, probe, recorded_run, rule
+from equivalence.core.verdict.findings import Finding
 from equivalence.core.verdict.first_step import Recorder
+from equivalence.core.verdict.outcome import Outcome
 from equivalence.corpus import batchnorm
 
 sys.path.insert(0, os.path.join(ROOT, 'examples', 'mlp_port'))
@@ -287,7 +289,7 @@ def agree(loc: locate.Location) -> None:
 def test_a_layernorm_epsilon_is_located_at_that_layernorm():
     loc = located('layernorm-eps')
     assert (loc.kind, loc.legacy, loc.new) == ('module', 'LayerNorm_0', 'norm'), loc.line()
-    assert loc.figures.endswith('its settings differ: epsilon 1e-06 ↔ 1e-05'), loc.line()  # the constant itself
+    assert loc.settings == (('epsilon', 1e-06, 1e-05),), loc.line()  # the constant itself
     m = first(loc)  # Dense_0 (fc1) before it agrees
     assert m.input_ok and not m.output_ok
     assert [c.legacy for c in loc.modules[: loc.first]] == ['Dense_0']
@@ -296,7 +298,7 @@ def test_a_layernorm_epsilon_is_located_at_that_layernorm():
 def test_a_batchnorm_epsilon_is_located_at_that_batchnorm():
     loc = located('batchnorm-eps')
     assert (loc.kind, loc.legacy, loc.new) == ('module', 'BatchNorm_0', 'norm'), loc.line()
-    assert loc.figures.endswith('its settings differ: epsilon 1e-05 ↔ 0.001'), loc.line()
+    assert loc.settings == (('epsilon', 1e-05, 0.001),), loc.line()
     m = first(loc)
     assert m.input_ok and not m.output_ok and loc.modules[0].legacy == 'fc1'
 
@@ -323,7 +325,7 @@ def test_an_activation_after_a_linen_self_attention_with_dropout_is_located_afte
 def test_a_dropout_that_draws_otherwise_is_randomness_at_that_dropout():
     loc = located('dropout-rate')
     assert (loc.kind, loc.legacy, loc.new) == ('randomness', 'Dropout_0', 'drop'), loc.line()
-    assert loc.figures.endswith('its settings differ: rate 0.1 ↔ 0.2'), loc.line()
+    assert loc.settings == (('rate', 0.1, 0.2),), loc.line()
     m = first(loc)
     assert m.input_ok and not m.output_ok
 
@@ -444,12 +446,12 @@ def test_a_batchnorm_momentum_is_its_statistics_located_through_the_verdict(tmp_
     require_devices(DEVICES)
     result = harness.check(batchnorm.MOMENTUM_SLIP, devices=DEVICES, steps_per_call=1, calls=1)
     loc = result.verdict.location
-    assert result.verdict.kind == 'state' and loc is not None
+    assert result.verdict.kind is Finding.STATE and loc is not None
     assert (loc.kind, loc.legacy, loc.new) == ('statistics', 'BatchNorm_0', 'norm'), loc.line()
     assert 'legacy 0.9' in loc.figures and 'new 0.1' in loc.figures, loc.line()
     agree(loc)
     text = render.text(result, 'cpu').splitlines()
-    assert text[text.index(f'diagnosis (state): {result.verdict.diagnosis}') + 1].startswith(
+    assert text[text.index(f'diagnosis (state): {words.diagnosis(result.verdict.diagnosis)}') + 1].startswith(
         'where: statistics at BatchNorm_0 ↔ norm: '
     )
     assert render.to_json(result, {})['verdict']['location']['new'] == 'norm'
@@ -479,13 +481,13 @@ def test_a_forward_it_cannot_see_is_said_and_not_guessed():
 def test_a_match_gets_no_location_unless_asked():
     """Nothing is run or added on MATCH by default; --locate asks (its flag, validated only); a run whose
     verdict only feeds another (the masked-loss hint's run on 1 device) is never located."""
-    matched = rule.Verdict(True, 'measured', ('twin',))
+    matched = rule.Verdict(Outcome.MATCH, 'measured')
     config = RunConfig(devices=DEVICES, batch_size=64)
     assert locate.attach(matched, kinds.of(my_port.MODEL), config, None, None) is matched
     args = ['--workload', 'mlp', '--devices', str(DEVICES), '--locate']
     assert run_command.inputs(args, n_available=DEVICES)[2].locate is True
     assert run_command.inputs(args[:-1], n_available=DEVICES)[2].locate is None  # on MISMATCH only
-    assert locate.attach(dataclasses.replace(matched, match=False), kinds.of(my_port.MODEL),
+    assert locate.attach(dataclasses.replace(matched, outcome=Outcome.MISMATCH), kinds.of(my_port.MODEL),
                          dataclasses.replace(config, locate=False), None, None).location is None  # fmt: skip
 
 
@@ -571,7 +573,8 @@ def test_where_the_recording_cannot_run_the_probe_and_the_verdict_are_as_before(
     monkeypatch.setattr(recorded_run, 'first_steps', cannot)
     monkeypatch.setattr(probe, 'first_steps', lambda *args: probed)
     assert first_step.grads(Recorder(kind, config, fed, None)) == {s: p.grads for s, p in probed.items()}
-    mismatch = locate.attach(rule.Verdict(False, 'measured', ()), kind, config, fed, Recorder(kind, config, fed, None))
+    mismatched = rule.Verdict(Outcome.MISMATCH, 'measured')
+    mismatch = locate.attach(mismatched, kind, config, fed, Recorder(kind, config, fed, None))
     assert (
         mismatch.location.kind == 'unlocated' and 'raised RuntimeError: recording refused' in mismatch.location.figures
     )

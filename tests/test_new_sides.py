@@ -24,11 +24,12 @@ from equivalence import LoopPort
 from equivalence.core import harness, kinds, preflight
 from equivalence.core.port import new_side
 from equivalence.core.port.config import ConfigError, RunConfig
-from equivalence.core.report import render
+from equivalence.core.report import render, words
 from equivalence.core.run import adapters
 from equivalence.core.run import inputs as made
+from equivalence.core.run.nudge import DRAWS
+from equivalence.core.verdict.findings import Twins
 from equivalence.core.verdict.outcome import Outcome
-from equivalence.core.verdict.twin import PROGRAM_TWIN
 
 AXIS, FEATURES, HIDDEN, RATE = 'batch', 4, 8, 0.2
 QUICK = {'steps_per_call': 2, 'calls': 2}
@@ -173,7 +174,7 @@ def test_each_new_side_matches_as_written_and_its_slip_does_not(results, name):
     assert not slipped.report.match
     # judged by a measured floor: the twin builds the new side as the run does (linen's variables
     # where the port has no NNX model), not the fixed screen's 'unmeasured'
-    assert slipped.report.floor is not None and slipped.verdict.twin == PROGRAM_TWIN, slipped.verdict.lines()
+    assert slipped.report.floor is not None and slipped.verdict.twin == Twins(DRAWS), words.lines(slipped.verdict)
     assert any(leaf.name.startswith('opt_state/0/nu/') and not leaf.ok for leaf in slipped.report.leaves)
 
 
@@ -350,7 +351,7 @@ def test_a_train_state_created_outside_jit_with_a_python_step_is_placed_and_matc
     )  # the pmap side reports the rate of its updated step: of the step before it, as lm1b_step does
     for port in (dataclasses.replace(FUNCTIONAL, name='created-outside-jit', new_state=created_outside_jit), lm1b):
         result = harness.check(port, devices=2, verdict='screen', **QUICK)
-        assert result.outcome is Outcome.MATCH, (port.name, result.verdict.lines())
+        assert result.outcome is Outcome.MATCH, (port.name, words.lines(result.verdict))
         assert {'step/step', 'metrics/learning_rate'} <= {leaf.name for leaf in result.report.leaves}
 
 
@@ -374,7 +375,7 @@ def test_a_new_state_that_needs_concrete_arrays_is_built_for_real_by_the_preflig
     require_devices(2)
     port = dataclasses.replace(LINEN_JIT, name='resharded', new_state=resharded_state)
     result = harness.check(port, devices=2, verdict='screen', **QUICK)
-    assert result.outcome is Outcome.MATCH, result.verdict.lines()
+    assert result.outcome is Outcome.MATCH, words.lines(result.verdict)
 
     def broken(variables):
         resharded_state(variables)

@@ -242,8 +242,7 @@ def test_cli_only_one_case_prints_its_row_and_writes_json(tmp_path, capsys):
     out = tmp_path / 'pitfalls.json'
     assert main(['--only', 'indivisible_batch', '--json', str(out)]) == 0
     said = capsys.readouterr()
-    stdout = said.out
-    assert 'on 8 cpu device(s)' in stdout and '1 of 1 cases behave as documented' in stdout
+    stdout = said.out  # its row; the devices and that every case behaves as documented: the JSON below
     # the case said on stderr as it ran (not a terminal here): its name, then its seconds
     assert re.fullmatch(r'pitfall 7 indivisible_batch \.\.\. \d+\.\d s( \(.*\))?\n', said.err), said.err
     assert 'IndivisibleError' in stdout
@@ -263,7 +262,6 @@ def test_cli_only_one_case_prints_its_row_and_writes_json(tmp_path, capsys):
 )
 def test_cli_bad_input_exits_2_with_one_line(args, expected):
     proc = cli(*args)
-    assert 'Traceback' not in proc.stderr
     assert_one_line_error(proc, expected)
 
 

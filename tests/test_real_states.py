@@ -17,6 +17,7 @@ from test_step_forms import BASE, LinenMLP, tx
 from equivalence import LoopPort
 from equivalence.core import harness, kinds, preflight
 from equivalence.core.port import new_side
+from equivalence.core.report import words
 from equivalence.core.run import step_side
 from equivalence.core.verdict.outcome import Outcome
 
@@ -101,7 +102,7 @@ def test_typed_keys_in_either_state_are_read_compared_and_placed_as_raw_keys():
             new_groups=lambda ts: {**new_side.read_groups(ts), 'keys': {'rng': ts[2][...]}, 'step': None},
         )
         result = harness.check(port, devices=2, **SCREEN)
-        assert result.outcome is Outcome.MATCH, (name, result.verdict.lines())
+        assert result.outcome is Outcome.MATCH, (name, words.lines(result.verdict))
         finals[name] = (result.legacy.final['keys']['rng'], result.new.final['keys']['rng'])
     raw, typed = finals['raw'], finals['typed']
     assert raw[0].dtype == typed[0].dtype == typed[1].dtype == jnp.uint32 and typed[0].shape == (2,), typed
@@ -183,7 +184,7 @@ def test_fields_that_the_ports_own_groups_read_are_not_said_to_be_left_out():
         new_groups=lambda ts: {**new_side.read_groups(ts), 'step': None},
     )  # no counter: SGD
     result = harness.check(port, devices=2, verdict='screen', **QUICK)
-    assert result.outcome is Outcome.MATCH, result.verdict.lines()
+    assert result.outcome is Outcome.MATCH, words.lines(result.verdict)
     said = [n for n in result.notes if n.startswith('not compared: ')]
     assert not any(n.startswith(('not compared: weights', 'not compared: moments')) for n in said), said
     assert any(n.startswith('not compared: rng: a random key') for n in said), said  # what they do not read

@@ -18,9 +18,10 @@ from equivalence import LoopPort
 from equivalence.core import harness, kinds
 from equivalence.core.port import states
 from equivalence.core.port.config import ConfigError
-from equivalence.core.report import render
+from equivalence.core.report import render, words
 from equivalence.core.run import adapters, step_side
-from equivalence.core.verdict.twin import PROGRAM_TWIN
+from equivalence.core.run.nudge import DRAWS
+from equivalence.core.verdict.findings import Twins
 
 AXIS, FEATURES, HIDDEN = 'batch', 4, 8
 QUICK = {'steps_per_call': 2, 'calls': 2}
@@ -208,7 +209,7 @@ def test_each_step_form_matches_its_slip_does_not(results, form):
     slipped = harness.check(_slip(FORMS[form]), devices=2, diagnose=False, **QUICK)
     assert not slipped.report.match
     # judged by a measured floor: the twin runs this form's step as the run does
-    assert slipped.report.floor is not None and slipped.verdict.twin == PROGRAM_TWIN, slipped.verdict.lines()
+    assert slipped.report.floor is not None and slipped.verdict.twin == Twins(DRAWS), words.lines(slipped.verdict)
 
 
 def test_a_step_that_takes_no_key_is_not_said_to_get_per_device_keys(results):

@@ -22,10 +22,13 @@ from equivalence.core import harness, kinds
 from equivalence.core.port import loading, workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.report import render as report
+from equivalence.core.report import words
 from equivalence.core.run import inputs as made
 from equivalence.core.run import model_side, sides
+from equivalence.core.run.model_side import Reordered
 from equivalence.core.verdict import compare, fresh, legacy_twin
 from equivalence.core.verdict import rule as verdict
+from equivalence.core.verdict.findings import Finding, Memory, NoTwin, Refusal, TwinRefused, Twins, Unmeasured
 from equivalence.core.verdict.outcome import Outcome
 
 
@@ -44,7 +47,7 @@ def test_a_twin_at_one_device_keeps_the_per_device_keys():
     over 2 devices (it raised IndivisibleError, and the verdict fell back on the fixed screen)."""
     require_devices(2)
     result = harness.check(PER_DEVICE, devices=1, twin='devices', **QUICK)
-    assert result.verdict.twin == 'on 2 device(s)', result.verdict.lines()
+    assert result.verdict.twin == Twins((2,)), words.lines(result.verdict)
     assert result.report.match and result.report.floor is not None
 
 
@@ -56,25 +59,22 @@ def test_a_twin_that_draws_other_random_numbers_is_refused():
     the test above)."""
     require_devices(2)
     refused = harness.check(MESH_SIZED, devices=2, twin='devices', **QUICK)
-    assert refused.verdict.twin.startswith("refused: it draws other random numbers than the new side's run"), (
-        refused.verdict.lines()
-    )
-    assert 'docs/port.md#the-device-count' in refused.verdict.twin  # the likely cause, and what fits (issue 51)
+    no_twin = refused.verdict.twin
+    assert no_twin.why is NoTwin.Why.TWIN, words.lines(refused.verdict)
+    assert no_twin.detail == TwinRefused(1, no_twin.detail.refusal, fresh=False, per_replica=True), no_twin
+    assert no_twin.detail.refusal.why is Refusal.Why.DRAWS  # per_replica: the likely cause said (issue 51)
     assert refused.report.floor is None
-    # no floor measured, so the verdict is NOT VERIFIED in its own words (exit 5), never the fixed screen's MATCH
-    assert refused.outcome is Outcome.NOT_VERIFIED and refused.verdict.unverified.startswith(
-        "no twin measured this port's noise floor"
-    )
+    # no floor measured, so the verdict is NOT VERIFIED (exit 5) for that reason, never the fixed screen's MATCH
+    assert refused.outcome is Outcome.NOT_VERIFIED and refused.verdict.unverified == Unmeasured(no_twin, True)
 
 
 def test_with_no_floor_the_diagnosis_says_why_no_twin_measured_one():
     """The ``unmeasured`` line gives the twin's own reason, not a guess about device counts."""
     ref = {'params': {'w': np.array([1.0], np.float32)}}
     off = compare.compare(ref, {'params': {'w': np.array([1.1], np.float32)}}, compare.FLOAT32_REDUCTION_ORDER)
-    why = "refused: it draws other random numbers than the new side's run"
-    kind, line = verdict.diagnose(off, '', None, False, why)
-    assert kind == 'unmeasured' and line.endswith(f'no twin measured one: {why}'), line
-    assert 'even batch' not in line
+    why = NoTwin(NoTwin.Why.TWIN, "refused: it draws other random numbers than the new side's run")
+    found = verdict.diagnose(off, None, None, False, why)
+    assert found.kind is Finding.UNMEASURED and found.no_floor is why, found  # the twin's reason, not a guess
 
 
 @pytest.fixture(scope='module')
@@ -101,12 +101,12 @@ def test_a_new_side_pinned_to_its_own_mesh_gets_its_floor_from_a_fresh_process(p
     screen, 'unmeasured' on MISMATCH). A fresh process that sees 1 device imports the port afresh and
     runs it: a measured floor, and the slip is a MISMATCH judged by it."""
     result = pinned[pinned_port.PORT.name]
-    assert result.verdict.twin == 'on 1 device(s) in a fresh process', result.verdict.lines()
+    assert result.verdict.twin == Twins((1,), fresh=(1,)), words.lines(result.verdict)
     assert result.report.match
     said = report.to_json(result, {})
     assert said['verdict']['floor_rule'] is not None
     text = report.text(result, 'cpu')
-    assert 'unmeasured' not in text and 'in a fresh process' in text
+    assert result.verdict.unverified is None and result.verdict.diagnosis is None  # measured: not 'unmeasured'
     # what its own step placed, read from the state it returned: two of the four parameters split (dims of
     # 16; 4 and 1 do not divide by 8), and the twin's bytes beside the run's, the arrays read
     assert said['placed_by'] == "the port's own step" and sum(any(p['spec']) for p in said['placement']) == 2
@@ -116,7 +116,7 @@ def test_a_new_side_pinned_to_its_own_mesh_gets_its_floor_from_a_fresh_process(p
     assert memory['run']['source'] == 'arrays' and memory['twins']['1 device(s)']['held'] > memory['run']['held']
     slipped = pinned[pinned_port.SLIP.name]
     assert not slipped.report.match and slipped.report.floor is not None
-    assert slipped.verdict.kind != 'unmeasured' and slipped.verdict.twin == 'on 1 device(s) in a fresh process'
+    assert slipped.verdict.kind is not Finding.UNMEASURED and slipped.verdict.twin == Twins((1,), fresh=(1,))
     json.dumps(report.to_json(slipped, {}))  # the report of a twin that ran elsewhere is plain data
 
 
@@ -127,15 +127,16 @@ def test_a_sharded_runs_twins_hold_no_more_per_device_than_the_run():
     rows interleaved: at most 1.1x, in the report and the JSON, and the verdict is still a MATCH."""
     require_devices(8)
     result = harness.check(workloads.get('wide'), devices=8, strategy='fsdp', twin='devices', **QUICK)
-    assert result.report.match, verdict.details(verdict.failed(result.report))
+    assert result.report.match, verdict.failed(result.report)
     placed = ('fsdp, batch rows interleaved', 'fsdp-tp, batch rows interleaved')
-    assert result.verdict.twin == f"on the run's devices: {placed[0]} and {placed[1]}"
+    assert result.verdict.twin == Twins((Reordered('fsdp'), Reordered('fsdp-tp')))
     memory = report.to_json(result, {})['verdict']['memory']
     run = memory['run']['held']
     assert set(memory['twins']) == set(placed)
     assert all(0 < twin_['held'] <= 1.1 * run for twin_ in memory['twins'].values()), memory
-    said = 'bytes per device (XLA memory analysis of one call): run '
-    assert any(line.startswith(said) for line in result.verdict.done)
+    said = 'bytes per device (XLA memory analysis of one call): run '  # the report's line, from the record
+    assert Memory(memory['run'], memory['twins']) in result.verdict.done
+    assert any(line.startswith(said) for line in words.done(result.verdict))
 
 
 def test_a_reordered_twin_gives_every_example_its_own_noise():
@@ -161,9 +162,11 @@ def test_the_legacy_twin_with_per_device_keys_draws_what_the_run_draws():
     same = legacy_twin.with_rows(cnn, config, 2, fed)
     assert all(np.array_equal(run.final[g][p], same.final[g][p]) for g in run.final for p in run.final[g])
     on_one = legacy_twin.with_rows(cnn, config, 1, fed)
-    assert verdict.twin_refusal(run.losses, on_one.losses, 'legacy') == ''
+    assert verdict.twin_refusal(run.losses, on_one.losses, 'legacy') is None
     plain = sides.run_legacy(kinds.of(cnn), dataclasses.replace(config, devices=1), fed)
-    assert verdict.twin_refusal(run.losses, plain.losses, 'legacy').startswith('refused: its loss at step 1')
+    refused = verdict.twin_refusal(run.losses, plain.losses, 'legacy')
+    assert (refused.why, refused.step, refused.side) == (Refusal.Why.SPACINGS, 1, 'legacy'), refused
+    assert refused.spacings > verdict.TWIN_ULPS, refused
 
 
 def test_a_fresh_process_that_fails_says_why_in_a_json_record_not_a_line_read_back(tmp_path):

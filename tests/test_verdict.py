@@ -14,12 +14,24 @@ import pmap_side_chaos
 from conftest import ROOT, require_devices
 
 from equivalence.core import harness, kinds
-from equivalence.core.port import workloads
+from equivalence.core.port import blame, workloads
 from equivalence.core.port.config import RunConfig
+from equivalence.core.report import render, words
 from equivalence.core.run import inputs as made
 from equivalence.core.run import model_side, sides
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.verdict import compare, fresh, judge, legacy_twin, rule, twin
+from equivalence.core.verdict.findings import (
+    Excess,
+    Finding,
+    LegacyTwin,
+    NoTwin,
+    Probe,
+    Probed,
+    Refusal,
+    Screen,
+    Unrun,
+)
 
 sys.path.insert(0, os.path.join(ROOT, 'examples', 'mlp_port'))
 import my_port  # noqa: E402  (the example, imported as a user's module)
@@ -42,16 +54,17 @@ def test_reduction_order_noise_that_fails_the_fixed_tolerance_matches_its_floor(
     """wide under tp, Adam eps 1e-8: fc2/kernel ends 1.0e-5 from pmap (the fixed tolerance fails it),
     and the twin shows reordering alone moves it by 5.5e-6: noise, not a slip."""
     result = run(workloads.get('wide'), strategy='tp', steps_per_call=5, calls=4)
-    assert result.verdict.done[0] == 'fixed screen failed'
-    assert result.report.match, rule.details(rule.failed(result.report))
+    assert result.verdict.done[0] == Screen(passed=False)
+    assert result.report.match, rule.failed(result.report)
 
 
 def test_perturb_1e_5_is_caught_at_8_devices():
     """The fixed tolerance passes a 1e-5 learning-rate change on mlp; its measured floor does not."""
     result = run(workloads.get('mlp'), perturb=1e-5, steps_per_call=5, calls=4)
-    assert kind(result) == 'optimizer'
+    assert kind(result) is Finding.OPTIMIZER
     # no pmap-side chaos can excuse it: NNX is already off after the first call, where chaos has not set in
-    assert result.verdict.done[-1].startswith('legacy twin not run: NNX is off after the first call, params/')
+    last = result.verdict.done[-1]  # not run: NNX is off after the first call, in a parameter
+    assert last.ran is LegacyTwin.Ran.NOT_RUN and isinstance(last.why, Excess) and last.why.spread > last.why.limit
     assert {leaf.group for leaf in rule.failed(result.report)} >= {'params'}
 
 
@@ -59,15 +72,15 @@ def test_layernorm_epsilon_slip_is_math_from_the_first_step():
     """LayerNorm eps 1e-5 for linen's 1e-6 (a loop port): the first step's loss already differs. Subtle
     under unit-variance activations: the losses show it, and the parameters or optimizer state too."""
     result = run(my_port.LOOP_EPSILON_SLIP, devices=2)
-    assert kind(result) == 'math'
-    assert 'first_step/loss' in result.verdict.diagnosis
+    assert kind(result) is Finding.MATH
+    assert 'first_step/loss' in [leaf.name for leaf in result.verdict.diagnosis.leaves]
     failed = [leaf.name for leaf in rule.failed(result.report)]
     assert 'losses/per_step' in failed and any(x.startswith(('params/', 'opt_state/')) for x in failed), failed
 
 
 def test_gelu_slip_names_the_first_step_gradients():
     result = run(my_port.MODEL_GELU_SLIP, devices=2)
-    assert kind(result) == 'math'
+    assert kind(result) is Finding.MATH
     assert any(leaf.name.startswith('first_step/grads/') for leaf in rule.failed(result.report))
 
 
@@ -79,8 +92,8 @@ def test_dropout_keyed_differently_is_randomness(monkeypatch):
     cleared = []
     monkeypatch.setattr(jax, 'clear_caches', lambda: cleared.append(1))
     result = run(port, devices=2)
-    assert kind(result) == 'randomness'
-    assert 'deterministic re-run (dropout off) matches' in result.verdict.done
+    assert kind(result) is Finding.RANDOMNESS
+    assert Probed(Probe.RERUN, agree=True) in result.verdict.done
     assert not cleared, 'jax.clear_caches() was called: every trace of the process would be made again'
 
 
@@ -89,8 +102,8 @@ def test_a_step_counter_on_one_side_is_bookkeeping():
         return {'params': state.params, 'opt_state': state.opt_state}
 
     result = run(dataclasses.replace(my_port.LOOP, legacy_groups=no_step), devices=2)
-    assert kind(result) == 'bookkeeping'
-    assert 'step/step only on the new side' in result.verdict.diagnosis
+    assert kind(result) is Finding.BOOKKEEPING
+    assert [(leaf.name, leaf.one_sided) for leaf in result.verdict.diagnosis.sided] == [('step/step', 'new')]
 
 
 def test_identical_nans_are_non_finite_not_a_zero_difference():
@@ -102,8 +115,9 @@ def test_identical_nans_are_non_finite_not_a_zero_difference():
         return data
 
     result = run(dataclasses.replace(mlp, make_data=nan_data), devices=2)
-    assert kind(result) == 'non-finite'
-    assert 'from step 3' in result.verdict.diagnosis and 'data holds NaN or Inf at step 3' in result.verdict.diagnosis
+    assert kind(result) is Finding.NON_FINITE
+    found = result.verdict.diagnosis.nonfinite
+    assert found.data_step == 3 and 3 in [step for _, step, _ in found.where], found
 
 
 def test_a_twin_that_changes_the_math_is_refused():
@@ -114,8 +128,9 @@ def test_a_twin_that_changes_the_math_is_refused():
     fed, kind = made.make(port, config), kinds.of(port)
     new = sides.run_new(kind, config, fed)
     honest, secret = (twin.run_twin(kind, config, fed, 1, lr_scale=s) for s in (1.0, 1.0 + 1e-3))
-    assert rule.twin_refusal(new.losses, honest.losses) == ''
-    assert rule.twin_refusal(new.losses, secret.losses).startswith('refused: its loss at step 2')
+    assert rule.twin_refusal(new.losses, honest.losses) is None
+    refused = rule.twin_refusal(new.losses, secret.losses)
+    assert (refused.why, refused.step) == (Refusal.Why.SPACINGS, 2) and refused.spacings > rule.TWIN_ULPS, refused
 
 
 def test_a_twin_that_raises_is_named_by_its_culprit_and_its_whole_text_goes_to_the_report(monkeypatch):
@@ -142,16 +157,19 @@ def test_a_twin_that_raises_is_named_by_its_culprit_and_its_whole_text_goes_to_t
     measured = twin.measure(kinds.of(port), config, None, inputs, (1,))
     twins, why, in_fresh = measured.twins, measured.why, measured.fresh
     assert twins == {} and in_fresh == () and len(why) == 1, why
-    assert why[0].startswith('not run: on 1 device(s) it raised ValueError: Sharding passed'), why
-    assert 'for arg type: uint32[2,2]; RuntimeError: ' in why[0] and '\n' not in why[0], why
-    assert why[0].endswith('No module named my_port'), why
+    culprits = blame.first_line(ValueError(text)), blame.first_line(RuntimeError(fresh_text))
+    assert why[0] == Unrun(1, culprits[0], fresh_raised=culprits[1]), why
+    no_twin = NoTwin(NoTwin.Why.TWIN, why[0])
+    said = words.twin(no_twin)  # the verdict's line, as a user reads it: both culprits' clauses, on one line
+    assert said.startswith('not run: on 1 device(s) it raised ValueError: Sharding passed'), said
+    assert 'for arg type: uint32[2,2]; RuntimeError: ' in said and '\n' not in said, said
+    assert said.endswith('No module named my_port'), said
     report = compare.Report([], port.tolerance)
     kind = kinds.of(port)
-    _, judged = judge.finish(kind, config, report, None, None, inputs, list(why), why[0], None, True, measured.errors)
+    _, judged = judge.finish(kind, config, report, None, None, inputs, [no_twin], no_twin, None, True, measured.errors)
     result = judge.RunResult(config, None, None, report, verdict=judged)
-    from equivalence.core.report import render as report_module
 
-    assert report_module.verdict_json(result)['errors'] == [
+    assert render.verdict_json(result)['errors'] == [
         f'twin on 1 device(s): ValueError: {text}',
         f'twin on 1 device(s) in a fresh process: RuntimeError: {fresh_text}',
     ]
@@ -174,8 +192,8 @@ def test_chaos_on_the_pmap_side_is_measured_by_the_legacy_twin():
     chaos happened on one CPU and not on a Xeon with AVX-512, nor with ``XLA_FLAGS=--xla_cpu_max_isa=SSE4_2``;
     this one passes with XLA's code held to SSE4.2, AVX or AVX2, and with AVX-512."""
     result = run(pmap_side_chaos.PORT, calls=4)
-    assert "a legacy twin on 1 device(s) measured the pmap side's own floor" in result.verdict.done
-    assert result.report.match and result.report.legacy_twin, rule.details(rule.failed(result.report))
+    assert LegacyTwin(LegacyTwin.Ran.MEASURED, devices=1) in result.verdict.done
+    assert result.report.match and result.report.legacy_twin, rule.failed(result.report)
     kernel = next(leaf for leaf in result.report.leaves if leaf.name == 'params/Dense_0/kernel')
     assert kernel.floor_from == 'legacy' and not kernel.noise_dominated
 
@@ -185,8 +203,8 @@ def test_a_slip_after_the_first_call_is_not_excused_by_the_legacy_twin():
     late. The first call agrees, so the legacy twin runs and widens the floors; the slip moves the
     parameters far beyond the pmap side's own spread, and stays a MISMATCH."""
     result = run(pmap_side_chaos.LATE_DECAY_SLIP, calls=4)
-    assert "a legacy twin on 1 device(s) measured the pmap side's own floor" in result.verdict.done
-    assert kind(result) == 'update'
+    assert LegacyTwin(LegacyTwin.Ran.MEASURED, devices=1) in result.verdict.done
+    assert kind(result) is Finding.UPDATE
     kernel = next(leaf for leaf in result.report.leaves if leaf.name == 'params/Dense_0/kernel')
     assert not kernel.ok and kernel.floor_from == 'legacy'
 
@@ -200,14 +218,15 @@ def test_a_legacy_twin_that_could_compute_something_else_is_refused():
     score = workloads.get('score')
     config = RunConfig(workload='score', devices=2, rng_mode='global', steps_per_call=2, calls=1)
     _, said, _ = legacy_twin.run(kinds.of(score), config, None, None, {}, None)
-    assert said.startswith('legacy twin not run: with one call')
+    assert said == LegacyTwin(LegacyTwin.Ran.NOT_RUN, why=LegacyTwin.Skip.ONE_CALL), said
     legacy1 = {'w': np.array([1.0, -2.0], np.float32)}
     nnx1, twin1 = {'w': legacy1['w'] + 1e-7}, {'w': legacy1['w'] + 2e-7}  # the NNX twin: 1e-7, allows 1e-6
     chaos_to_come = {'w': legacy1['w'] + 5e-7}
     different = {'w': legacy1['w'] + 1e-5}
-    assert rule.early_excess(legacy1, chaos_to_come, nnx1, twin1, rule.MEASURED_FLOOR) == ''
+    assert rule.early_excess(legacy1, chaos_to_come, nnx1, twin1, rule.MEASURED_FLOOR) is None
     excess = rule.early_excess(legacy1, different, nnx1, twin1, rule.MEASURED_FLOOR)
-    assert excess == 'params/w 1.00e-05 from the legacy run (allowed 1.91e-06)', excess  # 8 spacings of 2.0
+    assert excess.path == 'w' and np.isclose(excess.spread, 1e-5, rtol=1e-3), excess
+    assert excess.limit == 8 * np.spacing(np.float32(2.0)), excess  # 8 spacings of 2.0
 
 
 def test_the_twin_splits_the_batch_otherwise_than_the_checked_run():
@@ -255,7 +274,7 @@ def test_floor_rule_holds_a_leaf_to_its_own_noise():
 def test_the_judge_runs_no_twin_when_asked_for_the_screen_only_and_it_passes():
     result = run(workloads.get('mlp'), devices=2, verdict='screen', calls=1)
     assert result.report.match and result.report.floor is None
-    assert result.verdict.twin.startswith('not run')
+    assert result.verdict.twin == NoTwin(NoTwin.Why.SCREEN_PASSED)
 
 
 def test_the_examples_split_state_loop_is_read_and_checked():

@@ -23,6 +23,7 @@ from equivalence.core.run import inputs as made
 from equivalence.core.run import nudge
 from equivalence.core.verdict import compare, hidden, locate
 from equivalence.core.verdict import rule as verdict
+from equivalence.core.verdict.findings import Finding, Held
 from equivalence.core.verdict.first_step import Recorder
 
 
@@ -108,8 +109,8 @@ def test_an_ema_only_difference_is_diagnosed_as_the_ema():
     that parts the parameters too stays the update's."""
     result = checked('ema-rate')
     assert {x.group for x in result.report.leaves if not x.ok} == {'ema'}
-    assert result.verdict.kind == render.verdict_json(result)['kind'] == 'ema', result.verdict.lines()
-    assert checked('decay-after-lr').verdict.kind == 'update'
+    assert result.verdict.kind is Finding.EMA and render.verdict_json(result)['kind'] == 'ema', result.verdict
+    assert checked('decay-after-lr').verdict.kind is Finding.UPDATE
 
 
 def test_a_match_whose_parameters_are_noise_dominated_is_held_module_by_module_on_the_first_step():
@@ -125,7 +126,7 @@ def test_a_match_whose_parameters_are_noise_dominated_is_held_module_by_module_o
         seen = locate.Seen(noisy=frozenset({'fc1/bias'}))  # as if the verdict found it noise-dominated
         leaves, said = hidden.first_step_leaves(Recorder(kind, config, fed, 1), seen)
         if parts is None:
-            assert leaves == [] and 'within their floors' in said, said
+            assert leaves == [] and said.reproduced and said.part is None and said.calls > 0, said
         else:
             assert [(x.group, x.path, x.ok) for x in leaves] == [('first_step', f'forward/{parts}/output', False)]
             assert leaves[0].max_abs > leaves[0].limit, leaves
@@ -145,16 +146,15 @@ def test_a_part_seen_in_the_forward_pass_alone_needs_the_whole_steps_recording_t
         judged = {forward: [part], whole: [part] if whole_parts else []}
 
         def held(recorder, runs, seen, judged=judged):
-            return judged[runs], 'module at attn/out parts' if judged[runs] else '22 module calls within their floors'
+            return judged[runs], Held(calls=22, part=('module', 'attn/out')) if judged[runs] else Held(calls=22)
 
         monkeypatch.setattr(hidden, '_held', held)
         recorder = types.SimpleNamespace(forward=forward, runs=whole, recorded_whole=False)
         leaves, said = hidden.first_step_leaves(recorder, locate.Seen(noisy=frozenset({'attn/k/bias'})))
         if whole_parts:
-            assert leaves == [part] and said == 'module at attn/out parts', said
-        else:
-            assert leaves == [] and said.startswith('22 module calls within their floors'), said
-            assert 'forward pass alone, another program, parted at attn/out/output by 2.15e-06' in said, said
+            assert leaves == [part] and said == Held(calls=22, part=('module', 'attn/out')), said
+        else:  # nothing parts on the whole step; the forward pass alone's part is kept, with its figures
+            assert leaves == [] and said == Held(calls=22, alone=part), said
 
     class Unrecordable:  # the whole step cannot be recorded: the part seen stands, and the words say where it was seen
         forward, recorded_whole = ('forward',), False
@@ -164,7 +164,7 @@ def test_a_part_seen_in_the_forward_pass_alone_needs_the_whole_steps_recording_t
             raise RuntimeError('host work inside the step')
 
     leaves, said = hidden.first_step_leaves(Unrecordable(), locate.Seen(noisy=frozenset({'attn/k/bias'})))
-    assert leaves == [part] and said.endswith('(in the forward pass alone: the whole step could not be recorded)')
+    assert leaves == [part] and said == Held(calls=22, part=('module', 'attn/out'), whole_failed=True), said
 
 
 def test_optimizer_states_of_another_structure_are_a_port_error_before_training():
@@ -289,6 +289,6 @@ def test_a_match_names_no_place_and_a_later_reading_defers_to_a_first_step_place
     assert locate.unconfirmed(locate.Location('none', '', '', 'nothing parts')).kind == 'none'
     ref, new = ({'params': {'w': np.full(3, x, np.float32)}} for x in (1.0, 1.1))
     off = compare.compare_to_floor(ref, new, new, verdict.MEASURED_FLOOR)  # the twin at the new side: a floor of 0
-    assert verdict.diagnose(off, '', None, True)[0] == 'optimizer'
-    assert verdict.diagnose(off, '', None, True, placed='forward')[0] == 'math'
-    assert verdict.diagnose(off, '', None, False, placed='forward')[0] == 'math'
+    assert verdict.diagnose(off, None, None, True).kind is Finding.OPTIMIZER
+    assert verdict.diagnose(off, None, None, True, placed='forward').kind is Finding.MATH
+    assert verdict.diagnose(off, None, None, False, placed='forward').kind is Finding.MATH

@@ -60,6 +60,7 @@ def bare(port, config) -> dict:
 
 def check(port, config) -> dict:
     from equivalence.core import harness
+    from equivalence.core.report import words
 
     harness.validate(port, config)
     result = harness.run(port, config)
@@ -68,8 +69,8 @@ def check(port, config) -> dict:
         'timing': result.timing,
         'losses': {'legacy': [float(x) for x in result.legacy.losses], 'new': [float(x) for x in result.new.losses]},
         'outcome': result.outcome.label,
-        'diagnosis_kind': v.kind if v is not None else '',
-        'diagnosis': v.diagnosis if v is not None else '',
+        'diagnosis_kind': str(v.kind) if v is not None else '',
+        'diagnosis': words.diagnosis(v.diagnosis) if v is not None else '',
         'where': location.line() if location is not None else '',
     }
 

@@ -97,7 +97,8 @@ def variant_rows(r: BenchResult) -> list[str]:
              'first call vs legacy']  # fmt: skip
     for v in r.variants:
         s, base, agree = stats(r.steps(v.name)), r.baseline(v), r.agreement(v)
-        check = ('same' if agree.max_abs == 0 else f'{agree.max_abs:.1e}') + ('' if agree.ok else ' NO')
+        apart = agree.max_abs('losses')
+        check = ('same' if apart == 0 else f'{apart:.1e}') + ('' if r.agrees(v) else ' NO')
         recompiled = sum(b.compiles for b in r.blocks[v.name])
         ms = [r.median(v.name, f) for f in ('dispatch_ms', 'call_ms', 'cpu_ms')]
         speed.append(
@@ -217,5 +218,9 @@ def variant_json(r: BenchResult, v: Variant) -> dict:
         'hlo': r.compiles[v.name].hlo,
         'compiles_while_timed': sum(b.compiles for b in blocks),
         'facts': v.facts,
-        'first_call': {'max_abs_diff_vs_legacy': agree.max_abs, 'agrees': agree.ok, 'losses': r.first[v.name].tolist()},
+        'first_call': {
+            'max_abs_diff_vs_legacy': agree.max_abs('losses'),
+            'agrees': r.agrees(v),
+            'losses': r.first[v.name].tolist(),
+        },
     }

@@ -10,6 +10,7 @@ from equivalence.bench.timing import Block, CompileTiming
 from equivalence.bench.variants import Variant
 from equivalence.core.port.config import RunConfig
 from equivalence.core.verdict import compare
+from equivalence.core.verdict.outcome import Outcome
 
 
 @dataclasses.dataclass
@@ -41,8 +42,12 @@ class BenchResult:
         pairs = zip(self.blocks[name], self.blocks[base], strict=True)
         return [getattr(a, field) / getattr(b, field) for a, b in pairs]
 
-    def agreement(self, v: Variant) -> compare.LeafDiff:
-        """First-call losses against legacy pmap's, over the steps both ran."""
+    def agreement(self, v: Variant) -> compare.Report:
+        """First-call losses against legacy pmap's, over the steps both ran: one leaf, ``losses/<variant>``."""
         ref, got = self.first['legacy'], self.first[v.name]
         n = min(len(ref), len(got))
-        return compare.compare_leaf('losses', v.name, ref[:n], got[:n], compare.FLOAT32_REDUCTION_ORDER)
+        return compare.compare({'losses': {v.name: ref[:n]}}, {'losses': {v.name: got[:n]}})
+
+    def agrees(self, v: Variant) -> bool:
+        """The agreement's outcome (the fixed screen's, ``compare.Report.outcome``) is MATCH."""
+        return self.agreement(v).outcome is Outcome.MATCH

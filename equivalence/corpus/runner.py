@@ -120,6 +120,7 @@ def margins(report) -> dict:
 def run_case(entry: Entry, devices: int, seed: int, **overrides) -> Case:
     """``equivalence.check`` of the entry's port; ``overrides``: RunConfig fields (tests shrink K and C)."""
     import equivalence
+    from equivalence.core.report import words
 
     start = time.perf_counter()
     try:
@@ -130,7 +131,7 @@ def run_case(entry: Entry, devices: int, seed: int, **overrides) -> Case:
         outcome = result.outcome
         kind, detail = diagnosis_kind(result), worst_leaf(result.report)
         judged = getattr(result, 'verdict', None)
-        said = {'twin': getattr(judged, 'twin', '') or '', 'done': '; '.join(getattr(judged, 'done', ()))}
+        said = {'twin': words.twin(judged.twin), 'done': '; '.join(words.done(judged))} if judged else {}
         extra = {**margins(result.report), **said}
     except Exception as e:  # noqa: BLE001 -- one broken run is a wrong verdict, not the end of the corpus
         outcome, kind, detail = None, None, f'{type(e).__name__}: {(str(e).splitlines() or [""])[0][:200]}'

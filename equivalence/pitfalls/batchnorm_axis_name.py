@@ -24,7 +24,7 @@ from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import ModelPort
 from equivalence.core.run import sides
-from equivalence.pitfalls.base import DAMAGE, CaseResult, yes
+from equivalence.pitfalls.base import DAMAGE, CaseResult, matched, yes
 from legacy_pmap import train as legacy
 
 NUMBER = 2
@@ -95,8 +95,8 @@ def run(devices: int) -> CaseResult:
         threshold=f'losses, running stats and replica spread of the stats > {DAMAGE:g}',
         damage_shown=min(spread, losses, stats) > DAMAGE,
         fix=f'axis_name={legacy.AXIS!r}: running stats {fixed.report.max_abs("model_state"):.1e}, '
-        f'losses {fixed.report.max_abs("losses"):.1e} from NNX, within tolerance: {yes(fixed.report.match)}',
-        fix_matches=fixed.report.match and fixed_spread == 0.0,
+        f'losses {fixed.report.max_abs("losses"):.1e} from NNX, within tolerance: {yes(matched(fixed))}',
+        fix_matches=matched(fixed) and fixed_spread == 0.0,
         details={
             'steps': config.steps,
             'replica_spread_batch_stats': spread,

@@ -26,7 +26,7 @@ from equivalence.core import harness
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import ModelPort
-from equivalence.pitfalls.base import DAMAGE, CaseResult, indivisible, padded, yes
+from equivalence.pitfalls.base import DAMAGE, CaseResult, indivisible, matched, padded, yes
 from legacy_pmap import losses as legacy_losses
 from legacy_pmap import train as legacy
 from nnx_sharded import losses as nnx_losses
@@ -97,8 +97,8 @@ def run(devices: int) -> CaseResult:
         threshold=f'loss and parameter difference > {DAMAGE:g}',
         damage_shown=min(wrong.report.max_abs('losses'), wrong.report.max_abs('params')) > DAMAGE,
         fix=f'psum(sum l*m) / psum(sum m): losses {fixed.report.max_abs("losses"):.1e}, '
-        f'params {fixed.report.max_abs("params"):.1e} from NNX, within tolerance: {yes(fixed.report.match)}',
-        fix_matches=fixed.report.match,
+        f'params {fixed.report.max_abs("params"):.1e} from NNX, within tolerance: {yes(matched(fixed))}',
+        fix_matches=matched(fixed),
         details={
             'valid': valid,
             'padded_batch': batch,

@@ -16,7 +16,7 @@ from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import ModelPort
 from equivalence.core.run import setups, sides
 from equivalence.core.run.inputs import make_inputs
-from equivalence.pitfalls.base import DAMAGE, CaseResult, max_abs_diff, yes
+from equivalence.pitfalls.base import DAMAGE, CaseResult, matched, max_abs_diff, yes
 from legacy_pmap import train as legacy
 
 NUMBER = 1
@@ -80,8 +80,8 @@ def run(devices: int) -> CaseResult:
         damage_shown=spread > DAMAGE and to_ref > DAMAGE,
         fix=f'with pmean: replica spread {fixed_spread:.1e}, '
         f'params {fixed.report.max_abs("params"):.1e} from the NNX reference, within tolerance: '
-        f'{yes(fixed.report.match)}',
-        fix_matches=fixed.report.match and fixed_spread == 0.0,
+        f'{yes(matched(fixed))}',
+        fix_matches=matched(fixed) and fixed_spread == 0.0,
         details={
             'steps': config.steps,
             'replica_spread': spread,

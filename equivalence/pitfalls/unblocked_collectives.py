@@ -136,6 +136,7 @@ def child(mode: str, calls: int) -> dict:
     from equivalence.core.port import convert, workloads
     from equivalence.core.port.config import RunConfig
     from equivalence.core.verdict import compare
+    from equivalence.core.verdict.outcome import Outcome
     from legacy_pmap import train as legacy
     from nnx_sharded import sharding
     from nnx_sharded import train as sharded
@@ -161,7 +162,7 @@ def child(mode: str, calls: int) -> dict:
         params = convert.flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
         reference = pmap_params(legacy, kind.legacy_setup(config, fed), batches[0], rng, calls)
         report = compare.compare({'params': reference}, {'params': params})
-        out |= {'match': report.match, 'max_abs_params': report.max_abs('params')}
+        out |= {'match': report.outcome is Outcome.MATCH, 'max_abs_params': report.max_abs('params')}
     return out
 
 

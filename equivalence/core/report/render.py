@@ -4,6 +4,7 @@ import platform
 
 import numpy as np
 
+from equivalence.core.report import words
 from equivalence.core.run import clock
 from equivalence.core.verdict.judge import RunResult
 from equivalence.core.verdict.outcome import Outcome
@@ -127,7 +128,7 @@ def verdict(result: RunResult) -> str:
     noisy = sum(leaf.noise_dominated for leaf in result.report.leaves)
     noisy_text = f', {noisy} noise-dominated (not verified by value)' if noisy else ''
     n, outcome = len(result.report.leaves), result.outcome
-    why = result.verdict.unverified if result.verdict is not None else ''
+    why = words.unverified(result.verdict.unverified) if result.verdict is not None else ''
     if outcome is Outcome.NOT_VERIFIED and result.report.floor is None:  # no twin measured (judge.unmeasured)
         screen = f'{len(bad)} of {n} leaves outside' if bad else f'all {n} leaves within'
         return f'NOT VERIFIED: {screen} the fixed screen; {why}'
@@ -140,7 +141,7 @@ def verdict(result: RunResult) -> str:
 
 def verdict_lines(result: RunResult) -> list[str]:
     """What the verdict measured, noise-dominated leaves, and on MISMATCH the diagnosis line."""
-    return [*result.verdict.lines(), ''] if result.verdict is not None else []
+    return [*words.lines(result.verdict), ''] if result.verdict is not None else []
 
 
 def verdict_json(result: RunResult) -> dict | None:
@@ -152,9 +153,10 @@ def verdict_json(result: RunResult) -> dict | None:
     floor = None if rule is None else {'safety': rule.safety, 'min_ulps': rule.min_ulps, 'flips': rule.flips,
                                        'noise_rel': rule.noise_rel,
                                        'legacy_twin': result.report.legacy_twin}  # fmt: skip
-    return {'mode': v.mode, 'done': list(v.done), 'twin': v.twin, 'kind': v.kind, 'diagnosis': v.diagnosis,
-            'floor_rule': floor, 'noise_dominated': noisy, 'errors': list(v.errors),
-            'not_verified': v.unverified, 'hidden_by_noise': v.hidden_by_noise, 'memory': v.memory,
+    return {'mode': v.mode, 'done': words.done(v), 'twin': words.twin(v.twin), 'kind': str(v.kind),
+            'diagnosis': words.diagnosis(v.diagnosis), 'floor_rule': floor, 'noise_dominated': noisy,
+            'errors': list(v.errors), 'not_verified': words.unverified(v.unverified),
+            'hidden_by_noise': v.hidden_by_noise, 'memory': v.memory,
             'location': v.location.to_json() if v.location is not None else None}  # fmt: skip
 
 

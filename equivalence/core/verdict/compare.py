@@ -6,6 +6,7 @@ import ml_dtypes
 import numpy as np
 
 from equivalence.core.port.tolerance import FLOAT32_REDUCTION_ORDER, Tolerance, is_float  # noqa: F401 -- part of this API
+from equivalence.core.verdict.outcome import Outcome
 
 Neutral = dict[str, dict[str, np.ndarray]]
 
@@ -65,9 +66,15 @@ class Report:
 
     @property
     def match(self) -> bool:
-        """Every leaf within its tolerance or floor (the verdict's outcome reads this, and its own
+        """Every leaf within its tolerance or floor (the verdict decides its outcome from this and its own
         reasons for NOT VERIFIED: ``rule.Verdict.outcome``)."""
         return all(leaf.ok for leaf in self.leaves)
+
+    @property
+    def outcome(self) -> Outcome:
+        """MATCH or MISMATCH of this comparison alone, for what compares without a verdict (bench's agreement,
+        a pitfall's own comparison); a check's outcome is its verdict's (``RunResult.outcome``)."""
+        return Outcome.of(self.match)
 
     def max_abs(self, group: str) -> float:
         return max((leaf.max_abs for leaf in self.leaves if leaf.group == group), default=0.0)

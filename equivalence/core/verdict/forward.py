@@ -121,16 +121,21 @@ def by_example(step: Step, m: Module) -> tuple[int, int] | None:
     return (agree, n) if 0 < agree < n else None
 
 
-def settings_differ(step: Step, m: Module) -> str:
-    """The scalar settings the two sides' calls ``m`` hold under one name with other values ('' none):
-    ``; its settings differ: epsilon 1e-06 ↔ 1e-05``."""
+def differing(step: Step, m: Module) -> tuple[tuple[str, object, object], ...]:
+    """The scalar settings the two sides' calls ``m`` hold under one name with other values, as
+    ``(name, legacy's, the new side's)``: ``(('epsilon', 1e-06, 1e-05),)``; () none."""
     legacy_label = '' if m.legacy == ROOT else m.legacy
     nnx_label = step.paired.get(legacy_label, '')
     records = [step.raw.get('legacy', {}).get(legacy_label), step.raw.get('new', {}).get(nnx_label)]
     if records[0] is None or records[1] is None:
-        return ''
+        return ()
     a, b = (dict(r.settings) for r in records)
-    differ = [f'{k} {a[k]!r} ↔ {b[k]!r}' for k in sorted(a.keys() & b.keys()) if a[k] != b[k]]
+    return tuple((k, a[k], b[k]) for k in sorted(a.keys() & b.keys()) if a[k] != b[k])
+
+
+def settings_differ(step: Step, m: Module) -> str:
+    """``differing`` in the location's figures ('' none): ``; its settings differ: epsilon 1e-06 ↔ 1e-05``."""
+    differ = [f'{k} {a!r} ↔ {b!r}' for k, a, b in differing(step, m)]
     return f'; its settings differ: {", ".join(differ)}' if differ else ''
 
 
@@ -152,12 +157,15 @@ def _parted(step: Step, i: int, m: Module) -> Location:
             else ''
         )
         return Location(
-            'randomness', m.legacy, m.new, f'{inputs}, {apart}: the two sides draw other masks{said}{rule}', first=i
-        )
+            'randomness', m.legacy, m.new, f'{inputs}, {apart}: the two sides draw other masks{said}{rule}', first=i,
+            settings=differing(step, m),
+        )  # fmt: skip
     if inside:
         what = 'the attention weights (scale, mask, softmax, dropout)' if 'Attention' in m.cls else BETWEEN
         return Location(
             'between', f'{m.legacy} (inside)', f'{m.new} (inside)',
             f'{inputs} and its {len(inside)} submodule call(s) agree, {apart}: {what}{said}', first=i,
+            settings=differing(step, m),
         )  # fmt: skip
-    return Location('module', m.legacy, m.new, f'{inputs}, {apart}: it computes something else{said}', first=i)
+    return Location('module', m.legacy, m.new, f'{inputs}, {apart}: it computes something else{said}', first=i,
+                    settings=differing(step, m))  # fmt: skip

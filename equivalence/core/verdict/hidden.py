@@ -20,8 +20,11 @@ whole step's recording held all 22 module calls within their floors. Only the wh
 decides.
 """
 
+import dataclasses
+
 from equivalence.core.verdict import locate
 from equivalence.core.verdict.compare import LeafDiff
+from equivalence.core.verdict.findings import Held
 from equivalence.core.verdict.first_step import Recorder
 from equivalence.core.verdict.location import Where
 
@@ -33,41 +36,39 @@ def needed(report, seen: locate.Seen) -> bool:
     return report.match and bool(seen.noisy)
 
 
-def first_step_leaves(recorder: Recorder, seen: locate.Seen) -> tuple[list[LeafDiff], str]:
+def first_step_leaves(recorder: Recorder, seen: locate.Seen) -> tuple[list[LeafDiff], Held]:
     """``(leaves, what was done)``: the module call of the first step that parts beyond its floor, as one
-    failing leaf (none where nothing parts), and the words for the verdict's ``done``. Held first on the
+    failing leaf (none where nothing parts), and what was done (``findings.Held``). Held first on the
     forward pass alone (``Recorder.forward``, a fraction of the compile); a part there is held again on the
     whole step's recording (``Recorder.runs``), which alone decides."""
     leaves, said = _held(recorder, recorder.forward, seen)
     if not leaves or recorder.recorded_whole:  # forward was the whole step's recording: judged already
         return leaves, said
-    alone = f'{leaves[0].path.removeprefix("forward/")} by {leaves[0].max_abs:.2e}, allowed {leaves[0].limit:.2e}'
+    alone = leaves[0]
     try:
         whole = recorder.runs
     except Exception:  # noqa: BLE001 -- no whole step's recording (its location will say why): the part stands
-        return leaves, f'{said} (in the forward pass alone: the whole step could not be recorded)'
+        return leaves, dataclasses.replace(said, whole_failed=True)
     leaves, said = _held(recorder, whole, seen)
     if leaves:
         return leaves, said
-    return [], f'{said} (the forward pass alone, another program, parted at {alone}: its own rounding)'
+    return [], dataclasses.replace(said, alone=alone)
 
 
-def _held(recorder: Recorder, runs: tuple, seen: locate.Seen) -> tuple[list[LeafDiff], str]:
+def _held(recorder: Recorder, runs: tuple, seen: locate.Seen) -> tuple[list[LeafDiff], Held]:
     """``first_step_leaves`` on one recording of the first step (``runs``)."""
     kind, inputs = recorder.kind, recorder.inputs
     if locate.not_reproduced(runs[0], seen):
-        return [], 'first step not held module by module: its recording does not reproduce the run'
+        return [], Held(reproduced=False)
     found = locate.judge_step(kind, *runs, inputs.mapping, inputs.variables, noisy=seen.noisy, allowed=FORWARD)
     calls = len(found.modules)
     if found.kind not in (Where.MODULE, Where.BETWEEN, Where.RANDOMNESS) or found.first is None:
-        return [], f'first step held module by module: {calls} module calls within their floors'
+        return [], Held(calls=calls)
     m = found.modules[found.first]
     what = 'input' if not m.input_ok else 'output'  # a between (inside) a module is its output's
     diff, allowed = (m.input_diff, m.input_allowed) if what == 'input' else (m.output_diff, m.output_allowed)
     if allowed is None or not diff > allowed:  # no number parts: no leaf fails
-        return [], f'first step held module by module: {calls} module calls within their floors'
+        return [], Held(calls=calls)
     leaf = LeafDiff('first_step', f'forward/{m.new}/{what}', diff, diff, False, size=1, bad=1,
                     floor=m.output_floor, limit=allowed)  # fmt: skip
-    return [
-        leaf
-    ], f'first step held module by module (noise-dominated leaves cannot verify): {found.kind} at {m.new} parts'
+    return [leaf], Held(calls=calls, part=(str(found.kind), m.new))

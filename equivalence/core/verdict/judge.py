@@ -40,10 +40,12 @@ import numpy as np
 
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
-from equivalence.core.run import clock, facts, footprint
+from equivalence.core.run import clock, facts
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.run.sides import PathResult, compared
 from equivalence.core.verdict import compare, first_step, fresh, hidden, legacy_twin, locate, rule, twin, unverified
+from equivalence.core.verdict import findings as found
+from equivalence.core.verdict.findings import Finding, NoTwin, Probe
 from equivalence.core.verdict.first_step import Recorder
 from equivalence.core.verdict.location import Where
 from equivalence.core.verdict.outcome import Outcome
@@ -56,21 +58,20 @@ def judge(kind: Kind, config: RunConfig, old, new, inputs: Inputs, tree, diagnos
     compared (``sides.compared``); ``diagnose=False``: a MISMATCH is neither diagnosed nor located."""
     trees = lambda path, first=None: {**tree(path), **(first or {})}  # noqa: E731
     screen = compare.compare(trees(old), trees(new), kind.port.tolerance)
-    done = [f'fixed screen {"passed" if screen.match else "failed"}']
+    done: list = [found.Screen(screen.match)]
     local, cannot = len(jax.local_devices()), fresh.why_not(config, inputs.restore is not None)
     counts = tuple(
         n for n in twin.twin_kinds(config, local if cannot else max(local, 2))
         if twin.devices_of(n, config) <= local or not cannot
     )  # fmt: skip
     if not counts or (config.verdict == 'screen' and screen.match):
-        none = f'no second mesh fits ({cannot or "an odd batch"})' if not counts else ''
-        text = f'not run: {none or "--verdict screen, and the screen passed"}'
-        report, judged = finish(kind, config, screen, old, new, inputs, done + [f'twin {text}'], text, None, diagnose)
-        return report, unverified.unmeasured(report, judged) if none else judged  # --verdict screen: the user's
+        none = NoTwin(NoTwin.Why.NO_MESH, cannot) if not counts else NoTwin(NoTwin.Why.SCREEN_PASSED)
+        report, judged = finish(kind, config, screen, old, new, inputs, done + [none], none, None, diagnose)
+        return report, unverified.unmeasured(report, judged) if not counts else judged  # --verdict screen: the user's
     measured = twin.measure(kind, config, new, inputs, counts)
     if not measured.twins:
-        why = measured.why[0]
-        report, judged = finish(kind, config, screen, old, new, inputs, done + [f'twin {why}'], why, None, diagnose,
+        why = NoTwin(NoTwin.Why.TWIN, measured.why[0])
+        report, judged = finish(kind, config, screen, old, new, inputs, done + [why], why, None, diagnose,
                                 measured.errors)  # fmt: skip
         return report, unverified.unmeasured(report, judged)
     twins = measured.twins
@@ -81,15 +82,10 @@ def judge(kind: Kind, config: RunConfig, old, new, inputs: Inputs, tree, diagnos
     )
     start = old.start if old.start is not None else start_params(inputs.variables, inputs.mapping)
     report = compare.compare_to_floor(trees(old, first[0]), trees(new, first[1]), floor, MEASURED_FLOOR, None, start)
-    on = twin.describe(list(twins))
-    on += f' in each of {jax.process_count()} processes' if jax.process_count() > 1 else ''
-    if measured.fresh:
-        some = f' ({" and ".join(map(str, measured.fresh))} of them)' if len(measured.fresh) < len(twins) else ''
-        on += f' in a fresh process{some}'
-    done.append(f'every leaf and the first loss held to the floor of {"twins" if len(twins) > 1 else "a twin"} {on}')
+    on = found.Twins(tuple(twins), jax.process_count(), measured.fresh)
     memory = {'run': new.memory, 'twins': {twin.label(k): tw.memory for k, tw in twins.items()}}
-    said = footprint.line(memory['run'], memory['twins'])
-    done += ([said] if said else []) + [f'twin {reason}' for reason in measured.why]  # those not run, or refused
+    done += [on, found.Memory(memory['run'], memory['twins'])]
+    done += [NoTwin(NoTwin.Why.TWIN, reason) for reason in measured.why]  # those not run, or refused
     recorder = Recorder(kind, config, inputs, first_step.here(next(iter(twins)), config, measured.fresh))
     grads, errors = None, measured.errors
     if legacy_twin.wanted(report, old, new):
@@ -113,12 +109,12 @@ def legacy_floor(kind: Kind, config: RunConfig, old, new, inputs: Inputs, twins:
     chaos excuses, and no legacy twin runs (nor may it hide a backward-pass slip)."""
     cannot = inputs.first_steps_unrecorded()  # a reference holds the pmap side's first steps and its twin
     if cannot:
-        return None, None, [f'legacy twin not run: {cannot}'], ()
+        return None, None, [found.LegacyTwin(found.LegacyTwin.Ran.NOT_RUN, why=cannot)], ()
     grads, done, probe = None, [], kind.first_step_probe()
     if probe is not None:
         with clock.stage("first-step gradients (each side's first step recorded)"):
             grads = probe(recorder)
-        done.append(f'first-step gradients {"agree" if grads.match else "differ"}')
+        done.append(found.Probed(Probe.GRADS, grads.match))
         if not grads.match:
             return grads, None, done, ()
     with clock.stage('legacy twin (the pmap side on another device count)'):
@@ -126,7 +122,7 @@ def legacy_floor(kind: Kind, config: RunConfig, old, new, inputs: Inputs, twins:
     return grads, other, [*done, said], raised
 
 
-def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twin_text: str, recorder, diagnose: bool,
+def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twin_record, recorder, diagnose: bool,
            errors: tuple = (), grads=None) -> tuple[compare.Report, Verdict]:  # fmt: skip
     """Gradients (strict, or to diagnose; ``grads`` if already probed), the diagnosis on MISMATCH, and
     where the sides part: ``(the report, with the gradients' leaves, the verdict)``."""
@@ -135,12 +131,12 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
     probe = kind.first_step_probe()
     if grads is None and probe is not None and (config.verdict == 'strict' or (not report.match and diagnose)):
         if unrecorded:
-            done = [*done, f'first-step gradients not probed: {unrecorded}']
+            done = [*done, found.NotRun(Probe.GRADS, unrecorded)]
         else:
             with clock.stage("first-step gradients (each side's first step recorded)"):
                 grads = probe(recorder)
             report = dataclasses.replace(report, leaves=[*report.leaves, *grads.leaves])
-            done = [*done, f'first-step gradients {"agree" if grads.match else "differ"}']
+            done = [*done, found.Probed(Probe.GRADS, grads.match)]
     noisy, errors = tuple(leaf for leaf in report.leaves if leaf.noise_dominated), tuple(errors)
     seen = locate.Seen(
         {'legacy': float(old.losses[0]), 'new': float(new.losses[0])}
@@ -160,37 +156,38 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
             extra, said = hidden.first_step_leaves(recorder, seen)
         report, done = dataclasses.replace(report, leaves=[*report.leaves, *extra]), [*done, said]
         seen = dataclasses.replace(seen, failed=seen.failed | {leaf.group for leaf in extra})
+    outcome = Outcome.MATCH if report.match else Outcome.MISMATCH  # NOT VERIFIED: ``unverified``, after
+    judged = Verdict(outcome, config.verdict, tuple(done), twin=twin_record, noise_dominated=noisy, errors=errors)
     if report.match:
-        matched = Verdict(True, config.verdict, tuple(done), twin=twin_text, noise_dominated=noisy, errors=errors)
-        return report, locate.attach(matched, kind, config, inputs, recorder, seen)  # only when --locate asks
-    if not diagnose:  # only its match is read: no gradients probed, no re-run, not located
-        return report, Verdict(False, config.verdict, tuple(done), twin=twin_text, noise_dominated=noisy, errors=errors)
+        return report, locate.attach(judged, kind, config, inputs, recorder, seen)  # only when --locate asks
+    if not diagnose:  # only its outcome is read: no gradients probed, no re-run, not located
+        return report, judged
     rerun = None
     # Only a first *loss* that differs can be re-checked with dropout off (the re-run compares
     # losses): a slip seen only in the first gradients is math, whatever dropout does.
     loss_failed = any(leaf.name == 'first_step/loss' for leaf in rule.failed(report, 'first_step'))
     dropout = loss_failed and facts.uses_dropout(kind.port)
     if dropout and cannot:
-        done = [*done, f'deterministic re-run (dropout off) not run: {cannot}']
+        done = [*done, found.NotRun(Probe.RERUN, cannot)]
     elif dropout:
         with clock.stage('deterministic re-run (dropout off)'):
             rerun = first_step.deterministic_rerun_matches(kind, config, inputs, report)
-        done = [*done, f'deterministic re-run (dropout off) {"matches" if rerun else "differs"}']
-    nonfinite = rule.nonfinite_line(
+        done = [*done, found.Probed(Probe.RERUN, bool(rerun))]
+    nonfinite = rule.nonfinite(
         {'legacy': old.losses, 'new': new.losses},
         {'legacy': old.final, 'new': new.final},
         first_step.data_nonfinite(inputs.whole_calls),
     )
-    no_floor = twin_text if report.floor is None else ''
-    diagnosed, line = rule.diagnose(report, nonfinite, rerun, grads is not None, no_floor)
-    mismatch = Verdict(False, config.verdict, tuple(done), diagnosed, line, twin_text, noisy, errors)
-    data_step = first_step.data_nonfinite(inputs.whole_calls) if nonfinite else None
+    no_floor = twin_record if report.floor is None else None
+    diagnosed = rule.diagnose(report, nonfinite, rerun, grads is not None, no_floor)
+    mismatch = dataclasses.replace(judged, done=tuple(done), diagnosis=diagnosed)
+    data_step = nonfinite.data_step if nonfinite is not None else None
     seen = dataclasses.replace(seen, nonfinite=nonfinite, data_step=data_step)
     located = locate.attach(mismatch, kind, config, inputs, recorder, seen)
     stage = Where(located.location.kind).stage if located.location is not None else None
-    if diagnosed in ('update', 'optimizer') and stage in rule.EARLIER:  # one finding: the place the records found
-        reading, line = rule.diagnose(report, nonfinite, rerun, grads is not None, no_floor, placed=stage)
-        located = dataclasses.replace(located, kind=reading, diagnosis=line)
+    if diagnosed.kind in (Finding.UPDATE, Finding.OPTIMIZER) and stage in rule.EARLIER:  # the place the records found
+        reading = rule.diagnose(report, nonfinite, rerun, grads is not None, no_floor, placed=stage)
+        located = dataclasses.replace(located, diagnosis=reading)
     return report, located
 
 
@@ -212,7 +209,7 @@ class RunResult:
     @property
     def outcome(self) -> Outcome:
         """The check's outcome, as its verdict decided it (``rule.Verdict.outcome``)."""
-        return self.verdict.outcome if self.verdict is not None else Outcome.of(self.report.match)
+        return self.verdict.outcome
 
     def param_divergence(self) -> list[float]:
         """Max |nnx - legacy| over all parameters, after each call."""

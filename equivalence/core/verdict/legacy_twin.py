@@ -25,6 +25,7 @@ from equivalence.core.run import setups, sides
 from equivalence.core.run.facts import uses_dropout
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.verdict import compare, rule, twin
+from equivalence.core.verdict.findings import LegacyTwin, Refusal
 from equivalence.core.verdict.rule import MEASURED_FLOOR
 from equivalence.core.verdict.unverified import start_params
 from equivalence.distributed import rows
@@ -43,11 +44,14 @@ def wanted(report: compare.Report, old, new) -> bool:
     return trained and bool(finite) and not rule.failed(report, 'first_step')
 
 
+NOT_RUN = LegacyTwin.Ran.NOT_RUN
+
+
 def run(kind: Kind, config: RunConfig, old, new, twins: dict, inputs: Inputs):
-    """``(the legacy twin's PathResult or None, what was done, what it raised)``: the pmap side again on another device
-    count, with the same data and keys: what reordering its own sums does to it. The NNX twins cannot
-    see chaos that lives on the legacy side (cnn, global keys, seed 4: legacy on 8 devices ends 1.7e-4
-    from legacy on 1, 2 and 4 and from every NNX run, all within 1.5e-6 of each other).
+    """``(the legacy twin's PathResult or None, what was done (``findings.LegacyTwin``), what it raised)``: the
+    pmap side again on another device count, with the same data and keys: what reordering its own sums does to
+    it. The NNX twins cannot see chaos that lives on the legacy side (cnn, global keys, seed 4: legacy on 8
+    devices ends 1.7e-4 from legacy on 1, 2 and 4 and from every NNX run, all within 1.5e-6 of each other).
 
     Refused, like an NNX twin, when it does not compute what the pmap run computes: its losses at
     steps 1 and 2 more than TWIN_ULPS apart (with per-device keys a model port that draws random
@@ -63,34 +67,31 @@ def run(kind: Kind, config: RunConfig, old, new, twins: dict, inputs: Inputs):
     is born, and ends 3.3e-7 from legacy on 8 in the seed-4 case above, missing it."""
     n = count(config)
     if n is None:
-        return None, 'legacy twin not run: no second device count fits', ()
-    if config.calls < 2:
-        why = 'with one call there is no early state to tell chaos from a real difference'
-        return None, f'legacy twin not run: {why}', ()
+        return None, LegacyTwin(NOT_RUN, why=LegacyTwin.Skip.NO_COUNT), ()
+    if config.calls < 2:  # no early state to tell chaos from a real difference
+        return None, LegacyTwin(NOT_RUN, why=LegacyTwin.Skip.ONE_CALL), ()
     first = [{'params': tw.params_per_call[0]} for tw in twins.values()]
     twin_first = twin.farthest({'params': new.params_per_call[0]}, first).get('params', {})
     fed, start = compare.feeding_dtypes(old.final), old.start or start_params(inputs.variables, inputs.mapping)
     first_call = (new.params_per_call[0], twin_first, MEASURED_FLOOR, fed, start)
     excess = rule.early_excess(old.params_per_call[0], new.params_per_call[0], *first_call)
-    if excess:
-        why = f'NNX is off after the first call, {excess}: not chaos, which grows from rounding'
-        return None, f'legacy twin not run: {why}', ()
+    if excess is not None:  # NNX is off after the first call: not chaos, which grows from rounding
+        return None, LegacyTwin(NOT_RUN, why=excess), ()
     try:  # run by the kind: with the run's D key rows where its step draws random numbers per device
         recorded = inputs.recorded  # a reference's: the pmap side run so where it was recorded
         other, by_rows = recorded.legacy_twin(n) if recorded is not None else kind.legacy_twin(config, n, inputs)
     except Exception as e:  # noqa: BLE001 -- pmap code written for one device count
         error = f'legacy twin on {n} device(s): {type(e).__name__}: {e}'
-        return None, f'legacy twin on {n} device(s) not run: it raised {blame.first_line(e)}', (error,)
+        return None, LegacyTwin(LegacyTwin.Ran.RAISED, n, blame.first_line(e)), (error,)
     refusal = rule.twin_refusal(old.losses, other.losses, 'legacy')
-    if not refusal and not np.isfinite(other.losses).all():
-        refusal = 'refused: a non-finite loss'
-    if not refusal:
+    if refusal is None and not np.isfinite(other.losses).all():
+        refusal = Refusal(Refusal.Why.ANY_NON_FINITE, side='legacy')
+    if refusal is None:  # on another count it computes something else
         excess = rule.early_excess(old.params_per_call[0], other.params_per_call[0], *first_call)
-        refusal = excess and f'refused: after the first call, {excess}: on another count it computes something else'
-    if refusal:
-        return None, f'legacy twin on {n} device(s) {refusal}', ()
-    keys = f", drawing with the run's {config.devices} per-device keys" if by_rows else ''
-    return other, f"a legacy twin on {n} device(s){keys} measured the pmap side's own floor", ()
+        refusal = Refusal(Refusal.Why.EARLY, side='legacy', excess=excess) if excess is not None else None
+    if refusal is not None:
+        return None, LegacyTwin(LegacyTwin.Ran.REFUSED, n, refusal), ()
+    return other, LegacyTwin(LegacyTwin.Ran.MEASURED, n, rows=config.devices if by_rows else None), ()
 
 
 def count(config: RunConfig) -> int | None:

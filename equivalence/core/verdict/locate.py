@@ -27,7 +27,7 @@ It runs on MISMATCH, and on MATCH when ``RunConfig.locate`` asks (``attach``, ca
 """
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -192,7 +192,7 @@ class Seen:
 
     first_losses: dict = dataclasses.field(default_factory=dict)  # 'legacy', 'new' -> the run's first loss
     noisy: frozenset = frozenset()  # parameter paths (the new side's names)
-    nonfinite: str = ''  # the verdict's line where a NaN or Inf appeared ('' none)
+    nonfinite: Any = None  # findings.NonFinite: where a NaN or Inf appeared (None: none)
     failed: frozenset = frozenset()  # the groups of the leaves outside their floors ('params', 'ema', ...)
     data_step: int | None = None  # the first step whose batch holds NaN or Inf
 
@@ -323,4 +323,5 @@ def unconfirmed(found: Location) -> Location:
     place = found.new if found.kind != 'update' else f'the update ({found.new})'
     figures = (f'not located: the verdict is a MATCH (every leaf within its floor); the recorded first step parts at '
                f'{found.kind} {place} ({found.figures}), which no leaf of the verdict confirms')  # fmt: skip
-    return dataclasses.replace(found, kind=Where.UNLOCATED, legacy='', new='', figures=figures, first=None)
+    return dataclasses.replace(found, kind=Where.UNLOCATED, legacy='', new='', figures=figures, first=None,
+                               settings=())  # fmt: skip

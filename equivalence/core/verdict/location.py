@@ -72,6 +72,7 @@ class Location:
     notes: tuple[str, ...] = ()  # what was not paired or not observed, and why
     agreed: tuple[str, ...] = ()  # the ``STAGES`` held to their floors before it, and found agreeing
     ruled_out: tuple[str, ...] = ()  # the ``STAGES`` the verdict's own leaves rule out (``locate.stages_for``)
+    settings: tuple = ()  # (name, legacy's, the new side's) of the settings the module at the place holds otherwise
 
     def __post_init__(self):
         object.__setattr__(self, 'kind', Where(self.kind))  # an unknown kind raises here, where it is made

@@ -1,6 +1,6 @@
 """The product of a check, as one value: MATCH, MISMATCH or NOT VERIFIED, each with its exit code.
 
-Decided once, by the verdict (``rule.Verdict.outcome``); ``run``, the corpus, the pytest plugin and the
+Decided once, by the verdict (``judge``, into ``rule.Verdict.outcome``); ``run``, the corpus, the pytest plugin and the
 report read it and derive nothing themselves. Imports nothing heavy: the command layer reads the exit
 codes before JAX starts.
 """
@@ -25,8 +25,7 @@ class Outcome(enum.Enum):
         return self.name.replace('_', ' ')
 
     @classmethod
-    def of(cls, match: bool, unverified: str = '') -> 'Outcome':
-        """The outcome of a verdict whose leaves ``match`` (or not), NOT VERIFIED when ``unverified`` says why."""
-        if unverified:
-            return cls.NOT_VERIFIED
+    def of(cls, match: bool) -> 'Outcome':
+        """MATCH or MISMATCH: the outcome of a comparison whose leaves ``match`` (or not). NOT VERIFIED is the
+        verdict's own (``verdict.unverified``), set with its typed reason."""
         return cls.MATCH if match else cls.MISMATCH

@@ -1,7 +1,8 @@
-"""The verdict: every leaf held to the noise floor a twin run measured, and one line saying why not.
+"""The verdict: every leaf held to the noise floor a twin run measured, and a typed diagnosis saying why not.
 
 Framework-free, like ``compare``: named host arrays and numbers in, a ``Verdict`` out. What
-runs the twin and the probes is ``judge``; this module holds the rules and their numbers.
+runs the twin and the probes is ``judge``; this module holds the rules and their numbers. The values it
+returns (``findings``) are worded by ``core/report/words``.
 
 The statistic, per leaf (the per-step losses are one leaf; the first step's loss and, at
 level 1, the first step's gradients are leaves of their own, ``first_step/...``):
@@ -29,6 +30,17 @@ import numpy as np
 
 from equivalence.core.verdict import compare
 from equivalence.core.verdict.compare import FloorRule, LeafDiff, Report, spacing32
+from equivalence.core.verdict.findings import (
+    Diagnosis,
+    Excess,
+    Finding,
+    Hidden,
+    NonFinite,
+    NoTwin,
+    Refusal,
+    Twins,
+    Unmeasured,
+)
 from equivalence.core.verdict.outcome import Outcome
 
 # Measured (scratch sweep, legacy / NNX / twin on the same inputs, default 4 calls x 5 steps):
@@ -72,46 +84,38 @@ TWIN_ULPS = 8.0
 # attention key biases 0.6%, cnn under fsdp seed 4 0.3%), never the output layer (docs/verdict.md).
 NOT_VERIFIED_SHARE = 0.1
 
-KINDS = ('non-finite', 'bookkeeping', 'math', 'randomness', 'state', 'ema', 'optimizer', 'update', 'unmeasured')
+KINDS = tuple(Finding)  # a MISMATCH's findings, in the order ``diagnose`` tries them
 
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
-    """The measured verdict of one run: what was done, and on MISMATCH one line of diagnosis."""
+    """The measured verdict of one run, as values: its outcome, decided once (``judge``), what was done, and
+    on MISMATCH the diagnosis. ``core/report/words`` says it in English."""
 
-    match: bool
+    outcome: Outcome
     mode: str  # RunConfig.verdict: 'measured', 'strict' or 'screen'
-    done: tuple[str, ...]  # what was measured, in words, in the order it was done
-    kind: str = ''  # one of KINDS on MISMATCH
-    diagnosis: str = ''  # the line above the leaf table
-    twin: str = ''  # 'on 1 device', or why there is no floor: 'refused: ...', 'not run: ...'
+    done: tuple = ()  # what was measured, in the order it was done (``findings``: Screen, Twins, Probed, ...)
+    twin: Twins | NoTwin | None = None  # the twins the floor is from, or why there is no floor
+    diagnosis: Diagnosis | None = None  # on MISMATCH
     noise_dominated: tuple[LeafDiff, ...] = ()
-    errors: tuple[str, ...] = ()  # the whole text of what a twin raised; its line in done/twin is shortened
-    unverified: str = ''  # NOT VERIFIED: why, short (not_verified's reasons); match is then False, and kind ''
-    hidden_by_noise: bool = False  # NOT VERIFIED because noise-dominated leaves are where a slip would hide
+    errors: tuple[str, ...] = ()  # the whole text of what a twin raised; its record in done/twin is shortened
+    unverified: Unmeasured | Hidden | None = None  # NOT VERIFIED: why (and kind then '')
     memory: dict | None = None  # bytes per device of one call: {'run': ..., 'twins': {twin: ...}} (footprint)
     location: Any = None  # locate.Location: where the first step parts (on MISMATCH, or asked for on MATCH)
 
     @property
-    def outcome(self) -> Outcome:
-        """MATCH, MISMATCH or NOT VERIFIED: the one place a check's outcome is decided."""
-        return Outcome.of(self.match, self.unverified)
+    def match(self) -> bool:
+        return self.outcome is Outcome.MATCH
 
-    def lines(self) -> list[str]:
-        out = [f'verdict: {self.mode}; ' + '; '.join(self.done)]
-        for leaf in self.noise_dominated:
-            out.append(
-                f'NOISE-DOMINATED {leaf.name}: {whose(leaf)}twin moves it by {leaf.floor:.2e} '
-                f'(legacy differs by {leaf.max_abs:.2e}); its final value cannot verify it'
-            )
-        hides = f': {NOISE_HIDES}' if self.hidden_by_noise else ''
-        out += [f'not verified: {self.unverified}{hides}'] if self.unverified else []
-        out += [f'diagnosis ({self.kind}): {self.diagnosis}'] if self.diagnosis else []
-        return out + (self.location.lines() if self.location is not None else [])
+    @property
+    def kind(self) -> str:
+        """The diagnosis's ``Finding`` on MISMATCH, else ''."""
+        return self.diagnosis.kind if self.diagnosis is not None else ''
 
-
-def whose(leaf: LeafDiff) -> str:
-    return "the pmap side's " if leaf.floor_from == 'legacy' else 'the '
+    @property
+    def hidden_by_noise(self) -> bool:
+        """NOT VERIFIED because noise-dominated leaves are where a slip would hide."""
+        return isinstance(self.unverified, Hidden)
 
 
 def ulps(a: float, b: float) -> float:
@@ -119,24 +123,20 @@ def ulps(a: float, b: float) -> float:
     return abs(a - b) / spacing32(max(abs(a), abs(b)) or 1.0)
 
 
-def twin_refusal(nnx_losses: np.ndarray, twin_losses: np.ndarray, side: str = 'new') -> str:
-    """'' when the twin computes what the ``side`` run (NNX, or legacy for a legacy twin) computes;
+def twin_refusal(nnx_losses: np.ndarray, twin_losses: np.ndarray, side: str = 'new') -> Refusal | None:
+    """None when the twin computes what the ``side`` run (NNX, or legacy for a legacy twin) computes;
     else why it is refused as a floor."""
     for k in range(min(2, len(nnx_losses))):
         n, t = float(nnx_losses[k]), float(twin_losses[k])
         if not (np.isfinite(n) and np.isfinite(t)):
-            return f'refused: a non-finite loss at step {k + 1} ({side.lower()} {n}, twin {t})'
+            return Refusal(Refusal.Why.NON_FINITE, k + 1, n, t, side=side)
         if ulps(n, t) > TWIN_ULPS:
-            return (
-                f'refused: its loss at step {k + 1} is {ulps(n, t):.0f} float32 spacings from the {side} run '
-                f'({t:.9g} vs {n:.9g}, more than {TWIN_ULPS:g}): it does not compute the same thing, '
-                'so it measures no floor'
-            )
-    return ''
+            return Refusal(Refusal.Why.SPACINGS, k + 1, n, t, ulps(n, t), side=side)
+    return None
 
 
-def twin_reordered_nothing(nnx_final: compare.Neutral, twin_final: compare.Neutral) -> str:
-    """'' unless the twin ended in bitwise the NNX run's state: then its gradients were summed in the same
+def twin_reordered_nothing(nnx_final: compare.Neutral, twin_final: compare.Neutral) -> Refusal | None:
+    """None unless the twin ended in bitwise the NNX run's state: then its gradients were summed in the same
     order (code pinned to its own mesh runs unchanged on a twin of as many devices: a hand-written tp
     ``shard_map``), and its floor of 0 would hold legacy to the ulp minimum. Asked only of a twin on
     as many devices as the checked run (tp's): on another count such code raises instead."""
@@ -147,14 +147,14 @@ def twin_reordered_nothing(nnx_final: compare.Neutral, twin_final: compare.Neutr
         if p in twin_final.get(g, {}) and compare.is_float(np.asarray(a).dtype)
     ]
     if pairs and all(np.array_equal(a, b) for a, b in pairs):
-        return "refused: it ended in bitwise the new side's state: it summed the gradients in the same order, no floor"
-    return ''
+        return Refusal(Refusal.Why.SAME_ORDER)
+    return None
 
 
 def early_excess(
     legacy: dict, other: dict, nnx: dict, twin: dict, rule: FloorRule, fed: dict | None = None, start=None
-) -> str:
-    """'' unless some parameter of ``other`` after the first call is already farther from the legacy
+) -> Excess | None:
+    """None unless some parameter of ``other`` after the first call is already farther from the legacy
     run's (``legacy``) than the NNX twin allows the NNX run there (``rule``, per leaf, in its own
     precision: ``fed`` and ``start`` as for ``compare.compare_to_floor``); else which, by how much,
     against what. Chaos starts at rounding level and grows: a difference present from the first
@@ -170,31 +170,22 @@ def early_excess(
         finite = bool(np.isfinite(b).all())
         spread = float(np.abs(np.asarray(a, np.float64) - b).max(initial=0.0)) if finite else np.inf
         if spread > limit:
-            return f'params/{path} {spread:.2e} from the legacy run (allowed {limit:.2e})'
-    return ''
+            return Excess(path, spread, limit)
+    return None
 
 
-NOISE_HIDES = (
-    "the run's own rounding (its twin) moves them by about as much as legacy differs, so a slip there would pass "
-    'unseen; every leaf is within its floor, and that proves nothing here; more steps (--calls) move parameters '
-    'that have barely left their initial values (a zero-initialised layer) beyond their noise'
-)
-
-
-def not_verified(report: Report, output_layer: set[str]) -> str:
-    """'' when the noise-dominated leaves leave the run verified; else the reasons it is NOT VERIFIED
-    (the verdict adds why they matter, ``NOISE_HIDES``). ``output_layer``: the paths of the parameters
-    of the layer the model applies last."""
+def not_verified(report: Report, output_layer: set[str]) -> Hidden | None:
+    """None when the noise-dominated leaves leave the run verified; else why it is NOT VERIFIED (the report
+    adds why they matter). ``output_layer``: the paths of the parameters of the layer the model applies last."""
     params = [leaf for leaf in report.leaves if leaf.group == 'params' and not leaf.one_sided]
     noisy = [leaf for leaf in params if leaf.noise_dominated]
     share = sum(leaf.size for leaf in noisy) / max(sum(leaf.size for leaf in params), 1)
-    head = [leaf for leaf in noisy if leaf.path in output_layer]
-    losses = [leaf for leaf in report.leaves if leaf.noise_dominated and leaf.group == 'losses']
-    why = [f'{share:.1%} of the parameters are noise-dominated ({names(noisy)}), more than {NOT_VERIFIED_SHARE:.0%}']
-    why = why if share > NOT_VERIFIED_SHARE else []
-    why += [f'the output layer is noise-dominated ({names(head)})'] if head else []
-    why += ['the per-step losses are noise-dominated'] if losses else []
-    return '; '.join(why)
+    head = tuple(leaf for leaf in noisy if leaf.path in output_layer)
+    losses = any(leaf.noise_dominated and leaf.group == 'losses' for leaf in report.leaves)
+    over = share if share > NOT_VERIFIED_SHARE else None
+    if over is None and not head and not losses:
+        return None
+    return Hidden(over, tuple(noisy), head, losses)
 
 
 def first_step_tree(loss: float | None = None, grads: dict[str, np.ndarray] | None = None) -> compare.Neutral:
@@ -207,127 +198,53 @@ def failed(report: Report, group: str | None = None) -> list[LeafDiff]:
     return [leaf for leaf in report.leaves if not leaf.ok and (group is None or leaf.group == group)]
 
 
-def names(leaves: list[LeafDiff], n: int = 3) -> str:
-    shown = ', '.join(leaf.name for leaf in leaves[:n])
-    return shown + (f' and {len(leaves) - n} more' if len(leaves) > n else '')
-
-
 EARLIER = ('forward', 'loss', 'backward', 'statistics')  # stages of a place found before the update
 
 
 def diagnose(
-    report: Report, nonfinite: str, rerun_matched: bool | None, grads_checked: bool, no_floor: str = '',
-    placed: str | None = None,
-) -> tuple[str, str]:  # fmt: skip
-    """``(kind, line)`` for a report that does not match; the first kind that explains it wins.
-    ``no_floor``: why no twin measured a floor (the verdict's ``twin``), for the ``unmeasured`` line;
+    report: Report, nonfinite: NonFinite | None, rerun_matched: bool | None, grads_checked: bool,
+    no_floor: NoTwin | None = None, placed: str | None = None,
+) -> Diagnosis:  # fmt: skip
+    """The ``Diagnosis`` of a report that does not match; the first finding that explains it wins.
+    ``no_floor``: why no twin measured a floor (the verdict's ``twin``), for ``unmeasured``;
     ``placed``: the stage the location found (a ``Where``'s), which an ``update`` or ``optimizer`` reading of the
     final leaves must not contradict (a GroupNorm's epsilon read 'the update differs' above 'where: module'; behind
     diffusion_distillation's zero-initialised output convolutions every first gradient is 0 on both sides, and its
     slips in the forward pass read 'the optimizer ... differ'): it is ``math``, placed by the first step's records."""
     bad = failed(report)
-    if nonfinite:
-        return 'non-finite', nonfinite
-    sided = [leaf for leaf in bad if leaf.one_sided]
+    if nonfinite is not None:
+        return Diagnosis(Finding.NON_FINITE, nonfinite=nonfinite)
+    sided = tuple(leaf for leaf in bad if leaf.one_sided)
     if sided and len(sided) == len(bad):
-        return 'bookkeeping', bookkeeping_line(sided)
-    also = f' (also: {bookkeeping_line(sided)})' if sided else ''
-    early = failed(report, 'first_step')
+        return Diagnosis(Finding.BOOKKEEPING, sided=sided)
+    early = tuple(failed(report, 'first_step'))
     if early and rerun_matched:
-        return 'randomness', (
-            f"the first step's loss differs ({describe(early[0])}), but with dropout off on both sides it matches: "
-            'the two sides draw different random numbers (dropout masks, or noise from another key)' + also
-        )
+        return Diagnosis(Finding.RANDOMNESS, early, sided)
     if early:
-        return 'math', f'the first step already differs beyond its floor, before any update: {details(early)}' + also
-    later = [leaf for leaf in bad if not leaf.one_sided]
+        return Diagnosis(Finding.MATH, early, sided)
+    later = tuple(leaf for leaf in bad if not leaf.one_sided)
     if report.floor is None:
-        return 'unmeasured', (
-            f'outside the fixed tolerance, and no floor was measured to tell noise from a slip: {details(later)}; '
-            f'no twin measured one: {no_floor or "see the verdict line"}' + also
-        )
+        return Diagnosis(Finding.UNMEASURED, later, sided, no_floor=no_floor)
     if all(leaf.group == 'model_state' for leaf in later):
-        return 'state', (
-            'the losses, parameters and optimizer state agree within their floor; only the model state does not: '
-            f'{details(later)}; a running statistic is updated differently (its momentum, epsilon or axis_name)' + also
-        )
+        return Diagnosis(Finding.STATE, later, sided)
     if all(leaf.group == 'ema' for leaf in later):
-        return 'ema', (
-            'the losses, parameters and optimizer state agree within their floor; only the EMA does not: '
-            f'{details(later)}; the EMA is updated differently (its decay, its arithmetic, or which parameters '
-            'it averages)' + also
-        )
+        return Diagnosis(Finding.EMA, later, sided)
     if placed in EARLIER:  # what the final leaves show grew from a place the first step's records found
-        return 'math', (
-            f"the first step's loss agrees within its floor{' (and its gradients)' if grads_checked else ''}, later "
-            f'losses or the final state do not: {details(later)}; the first step, recorded module by module, parts '
-            f'earlier, in the {placed} (where: below)' + also
-        )
-    if grads_checked:
-        return 'optimizer', (
-            "the first step's loss and gradients agree within their floor, the state after training does not: "
-            f'{details(later)}; the optimizer, its settings or its state differ' + also
-        )
-    return 'update', (
-        f"the first step's loss agrees within its floor, later losses or the final state do not: {details(later)}; "
-        'the update differs (the optimizer, its state, or a gradient the loss does not show)' + also
-    )
+        return Diagnosis(Finding.MATH, later, sided, grads_checked=grads_checked, placed=placed)
+    return Diagnosis(Finding.OPTIMIZER if grads_checked else Finding.UPDATE, later, sided, grads_checked=grads_checked)
 
 
-def describe(leaf: LeafDiff) -> str:
-    limit = f'allowed {leaf.limit:.2e}' if leaf.limit is not None else 'outside the fixed tolerance'
-    return f'{leaf.name} by {leaf.max_abs:.2e}, {limit}'
-
-
-def details(leaves: list[LeafDiff], n: int = 3) -> str:
-    shown = '; '.join(describe(leaf) for leaf in leaves[:n])
-    return shown + (f'; and {len(leaves) - n} more' if len(leaves) > n else '')
-
-
-SHOWN = 3  # leaves named per group and side; the rest counted
-
-
-def bookkeeping_line(sided: list[LeafDiff]) -> str:
-    """The leaves on one side only, by group and side (a few named, the rest counted), and what to do."""
-    by: dict[tuple[str, str], list[LeafDiff]] = {}
-    for leaf in sided:
-        by.setdefault((leaf.group, leaf.one_sided), []).append(leaf)
-    parts = []
-    for (group, side), leaves in by.items():
-        some = ', '.join(leaf.name for leaf in leaves[:SHOWN]) + (
-            f' and {len(leaves) - SHOWN} more' if len(leaves) > SHOWN else ''
-        )
-        parts.append(
-            f'{len(leaves)} {group} leaves only on the {side} side ({some})'
-            if len(leaves) > 1
-            else f'{some} only on the {side} side'
-        )
-    fix = "map the field (the port's legacy_groups / new_groups), or keep it on both sides"
-    if {group for group, _ in by} == {'opt_state'} and len({side for _, side in by}) == 2:
-        fix = (
-            'the two optimizer states have other structures (optax.chain(clip, adam) on one side, a bare adam '
-            'on the other, say): build the same transformation on both sides, or map them with legacy_groups / '
-            'new_groups'
-        )
-    elif any(group == 'ema' for group, _ in by):
-        fix += '; an EMA is read from an nnx.Module or a params tree under ema, ema_params or params_ema'
-    return f'{"; ".join(parts)}: nothing numeric differs here; {fix}'
-
-
-def nonfinite_line(losses: dict[str, np.ndarray], finals: dict[str, compare.Neutral], data_step: int | None) -> str:
-    """'' when everything is finite; else where the first NaN or Inf appeared, per side, and whether the data had it."""
+def nonfinite(losses: dict[str, np.ndarray], finals: dict[str, compare.Neutral], data_step: int | None):
+    """None when everything is finite; else where the first NaN or Inf appeared, per side (``NonFinite``)."""
     where = []
     for side, per_step in losses.items():
         steps = np.flatnonzero(~np.isfinite(per_step))
         leaves = [f'{g}/{p}' for g, tree in finals[side].items() for p, a in tree.items() if not _finite(a)]
         if len(steps):
-            where.append(f'{side} from step {steps[0] + 1}')
+            where.append((side, int(steps[0]) + 1, None))
         elif leaves:
-            where.append(f'{side} in {leaves[0]} (losses finite)')
-    if not where:
-        return ''
-    data = f'the data holds NaN or Inf at step {data_step}' if data_step else 'the data is finite (training diverged)'
-    return f'non-finite values: {", ".join(where)}; {data}'
+            where.append((side, None, leaves[0]))
+    return NonFinite(tuple(where), data_step) if where else None
 
 
 def _finite(a: np.ndarray) -> bool:

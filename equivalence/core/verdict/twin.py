@@ -52,6 +52,7 @@ from equivalence.core.run.inputs import Inputs
 from equivalence.core.run.model_side import Reordered, TwinKind
 from equivalence.core.run.nudge import DRAWS, Nudged
 from equivalence.core.verdict import compare, fresh, rule
+from equivalence.core.verdict.findings import Refusal, TwinRefused, Unrun
 from equivalence.distributed import gather
 
 
@@ -71,13 +72,6 @@ def twin_counts(config: RunConfig, available: int) -> tuple[int, ...]:
 # the reordered placements alone measured too small a floor there (wide fsdp-tp, seed 0: a correct run
 # 11x its floor). Not tp's own placement: its mesh has no data axis, and cnn ended bitwise equal (seed 6).
 CANDIDATES = {'fsdp': ('fsdp', 'fsdp-tp', 'dp'), 'tp': ('fsdp-tp', 'dp', 'fsdp'), 'fsdp-tp': ('fsdp-tp', 'fsdp', 'dp')}
-# Why a twin on another device count computes otherwise, most often (diffusion_distillation's step, tried blind):
-PER_REPLICA = (
-    '; a new side whose arithmetic follows its device count (randomness or clipping per replica sized by the '
-    "mesh) computes otherwise on the twin's devices: do it per group of rows for the pmap side's D "
-    "(rng_modes=('per-device',), step_form='state_rng'; docs/port.md#the-device-count), or measure the floor "
-    "on the run's own program (--twin program, the default)"
-)
 FIT = 1.1  # a sharded run's twin may hold at most this many times the run's bytes per device
 TWINS = 2  # a sharded run's twins: each leaf the larger of their floors
 
@@ -195,17 +189,17 @@ class Measured:
     """The twins that measured a floor, and what became of the others."""
 
     twins: dict  # twin kind -> its PathResult: each ran and computed what the NNX run computes
-    why: tuple[str, ...]  # why each other twin did not run or was refused
+    why: tuple  # why each other twin did not run (``findings.Unrun``) or was refused (``findings.TwinRefused``)
     fresh: tuple  # the twin kinds that ran in a fresh process
     errors: tuple[str, ...]  # the whole text of what a twin raised (the JSON report)
 
 
 class TwinNotRun(Exception):
-    """Why a twin did not run, as the verdict line says it; ``errors``: the whole text of what it raised."""
+    """Why a twin did not run (``findings.Unrun``); ``errors``: the whole text of what it raised."""
 
-    def __init__(self, why: str, errors: tuple[str, ...] = ()):
-        super().__init__(why)
-        self.errors = errors
+    def __init__(self, unrun: Unrun, errors: tuple[str, ...] = ()):
+        super().__init__(unrun)
+        self.unrun, self.errors = unrun, errors
 
 
 def measure(kind: PortKind, config: RunConfig, new, inputs: Inputs, counts: tuple) -> Measured:
@@ -229,22 +223,21 @@ def measure(kind: PortKind, config: RunConfig, new, inputs: Inputs, counts: tupl
             with clock.stage(f'twin {describe([n])}'):
                 tw, drawn, in_fresh, raised = one_twin(kind, config, inputs, n, limit, built)
         except TwinNotRun as e:
-            why.append((n, str(e)))
+            why.append((n, e.unrun))
             errors += e.errors
             continue
         errors += raised
         refusal = rule.twin_refusal(new.losses, tw.losses)
-        if not refusal and devices_of(n, config) == config.devices:
+        if refusal is None and devices_of(n, config) == config.devices:
             refusal = rule.twin_reordered_nothing(new.final, tw.final)
-        if not refusal and drawn is not None:
+        if refusal is None and drawn is not None:
             if not drawn_by_run:  # once, when a twin needs it
                 with clock.stage("the run's first call again, its random draws recorded"):
                     drawn_by_run = [run_draws(kind, config, inputs)]
-            refusal = draws.refusal(drawn_by_run[0], drawn)
-        if refusal and isinstance(n, int) and n != config.devices:  # its losses or its draws: the likely cause
-            refusal += PER_REPLICA
-        if refusal:
-            why.append((n, f'{refusal} ({describe([n])}{" in a fresh process" if in_fresh else ""})'))
+            said = draws.refusal(drawn_by_run[0], drawn)
+            refusal = Refusal(Refusal.Why.DRAWS, detail=said) if said else None
+        if refusal is not None:  # on another count, its losses or its draws: the likely cause said (words.PER_REPLICA)
+            why.append((n, TwinRefused(n, refusal, in_fresh, isinstance(n, int) and n != config.devices)))
         else:
             twins[n] = tw
             fresh_ones += [n] if in_fresh else []
@@ -260,11 +253,11 @@ def own_program(kind: PortKind, config: RunConfig, new, inputs: Inputs, n: Nudge
         with clock.stage(f'twin of {n}'):
             tw = run_twin(kind, config, inputs, n, program=new.program)
     except Exception as e:  # noqa: BLE001 -- the port's own code raised on nudged inputs: no floor, said why
-        return None, f'not run: {n} raised {blame.first_line(e)}'
+        return None, Unrun(n, blame.first_line(e), own=True)
     bad = [k for k, (a, b) in enumerate(zip(new.losses, tw.losses, strict=True)) if np.isfinite(a) != np.isfinite(b)]
     if bad:
         k = bad[0]
-        return None, f"refused: its loss at step {k + 1} is {tw.losses[k]}, the run's {new.losses[k]} ({n})"
+        return None, TwinRefused(n, Refusal(Refusal.Why.OWN_NON_FINITE, k + 1, new.losses[k], tw.losses[k]))
     return tw, ''
 
 
@@ -276,7 +269,7 @@ def one_twin(kind: PortKind, config: RunConfig, inputs: Inputs, n, fit: dict | N
     exceed ``FIT`` times; ``built``: setups built already, by twin (one that did not fit may run later as
     the fallback)."""
     calls, errors = inputs.whole_calls, []
-    raised = f'{n} device(s) are more than this process sees'
+    raised = None  # more devices than this process sees
     if devices_of(n, config) <= len(jax.local_devices()):
         drawn = draws_recorder(kind)
         try:
@@ -289,15 +282,15 @@ def one_twin(kind: PortKind, config: RunConfig, inputs: Inputs, n, fit: dict | N
             raise
         except Exception as e:  # noqa: BLE001 -- NNX code pinned to its own mesh cannot run on the twin's
             errors.append(f'twin on {n} device(s): {type(e).__name__}: {e}')
-            raised = f'{describe([n])} it raised {blame.first_line(e)}'
+            raised = blame.first_line(e)
     cannot = fresh.why_not(config, inputs.restore is not None)
     if cannot:
-        raise TwinNotRun(f'not run: {raised}; and no fresh process: {cannot}', tuple(errors))
+        raise TwinNotRun(Unrun(n, raised, no_fresh=cannot), tuple(errors))
     try:
         tw, drawn = fresh.run_twin(kind, config, inputs, n, draws_recorder(kind) is not None)
     except Exception as e:  # noqa: BLE001 -- the fresh process failed too: both reasons
         errors.append(f'twin on {n} device(s) in a fresh process: {type(e).__name__}: {e}')
-        raise TwinNotRun(f'not run: {raised}; {blame.first_line(e)}', tuple(errors)) from None
+        raise TwinNotRun(Unrun(n, raised, fresh_raised=blame.first_line(e)), tuple(errors)) from None
     return tw, drawn, True, tuple(errors)
 
 
@@ -307,8 +300,7 @@ def too_big(setup, batch_KxG, rng, fit: dict | None, n) -> None:
         return
     held = footprint.per_device(setup, batch_KxG, rng)
     if held is not None and held['held'] > FIT * fit['held']:
-        ratio = held['held'] / fit['held']
-        raise TwinNotRun(f"not run {describe([n])}: it would hold {ratio:.2f}x the run's bytes per device")
+        raise TwinNotRun(Unrun(n, ratio=held['held'] / fit['held']))
 
 
 def draws_recorder(kind: PortKind) -> draws.FirstCall | None:

@@ -16,6 +16,8 @@ from equivalence.core.port import convert
 from equivalence.core.port.ports import Port, init_inputs
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.verdict import compare, rule
+from equivalence.core.verdict.findings import Finding, Unmeasured
+from equivalence.core.verdict.outcome import Outcome
 from equivalence.core.verdict.rule import Verdict
 
 
@@ -25,13 +27,12 @@ def unmeasured(report: compare.Report, judged: Verdict) -> Verdict:
     which is no measure of this port's own noise, or a failure of it that nothing tells from noise. A
     MISMATCH decided without a floor (the first step, the bookkeeping, NaNs) stays a MISMATCH."""
     if judged.match:
-        screen = "the fixed screen passed, which is not a measure of this port's own noise"
-    elif judged.kind == 'unmeasured':
-        screen = f'outside the fixed screen, and nothing tells noise from a slip: {rule.details(rule.failed(report))}'
+        why = Unmeasured(judged.twin, screen_passed=True)
+    elif judged.kind == Finding.UNMEASURED:
+        why = Unmeasured(judged.twin, screen_passed=False, failed=tuple(rule.failed(report)))
     else:
         return judged
-    why = f"no twin measured this port's noise floor ({judged.twin}); {screen}"
-    return dataclasses.replace(judged, match=False, kind='', diagnosis='', unverified=why)
+    return dataclasses.replace(judged, outcome=Outcome.NOT_VERIFIED, diagnosis=None, unverified=why)
 
 
 def unverified(port: Port, inputs: Inputs, report: compare.Report, judged: Verdict) -> Verdict:
@@ -41,9 +42,9 @@ def unverified(port: Port, inputs: Inputs, report: compare.Report, judged: Verdi
         return judged
     last = inputs.recorded.output_layer if inputs.recorded is not None else None  # a reference's, recorded
     why = rule.not_verified(report, last or output_layer(port, inputs.variables, inputs.calls[0], inputs.mapping))
-    if not why:
+    if why is None:
         return judged
-    return dataclasses.replace(judged, match=False, unverified=why, hidden_by_noise=True)
+    return dataclasses.replace(judged, outcome=Outcome.NOT_VERIFIED, unverified=why)
 
 
 def output_layer(port: Port, variables: dict, batch_KxG, mapping: dict) -> set[str]:
