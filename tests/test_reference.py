@@ -7,6 +7,7 @@ jax 0.8 built it on jit and shard_map), CPU, with the command docs/reference.md 
 few seconds, where making its environment would cost minutes.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 from conftest import ROOT, assert_one_line_error, import_example, require_devices, run_module
 
+from equivalence import record as record_command
 from equivalence.core import harness
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
@@ -23,7 +25,6 @@ from equivalence.core.run import reference
 from equivalence.core.verdict.outcome import Outcome
 
 DATA = os.path.join(ROOT, 'tests', 'data')
-CLASSIC = {'mlp': 8, 'score': 16}  # workload -> the global batch it was recorded with (D = 2, K = 2, C = 2)
 FLAGS = {'devices': 2, 'steps_per_call': 2, 'calls': 2}
 MLP_PORT = os.path.join(ROOT, 'examples', 'mlp_port')
 
@@ -32,20 +33,32 @@ def classic(name: str) -> str:
     return os.path.join(DATA, f'{name}_jax0.4.38.npz')
 
 
-@pytest.mark.parametrize('name', CLASSIC)
-def test_a_reference_recorded_on_the_classic_pmap_checks_the_port_on_todays_jax(name):
-    """Recorded on jax 0.4.38, checked here: the correct port MATCHes, and a 0.1% learning-rate slip MISMATCHes
-    at the place a check of both sides on today's JAX names (score draws its noise from the step's keys: it
-    MATCHes only because the check draws them as jax 0.4 did, ``jax_threefry_partitionable`` as recorded)."""
+def test_a_reference_recorded_on_the_classic_pmap_checks_the_port_on_todays_jax():
+    """Recorded on jax 0.4.38, checked here: the correct mlp MATCHes, and a 0.1% learning-rate slip MISMATCHes
+    at the place a check of both sides on today's JAX names."""
     require_devices(2)
-    port, path, batch = workloads.WORKLOADS[name], classic(name), CLASSIC[name]
-    held = reference.load(path)
-    assert held.environment['versions']['jax'] == '0.4.38' and not held.environment['threefry_partitionable']
-    assert harness.check(port, reference=path, batch_size=batch, **FLAGS).outcome is Outcome.MATCH
-    slip = harness.check(port, reference=path, batch_size=batch, perturb=1e-3, **FLAGS)
-    both = harness.check(port, batch_size=batch, perturb=1e-3, **FLAGS)  # the control: today's pmap beside it
+    port, path = workloads.WORKLOADS['mlp'], classic('mlp')
+    assert reference.load(path).environment['versions']['jax'] == '0.4.38'
+    assert harness.check(port, reference=path, batch_size=8, **FLAGS).outcome is Outcome.MATCH
+    slip = harness.check(port, reference=path, batch_size=8, perturb=1e-3, **FLAGS)
+    both = harness.check(port, batch_size=8, perturb=1e-3, **FLAGS)  # the control: today's pmap beside it
     assert slip.outcome is both.outcome is Outcome.MISMATCH
     assert slip.verdict.location.kind == both.verdict.location.kind != 'unlocated'
+
+
+def test_a_check_against_a_reference_draws_its_keys_as_the_recorded_run_drew_them(monkeypatch):
+    """score draws its noise from the step's keys, and jax 0.4.38 drew other bits from the same key than
+    today's JAX does (``jax_threefry_partitionable``, default since 0.5): as recorded it MATCHes; read as if
+    recorded with today's setting, every draw differs and it MISMATCHes (the control)."""
+    require_devices(2)
+    port, path = workloads.WORKLOADS['score'], classic('score')
+    assert reference.load(path).environment['threefry_partitionable'] is False
+    assert harness.check(port, reference=path, batch_size=16, **FLAGS).outcome is Outcome.MATCH
+    load = reference.load
+    today = lambda p: dataclasses.replace(held := load(p), environment={**held.environment,  # noqa: E731
+                                                                         'threefry_partitionable': True})  # fmt: skip
+    monkeypatch.setattr(reference, 'load', today)
+    assert harness.check(port, reference=path, batch_size=16, diagnose=False, **FLAGS).outcome is Outcome.MISMATCH
 
 
 def damaged_copy(path: str, target) -> str:
@@ -115,9 +128,9 @@ def test_a_port_whose_pmap_code_is_gone_is_checked_against_the_reference_recorde
                        rng_mode='global')  # fmt: skip
     harness.record(port.LOOP, config, ref)
     written = open(ref, 'rb').read()
-    again = run_module('equivalence.record', '--workload', 'mlp', '--devices', '2', '--out', ref)
-    assert_one_line_error(again, '--overwrite')
-    assert open(ref, 'rb').read() == written
+    with pytest.raises(SystemExit) as again:  # an existing reference is replaced only with --overwrite
+        record_command.main(['--workload', 'mlp', '--devices', '2', '--out', ref])
+    assert again.value.code == 2 and open(ref, 'rb').read() == written
     env = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS')}
     proc = subprocess.run([sys.executable, '-c', CHECKS, ref, report], cwd=MLP_PORT, capture_output=True, text=True,
                           timeout=300, env={**env, 'PYTHONPATH': ROOT})  # fmt: skip
