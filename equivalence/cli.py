@@ -16,7 +16,7 @@ import traceback
 from collections.abc import Callable
 from typing import NoReturn, TypeVar
 
-from equivalence import compilation_cache, devices
+from equivalence import compat, compilation_cache, devices
 from equivalence.core.port import blame
 from equivalence.core.port.config import ConfigError
 from equivalence.core.verdict.outcome import Outcome
@@ -208,6 +208,7 @@ def main(
     """One command: devices requested, every flag validated, then the work. Exit 0/1 from ``work``,
     2 on bad input, 3 on anything unexpected (a bug here, which must not read as a mismatch)."""
     try:
+        too_old(command_name(inputs))
         devices.simulate_cpu_devices()  # before anything imports jax
         devices.quiet_xla_warnings()
         compilation_cache.use(argv)  # before the port is imported
@@ -230,6 +231,17 @@ def main(
         if line is not None:
             fail(line, blame.whole_text(e) if blame.elided(e) else '')
         return internal_error(e, command_name(inputs), sys.argv[1:] if argv is None else argv)
+
+
+def too_old(command: str) -> None:
+    """Every command but ``record`` needs the JAX the suite was tried on (``pyproject.toml``'s ``check``); an
+    older one (a team's jax 0.4 environment, where the pmap code runs) is one line naming what it can do."""
+    found = compat.version()
+    if command != 'equivalence.record' and found and found < (0, 10):
+        jax_version = '.'.join(map(str, found))
+        fail(f'{command} needs jax 0.10 (this environment has jax {jax_version}): record the pmap side here with '
+             "python -m equivalence.record, and check it where pip install 'pmap-to-nnx-equivalence[check]' has "
+             'put the versions it was tried on (docs/reference.md)')  # fmt: skip
 
 
 def command_name(fn: Callable) -> str:
