@@ -139,3 +139,18 @@ def test_a_port_whose_pmap_code_is_gone_is_checked_against_the_reference_recorde
     with open(report) as f:
         location = json.load(f)['verdict']['location']
     assert (location['kind'], location['new']) == ('module', 'norm')
+
+
+def test_on_an_old_jax_only_the_recorder_runs(monkeypatch, capsys):
+    """In a team's jax 0.4 environment (where the package's ranges let it install beside their JAX), every
+    command but record is refused up front, exit 2, before anything imports the port; record goes on."""
+    from equivalence import compat
+    from equivalence import run as run_command
+
+    monkeypatch.setattr(compat, 'version', lambda package='jax': (0, 4, 38))
+    with pytest.raises(SystemExit) as refused:
+        run_command.main(['--workload', 'mlp'])
+    assert refused.value.code == 2 and '0.4.38' in capsys.readouterr().err
+    with pytest.raises(SystemExit) as bad_flag:  # record is not refused for its JAX: its own flags are read
+        record_command.main(['--workload', 'mlp', '--devices', '0', '--out', 'x.npz'])
+    assert bad_flag.value.code == 2 and '0.4.38' not in capsys.readouterr().err
