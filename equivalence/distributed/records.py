@@ -8,9 +8,9 @@ An ``error`` record holds the one line the worker printed (``line``, whole: the 
 line, a port's mistake with its fix) and what happened, without the line's prefixes (``detail``).
 """
 
-import contextlib
-import json
 import os
+
+from equivalence.core.port import jsonl
 
 ENV = 'EQUIVALENCE_WORKER_RECORDS'
 PATH = os.environ.pop(ENV, None)  # this process's file; its children's environment is without it
@@ -26,25 +26,13 @@ def error(detail: str, where: str = '', internal: bool = False) -> str:
 
 def write(record: dict) -> None:
     """One record appended to this process's file, if the launcher gave it one."""
-    if PATH is None:
-        return
-    with contextlib.suppress(OSError), open(PATH, 'a') as f:
-        f.write(json.dumps(record) + '\n')
-        f.flush()
+    if PATH is not None:
+        jsonl.append(PATH, record)
 
 
 def read(path: str) -> list[dict]:
     """A worker's records, in order; a line cut short (the worker killed while writing it) is left out."""
-    try:
-        with open(path, errors='replace') as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        with contextlib.suppress(ValueError):
-            out.append(json.loads(line))
-    return out
+    return jsonl.read(path)
 
 
 def last_error(path: str) -> dict | None:

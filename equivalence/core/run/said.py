@@ -8,8 +8,9 @@ this record, not the line's wording.
 
 import contextlib
 import dataclasses
-import json
 import os
+
+from equivalence.core.port import jsonl
 
 EVENTS_ENV = 'EQUIVALENCE_STAGE_EVENTS'  # a file: every line said, one JSON record each
 
@@ -28,19 +29,13 @@ def told(said: Said) -> None:
     """``said`` appended to the file of records ``EQUIVALENCE_STAGE_EVENTS`` names, if any."""
     path = os.environ.get(EVENTS_ENV)
     if path:
-        with contextlib.suppress(OSError), open(path, 'a') as f:
-            f.write(json.dumps(dataclasses.asdict(said)) + '\n')
+        jsonl.append(path, dataclasses.asdict(said))
 
 
 def read(path: str) -> list[Said]:
     """The records in ``path``, in order; a line cut short (a process killed while writing it) left out."""
-    try:
-        with open(path, errors='replace') as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return []
     out = []
-    for line in lines:
-        with contextlib.suppress(ValueError, TypeError):
-            out.append(Said(**json.loads(line)))
+    for record in jsonl.read(path):
+        with contextlib.suppress(TypeError):
+            out.append(Said(**record))
     return out
