@@ -164,3 +164,16 @@ def test_cost_mode_times_a_check_and_a_slips_mismatch_against_the_two_bare_runs(
     text = proc.stdout
     assert text.startswith('cost of a check: my_port:LOOP on 2 device(s), K=1 x C=1'), text[:200]
     assert f'{match["ratio_vs_bare"]:.2f}x' in text and slip['where'] in text and 'targets (ratio of medians)' in text
+
+
+def test_a_cost_repeat_that_fails_hands_back_why_as_a_json_record(tmp_path, monkeypatch):
+    """A repeat's process that fails prints a JSON record of why (its one line, whether the port's), which the
+    parent reads; a port that cannot be loaded is the port's failure, as ``run`` would say it (exit 2)."""
+    from equivalence.bench import cost
+    from equivalence.core.port.config import RunConfig
+
+    monkeypatch.chdir(tmp_path)  # no such module here
+    config = RunConfig(workload='x', devices=1, steps_per_call=1, calls=1, batch_size=8)
+    with pytest.raises(cost.RepeatFailed) as failed:
+        cost.one(cost.Subject('bare', 'the bare runs', 'bare', 'no_such_module:PORT', config))
+    assert failed.value.port and 'no_such_module' in str(failed.value)

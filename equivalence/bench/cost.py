@@ -76,11 +76,23 @@ def one(subject: Subject) -> dict:
     began = time.perf_counter()
     proc = subprocess.run(command, env=env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     spent = time.perf_counter() - began
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        why = (proc.stderr.strip().splitlines() or [f'exit {proc.returncode}'])[-1]
+    record = _record(proc.stdout)  # the child's JSON line: what it measured, or why it failed
+    if proc.returncode != 0 or record is None or 'failed' in record:
+        if record is not None and 'failed' in record:
+            why = record['failed']
+        else:  # it died before it could say (a signal, an abort): its last words are all there is
+            why = (proc.stderr.strip().splitlines() or [f'exit {proc.returncode}'])[-1]
         raise RepeatFailed(f'{subject.label} ({subject.spec}) failed in its process: {why}', proc.returncode == 2)
-    return {**json.loads(lines[-1]), 'process_s': spent}
+    return {**record, 'process_s': spent}
+
+
+def _record(stdout: str) -> dict | None:
+    """The last line a repeat's process printed, as the JSON record it writes; None where there is none."""
+    lines = stdout.strip().splitlines()
+    try:
+        return json.loads(lines[-1]) if lines else None
+    except ValueError:
+        return None
 
 
 def measure(subjects: list[Subject], repeats: int, progress) -> dict[str, list[dict]]:

@@ -96,7 +96,9 @@ def main(argv: list[str]) -> int:
         from equivalence.core.port.config import ConfigError
 
         port_line = str(e) if isinstance(e, ConfigError) else blame.runtime_line(e)
-        print(' '.join((port_line or f'{type(e).__name__}: {e}').splitlines())[:600], file=sys.stderr)
+        said = ' '.join((port_line or f'{type(e).__name__}: {e}').splitlines())[:600]
+        print(said, file=sys.stderr)
+        print(json.dumps({'mode': mode, 'failed': said, 'port': port_line is not None}))  # what the parent reads
         return 2 if port_line is not None else 3
     print(json.dumps({'mode': mode, **out}))
     return 0
