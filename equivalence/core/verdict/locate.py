@@ -307,8 +307,8 @@ def attach(verdict, port_kind: Kind, config: RunConfig, inputs: Inputs, recorder
     ruled_out = tuple(s for s in STAGE_NAMES if s not in stages_for(seen.failed)) if seen is not None else ()
     if verdict.match:
         found = unconfirmed(found)
-    elif inputs.recorded is not None and inputs.recorded.other_jax():
-        found = location.across_versions(found, inputs.recorded.other_jax())
+    elif inputs.recorded is not None and (versions := inputs.recorded.other_jax()):
+        found = location.across_versions(found, versions)
     return dataclasses.replace(verdict, location=dataclasses.replace(found, ruled_out=ruled_out))
 
 
