@@ -175,15 +175,15 @@ def message_lines(stderr: str) -> list[str]:
 # end. (Not ``--dist loadgroup``: pytest-xdist 3.8 renames a test's nodeid to group it, which pytest 9
 # no longer reads, so its groups are ignored and module fixtures are built on both workers.)
 EACH_TEST_ALONE = ('test_real_examples.py', 'test_distributed.py')
-LONGEST_FIRST = (  # summed seconds of each file's tests, whole suite, 2026-12-05, stop 48 (the rest: under 3 s);
-    # test_one_chip and test_reference (about 15 s each) placed by their own measure, stop 55
-    'test_real_examples.py', 'test_distributed.py', 'test_strategies.py', 'test_where.py', 'test_locate.py',
-    'test_recording.py', 'test_pitfalls.py', 'test_verdict.py', 'test_checkpoint.py', 'test_stateful.py',
-    'test_bench.py', 'test_ports.py', 'test_equivalence.py', 'test_team_checkpoints.py', 'test_hostile_ports.py',
-    'test_one_chip.py', 'test_reference.py', 'test_cli.py', 'test_attention_dropout.py', 'test_cli_properties.py',
-    'test_twins.py', 'test_docs.py',
-    'test_step_forms.py', 'test_bench_advice.py', 'test_cost.py', 'test_long_lived.py', 'test_real_models.py',
-    'test_explain.py', 'test_new_sides.py', 'test_corpus.py',
+LONGEST_FIRST = (  # summed seconds of each file's tests, whole suite, 2026-12-06 (the rest: under 3 s); the two files
+    # whose tests go one by one first
+    'test_real_examples.py', 'test_distributed.py', 'test_strategies.py', 'test_recording.py', 'test_where.py',
+    'test_checkpoint.py', 'test_locate.py', 'test_hostile_ports.py', 'test_pitfalls.py', 'test_stateful.py',
+    'test_reference.py', 'test_equivalence.py', 'test_verdict.py', 'test_bench.py', 'test_twins.py',
+    'test_attention_dropout.py', 'test_ports.py', 'test_team_checkpoints.py', 'test_step_forms.py',
+    'test_cli_properties.py', 'test_new_sides.py', 'test_one_chip.py', 'test_cli.py', 'test_long_lived.py',
+    'test_real_models.py', 'test_explain.py', 'test_bench_advice.py', 'test_checkpoint_safety.py', 'test_cost.py',
+    'test_docs.py', 'test_corpus.py', 'test_real_states.py',
 )  # fmt: skip
 
 

@@ -17,12 +17,14 @@ import numpy as np
 import pytest
 from conftest import ROOT, assert_one_line_error, import_example, require_devices, run_module
 
+from equivalence import RECORDED
 from equivalence import record as record_command
 from equivalence.core import harness
-from equivalence.core.port import workloads
+from equivalence.core.port import port_fields, workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.run import reference
 from equivalence.core.verdict.outcome import Outcome
+from nnx_sharded import losses as nnx_losses
 
 DATA = os.path.join(ROOT, 'tests', 'data')
 FLAGS = {'devices': 2, 'steps_per_call': 2, 'calls': 2}
@@ -44,6 +46,23 @@ def test_a_reference_recorded_on_the_classic_pmap_checks_the_port_on_todays_jax(
     both = harness.check(port, batch_size=8, perturb=1e-3, **FLAGS)  # the control: today's pmap beside it
     assert slip.outcome is both.outcome is Outcome.MISMATCH
     assert slip.verdict.location.kind == both.verdict.location.kind != 'unlocated'
+
+
+def test_across_versions_a_computed_place_is_placed_against_the_pmap_code_run_today_or_not_at_all():
+    """A slip in what the step computes (the loss, scaled by 1.001), checked against the 0.4.38 reference: XLA's
+    elementwise rounding differs across versions, so the place is found again against the pmap code run on
+    today's JAX from the reference's inputs (the loss, as a check of both sides finds it); with the pmap code
+    gone (its fields ``RECORDED``) the MISMATCH stands and no place is named (the control)."""
+    require_devices(2)
+    port, path = workloads.WORKLOADS['mlp'], classic('mlp')
+    scaled = lambda model, batch, noise: 1.001 * nnx_losses.mlp_loss(model, batch, noise)  # noqa: E731
+    slip = dataclasses.replace(port, nnx_loss=scaled)
+    placed = harness.check(slip, reference=path, batch_size=8, **FLAGS)
+    assert placed.outcome is Outcome.MISMATCH and placed.verdict.location.kind == 'loss'
+    assert any('jax 0.4.38' in note for note in placed.verdict.location.notes)
+    gone = dataclasses.replace(slip, **{field: RECORDED for field in port_fields.LEGACY if getattr(port, field, None)})
+    unplaced = harness.check(gone, reference=path, batch_size=8, **FLAGS)
+    assert unplaced.outcome is Outcome.MISMATCH and unplaced.verdict.location.kind == 'unlocated'
 
 
 def test_a_check_against_a_reference_draws_its_keys_as_the_recorded_run_drew_them(monkeypatch):

@@ -37,7 +37,7 @@ from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
 from equivalence.core.run import clock
 from equivalence.core.run.inputs import Inputs
-from equivalence.core.verdict import averages, collectives, compare, forward, location, slots, stages
+from equivalence.core.verdict import averages, collectives, compare, forward, slots, stages, upgrade
 from equivalence.core.verdict.first_step import Recorder
 from equivalence.core.verdict.intercept import NOT_MODULES
 from equivalence.core.verdict.location import ROOT, Location, Where
@@ -308,7 +308,9 @@ def attach(verdict, port_kind: Kind, config: RunConfig, inputs: Inputs, recorder
     if verdict.match:
         found = unconfirmed(found)
     elif inputs.recorded is not None and (versions := inputs.recorded.other_jax()):
-        found = location.across_versions(found, versions)
+        again = lambda today, saw: locate(port_kind, config, today, Recorder(port_kind, config, today, recorder.twin),  # noqa: E731
+                                          saw)  # fmt: skip
+        found = upgrade.across_versions(found, port_kind.port, inputs, seen or Seen(), versions, again)
     return dataclasses.replace(verdict, location=dataclasses.replace(found, ruled_out=ruled_out))
 
 

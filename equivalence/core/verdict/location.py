@@ -107,20 +107,3 @@ def over(diff: float, allowed: float | None) -> float:
 
 def sci(x: float | None) -> str:
     return '-' if x is None or not np.isfinite(x) else f'{x:.2e}'
-
-
-# The places a JAX upgrade alone can make: XLA's elementwise functions round otherwise from one version to the
-# next (sin and cos of score_sde's time embedding, arguments up to 999: 125 float32 spacings apart between jax
-# 0.4.38 and 0.10.2, docs/reference.md), which no floor measured on one version covers.
-COMPUTED = (Where.MODULE, Where.BETWEEN, Where.LOSS, Where.BACKWARD, Where.STATISTICS)
-
-
-def across_versions(found: Location, versions: str) -> Location:
-    """A place in what the step computes, found against a reference recorded on another JAX, named no place:
-    the MISMATCH stands (its leaves are far beyond the floors), but such a place may be XLA's own rounding."""
-    if found.kind not in COMPUTED:
-        return found
-    figures = (f'not located: the recorded first step parts at {found.kind} {found.new} ({found.figures}), but the '
-               f'reference was recorded on {versions}, whose XLA rounds elementwise functions otherwise: a place in '
-               'the forward or backward pass is no evidence across versions')  # fmt: skip
-    return dataclasses.replace(found, kind=Where.UNLOCATED, legacy='', new='', figures=figures, first=None)
