@@ -8,9 +8,10 @@ import json
 import os
 import subprocess
 
+import jax
 import numpy as np
 import pytest
-from conftest import ROOT, assert_one_line_error, at_level_0, run_module
+from conftest import ROOT, at_level_0, run_module
 
 from equivalence import cli
 from equivalence.bench import __main__ as bench_main
@@ -76,10 +77,13 @@ def test_tiny_run_writes_every_field(tmp_path):
 
 
 def test_bad_input_exits_2_with_one_line(capsys):
-    """As a process, more devices than this shell's JAX sees; in-process, the bench's own flag (the
-    flags it shares with run: test_cli's table, through this command too)."""
-    proc = bench('--devices', '16')
-    assert_one_line_error(proc, 'JAX_NUM_CPU_DEVICES=16')
+    """In-process: more devices than this process's JAX sees (the devices asked of JAX, as a process asks them;
+    as a process, test_cli's ``run --devices 16`` through the same ``cli.run_config``), and the bench's own flag
+    (the flags it shares with run: test_cli's table, through this command too)."""
+    with pytest.raises(SystemExit) as too_many:
+        cli.validate(bench_main.inputs, ['--devices', str(len(jax.devices()) * 2)])
+    err = capsys.readouterr().err
+    assert too_many.value.code == 2 and err.count('\n') == 1 and f'JAX_NUM_CPU_DEVICES={len(jax.devices()) * 2}' in err
     with pytest.raises(SystemExit) as exit_:
         cli.validate(functools.partial(bench_main.inputs, n_available=8), ['--repeats', '0'])
     err = capsys.readouterr().err

@@ -331,11 +331,13 @@ def test_a_worker_that_cannot_reach_the_coordinator_fails_within_its_timeout():
         (['--processes', '2', '--process-id', '0'], '--processes starts its own workers'),
         # Each process would save into a temporary folder of its own; the joint save never completed.
         (['--processes', '2', '--resume-at', '5'], '--resume-at with several processes needs --checkpoint-dir DIR'),
+        (['--processes', '2', '--batch-size', '100'], '--batch-size 100 is not divisible by --devices 8'),
     ],
 )
 def test_bad_process_flags_exit_2_with_one_line(args, expected, capsys):
     """The launcher checks every flag against the whole run before it starts a worker: here in-process,
-    through the command's own dispatch (the same path as a process: the launcher's row in the next test)."""
+    through the command's own dispatch: the path a process takes (as a process: test_hostile_ports's launcher, whose
+    worker's exit 2 and line reach its stderr)."""
     from equivalence import cli
     from equivalence import run as run_command
 
@@ -349,11 +351,6 @@ def test_a_worker_out_of_its_run_exits_2_with_one_line():
     """A worker's own place is checked before it joins the run: as a process (joining ends the process)."""
     proc = run_module('equivalence.run', '--process-id', '2', '--num-processes', '2')
     assert_one_line_error(proc, '--process-id must be in 0..1, got 2')
-
-
-def test_a_workers_bad_input_is_the_launchers_one_line():
-    proc = run_module('equivalence.run', '--processes', '2', '--batch-size', '100')
-    assert_one_line_error(proc, '--batch-size 100 is not divisible by --devices 8')
 
 
 def test_the_launcher_gives_workers_the_same_flags_and_their_own_address():

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+from equivalence import devices
 from tests.conftest import ROOT
 
 FORBID = """
@@ -30,7 +31,7 @@ sys.exit(run.main(sys.argv[1:]))
 
 def one_chip(tmp_path, *flags: str) -> tuple[int, dict]:
     """``python -m equivalence.run --devices 1 FLAGS`` in a process that sees one device and may start none."""
-    env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_NUM_CPU_DEVICES')}
+    env = devices.without_device_count(dict(os.environ))  # the tests' XLA level kept (conftest)
     report = tmp_path / f'{len(list(tmp_path.iterdir()))}.json'
     proc = subprocess.run(
         [sys.executable, '-c', FORBID, '--devices', '1', '--steps-per-call', '2', '--calls', '2', '--json', str(report),

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT, assert_one_line_error, require_devices, run_module
+from conftest import ROOT, assert_one_line_error, at_level_0, require_devices, run_module
 from flax import nnx
 
 from equivalence.core import harness
@@ -92,7 +92,7 @@ def test_from_a_fresh_directory_the_loop_matches(tmp_path):
     losses and parameters). Its names left out (``names=None``) are the one line below, in-process."""
     for name in ('legacy_code.py', 'nnx_code.py', 'my_port.py'):
         shutil.copy(os.path.join(EXAMPLE, name), tmp_path)
-    environ = {k: v for k, v in without_device_count(dict(os.environ)).items() if k != 'PYTHONPATH'}
+    environ = {k: v for k, v in without_device_count(at_level_0(dict(os.environ))).items() if k != 'PYTHONPATH'}
     args = ['--workload', 'my_port:LOOP', '--steps-per-call', '2', '--calls', '2']
     cmd = [sys.executable, '-m', 'equivalence.run', *args]
     loop = subprocess.run(cmd, cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=300)
@@ -266,7 +266,7 @@ def test_api_from_a_program_that_already_chose_its_devices():
         'print(r.config.devices, r.report.match)\n'
         'print("exit", run.main(["--workload", "my_port:MODEL", "--steps-per-call", "1", "--calls", "1"]))\n'
     )
-    environ = without_device_count(dict(os.environ))
+    environ = without_device_count(at_level_0(dict(os.environ)))  # only MATCH and exit codes are read
     proc = subprocess.run(
         [sys.executable, '-c', code, EXAMPLE], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=300
     )

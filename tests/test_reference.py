@@ -15,10 +15,11 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT, assert_one_line_error, import_example, require_devices, run_module
+from conftest import ROOT, assert_one_line_error, import_example, require_devices
 
-from equivalence import RECORDED
+from equivalence import RECORDED, devices
 from equivalence import record as record_command
+from equivalence import run as run_command
 from equivalence.core import harness
 from equivalence.core.port import port_fields, workloads
 from equivalence.core.port.config import RunConfig
@@ -91,7 +92,7 @@ def damaged_copy(path: str, target) -> str:
     return str(target)
 
 
-def test_a_damaged_or_ill_fitting_reference_is_refused_before_anything_trains(tmp_path, monkeypatch):
+def test_a_damaged_or_ill_fitting_reference_is_refused_before_anything_trains(tmp_path, monkeypatch, capsys):
     require_devices(2)
     port, path = workloads.WORKLOADS['mlp'], classic('mlp')
 
@@ -115,10 +116,12 @@ def test_a_damaged_or_ill_fitting_reference_is_refused_before_anything_trains(tm
         assert why  # each of them refused
     with pytest.raises(reference.BadReference):  # another port, under the same flags
         harness.check(workloads.WORKLOADS['score'], reference=path, batch_size=8, **FLAGS)
-    proc = run_module('equivalence.run', '--workload', 'mlp', '--devices', '2', '--steps-per-call', '2', '--calls', '2',
-                      '--batch-size', '8', '--reference', refused['damaged']['reference'])  # fmt: skip
-    assert_one_line_error(proc, 'sha256')
-    assert proc.stdout == ''
+    args = ['--workload', 'mlp', '--devices', '2', '--steps-per-call', '2', '--calls', '2', '--batch-size', '8']
+    with pytest.raises(SystemExit) as command:  # the command, in-process: run_new still fails if called
+        run_command.main([*args, '--reference', refused['damaged']['reference']])
+    said = capsys.readouterr()
+    assert_one_line_error(subprocess.CompletedProcess([], command.value.code, said.out, said.err), 'sha256')
+    assert said.out == ''
 
 
 CHECKS = """
@@ -150,7 +153,7 @@ def test_a_port_whose_pmap_code_is_gone_is_checked_against_the_reference_recorde
     with pytest.raises(SystemExit) as again:  # an existing reference is replaced only with --overwrite
         record_command.main(['--workload', 'mlp', '--devices', '2', '--out', ref])
     assert again.value.code == 2 and open(ref, 'rb').read() == written
-    env = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS')}
+    env = devices.without_device_count(dict(os.environ))  # its own count; the tests' XLA level kept (conftest)
     proc = subprocess.run([sys.executable, '-c', CHECKS, ref, report], cwd=MLP_PORT, capture_output=True, text=True,
                           timeout=300, env={**env, 'PYTHONPATH': ROOT})  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
