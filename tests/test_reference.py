@@ -24,6 +24,7 @@ from equivalence.core import harness
 from equivalence.core.port import port_fields, workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.run import reference
+from equivalence.core.verdict.location import Unplaced
 from equivalence.core.verdict.outcome import Outcome
 from nnx_sharded import losses as nnx_losses
 
@@ -63,7 +64,7 @@ def test_across_versions_a_computed_place_is_placed_against_the_pmap_code_run_to
     assert any('jax 0.4.38' in note for note in placed.verdict.location.notes)
     gone = dataclasses.replace(slip, **{field: RECORDED for field in port_fields.LEGACY if getattr(port, field, None)})
     unplaced = harness.check(gone, reference=path, batch_size=8, **FLAGS)
-    assert unplaced.outcome is Outcome.MISMATCH and unplaced.verdict.location.kind == 'unlocated'
+    assert unplaced.outcome is Outcome.MISMATCH and unplaced.verdict.location.why is Unplaced.ACROSS_VERSIONS
 
 
 def test_a_check_against_a_reference_draws_its_keys_as_the_recorded_run_drew_them(monkeypatch):

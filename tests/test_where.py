@@ -25,6 +25,7 @@ from equivalence.core.verdict import compare, hidden, locate
 from equivalence.core.verdict import rule as verdict
 from equivalence.core.verdict.findings import Finding, Held
 from equivalence.core.verdict.first_step import Recorder
+from equivalence.core.verdict.location import Unplaced
 
 
 @functools.cache
@@ -59,20 +60,20 @@ def located(name: str):
         ('loss-not-pmeaned', 'collective', ['its reported loss', 'differs from device to device']),
         ('grads-not-pmeaned', 'collective', ['its gradients', 'missing_pmean']),
         # NaN in the data: both sides go non-finite; no module is to blame.
-        ('nan-data', 'unlocated', ['the batch of step 4 holds NaN']),
+        ('nan-data', Unplaced.DATA_NOT_FINITE, ['the batch of step 4 holds NaN']),
         # A step's own random draws (noisy inputs from each device's key), compared by what they are drawn
         # from: equal on the correct port (nothing parts); a key folded otherwise is the draws, not the code
         # that feeds the first layer; the examples given other devices' noise part example by example: not
         # located (it was 'between', the code that feeds it).
         ('noise-correct', 'none', ['nothing parts']),
         ('noise-key-folded', 'randomness', ["the step's own random draws", r'(\d+) of the \1 random draws']),
-        ('noise-rows-interleaved', 'unlocated', [r'\d+ of its 16 examples agree', 'laid out over the devices']),
+        ('noise-rows-interleaved', Unplaced.BY_EXAMPLE, [r'\d+ of its 16 examples agree']),
     ],
 )
 def test_where_names_the_stage_that_parts_or_nothing(name, kind, figures):
     outcome, loc = located(name)
     assert outcome == ('MATCH' if name.endswith('correct') else 'MISMATCH'), (name, outcome)
-    assert loc is not None and loc.kind == kind, (name, loc and loc.line())
+    assert loc is not None and (loc.why or loc.kind) == kind, (name, loc and loc.line())  # why: when unlocated
     for figure in figures:  # regular expressions: a decay fitted in float64 to float32 arithmetic
         assert re.search(figure, loc.line()), (name, figure, loc.line())
 
@@ -252,7 +253,7 @@ def test_a_slot_that_parts_on_a_later_step_is_the_optimizer_only_where_its_numbe
     assert slots._later_slot(momentum, '0/trace', [path], leaves, 'not observed') is None
     l2 = _Step({'legacy': trace(0.9), 'new': trace(0.9, 4e-4 * p)}, prior={path: before})
     found = slots._later_slot(l2, '0/trace', [path], leaves, 'not observed')
-    assert found is not None and found.kind == 'unlocated' and 'no multiple of the slot before' in found.figures
+    assert found is not None and found.why is Unplaced.GRADIENT_OR_SETTING, found
     assert (
         slots._later_slot(_Step(momentum.finals, step=1, prior={path: before}), '0/trace', [path], leaves, '') is None
     )
@@ -285,7 +286,7 @@ def test_a_match_names_no_place_and_a_later_reading_defers_to_a_first_step_place
     forward pass is that math, not 'the optimizer ... differ'."""
     module = locate.Location('module', 'LayerNorm_0', 'norm', 'its output 2.15e-06 apart (allowed 1.91e-06)')
     said = locate.unconfirmed(module)
-    assert said.kind == 'unlocated' and said.new == '' and 'norm' in said.figures
+    assert said.why is Unplaced.MATCH_UNCONFIRMED and said.new == '' and said.legacy == ''
     assert locate.unconfirmed(locate.Location('none', '', '', 'nothing parts')).kind == 'none'
     ref, new = ({'params': {'w': np.full(3, x, np.float32)}} for x in (1.0, 1.1))
     off = compare.compare_to_floor(ref, new, new, verdict.MEASURED_FLOOR)  # the twin at the new side: a floor of 0

@@ -6,7 +6,7 @@ import numpy as np
 
 from equivalence.core.port import convert
 from equivalence.core.verdict import implied, intercept
-from equivalence.core.verdict.location import Location, sci
+from equivalence.core.verdict.location import Location, Unplaced, sci
 from equivalence.core.verdict.stages import Step, held, initial_params, worst
 
 
@@ -68,6 +68,7 @@ def ema(step: Step) -> Location | None:
             f'apart, allowed {sci(leaf.limit)}){said}; {carried}: the parameters part as well, within their own '
             'floors (noise-dominated here), so the difference comes before the EMA (the update, its optimizer or '
             'its gradients), which these floors cannot place',
+            why=Unplaced.BEFORE_EMA,
         )  # fmt: skip
     return Location(
         'ema', 'the EMA', 'the EMA',

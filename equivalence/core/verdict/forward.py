@@ -8,7 +8,7 @@ a value parts example by example (``by_example``).
 import numpy as np
 
 from equivalence.core.verdict import pairing
-from equivalence.core.verdict.location import ROOT, Location, Module, sci
+from equivalence.core.verdict.location import ROOT, Location, Module, Unplaced, sci
 from equivalence.core.verdict.stages import Step
 
 BETWEEN = 'the code between them (an activation, a residual, a mask)'
@@ -43,6 +43,7 @@ def _uncompared(m: Module, what: str) -> Location:
         f'not located: every call before it agrees; the {what} of {m.legacy} ↔ {m.new} cannot be compared (arrays '
         'of other shapes or in another number): from here the two sides\' module calls may not pair one to one, as '
         'where a module is called on one side only (the calls not paired are listed below)',
+        why=Unplaced.UNCOMPARED,
     )  # fmt: skip
 
 
@@ -77,6 +78,7 @@ def _fed(step: Step, i: int, m: Module) -> Location:
             f'{sci(m.input_allowed)}), but {agree} of its {n} examples agree: it parts example by example, as where '
             "the examples are laid out over the devices otherwise (which device's rows and keys each example gets) "
             'or where code treats examples apart (a mask), which the first step cannot tell apart',
+            why=Unplaced.BY_EXAMPLE,
         )  # fmt: skip
     attention = next((c for c in step.modules if m.legacy.startswith(c.legacy + '/') and 'Attention' in c.cls), None)
     what = 'an activation, a residual, a mask'

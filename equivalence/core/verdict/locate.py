@@ -40,7 +40,7 @@ from equivalence.core.run.inputs import Inputs
 from equivalence.core.verdict import averages, collectives, compare, forward, slots, stages, upgrade
 from equivalence.core.verdict.first_step import Recorder
 from equivalence.core.verdict.intercept import NOT_MODULES
-from equivalence.core.verdict.location import ROOT, Location, Where
+from equivalence.core.verdict.location import ROOT, Location, Unplaced, Where
 from equivalence.core.verdict.location import STAGES as STAGE_NAMES
 from equivalence.core.verdict.pairing import pairs
 from equivalence.core.verdict.rule import MEASURED_FLOOR
@@ -111,11 +111,13 @@ def judge_step(
             text = (f'not located: on step {at} {found.kind} at {found.new} parts, but the parameters it starts '
                     f'from differ already, within their floors ({moved}), after the update of step {at - 1}: what '
                     'parts in its forward pass, loss or backward pass may follow from them')  # fmt: skip
-            return Location('unlocated', '', '', text, tuple(modules), notes=tuple(n.text for n in notes))
+            return Location('unlocated', '', '', text, tuple(modules), notes=tuple(n.text for n in notes),
+                            why=Unplaced.STARTS_APART)  # fmt: skip
         if found is not None and stage is stages.loss and any(note.tag == UNOBSERVED for note in notes):
             agreed = [a for a in agreed if a != 'forward']  # not observed: not judged
             found = Location('unlocated', '', '', f'the first loss parts ({found.figures}), and the forward pass '
-                             'was not observed on both sides: not localised further')  # fmt: skip
+                             'was not observed on both sides: not localised further',
+                             why=Unplaced.UNOBSERVED)  # fmt: skip
         if found is not None:
             said = [note.text for note in notes if stage is slots.update or note.tag != LOOP_GRADS]
             figures = found.figures
@@ -210,10 +212,11 @@ def locate(
     noisy, allowed = seen.noisy, stages_for(seen.failed)
     if seen.data_step is not None:
         return Location('unlocated', '', '', f'not located: the batch of step {seen.data_step} holds NaN or Inf, on '
-                        'both sides; what each side makes of it is the non-finite line above')  # fmt: skip
+                        'both sides; what each side makes of it is the non-finite line above',
+                        why=Unplaced.DATA_NOT_FINITE)  # fmt: skip
     apart = not_reproduced(recorder.runs[0], seen)
     if apart:
-        return Location('unlocated', '', '', f'not located: {apart}')
+        return Location('unlocated', '', '', f'not located: {apart}', why=Unplaced.NOT_REPRODUCED)
     found = judge_step(port_kind, *recorder.runs, mapping, inputs.variables, noisy=noisy, allowed=allowed)
     steps = min(MAX_STEPS, sum(jax.tree.leaves(call)[0].shape[0] for call in inputs.calls))
     if found.kind != 'none' or steps < 2:
@@ -295,15 +298,18 @@ def attach(verdict, port_kind: Kind, config: RunConfig, inputs: Inputs, recorder
         return verdict
     cannot = inputs.first_steps_unrecorded()
     if cannot:
-        return dataclasses.replace(verdict, location=Location('unlocated', '', '', f'not run: {cannot}'))
+        unrun = Location('unlocated', '', '', f'not run: {cannot}', why=Unplaced.NOT_RUN)
+        return dataclasses.replace(verdict, location=unrun)
     if verdict.kind == 'bookkeeping':  # leaves on one side only: no number parts, so no place does
         return dataclasses.replace(verdict, location=Location('unlocated', '', '', 'not located: nothing numeric '
-                                   'differs; the leaves on one side only are the diagnosis above'))  # fmt: skip
+                                   'differs; the leaves on one side only are the diagnosis above',
+                                   why=Unplaced.BOOKKEEPING))  # fmt: skip
     try:
         with clock.stage('where the sides part (the first step recorded, module by module)'):
             found = locate(port_kind, config, inputs, recorder, seen)
     except Exception as e:  # noqa: BLE001 -- the verdict stands; the location says why there is none
-        found = Location('unlocated', '', '', f'the locating run raised {type(e).__name__}: {str(e)[:200]}')
+        found = Location('unlocated', '', '', f'the locating run raised {type(e).__name__}: {str(e)[:200]}',
+                         why=Unplaced.RAISED)  # fmt: skip
     ruled_out = tuple(s for s in STAGE_NAMES if s not in stages_for(seen.failed)) if seen is not None else ()
     if verdict.match:
         found = unconfirmed(found)
@@ -326,4 +332,4 @@ def unconfirmed(found: Location) -> Location:
     figures = (f'not located: the verdict is a MATCH (every leaf within its floor); the recorded first step parts at '
                f'{found.kind} {place} ({found.figures}), which no leaf of the verdict confirms')  # fmt: skip
     return dataclasses.replace(found, kind=Where.UNLOCATED, legacy='', new='', figures=figures, first=None,
-                               settings=())  # fmt: skip
+                               settings=(), why=Unplaced.MATCH_UNCONFIRMED)  # fmt: skip

@@ -54,6 +54,28 @@ class Where(enum.StrEnum):
         return 'forward' if self in forward else None if self in (Where.NONE, Where.UNLOCATED) else self.value
 
 
+class Unplaced(enum.StrEnum):
+    """Why a ``Location`` of kind ``UNLOCATED`` names no place: a value the JSON carries (``why``) and a program
+    can branch on, beside the figures' words. Every unlocated ``Location`` has one."""
+
+    NOT_RUN = 'not run'  # the first steps were not recorded: several processes, after --resume-at
+    BOOKKEEPING = 'bookkeeping'  # leaves on one side only: nothing numeric differs
+    RAISED = 'raised'  # the locating run raised
+    DATA_NOT_FINITE = 'data not finite'  # a batch holds NaN or Inf, on both sides
+    NOT_REPRODUCED = 'not reproduced'  # a side's recording does not reproduce its run's first loss
+    STARTS_APART = 'starts apart'  # the step starts from parameters that differ already, within their floors
+    UNOBSERVED = 'unobserved'  # the loss parts, and the forward pass was not observed on both sides
+    UNCOMPARED = 'uncompared'  # a call's arrays are of other shapes or in another number: calls may not pair
+    BY_EXAMPLE = 'by example'  # an input parts on some examples and agrees on others
+    BEFORE_EMA = 'before the EMA'  # only the EMA parts, by what parameters within their floors do
+    LOSS_OR_DECAY = 'loss or decay'  # moments part unevenly, as an L2 term or a coupled weight decay gives
+    ONE_FACTOR = 'one factor'  # each leaf's moments part by one factor of its own: two places give that
+    GRADIENT_OR_SETTING = 'gradient or setting'  # a slot parts by no multiple of itself: a gradient or a setting
+    MATCH_UNCONFIRMED = 'match unconfirmed'  # a MATCH: what the recording alone parts at, no leaf confirms
+    ACROSS_VERSIONS = 'across versions'  # a reference of another JAX, and no pmap code here to place it against
+    UPGRADE = 'upgrade'  # a reference of another JAX; against the pmap code run here, nothing parts
+
+
 # The stages of one step, in the order it runs them: what the location picture draws, the one that parts marked.
 STAGES = ('forward', 'loss', 'backward', 'collective', 'statistics', 'update', 'ema')
 
@@ -73,9 +95,12 @@ class Location:
     agreed: tuple[str, ...] = ()  # the ``STAGES`` held to their floors before it, and found agreeing
     ruled_out: tuple[str, ...] = ()  # the ``STAGES`` the verdict's own leaves rule out (``locate.stages_for``)
     settings: tuple = ()  # (name, legacy's, the new side's) of the settings the module at the place holds otherwise
+    why: Unplaced | None = None  # why no place is named: every UNLOCATED has one, no other kind
 
     def __post_init__(self):
         object.__setattr__(self, 'kind', Where(self.kind))  # an unknown kind raises here, where it is made
+        if (self.kind == Where.UNLOCATED) != (self.why is not None):
+            raise ValueError(f'a Location of kind {self.kind} with why={self.why!r}: only an unlocated one says why')
 
     def line(self) -> str:
         if self.kind in ('none', 'unlocated'):
@@ -91,6 +116,7 @@ class Location:
             'legacy': self.legacy,
             'new': self.new,
             'figures': self.figures,
+            'why': self.why.value if self.why is not None else None,
             'first_module': self.first,
             'notes': list(self.notes),
             'agreed': list(self.agreed),

@@ -6,7 +6,7 @@ the gradients differ), and what the update's size implies (``implied.update``).
 import numpy as np
 
 from equivalence.core.verdict import implied
-from equivalence.core.verdict.location import Location, sci
+from equivalence.core.verdict.location import Location, Unplaced, sci
 from equivalence.core.verdict.stages import Step
 
 FIRST = ('mu', 'trace')  # a first moment's slot: Adam's (1 - b1) g, SGD momentum's g, after one step from 0
@@ -33,6 +33,7 @@ def update(step: Step) -> Location | None:
             f'not located: the forward pass, the loss and the statistics agree, {grads}; {uneven[1].text}; so the '
             'difference is in the training loss (an L2 term) or in the optimizer (a coupled weight decay), which '
             'the first step cannot tell apart',
+            why=Unplaced.LOSS_OR_DECAY,
         )  # fmt: skip
     if uneven is not None and uneven[1].clipped:
         slot, m = uneven
@@ -44,6 +45,7 @@ def update(step: Step) -> Location | None:
         return Location(
             'unlocated', '', '',
             f'not located: the forward pass, the loss and the statistics agree, {grads}; {uneven[1].text}',
+            why=Unplaced.ONE_FACTOR,
         )  # fmt: skip
     if uneven is not None and uneven[1].uneven:
         slot, m = uneven
@@ -181,4 +183,5 @@ def _later_slot(step: Step, slot: str, paths: list[str], slots: dict, grads: str
         f'not located: the forward pass, the loss and the statistics agree, {grads}; the optimizer slot {slot} '
         f'is the first that parts {step.after}, and {read}: a gradient that differs (a term of the training loss, '
         'a decay added to the gradient) and an optimizer setting both part it, which this step cannot tell apart',
+        why=Unplaced.GRADIENT_OR_SETTING,
     )  # fmt: skip

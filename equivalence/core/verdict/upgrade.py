@@ -21,7 +21,7 @@ from collections.abc import Callable
 from equivalence.core.port import port_fields
 from equivalence.core.run import clock, reference
 from equivalence.core.run.inputs import Inputs
-from equivalence.core.verdict.location import Location, Where
+from equivalence.core.verdict.location import Location, Unplaced, Where
 
 COMPUTED = (Where.MODULE, Where.BETWEEN, Where.LOSS, Where.BACKWARD, Where.STATISTICS)  # no evidence across versions
 
@@ -41,8 +41,8 @@ def across_versions(found: Location, port, inputs: Inputs, seen, versions: str,
            'the forward or backward pass is no evidence across versions')  # fmt: skip
     gone = port_fields.recorded_fields(port)
     if gone:
-        return _unlocated(found, f'not located: {parted}, but {why}; the pmap code, which would place it on this '
-                                 f'JAX, is not here ({", ".join(gone)} RECORDED)')  # fmt: skip
+        here_not = f'the pmap code, which would place it on this JAX, is not here ({", ".join(gone)} RECORDED)'
+        return _unlocated(found, f'not located: {parted}, but {why}; {here_not}', Unplaced.ACROSS_VERSIONS)
     today = dataclasses.replace(inputs, recorded=None)
     new_only = dataclasses.replace(seen, first_losses={k: v for k, v in seen.first_losses.items() if k == 'new'})
     try:
@@ -50,16 +50,18 @@ def across_versions(found: Location, port, inputs: Inputs, seen, versions: str,
             placed = again(today, new_only)
     except Exception as e:  # noqa: BLE001 -- the code the reference was recorded from need not run on today's JAX
         return _unlocated(found, f'not located: {parted}, but {why}; the pmap code, run on this JAX to place it, '
-                                 f'raised {type(e).__name__}: {str(e)[:160]}')  # fmt: skip
+                                 f'raised {type(e).__name__}: {str(e)[:160]}', Unplaced.ACROSS_VERSIONS)  # fmt: skip
     here = reference.environment()['versions'].get('jax')
     if placed.kind.stage is None:  # nothing parts, or no place, against the pmap code run here
         return _unlocated(found, f'not located: {parted}, but {why}; against the pmap code run on this JAX (jax '
-                                 f'{here}) from the same inputs: {placed.figures}')  # fmt: skip
+                                 f'{here}) from the same inputs: {placed.figures}',
+                          Unplaced.UPGRADE if placed.kind == Where.NONE else placed.why)  # fmt: skip
     note = (f"placed against the pmap code run on this JAX (jax {here}), from the reference's inputs, as a check of "
             f'both sides places it: against the reference itself, recorded on {versions}, whose XLA rounds '
             f'elementwise functions otherwise, {parted}')  # fmt: skip
     return dataclasses.replace(placed, notes=(*placed.notes, note))
 
 
-def _unlocated(found: Location, figures: str) -> Location:
-    return dataclasses.replace(found, kind=Where.UNLOCATED, legacy='', new='', figures=figures, first=None)
+def _unlocated(found: Location, figures: str, why: Unplaced) -> Location:
+    return dataclasses.replace(found, kind=Where.UNLOCATED, legacy='', new='', figures=figures, first=None, why=why,
+                               settings=())  # fmt: skip
