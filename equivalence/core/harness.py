@@ -79,7 +79,8 @@ def _from_reference(kind: Kind, config: RunConfig) -> Prepared:
     with clock.stage(f'reference {config.reference} read, every array checked against its sha256'):
         held, recorded = referenced.read(config.reference, kind, config)
         mapping = name_mapping(kind.port, held['variables'])
-    inputs = Inputs(held['variables'], held['calls'], held['rng'], mapping, recorded=recorded.named(mapping))
+    recorded = dataclasses.replace(recorded.named(mapping), gone=port_fields.recorded_fields(kind.port))
+    inputs = Inputs(held['variables'], held['calls'], held['rng'], mapping, recorded=recorded)
     return Prepared(kind, config, inputs)
 
 

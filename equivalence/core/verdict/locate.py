@@ -316,7 +316,7 @@ def attach(verdict, port_kind: Kind, config: RunConfig, inputs: Inputs, recorder
     elif inputs.recorded is not None and (versions := inputs.recorded.other_jax()):
         again = lambda today, saw: locate(port_kind, config, today, Recorder(port_kind, config, today, recorder.twin),  # noqa: E731
                                           saw)  # fmt: skip
-        found = upgrade.across_versions(found, port_kind.port, inputs, seen or Seen(), versions, again)
+        found = upgrade.across_versions(found, inputs, seen or Seen(), versions, again)
     return dataclasses.replace(verdict, location=dataclasses.replace(found, ruled_out=ruled_out))
 
 

@@ -40,6 +40,7 @@ class Recorded:
     output_layer: frozenset  # the paths of the layer the linen model applies last (``unverified.output_layer``)
     twin: dict  # the legacy twin, run where the pmap side was recorded: {'devices': n, 'result': PathResult or
     # None, 'error': what it raised}
+    gone: tuple = ()  # the port's pmap-side fields given as RECORDED: its pmap code cannot run here
 
     def legacy_twin(self, n: int) -> tuple[PathResult, bool]:
         """``(the pmap side on n devices as it ran where it was recorded, whether it drew with the run's D key

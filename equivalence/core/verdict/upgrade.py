@@ -18,7 +18,6 @@ changed. Where the pmap code is gone (``RECORDED``) or no longer runs, the place
 import dataclasses
 from collections.abc import Callable
 
-from equivalence.core.port import port_fields
 from equivalence.core.run import clock, reference
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.verdict.location import Location, Unplaced, Where
@@ -26,7 +25,7 @@ from equivalence.core.verdict.location import Location, Unplaced, Where
 COMPUTED = (Where.MODULE, Where.BETWEEN, Where.LOSS, Where.BACKWARD, Where.STATISTICS)  # no evidence across versions
 
 
-def across_versions(found: Location, port, inputs: Inputs, seen, versions: str,
+def across_versions(found: Location, inputs: Inputs, seen, versions: str,
                     again: Callable[[Inputs, object], Location]) -> Location:  # fmt: skip
     """``found`` (against a reference recorded on ``versions``, another JAX) where it is not a computed place;
     else the place ``again`` (the locator, given inputs and what the verdict saw) finds against the pmap code
@@ -39,7 +38,7 @@ def across_versions(found: Location, port, inputs: Inputs, seen, versions: str,
         parted = f'the first step parts at {found.kind} {found.new} ({found.figures})'
     why = (f'the reference was recorded on {versions}, whose XLA rounds elementwise functions otherwise: a place in '
            'the forward or backward pass is no evidence across versions')  # fmt: skip
-    gone = port_fields.recorded_fields(port)
+    gone = inputs.recorded.gone
     if gone:
         here_not = f'the pmap code, which would place it on this JAX, is not here ({", ".join(gone)} RECORDED)'
         return _unlocated(found, f'not located: {parted}, but {why}; {here_not}', Unplaced.ACROSS_VERSIONS)
