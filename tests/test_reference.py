@@ -54,7 +54,8 @@ def test_across_versions_a_computed_place_is_placed_against_the_pmap_code_run_to
     """A slip in what the step computes (the loss, scaled by 1.001), checked against the 0.4.38 reference: XLA's
     elementwise rounding differs across versions, so the place is found again against the pmap code run on
     today's JAX from the reference's inputs (the loss, as a check of both sides finds it); with the pmap code
-    gone (its fields ``RECORDED``) the MISMATCH stands and no place is named (the control)."""
+    gone (its fields ``RECORDED``), or raising on today's JAX, the MISMATCH stands and no place is named (the
+    controls)."""
     require_devices(2)
     port, path = workloads.WORKLOADS['mlp'], classic('mlp')
     scaled = lambda model, batch, noise: 1.001 * nnx_losses.mlp_loss(model, batch, noise)  # noqa: E731
@@ -65,6 +66,12 @@ def test_across_versions_a_computed_place_is_placed_against_the_pmap_code_run_to
     gone = dataclasses.replace(slip, **{field: RECORDED for field in port_fields.LEGACY if getattr(port, field, None)})
     unplaced = harness.check(gone, reference=path, batch_size=8, **FLAGS)
     assert unplaced.outcome is Outcome.MISMATCH and unplaced.verdict.location.why is Unplaced.ACROSS_VERSIONS
+
+    def no_longer_runs(*args):  # the pmap code of an old JAX, which today's raises in (flax.optim, say)
+        raise AttributeError("module 'flax' has no attribute 'optim'")
+
+    broken = harness.check(dataclasses.replace(slip, legacy_loss=no_longer_runs), reference=path, batch_size=8, **FLAGS)
+    assert broken.outcome is Outcome.MISMATCH and broken.verdict.location.why is Unplaced.ACROSS_VERSIONS
 
 
 def test_a_check_against_a_reference_draws_its_keys_as_the_recorded_run_drew_them(monkeypatch):
