@@ -349,10 +349,10 @@ def test_a_train_state_created_outside_jit_with_a_python_step_is_placed_and_matc
         new_step=functools.partial(lm1b_step, learning_rate_fn=LM1B_SCHEDULE),
         legacy_step=functools.partial(legacy_step, learning_rate_fn=lambda step: LM1B_SCHEDULE(step - 1)),
     )  # the pmap side reports the rate of its updated step: of the step before it, as lm1b_step does
-    for port in (dataclasses.replace(FUNCTIONAL, name='created-outside-jit', new_state=created_outside_jit), lm1b):
-        result = harness.check(port, devices=2, verdict='screen', **QUICK)
-        assert result.outcome is Outcome.MATCH, (port.name, words.lines(result.verdict))
-        assert {'step/step', 'metrics/learning_rate'} <= {leaf.name for leaf in result.report.leaves}
+    # lm1b's port is the plain functional one with its state created outside jit (and its schedule): the one check
+    result = harness.check(lm1b, devices=2, verdict='screen', **QUICK)
+    assert result.outcome is Outcome.MATCH, words.lines(result.verdict)
+    assert {'step/step', 'metrics/learning_rate'} <= {leaf.name for leaf in result.report.leaves}
 
 
 def resharded_state(variables):
