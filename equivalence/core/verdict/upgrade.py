@@ -4,8 +4,8 @@ XLA's elementwise functions round otherwise from one version to the next: the si
 score_sde's time embedding, arguments up to 999, are up to 125 float32 spacings apart between jax 0.4.38
 and 0.10.2 (docs/reference.md). No floor measured on one version covers that, so against such a reference a
 place in what the step computes (a module, the code between modules, the loss, the backward pass, the
-statistics) is no evidence, nor is a place the forward pass could not name (score_sde's sine parts example
-by example). The update, the EMA and the pmap step's collectives are arithmetic that both
+statistics) is no evidence, nor is a first step left unlocated for a reason rounding alone can give
+(``ROUNDED``: score_sde's sine parts example by example). The update, the EMA and the pmap step's collectives are arithmetic that both
 versions round alike, and stay named as found.
 
 A computed place is placed again where the pmap code still runs: its first steps are recorded here, on
@@ -23,6 +23,10 @@ from equivalence.core.run.inputs import Inputs
 from equivalence.core.verdict.location import Location, Unplaced, Where
 
 COMPUTED = (Where.MODULE, Where.BETWEEN, Where.LOSS, Where.BACKWARD, Where.STATISTICS)  # no evidence across versions
+# The reasons for no place that rounding alone can give (the rest: the recording could not run, or not pair, or
+# the data are not finite, which another JAX does not change)
+ROUNDED = (Unplaced.BY_EXAMPLE, Unplaced.STARTS_APART, Unplaced.BEFORE_EMA, Unplaced.LOSS_OR_DECAY, Unplaced.ONE_FACTOR,
+           Unplaced.GRADIENT_OR_SETTING)  # fmt: skip
 
 
 def across_versions(found: Location, inputs: Inputs, seen, versions: str,
@@ -30,7 +34,7 @@ def across_versions(found: Location, inputs: Inputs, seen, versions: str,
     """``found`` (against a reference recorded on ``versions``, another JAX) where it is not a computed place;
     else the place ``again`` (the locator, given inputs and what the verdict saw) finds against the pmap code
     run here, from the reference's inputs; else unlocated, saying why."""
-    if found.kind not in (*COMPUTED, Where.UNLOCATED):
+    if found.kind not in COMPUTED and found.why not in ROUNDED:
         return found
     if found.kind == Where.UNLOCATED:  # its own reasons may be the rounding too: sin parting example by example
         parted = f'the first step was not located ({found.figures.removeprefix("not located: ")})'
