@@ -5,8 +5,8 @@ score_sde's time embedding, arguments up to 999, are up to 125 float32 spacings 
 and 0.10.2 (docs/reference.md). No floor measured on one version covers that, so against such a reference a
 place in what the step computes (a module, the code between modules, the loss, the backward pass, the
 statistics) is no evidence, nor is a first step left unlocated for a reason rounding alone can give
-(``ROUNDED``: score_sde's sine parts example by example). The update, the EMA and the pmap step's collectives are arithmetic that both
-versions round alike, and stay named as found.
+(``ROUNDED``: score_sde's sine parts example by example). The update, the EMA and the pmap step's
+collectives are arithmetic that both versions round alike, and stay named as found.
 
 A computed place is placed again where the pmap code still runs: its first steps are recorded here, on
 today's JAX, from the reference's own inputs (its variables, batches and keys, drawn as recorded), and
