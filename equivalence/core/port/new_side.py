@@ -126,17 +126,20 @@ def not_compared(train_state: Any, groups=None) -> list[str]:
     for name, value in named.items():
         if read(name, value):
             continue
-        why = WHY.get(name) or (states.why_not_compared(by_field[name], value) if name in by_field else _why_key(value))
-        lines.append(f'not compared: {name}: {why} (new side)')
+        if name in WHY:
+            why = (states.Skip.STATIC, WHY[name])
+        else:
+            why = states.why_not_compared(by_field[name], value) if name in by_field else _why_key(value)
+        lines.append(states.Uncompared(name, *why, side='new'))
     where = counter(named)
     if where is not None and where[0] != 'step':
         lines.append(f'step: the new train state has no step field; its counter is {where[0]}')
     return lines
 
 
-def _why_key(value: Any) -> str:
+def _why_key(value: Any) -> tuple[states.Skip, str]:
     n = len(jax.tree.leaves(value))
-    return f'{type(value).__name__} ({n} arrays): no counterpart the suite reads (give new_groups=)'
+    return states.Skip.UNREAD, f'{type(value).__name__} ({n} arrays): no counterpart the suite reads (give new_groups=)'
 
 
 def structure(train_state: Any) -> Any:

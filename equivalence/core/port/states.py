@@ -12,6 +12,7 @@ listed the same way: variables that are neither parameters nor batch statistics.
 """
 
 import dataclasses
+import enum
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -29,6 +30,37 @@ WHY = {
 }
 
 
+class Skip(enum.StrEnum):
+    """Why a field of a train state (or a metric) is not compared."""
+
+    STATIC = 'static'  # a static field (the model function, the optax transformation), not an array
+    UNSET = 'unset'  # None in this run
+    LOSS_SCALE = 'loss scale'  # flax DynamicScale: mixed-precision bookkeeping the NNX side does not keep
+    KEY = 'key'  # a random key, not trained state
+    UNREAD = 'unread'  # arrays with no counterpart the suite reads (legacy_groups=, new_groups= would map them)
+    NNX_VARIABLES = 'nnx variables'  # NNX variables that are neither parameters nor batch statistics
+    NNX_RNG = 'nnx rng'  # NNX rng streams: the suite bridges the masks they draw instead
+    NO_STEP = 'no step'  # one side's train state holds no step counter
+    ONE_SIDE = 'one side'  # a metric only one side's step reports
+    PER_DEVICE = 'per device'  # a metric that differs between pmap devices: not global on the pmap side
+
+
+class Uncompared(str):
+    """``not compared: <subject>: <why>``: a line of the report, and a value (``subject``, ``skip``, ``side``)."""
+
+    subject: str
+    skip: Skip
+    side: str
+
+    def __new__(cls, subject: str, skip: Skip, words: str, side: str = ''):
+        line = super().__new__(cls, f'not compared: {subject}: {words}' + (' (new side)' if side == 'new' else ''))
+        line.subject, line.skip, line.side, line.words = subject, Skip(skip), side, words
+        return line
+
+    def __getnewargs__(self):  # pickled and copied as made
+        return self.subject, self.skip, self.words, self.side
+
+
 def legacy_groups(state: Any) -> dict[str, Any]:
     """One replica of a pmap-era train state by group; a tuple is ``(params, opt_state)``."""
     if isinstance(state, tuple | list) and not hasattr(state, '_fields'):
@@ -44,7 +76,7 @@ def legacy_not_compared(state: Any, groups=None) -> list[str]:
     every field none of whose arrays the groups hand on."""
     read = read_by(groups, state)
     if isinstance(state, Mapping):
-        return [f'not compared: {k}: {_why(str(k), v)}' for k, v in state.items() if not read(str(k), v)]
+        return [Uncompared(str(k), *_why(str(k), v)) for k, v in state.items() if not read(str(k), v)]
     if not dataclasses.is_dataclass(state):
         return []
     lines = []
@@ -52,7 +84,7 @@ def legacy_not_compared(state: Any, groups=None) -> list[str]:
         if read(field.name, getattr(state, field.name)):
             continue
         value = getattr(state, field.name)
-        lines.append(f'not compared: {field.name}: {_why(field.name, value, field.metadata)}')
+        lines.append(Uncompared(field.name, *_why(field.name, value, field.metadata)))
     return lines
 
 
@@ -65,21 +97,23 @@ def read_by(groups, state: Any):
     return lambda name, value: any(id(x) in handed for x in jax.tree.leaves(value))
 
 
-def _why(name: str, value: Any, metadata: Mapping = MappingProxyType({})) -> str:
+def _why(name: str, value: Any, metadata: Mapping = MappingProxyType({})) -> tuple[Skip, str]:
+    """``(why, in words)`` a field of a train state is not compared."""
     if name in WHY:
-        return WHY[name]
+        return Skip.STATIC, WHY[name]
     if not metadata.get('pytree_node', True):
-        return f'a static field ({type(value).__name__}), not an array'
+        return Skip.STATIC, f'a static field ({type(value).__name__}), not an array'
     if value is None:
-        return 'None in this run'
+        return Skip.UNSET, 'None in this run'
     if type(value).__name__ == 'DynamicScale':
         scale = np.asarray(jax.device_get(value.scale)).reshape(-1)[:1]
-        return (f'flax DynamicScale (loss scale {float(scale[0]):g}): mixed-precision bookkeeping; '
-                'the NNX side keeps no loss scale to compare it with')  # fmt: skip
+        return Skip.LOSS_SCALE, (f'flax DynamicScale (loss scale {float(scale[0]):g}): mixed-precision bookkeeping; '
+                                 'the NNX side keeps no loss scale to compare it with')  # fmt: skip
     if 'rng' in name or 'key' in name:
-        return 'a random key, not trained state: the masks drawn from it are bridged, not its bits'
+        return Skip.KEY, 'a random key, not trained state: the masks drawn from it are bridged, not its bits'
     n = len(jax.tree.leaves(value))
-    return f'{type(value).__name__} ({n} arrays): no NNX counterpart the suite reads (give legacy_groups=, new_groups=)'
+    return Skip.UNREAD, (f'{type(value).__name__} ({n} arrays): no NNX counterpart the suite reads (give '
+                         'legacy_groups=, new_groups=)')  # fmt: skip
 
 
 def nnx_not_compared(train_state: Any) -> list[str]:
@@ -94,11 +128,11 @@ def nnx_not_compared(train_state: Any) -> list[str]:
             name = type(node).__name__
             counts[name] = counts.get(name, 0) + 1
     rng = {k: counts.pop(k) for k in ('RngKey', 'RngCount') if k in counts}
-    lines = [f'not compared: NNX {name} variables ({n}): neither parameters nor batch statistics'
+    lines = [Uncompared(f'NNX {name} variables ({n})', Skip.NNX_VARIABLES, 'neither parameters nor batch statistics')
              for name, n in counts.items()]  # fmt: skip
     if rng:
-        lines.append(f'not compared: NNX rng streams ({sum(rng.values())} keys and counters): '
-                     'the suite bridges the masks they draw instead')  # fmt: skip
+        lines.append(Uncompared(f'NNX rng streams ({sum(rng.values())} keys and counters)', Skip.NNX_RNG,
+                                'the suite bridges the masks they draw instead'))  # fmt: skip
     return lines
 
 
@@ -107,8 +141,8 @@ def align(ref: convert.Neutral, other: convert.Neutral) -> tuple[convert.Neutral
     if bool(ref.get('step')) == bool(other.get('step')):
         return ref, other, []
     side = 'pmap' if not ref.get('step') else 'NNX'
-    note = (f'not compared: step: the {side} train state holds no step counter (a tuple (params, opt_state), '
-            "a dict with no 'step', or a state with no step field)")  # fmt: skip
+    note = Uncompared('step', Skip.NO_STEP, f'the {side} train state holds no step counter (a tuple (params, '
+                      "opt_state), a dict with no 'step', or a state with no step field)")  # fmt: skip
     return without(ref, 'step'), without(other, 'step'), [note]
 
 
@@ -116,6 +150,7 @@ def without(neutral: convert.Neutral, group: str) -> convert.Neutral:
     return {g: t for g, t in neutral.items() if g != group}
 
 
-def why_not_compared(field: dataclasses.Field, value: Any) -> str:
-    """Why a dataclass field of a train state is not compared (``new_side`` reads the new side's by it)."""
+def why_not_compared(field: dataclasses.Field, value: Any) -> tuple[Skip, str]:
+    """``(why, in words)`` a dataclass field of a train state is not compared (``new_side`` reads the new side's
+    by it)."""
     return _why(field.name, value, field.metadata)

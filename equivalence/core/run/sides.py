@@ -213,6 +213,7 @@ def compared(kind: Kind, old: PathResult, new: PathResult) -> tuple[Callable[[Pa
         return states.without(full(path), 'step') if notes else full(path)
 
     lines = [*kind.described(), *old.notes, *new.notes, *notes, *randomness.take_unbridged()]
-    lines += [f'not compared: metrics/{p}: only the {"pmap" if p in old.metrics else "new"} step reports it'
+    lines += [states.Uncompared(f'metrics/{p}', states.Skip.ONE_SIDE,
+                                f'only the {"pmap" if p in old.metrics else "new"} step reports it')
               for p in one_side]  # fmt: skip
     return tree, list(dict.fromkeys(lines))

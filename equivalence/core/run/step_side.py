@@ -56,7 +56,7 @@ class StepLegacySetup(setups.LegacySetup):
         self.metrics.append(metrics)
         self.uneven.update(uneven)
         why = "differs between pmap devices (no pmean or psum in the step): the pmap side's value is not global"
-        self.notes[:] = [f'not compared: metrics/{p}: {why}' for p in sorted(self.uneven)]
+        self.notes[:] = [states.Uncompared(f'metrics/{p}', states.Skip.PER_DEVICE, why) for p in sorted(self.uneven)]
         return losses_K
 
     def forward(self, args: tuple) -> np.ndarray:
