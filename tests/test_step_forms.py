@@ -206,7 +206,7 @@ def test_each_step_form_matches_its_slip_does_not(results, form):
     assert {'metrics', 'losses', 'params', 'opt_state', 'step' if form not in NO_COUNTER else 'losses'} <= groups
     assert {'metrics/loss'} <= {leaf.name for leaf in result.report.leaves}
     assert ('metrics/mae' in {leaf.name for leaf in result.report.leaves}) == (form != 'tuple state')
-    assert result.notes[0].startswith('loop port: step('), result.notes
+    assert isinstance(result.notes[0], adapters.Ran), result.notes  # how the step ran, first
     slipped = harness.check(_slip(FORMS[form]), devices=2, diagnose=False, **QUICK)
     assert not slipped.report.match
     # judged by a measured floor: the twin runs this form's step as the run does
@@ -230,8 +230,10 @@ def skipped(notes: list) -> set:
 def test_a_flax_train_state_lists_what_it_does_not_compare(results):
     notes = results['key in state'].notes
     assert {('apply_fn', Skip.STATIC), ('tx', Skip.STATIC), ('rng', Skip.KEY)} <= skipped(notes), notes
-    assert any('pmap(step) called K times per call' in n for n in notes), notes
-    assert any('pmap(scan(step))' in n for n in results['state_rng, scan, fused nnx'].notes)
+    assert [n.legacy_loop for n in notes if isinstance(n, adapters.Ran)] == ['steps'], notes
+    assert [n.legacy_loop for n in results['state_rng, scan, fused nnx'].notes if isinstance(n, adapters.Ran)] == [
+        'scan'
+    ]
     # The report's header says how each side ran, not the suite's own pmap(scan) loop.
     assert ': legacy pmap(step) x K vs NNX ' in render.header(results['key in state'], 'cpu')
     fused = results['state_rng, scan, fused nnx']
@@ -247,9 +249,8 @@ def test_artefacts_as_handed_over_are_read_and_said(results):
     other keys listed, not dropped), and a step already pmapped (``p_train_step``) runs what it wraps,
     which the report says."""
     notes = results['dict state, pmapped step'].notes
-    assert "legacy_step is jax.pmap(dict_step): the suite runs dict_step under its own pmap over axis_name='batch'" in (
-        notes
-    ), notes
+    ran = [(n.step, n.scanned, n.axis_name) for n in notes if isinstance(n, adapters.Wrapped)]
+    assert ran == [('dict_step', False, 'batch')], notes
     groups = states.legacy_groups({'params': {'w': 1.0}, 'opt_state': (), 'rng': KEY0})
     assert groups['params'] == {'w': 1.0} and groups['step'] is None, groups
     assert skipped(states.legacy_not_compared({'params': {}, 'opt_state': (), 'rng': KEY0})) == {('rng', Skip.KEY)}
@@ -266,10 +267,8 @@ def test_a_pmapped_scan_is_run_as_the_step_it_wraps():
     port = dataclasses.replace(FORMS['carry with metrics'], legacy_step=p_train_step)
     preflight.check(kinds.of(port), RunConfig(workload=port.name, devices=2, batch_size=8, rng_mode='global', **QUICK))
     assert adapters.legacy_step(port) is carry_step
-    assert adapters.wrapped_notes(port) == [
-        'legacy_step is jax.pmap(functools.partial(jax.lax.scan, carry_step)): the suite runs carry_step under its '
-        "own pmap over axis_name='batch'"
-    ]
+    [wrapped] = adapters.wrapped_notes(port)
+    assert (wrapped.step, wrapped.scanned, wrapped.axis_name) == ('carry_step', True, 'batch'), wrapped
 
 
 def test_a_step_that_takes_its_key_first_is_called_so():

@@ -73,13 +73,43 @@ def programs(port: LoopPort) -> tuple[str, str]:
     return legacy_run, f'NNX {new_run}' if port.nnx_model is not None else f'{new_run} (linen, jax.jit)'
 
 
-def describe(port: LoopPort) -> str:
+class Ran(str):
+    """The report's line of how the team's step ran on each side (``describe``), and its values: ``legacy_loop``
+    ('steps': pmap(step) called K times a call; 'scan': pmap(scan(step))), ``new_loop`` ('new_step' called K
+    times, or 'new_call' of K steps) and ``nnx`` (an NNX model, or linen under jax.jit)."""
+
+    def __new__(cls, text: str, legacy_loop: str, new_loop: str, nnx: bool):
+        line = super().__new__(cls, text)
+        line.legacy_loop, line.new_loop, line.nnx = legacy_loop, new_loop, nnx
+        return line
+
+    def __getnewargs__(self):
+        return str(self), self.legacy_loop, self.new_loop, self.nnx
+
+
+class Wrapped(str):
+    """The report's line that the suite ran what a pmapped ``legacy_step`` wraps (``wrapped_notes``), and its values:
+    the function run (``step``), whether the pmap wrapped a ``lax.scan`` of it (``scanned``), over ``axis_name``."""
+
+    def __new__(cls, text: str, step: str, scanned: bool, axis_name: str):
+        line = super().__new__(cls, text)
+        line.step, line.scanned, line.axis_name = step, scanned, axis_name
+        return line
+
+    def __getnewargs__(self):
+        return str(self), self.step, self.scanned, self.axis_name
+
+
+def describe(port: LoopPort) -> Ran:
     """One line for the report: how the team's step ran on each side."""
-    run = 'pmap(step) called K times per call' if legacy_loop(port) == 'steps' else 'pmap(scan(step))'
-    nnx_run = 'new_step called K times per call' if port.new_step is not None else 'new_call, K steps per call'
+    loop, nnx = legacy_loop(port), port.nnx_model is not None
+    new_loop = 'new_step' if port.new_step is not None else 'new_call'
+    run = 'pmap(step) called K times per call' if loop == 'steps' else 'pmap(scan(step))'
+    nnx_run = 'new_step called K times per call' if new_loop == 'new_step' else 'new_call, K steps per call'
     loss = 'the output' if port.loss is None else (repr(port.loss) if isinstance(port.loss, str) else 'loss=function')
-    new = 'NNX' if port.nnx_model is not None else 'linen under jax.jit'
-    return f'loop port: step{step_forms.of(port).signature} as {run}; {new} {nnx_run}; loss read from {loss}'
+    new = 'NNX' if nnx else 'linen under jax.jit'
+    text = f'loop port: step{step_forms.of(port).signature} as {run}; {new} {nnx_run}; loss read from {loss}'
+    return Ran(text, loop, new_loop, nnx)
 
 
 # -- reading what a step returns ---------------------------------------------------------------
@@ -148,15 +178,16 @@ def legacy_step(port: LoopPort) -> Callable:
     return _scanned(inner) or inner
 
 
-def wrapped_notes(port: LoopPort) -> list[str]:
+def wrapped_notes(port: LoopPort) -> list[Wrapped]:
     """The report's line saying that the suite ran what a pmapped ``legacy_step`` wraps; [] otherwise."""
     inner = pmapped(port.legacy_step)
     if inner is None:
         return []
     step = _scanned(inner) or inner
     given = f'functools.partial(jax.lax.scan, {_name(step)})' if _scanned(inner) else _name(step)
-    return [f'legacy_step is jax.pmap({given}): the suite runs {_name(step)} under its own pmap over '
-            f'axis_name={port.axis_name!r}']  # fmt: skip
+    text = (f'legacy_step is jax.pmap({given}): the suite runs {_name(step)} under its own pmap over '
+            f'axis_name={port.axis_name!r}')  # fmt: skip
+    return [Wrapped(text, _name(step), bool(_scanned(inner)), port.axis_name)]
 
 
 def _name(fn: Any) -> str:
