@@ -40,7 +40,7 @@ from equivalence.core.run.inputs import Inputs
 from equivalence.core.verdict import averages, collectives, compare, forward, slots, stages, upgrade
 from equivalence.core.verdict.first_step import Recorder
 from equivalence.core.verdict.intercept import NOT_MODULES
-from equivalence.core.verdict.location import ROOT, Location, Unplaced, Where
+from equivalence.core.verdict.location import ROOT, Location, Unplaced
 from equivalence.core.verdict.location import STAGES as STAGE_NAMES
 from equivalence.core.verdict.pairing import pairs
 from equivalence.core.verdict.rule import MEASURED_FLOOR
@@ -331,5 +331,4 @@ def unconfirmed(found: Location) -> Location:
     place = found.new if found.kind != 'update' else f'the update ({found.new})'
     figures = (f'not located: the verdict is a MATCH (every leaf within its floor); the recorded first step parts at '
                f'{found.kind} {place} ({found.figures}), which no leaf of the verdict confirms')  # fmt: skip
-    return dataclasses.replace(found, kind=Where.UNLOCATED, legacy='', new='', figures=figures, first=None,
-                               settings=(), why=Unplaced.MATCH_UNCONFIRMED)  # fmt: skip
+    return found.unplaced(figures, Unplaced.MATCH_UNCONFIRMED)

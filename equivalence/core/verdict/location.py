@@ -102,6 +102,11 @@ class Location:
         if (self.kind == Where.UNLOCATED) != (self.why is not None):
             raise ValueError(f'a Location of kind {self.kind} with why={self.why!r}: only an unlocated one says why')
 
+    def unplaced(self, figures: str, why: 'Unplaced') -> 'Location':
+        """The same location naming no place: its figures now ``figures``, and ``why`` none is named."""
+        return dataclasses.replace(self, kind=Where.UNLOCATED, legacy='', new='', figures=figures, first=None,
+                                   settings=(), why=why)  # fmt: skip
+
     def line(self) -> str:
         if self.kind in ('none', 'unlocated'):
             return f'where: {self.kind}: {self.figures}'

@@ -18,7 +18,9 @@ changed. Where the pmap code is gone (``RECORDED``) or no longer runs, the place
 import dataclasses
 from collections.abc import Callable
 
-from equivalence.core.run import clock, reference
+import jax
+
+from equivalence.core.run import clock
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.verdict.location import Location, Unplaced, Where
 
@@ -45,26 +47,21 @@ def across_versions(found: Location, inputs: Inputs, seen, versions: str,
     gone = inputs.recorded.gone
     if gone:
         here_not = f'the pmap code, which would place it on this JAX, is not here ({", ".join(gone)} RECORDED)'
-        return _unlocated(found, f'not located: {parted}, but {why}; {here_not}', Unplaced.ACROSS_VERSIONS)
+        return found.unplaced(f'not located: {parted}, but {why}; {here_not}', Unplaced.ACROSS_VERSIONS)
     today = dataclasses.replace(inputs, recorded=None)
     new_only = dataclasses.replace(seen, first_losses={k: v for k, v in seen.first_losses.items() if k == 'new'})
     try:
         with clock.stage('where the sides part, against the pmap code run on this JAX (the first steps recorded)'):
             placed = again(today, new_only)
     except Exception as e:  # noqa: BLE001 -- the code the reference was recorded from need not run on today's JAX
-        return _unlocated(found, f'not located: {parted}, but {why}; the pmap code, run on this JAX to place it, '
-                                 f'raised {type(e).__name__}: {str(e)[:160]}', Unplaced.ACROSS_VERSIONS)  # fmt: skip
-    here = reference.environment()['versions'].get('jax')
+        return found.unplaced(f'not located: {parted}, but {why}; the pmap code, run on this JAX to place it, '
+                              f'raised {type(e).__name__}: {str(e)[:160]}', Unplaced.ACROSS_VERSIONS)  # fmt: skip
+    here = jax.__version__
     if placed.kind.stage is None:  # nothing parts, or no place, against the pmap code run here
-        return _unlocated(found, f'not located: {parted}, but {why}; against the pmap code run on this JAX (jax '
-                                 f'{here}) from the same inputs: {placed.figures}',
-                          Unplaced.UPGRADE if placed.kind == Where.NONE else placed.why)  # fmt: skip
+        return found.unplaced(f'not located: {parted}, but {why}; against the pmap code run on this JAX (jax '
+                              f'{here}) from the same inputs: {placed.figures}',
+                              Unplaced.UPGRADE if placed.kind == Where.NONE else placed.why)  # fmt: skip
     note = (f"placed against the pmap code run on this JAX (jax {here}), from the reference's inputs, as a check of "
             f'both sides places it: against the reference itself, recorded on {versions}, whose XLA rounds '
             f'elementwise functions otherwise, {parted}')  # fmt: skip
     return dataclasses.replace(placed, notes=(*placed.notes, note))
-
-
-def _unlocated(found: Location, figures: str, why: Unplaced) -> Location:
-    return dataclasses.replace(found, kind=Where.UNLOCATED, legacy='', new='', figures=figures, first=None, why=why,
-                               settings=())  # fmt: skip
