@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from equivalence.core.port import convert
+from equivalence.core.port.line import Line
 
 READ = ('step', 'params', 'opt_state', 'model_state', 'batch_stats', 'params_ema', 'ema_params', 'ema')
 WHY = {
@@ -45,20 +46,14 @@ class Skip(enum.StrEnum):
     PER_DEVICE = 'per device'  # a metric that differs between pmap devices: not global on the pmap side
 
 
-class Uncompared(str):
+class Uncompared(Line):
     """``not compared: <subject>: <why>``: a line of the report, and a value (``subject``, ``skip``, ``side``)."""
 
-    subject: str
-    skip: Skip
-    side: str
+    FIELDS = ('subject', 'skip', 'side')
 
     def __new__(cls, subject: str, skip: Skip, words: str, side: str = ''):
-        line = super().__new__(cls, f'not compared: {subject}: {words}' + (' (new side)' if side == 'new' else ''))
-        line.subject, line.skip, line.side, line.words = subject, Skip(skip), side, words
-        return line
-
-    def __getnewargs__(self):  # pickled and copied as made
-        return self.subject, self.skip, self.words, self.side
+        text = f'not compared: {subject}: {words}' + (' (new side)' if side == 'new' else '')
+        return super().__new__(cls, text, subject, Skip(skip), side)
 
 
 def legacy_groups(state: Any) -> dict[str, Any]:

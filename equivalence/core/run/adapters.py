@@ -32,6 +32,7 @@ from flax import nnx
 
 from equivalence.core.port import convert, step_forms
 from equivalence.core.port.config import ConfigError, RunConfig
+from equivalence.core.port.line import Line
 from equivalence.core.port.port_fields import pmapped
 from equivalence.core.port.ports import LoopPort
 from legacy_pmap import train as legacy
@@ -73,31 +74,19 @@ def programs(port: LoopPort) -> tuple[str, str]:
     return legacy_run, f'NNX {new_run}' if port.nnx_model is not None else f'{new_run} (linen, jax.jit)'
 
 
-class Ran(str):
+class Ran(Line):
     """The report's line of how the team's step ran on each side (``describe``), and its values: ``legacy_loop``
     ('steps': pmap(step) called K times a call; 'scan': pmap(scan(step))), ``new_loop`` ('new_step' called K
     times, or 'new_call' of K steps) and ``nnx`` (an NNX model, or linen under jax.jit)."""
 
-    def __new__(cls, text: str, legacy_loop: str, new_loop: str, nnx: bool):
-        line = super().__new__(cls, text)
-        line.legacy_loop, line.new_loop, line.nnx = legacy_loop, new_loop, nnx
-        return line
-
-    def __getnewargs__(self):
-        return str(self), self.legacy_loop, self.new_loop, self.nnx
+    FIELDS = ('legacy_loop', 'new_loop', 'nnx')
 
 
-class Wrapped(str):
+class Wrapped(Line):
     """The report's line that the suite ran what a pmapped ``legacy_step`` wraps (``wrapped_notes``), and its values:
     the function run (``step``), whether the pmap wrapped a ``lax.scan`` of it (``scanned``), over ``axis_name``."""
 
-    def __new__(cls, text: str, step: str, scanned: bool, axis_name: str):
-        line = super().__new__(cls, text)
-        line.step, line.scanned, line.axis_name = step, scanned, axis_name
-        return line
-
-    def __getnewargs__(self):
-        return str(self), self.step, self.scanned, self.axis_name
+    FIELDS = ('step', 'scanned', 'axis_name')
 
 
 def describe(port: LoopPort) -> Ran:
@@ -183,11 +172,13 @@ def wrapped_notes(port: LoopPort) -> list[Wrapped]:
     inner = pmapped(port.legacy_step)
     if inner is None:
         return []
-    step = _scanned(inner) or inner
-    given = f'functools.partial(jax.lax.scan, {_name(step)})' if _scanned(inner) else _name(step)
-    text = (f'legacy_step is jax.pmap({given}): the suite runs {_name(step)} under its own pmap over '
-            f'axis_name={port.axis_name!r}')  # fmt: skip
-    return [Wrapped(text, _name(step), bool(_scanned(inner)), port.axis_name)]
+    scanned = _scanned(inner)
+    step = _name(scanned or inner)
+    given = f'functools.partial(jax.lax.scan, {step})' if scanned else step
+    text = (
+        f'legacy_step is jax.pmap({given}): the suite runs {step} under its own pmap over axis_name={port.axis_name!r}'
+    )
+    return [Wrapped(text, step, scanned is not None, port.axis_name)]
 
 
 def _name(fn: Any) -> str:
