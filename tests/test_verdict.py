@@ -32,6 +32,7 @@ from equivalence.core.verdict.findings import (
     Screen,
     Unrun,
 )
+from equivalence.core.verdict.runs import Runs
 
 sys.path.insert(0, os.path.join(ROOT, 'examples', 'mlp_port'))
 import my_port  # noqa: E402  (the example, imported as a user's module)
@@ -166,7 +167,9 @@ def test_a_twin_that_raises_is_named_by_its_culprit_and_its_whole_text_goes_to_t
     assert said.endswith('No module named my_port'), said
     report = compare.Report([], port.tolerance)
     kind = kinds.of(port)
-    _, judged = judge.finish(kind, config, report, None, None, inputs, [no_twin], no_twin, None, True, measured.errors)
+    runs = Runs(kind, config, inputs)
+    _, judged = judge.finish(kind, config, report, None, None, inputs, [no_twin], no_twin, runs, None, True,
+                             measured.errors)  # fmt: skip
     result = judge.RunResult(config, None, None, report, verdict=judged)
 
     assert render.verdict_json(result)['errors'] == [

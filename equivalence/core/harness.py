@@ -21,10 +21,11 @@ from equivalence.core.run import clock, precision, randomness, reference
 from equivalence.core.run import inputs as made
 from equivalence.core.run.facts import has_batch_stats, name_mapping
 from equivalence.core.run.inputs import Inputs
-from equivalence.core.run.sides import PathResult, Progress, both_sides, compared, run_legacy, run_new, silent
+from equivalence.core.run.sides import PathResult, Progress, both_sides, run_legacy, run_new, silent
 from equivalence.core.verdict import hints, referenced
 from equivalence.core.verdict.judge import RunResult, judged
 from equivalence.core.verdict.outcome import Outcome
+from equivalence.core.verdict.runs import Runs
 
 
 def validate(port: Port, config: RunConfig) -> None:
@@ -245,11 +246,11 @@ def judgement(kind: Kind, config: RunConfig, old: PathResult, new: PathResult, i
     compared with the legacy run's losses, metrics and parameters after that step."""
     if resumed_at:
         old = old.after(resumed_at, config.steps_per_call)
-    tree, notes = compared(kind, old, new)
+    runs = Runs(kind, config, inputs)  # what the verdict asks to be run beyond the two runs
     with clock.stage('verdict'):
-        result = judged(kind, config, old, new, inputs, tree, diagnose)
+        result = judged(kind, config, old, new, inputs, runs, diagnose)
     result.programs, result.new_side, result.keys = kind.programs(), kind.new_side(), kind.keys(config)
-    result.notes, result.resumed_at = [*result.notes, *notes], resumed_at
+    result.resumed_at = resumed_at
     return result
 
 

@@ -1,6 +1,7 @@
-"""Each side run call by call from the same seed and data (``run_legacy``, ``run_new``), and what of
-their results is compared (``compared``). The setups come from the port's kind (``core.port.kind.Kind``:
-``kind.legacy_setup``, ``kind.new_setup``), which is handed in, never asked of the port's class here.
+"""Each side run call by call from the same seed and data (``run_legacy``, ``run_new``); what of their
+results is compared is the verdict's (``verdict.judge.compared``). The setups come from the port's kind
+(``core.port.kind.Kind``: ``kind.legacy_setup``, ``kind.new_setup``), which is handed in, never asked of
+the port's class here.
 """
 
 import dataclasses
@@ -10,10 +11,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from equivalence.core.port import convert, states
+from equivalence.core.port import convert
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
-from equivalence.core.run import clock, footprint, randomness
+from equivalence.core.run import clock, footprint
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.run.setups import NnxGraphSetup, NnxSetup
 
@@ -196,24 +197,3 @@ def replica_spread(replicated: Any) -> float:
 def with_losses(neutral: convert.Neutral, losses: np.ndarray, metrics: dict | None = None) -> convert.Neutral:
     out = {**neutral, 'losses': {'per_step': losses}}
     return {**out, 'metrics': metrics} if metrics else out
-
-
-def compared(kind: Kind, old: PathResult, new: PathResult) -> tuple[Callable[[PathResult], convert.Neutral], list[str]]:
-    """How each path's result is compared (losses, the metrics both sides report, the groups both
-    states hold), and the lines that say what was left out of it."""
-    one_side = sorted((set(old.metrics) ^ set(new.metrics)) - old.left_out)  # left out already: said once, why
-    left_out = old.left_out | set(one_side)
-    kept = lambda metrics: {p: a for p, a in metrics.items() if p not in left_out}  # noqa: E731
-    full = lambda path: with_losses(path.final, path.losses, kept(path.metrics))  # noqa: E731
-    # A state read by the suite that holds no step counter (a tuple (params, opt_state)) leaves
-    # the counter out, said; groups the port maps itself must map it (else: bookkeeping).
-    notes = [] if kind.port.legacy_groups else states.align(full(old), full(new))[2]
-
-    def tree(path: PathResult) -> convert.Neutral:
-        return states.without(full(path), 'step') if notes else full(path)
-
-    lines = [*kind.described(), *old.notes, *new.notes, *notes, *randomness.take_unbridged()]
-    lines += [states.Uncompared(f'metrics/{p}', states.Skip.ONE_SIDE,
-                                f'only the {"pmap" if p in old.metrics else "new"} step reports it')
-              for p in one_side]  # fmt: skip
-    return tree, list(dict.fromkeys(lines))

@@ -33,16 +33,18 @@ loss, gradient, statistic or optimizer slot that leaves its floor), and so does 
 """
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
+from equivalence.core.port import convert, states
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
-from equivalence.core.run import clock, facts
+from equivalence.core.run import clock, randomness, sides
 from equivalence.core.run.inputs import Inputs
-from equivalence.core.run.sides import PathResult, compared
+from equivalence.core.run.sides import PathResult
 from equivalence.core.verdict import compare, first_step, fresh, hidden, legacy_twin, locate, rule, twin, unverified
 from equivalence.core.verdict import findings as found
 from equivalence.core.verdict.findings import Finding, NoTwin, Probe
@@ -50,12 +52,14 @@ from equivalence.core.verdict.first_step import Recorder
 from equivalence.core.verdict.location import Where
 from equivalence.core.verdict.outcome import Outcome
 from equivalence.core.verdict.rule import MEASURED_FLOOR, Verdict
+from equivalence.core.verdict.runs import Runs
 from equivalence.core.verdict.unverified import start_params
 
 
-def judge(kind: Kind, config: RunConfig, old, new, inputs: Inputs, tree, diagnose: bool = True):
+def judge(kind: Kind, config: RunConfig, old, new, inputs: Inputs, tree, runs: Runs, diagnose: bool = True):
     """``(the report every leaf is judged by, the verdict)``; ``tree(path)`` is what of a path's result is
-    compared (``sides.compared``); ``diagnose=False``: a MISMATCH is neither diagnosed nor located."""
+    compared (``compared``); ``runs``: what runs the twins and probes the policy asks for (``Runs``);
+    ``diagnose=False``: a MISMATCH is neither diagnosed nor located."""
     trees = lambda path, first=None: {**tree(path), **(first or {})}  # noqa: E731
     screen = compare.compare(trees(old), trees(new), kind.port.tolerance)
     done: list = [found.Screen(screen.match)]
@@ -66,12 +70,12 @@ def judge(kind: Kind, config: RunConfig, old, new, inputs: Inputs, tree, diagnos
     )  # fmt: skip
     if not counts or (config.verdict == 'screen' and screen.match):
         none = NoTwin(NoTwin.Why.NO_MESH, cannot) if not counts else NoTwin(NoTwin.Why.SCREEN_PASSED)
-        report, judged = finish(kind, config, screen, old, new, inputs, done + [none], none, None, diagnose)
+        report, judged = finish(kind, config, screen, old, new, inputs, done + [none], none, runs, None, diagnose)
         return report, unverified.unmeasured(report, judged) if not counts else judged  # --verdict screen: the user's
-    measured = twin.measure(kind, config, new, inputs, counts)
+    measured = runs.twins(new, counts)
     if not measured.twins:
         why = NoTwin(NoTwin.Why.TWIN, measured.why[0])
-        report, judged = finish(kind, config, screen, old, new, inputs, done + [why], why, None, diagnose,
+        report, judged = finish(kind, config, screen, old, new, inputs, done + [why], why, runs, None, diagnose,
                                 measured.errors)  # fmt: skip
         return report, unverified.unmeasured(report, judged)
     twins = measured.twins
@@ -86,10 +90,10 @@ def judge(kind: Kind, config: RunConfig, old, new, inputs: Inputs, tree, diagnos
     memory = {'run': new.memory, 'twins': {twin.label(k): tw.memory for k, tw in twins.items()}}
     done += [on, found.Memory(memory['run'], memory['twins'])]
     done += [NoTwin(NoTwin.Why.TWIN, reason) for reason in measured.why]  # those not run, or refused
-    recorder = Recorder(kind, config, inputs, first_step.here(next(iter(twins)), config, measured.fresh))
+    recorder = runs.recorder(first_step.here(next(iter(twins)), config, measured.fresh))
     grads, errors = None, measured.errors
     if legacy_twin.wanted(report, old, new):
-        grads, other, lines, raised = legacy_floor(kind, config, old, new, inputs, twins, recorder)
+        grads, other, lines, raised = legacy_floor(kind, old, new, inputs, twins, runs, recorder)
         done, errors = done + lines, errors + raised
         if other is not None:
             ref_twin = trees(other, rule.first_step_tree(float(other.losses[0])))
@@ -98,12 +102,12 @@ def judge(kind: Kind, config: RunConfig, old, new, inputs: Inputs, tree, diagnos
             )
         if grads is not None:
             report = dataclasses.replace(report, leaves=[*report.leaves, *grads.leaves])
-    report, judged = finish(kind, config, report, old, new, inputs, done, on, recorder, diagnose, errors, grads)
+    report, judged = finish(kind, config, report, old, new, inputs, done, on, runs, recorder, diagnose, errors, grads)
     judged = unverified.unverified(kind.port, inputs, report, judged)
     return report, dataclasses.replace(judged, memory=memory)
 
 
-def legacy_floor(kind: Kind, config: RunConfig, old, new, inputs: Inputs, twins: dict, recorder: Recorder):
+def legacy_floor(kind: Kind, old, new, inputs: Inputs, twins: dict, runs: Runs, recorder: Recorder):
     """``(first-step gradients or None, the legacy twin's PathResult or None, what ran, what raised)``. A
     model port's first-step gradients are probed first: when they differ the difference is math, which no
     chaos excuses, and no legacy twin runs (nor may it hide a backward-pass slip)."""
@@ -118,16 +122,17 @@ def legacy_floor(kind: Kind, config: RunConfig, old, new, inputs: Inputs, twins:
         if not grads.match:
             return grads, None, done, ()
     with clock.stage('legacy twin (the pmap side on another device count)'):
-        other, said, raised = legacy_twin.run(kind, config, old, new, twins, inputs)
+        other, said, raised = runs.legacy_twin(old, new, twins)
     return grads, other, [*done, said], raised
 
 
-def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twin_record, recorder, diagnose: bool,
+def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twin_record, runs: Runs, recorder,
+           diagnose: bool,
            errors: tuple = (), grads=None) -> tuple[compare.Report, Verdict]:  # fmt: skip
     """Gradients (strict, or to diagnose; ``grads`` if already probed), the diagnosis on MISMATCH, and
     where the sides part: ``(the report, with the gradients' leaves, the verdict)``."""
     cannot, unrecorded = inputs.single_process_probes(), inputs.first_steps_unrecorded()
-    recorder = recorder or Recorder(kind, config, inputs, None)
+    recorder = recorder or runs.recorder(None)
     probe = kind.first_step_probe()
     if grads is None and probe is not None and (config.verdict == 'strict' or (not report.match and diagnose)):
         if unrecorded:
@@ -166,12 +171,12 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
     # Only a first *loss* that differs can be re-checked with dropout off (the re-run compares
     # losses): a slip seen only in the first gradients is math, whatever dropout does.
     loss_failed = any(leaf.name == 'first_step/loss' for leaf in rule.failed(report, 'first_step'))
-    dropout = loss_failed and facts.uses_dropout(kind.port)
+    dropout = loss_failed and runs.dropout
     if dropout and cannot:
         done = [*done, found.NotRun(Probe.RERUN, cannot)]
     elif dropout:
         with clock.stage('deterministic re-run (dropout off)'):
-            rerun = first_step.deterministic_rerun_matches(kind, config, inputs, report)
+            rerun = runs.rerun(report)
         done = [*done, found.Probed(Probe.RERUN, bool(rerun))]
     nonfinite = rule.nonfinite(
         {'legacy': old.losses, 'new': new.losses},
@@ -217,9 +222,32 @@ class RunResult:
         return [max(float(np.abs(a[k] - b[k]).max()) for k in a) for a, b in pairs]
 
 
-def judged(kind: Kind, config: RunConfig, old: PathResult, new: PathResult, inputs: Inputs, tree=None,
+def judged(kind: Kind, config: RunConfig, old: PathResult, new: PathResult, inputs: Inputs, runs: Runs,
            diagnose: bool = True) -> RunResult:  # fmt: skip
-    """The two runs judged against their measured noise floor (``judge``); ``diagnose``: False where only
-    the match is read (no diagnosis nor location on MISMATCH)."""
-    report, verdict = judge(kind, config, old, new, inputs, tree or compared(kind, old, new)[0], diagnose)
-    return RunResult(config, old, new, report, verdict=verdict)
+    """The two runs judged against their measured noise floor (``judge``), the twins and probes run by
+    ``runs``; ``diagnose``: False where only the match is read (no diagnosis nor location on MISMATCH). Its
+    notes: what was left out of the comparison (``compared``)."""
+    tree, notes = compared(kind, old, new)
+    report, verdict = judge(kind, config, old, new, inputs, tree, runs, diagnose)
+    return RunResult(config, old, new, report, notes=notes, verdict=verdict)
+
+
+def compared(kind: Kind, old: PathResult, new: PathResult) -> tuple[Callable[[PathResult], convert.Neutral], list[str]]:
+    """How each path's result is compared (losses, the metrics both sides report, the groups both
+    states hold), and the lines that say what was left out of it."""
+    one_side = sorted((set(old.metrics) ^ set(new.metrics)) - old.left_out)  # left out already: said once, why
+    left_out = old.left_out | set(one_side)
+    kept = lambda metrics: {p: a for p, a in metrics.items() if p not in left_out}  # noqa: E731
+    full = lambda path: sides.with_losses(path.final, path.losses, kept(path.metrics))  # noqa: E731
+    # A state read by the suite that holds no step counter (a tuple (params, opt_state)) leaves
+    # the counter out, said; groups the port maps itself must map it (else: bookkeeping).
+    notes = [] if kind.port.legacy_groups else states.align(full(old), full(new))[2]
+
+    def tree(path: PathResult) -> convert.Neutral:
+        return states.without(full(path), 'step') if notes else full(path)
+
+    lines = [*kind.described(), *old.notes, *new.notes, *notes, *randomness.take_unbridged()]
+    lines += [states.Uncompared(f'metrics/{p}', states.Skip.ONE_SIDE,
+                                f'only the {"pmap" if p in old.metrics else "new"} step reports it')
+              for p in one_side]  # fmt: skip
+    return tree, list(dict.fromkeys(lines))
