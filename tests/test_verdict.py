@@ -18,7 +18,7 @@ from equivalence.core.port import blame, workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.report import render, words
 from equivalence.core.run import inputs as made
-from equivalence.core.run import model_side, sides
+from equivalence.core.run import model_side, nudge, sides
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.verdict import compare, fresh, judge, legacy_twin, rule, twin
 from equivalence.core.verdict.findings import (
@@ -32,6 +32,7 @@ from equivalence.core.verdict.findings import (
     Screen,
     Unrun,
 )
+from equivalence.core.verdict.outcome import Outcome
 from equivalence.core.verdict.runs import Runs
 
 sys.path.insert(0, os.path.join(ROOT, 'examples', 'mlp_port'))
@@ -291,3 +292,61 @@ def test_the_examples_split_state_loop_is_read_and_checked():
     assert fast.outcome.label == 'MATCH'
     slip = dataclasses.replace(my_port.LOOP_FAST, nnx_model=my_port.LOOP_EPSILON_SLIP.nnx_model)
     assert harness.check(slip, devices=2, steps_per_call=2, calls=2, diagnose=False).outcome.label == 'MISMATCH'
+
+
+@dataclasses.dataclass(frozen=True)
+class Handed(Runs):
+    """The runs a test hands the policy: the twins it returns and the counts it was asked for (none run), no
+    legacy twin; the first steps, which a MISMATCH's gradient probe reads, recorded as ``Runs`` records them."""
+
+    measured: twin.Measured | None = None
+    asked: list = dataclasses.field(default_factory=list)
+
+    def twins(self, new, counts):
+        self.asked.append(counts)
+        return self.measured
+
+    def legacy_twin(self, old, new, twins):
+        return None, LegacyTwin(LegacyTwin.Ran.NOT_RUN, why=LegacyTwin.Skip.ONE_CALL), ()
+
+    def recorder(self, n_twin):
+        return super().recorder(None)  # the first steps recorded for real, each value then held to 8 spacings
+
+
+def test_the_policy_judges_what_the_runs_it_is_handed_measured():
+    """``judge`` decides and ``Runs`` runs (``harness.judgement`` hands it one): handed twins that ran nothing,
+    the policy asks for the run's own program twice over (``nudge.DRAWS``) and judges one parameter 1e-3 apart
+    by what they say. A twin 10x as far from NNX is a floor that covers it: MATCH; a twin that is NNX itself
+    is no floor: MISMATCH (the control); no twin: NOT VERIFIED, with the twin's own reason, whether or not the
+    MISMATCH is diagnosed (``diagnose=False`` returned MISMATCH, exit 1, on a difference no floor judged)."""
+    require_devices(2)
+    port = workloads.get('mlp')
+    config = RunConfig(workload='mlp', devices=2, steps_per_call=2, calls=1, batch_size=port.default_batch,
+                       rng_mode=port.rng_modes[0], locate=False)  # fmt: skip
+    prepared = harness.prepare(port, config)
+    kind, inputs = prepared.kind, prepared.inputs
+    _, new = sides.both_sides(kind, config, inputs)
+    leaf = sorted(new.final['params'])[0]  # fc1: not the output layer, where a hidden slip would be NOT VERIFIED
+
+    def moved(by: float) -> sides.PathResult:
+        final = {g: dict(t) for g, t in new.final.items()}
+        final['params'][leaf] = final['params'][leaf] + np.float32(by)
+        return dataclasses.replace(new, final=final)
+
+    old = moved(1e-3)
+    tree = judge.compared(kind, old, new)[0]
+    outcomes, asked = [], []
+    for twins in ({nudge.DRAWS[0]: moved(1e-2)}, {nudge.DRAWS[0]: new}):
+        handed = Handed(kind, config, inputs, twin.Measured(twins, (), (), ()))
+        report, verdict = judge.judge(kind, config, old, new, inputs, tree, handed, diagnose=False)
+        outcomes.append(verdict.outcome)
+        asked += handed.asked
+    unrun = Unrun(nudge.DRAWS[0], 'ValueError: injected', own=True)
+    unmeasured = []
+    for diagnose in (False, True):  # the outcome alone, or diagnosed (the first gradients probed): the same
+        handed = Handed(kind, config, inputs, twin.Measured({}, (unrun,), (), ()))
+        unmeasured.append(judge.judge(kind, config, old, new, inputs, tree, handed, diagnose=diagnose)[1])
+    assert outcomes == [Outcome.MATCH, Outcome.MISMATCH], outcomes
+    assert asked == [nudge.DRAWS] * 2, asked
+    assert [v.outcome for v in unmeasured] == [Outcome.NOT_VERIFIED] * 2, unmeasured
+    assert all(v.twin == NoTwin(NoTwin.Why.TWIN, unrun) for v in unmeasured), unmeasured

@@ -165,8 +165,18 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
     judged = Verdict(outcome, config.verdict, tuple(done), twin=twin_record, noise_dominated=noisy, errors=errors)
     if report.match:
         return report, locate.attach(judged, kind, config, inputs, recorder, seen)  # only when --locate asks
+    nonfinite = rule.nonfinite(
+        {'legacy': old.losses, 'new': new.losses},
+        {'legacy': old.final, 'new': new.final},
+        first_step.data_nonfinite(inputs.whole_calls),
+    )
+    no_floor = twin_record if report.floor is None else None
     if not diagnose:  # only its outcome is read: no gradients probed, no re-run, not located
-        return report, judged
+        # With no floor, a MISMATCH that nothing floor-free explains (NaNs, bookkeeping, the first step) is
+        # UNMEASURED, NOT VERIFIED (``unverified.unmeasured``), as it is when diagnosed: the outcome is the same.
+        unmeasured = rule.diagnose(report, nonfinite, None, grads is not None, no_floor)
+        return report, dataclasses.replace(judged, diagnosis=unmeasured) if no_floor and (
+            unmeasured.kind is Finding.UNMEASURED) else judged  # fmt: skip
     rerun = None
     # Only a first *loss* that differs can be re-checked with dropout off (the re-run compares
     # losses): a slip seen only in the first gradients is math, whatever dropout does.
@@ -178,12 +188,6 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
         with clock.stage('deterministic re-run (dropout off)'):
             rerun = runs.rerun(report)
         done = [*done, found.Probed(Probe.RERUN, bool(rerun))]
-    nonfinite = rule.nonfinite(
-        {'legacy': old.losses, 'new': new.losses},
-        {'legacy': old.final, 'new': new.final},
-        first_step.data_nonfinite(inputs.whole_calls),
-    )
-    no_floor = twin_record if report.floor is None else None
     diagnosed = rule.diagnose(report, nonfinite, rerun, grads is not None, no_floor)
     mismatch = dataclasses.replace(judged, done=tuple(done), diagnosis=diagnosed)
     data_step = nonfinite.data_step if nonfinite is not None else None
