@@ -147,8 +147,9 @@ def run(port: Port, config: RunConfig, progress: Progress | None = None, diagnos
     The two sides' variable names are paired by the pre-flight, before any training (``naming.PortError``).
     ``progress``, if given, is called after each of the 2 * C compiled calls. ``diagnose=False``: a MISMATCH
     is neither diagnosed nor located (a run whose match alone is read, as the masked-loss hint's on 1
-    device); its outcome is a diagnosed run's (no floor: NOT VERIFIED where nothing floor-free explains it). ``checkpoints``: legacy saves, and the new side resumed from one (``Checkpoints``). ``say``:
-    told each stage as it begins and ends (``clock.Lines``); every stage is measured (``RunResult.timing``)."""
+    device); its outcome is a diagnosed run's (no floor: NOT VERIFIED where nothing floor-free explains it).
+    ``checkpoints``: legacy saves, and the new side resumed from one (``Checkpoints``). ``say``: told each
+    stage as it begins and ends (``clock.Lines``); every stage is measured (``RunResult.timing``)."""
     with clock.measuring(say) as measured:
         with precision.computing_at(config.precision):
             result = _run(port, config, progress or silent, diagnose, checkpoints)
