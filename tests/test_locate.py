@@ -336,7 +336,7 @@ def test_a_call_whose_inputs_cannot_be_compared_is_not_a_place():
     input has another shape: no figure says where the sides part, so nothing is named (was 'between at
     ... → Dropout_0', its difference '-')."""
     loc = located('dropout-left-out')
-    assert loc.why is Unplaced.UNCOMPARED and 'Dropout_0' in loc.figures, loc.line()
+    assert loc.why is Unplaced.UNCOMPARED and loc.reading['legacy_call'] == 'Dropout_0', loc.line()
 
 
 # -- loss, statistics, update --------------------------------------------------------------------
@@ -344,7 +344,7 @@ def test_a_call_whose_inputs_cannot_be_compared_is_not_a_place():
 
 def test_label_smoothing_left_out_is_the_loss_while_every_module_agrees():
     loc = located('smoothing')
-    assert loc.kind == 'loss' and 'label smoothing' in loc.figures, loc.line()
+    assert loc.kind == 'loss' and loc.reading['parts'] == 'loss', loc.line()  # the loss function differs
     agree(loc)
 
 
@@ -358,8 +358,9 @@ def test_first_moments_apart_from_zero_give_no_ratio_and_still_read_the_decay():
     g = rng.normal(size=4).astype(np.float32)
     p0['head'], leaves['head'] = np.zeros(4, np.float32), (g, g, 1e-9)  # the head: its gradient, no decay of 0
     said = implied.moments('trace', leaves, p0)
-    assert 'nan' not in said.text and "the pmap side's are 0 wherever the 3 leaves that part do" in said.text, said
-    assert '0.0001 x the parameter (r² 1.000)' in said.text, said.text
+    read = said.values()  # no ratio NNX/pmap, the pmap side's 0 wherever the 3 leaves that part do
+    assert 'ratio' not in read and read['zeros'] == 3, said
+    assert read['proportional'] == pytest.approx(1e-4, rel=5e-4) and read['r2'] >= 0.9995, said.text
 
 
 def test_a_training_loss_the_loop_does_not_report_is_the_gradients_not_the_optimizer():
@@ -372,8 +373,9 @@ def test_a_training_loss_the_loop_does_not_report_is_the_gradients_not_the_optim
     parts most), and the reading is said."""
     loc = located('train-loss')
     assert loc.why is Unplaced.LOSS_OR_DECAY, loc.line()
-    assert f'{2 * PENALTY * 0.1:.3g} x the parameter (r² ' in loc.figures, loc.line()  # mu = 0.1 (g + 2e-3 p)
-    assert f'differ by {2 * PENALTY:.3g} x the parameter if b1 is 0.9' in loc.figures, loc.line()
+    read = loc.reading  # mu = 0.1 (g + 2e-3 p): the gradients 2e-3 x the parameter apart, if b1 is 0.9
+    assert read['proportional'] == pytest.approx(2 * PENALTY * 0.1, rel=5e-3), loc.line()
+    assert read['gradient_factor'] == pytest.approx(2 * PENALTY, rel=5e-3), loc.line()
     agree(loc)
 
 
@@ -384,7 +386,7 @@ def test_a_training_loss_on_the_output_that_the_loop_does_not_report_is_the_loss
     not: the loss. The L2 term above, on the parameters, leaves that gradient equal (its control)."""
     loc = located('train-targets')
     assert loc.kind == 'loss', loc.line()
-    assert 'the gradient of the training loss with respect to it' in loc.figures, loc.line()
+    assert loc.reading['parts'] == 'output gradient', loc.line()  # the gradient of the training loss w.r.t. it
     agree(loc)
 
 
@@ -393,8 +395,8 @@ def test_a_b1_change_parts_the_first_moments_by_one_factor_and_stays_the_optimiz
     moment (Adam's first update is unchanged): one factor, the update, and the b1 it implies."""
     loc = located('b1')
     assert loc.kind == 'update' and loc.legacy.startswith('opt_state 0/mu/'), loc.line()
-    assert 'one factor on every element of every leaf: NNX = 0.5 x pmap' in loc.figures, loc.line()
-    assert 'NNX b1 0.95 if' in loc.figures, loc.line()
+    assert loc.reading['factor'] == pytest.approx(0.5, abs=5e-7), loc.line()  # one factor on every element
+    assert loc.reading['b1'] == pytest.approx(0.95, abs=5e-5), loc.line()  # NNX's, if the pmap side's is 0.9
     agree(loc)
 
 
@@ -420,10 +422,9 @@ def test_an_optimizer_slip_that_warmup_hides_on_step_1_is_located_on_step_2(step
         assert loc.kind == 'none' and locate.WARMUP in loc.figures, loc.line()
         return
     assert (loc.kind, loc.legacy) == ('update', 'the update rule'), loc.line()
-    assert loc.figures.startswith("on step 2 (nothing parts before it; step 1's update is 0"), loc.line()
-    assert 'the new side steps 1.01 x' in loc.figures and 'the parameters after step 2 do not' in loc.figures, (
-        loc.line()
-    )
+    read = loc.reading  # on step 2, nothing parting before it, step 1's update 0
+    assert (read['step'], read['exact'], read['first_update_zero']) == (2, True, True), loc.line()
+    assert read['update'] == 'step factor' and read['update_factor'] == pytest.approx(1.01, abs=5e-6), loc.line()
     agree(loc)
 
 
@@ -446,7 +447,7 @@ def test_a_batchnorm_momentum_is_its_statistics_located_through_the_verdict(tmp_
     loc = result.verdict.location
     assert result.verdict.kind is Finding.STATE and loc is not None
     assert (loc.kind, loc.legacy, loc.new) == ('statistics', 'BatchNorm_0', 'norm'), loc.line()
-    assert 'legacy 0.9' in loc.figures and 'new 0.1' in loc.figures, loc.line()
+    assert loc.reading['momentum'] == pytest.approx((0.9, 0.1), abs=5e-5), loc.line()  # each side's, implied
     agree(loc)
     text = render.text(result, 'cpu').splitlines()
     assert text[text.index(f'diagnosis (state): {words.diagnosis(result.verdict.diagnosis)}') + 1].startswith(
@@ -503,7 +504,7 @@ def test_what_an_adam_first_update_implies(eps, decay, nesterov, says):
     g, p0, lr = rng.normal(size=1000) * np.logspace(-4, -1, 1000), rng.normal(size=1000), 3e-3
     step = lambda e, wd, s=1.0: -lr * (g * s / (np.abs(g) + e) + wd * p0)  # noqa: E731
     first = (1 + 2 * 0.9) / (1 + 0.9) if nesterov else 1.0
-    assert says in implied.update(p0, step(1e-8, 1e-4), step(eps, decay, first), g, False)
+    assert says in implied.update(p0, step(1e-8, 1e-4), step(eps, decay, first), g, False)[0]
 
 
 @pytest.mark.parametrize(
@@ -522,7 +523,7 @@ def test_what_a_later_adam_update_implies_leaves_eps_unread(eps, decay, says, no
     p0, lr, b1, b2 = rng.normal(size=1000), 3e-3, 0.9, 0.999
     m, v = b1 * (1 - b1) * g1 + (1 - b1) * g2, b2 * (1 - b2) * g1**2 + (1 - b2) * g2**2
     step = lambda e, wd: -lr * (m / (1 - b1**2) / (np.sqrt(v / (1 - b2**2)) + e) + wd * p0)  # noqa: E731
-    said = implied.update(p0, step(1e-8, 1e-4), step(eps, decay), g2, False, step=2)
+    said = implied.update(p0, step(1e-8, 1e-4), step(eps, decay), g2, False, step=2)[0]
     assert says in said and not re.search(not_said, said), said
 
 
@@ -535,7 +536,7 @@ def test_a_decay_mask_that_differs_either_way_is_read_as_such():
     kernels = np.arange(400) < 300
     for decayed, what in ((kernels, 'on the kernels'), (~kernels, 'on the biases and scales'), (None, '')):
         d = -3e-4 * p0 * (decayed if decayed is not None else 1.0)
-        said = implied.update(p0, u, u + d, None, False, kernels, step=2)
+        said = implied.update(p0, u, u + d, None, False, kernels, step=2)[0]
         assert ('x the parameter ' + what if what else 'a decoupled weight decay') in said, said
 
 
@@ -551,7 +552,8 @@ def test_first_moments_read_a_clip_by_value_and_leave_one_factor_a_leaf_to_two_p
     mu = lambda grads: {k: 0.1 * v for k, v in grads.items()}  # noqa: E731
     held = lambda old, new: {k: (old[k], new[k], 1e-7) for k in old}  # noqa: E731
     clipped = implied.moments('mu', held(mu(g), mu({k: np.clip(v, -0.5, 0.5) for k, v in g.items()})))
-    assert clipped.clipped and clipped.uneven and 'on the new side (0.05)' in clipped.text, clipped
+    side, value = clipped.values()['clip']  # one magnitude on the new side: the clip value, (1 - b1) x 0.5
+    assert clipped.clipped and clipped.uneven and side == 'new' and value == pytest.approx(0.05), clipped
     per_leaf = implied.moments('mu', held(mu(g), mu({'a': -11.9 * g['a'], 'b': g['b']})))
     assert per_leaf.factor is None and not per_leaf.uneven and not per_leaf.clipped, per_leaf
     noisy = implied.moments('mu', held(mu(g), mu({k: v + 0.3 * rng.normal(size=v.shape) for k, v in g.items()})))
@@ -573,7 +575,8 @@ def test_where_the_recording_cannot_run_the_probe_and_the_verdict_are_as_before(
     assert first_step.grads(Recorder(kind, config, fed, None)) == {s: p.grads for s, p in probed.items()}
     mismatched = rule.Verdict(Outcome.MISMATCH, 'measured')
     mismatch = locate.attach(mismatched, kind, config, fed, Recorder(kind, config, fed, None))
-    assert mismatch.location.why is Unplaced.RAISED and 'recording refused' in mismatch.location.figures
+    assert mismatch.location.why is Unplaced.RAISED
+    assert mismatch.location.reading == {'raised': 'RuntimeError', 'message': 'recording refused'}
 
 
 # -- on twins2: the sharded run's twin, and one that ran in a fresh process ---------------------------
@@ -635,5 +638,7 @@ def test_a_later_step_that_starts_from_parameters_apart_names_no_module(monkeypa
         return locate.judge_step(kind, results, {}, {}, {}, at=3, allowed=frozenset({'forward'}))
 
     apart = judged(3e-5)
-    assert apart.why is Unplaced.STARTS_APART and 'embed/embedding 3.00e-05' in apart.figures, apart.figures
+    read = apart.reading
+    assert apart.why is Unplaced.STARTS_APART and read['leaf'] == 'embed/embedding', apart.figures
+    assert read['apart'] == pytest.approx(3e-5, rel=2e-3), apart.figures
     assert judged(0.0).kind == 'module'

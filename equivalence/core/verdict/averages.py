@@ -6,7 +6,7 @@ import numpy as np
 
 from equivalence.core.port import convert
 from equivalence.core.verdict import implied, intercept
-from equivalence.core.verdict.location import Location, Unplaced, sci
+from equivalence.core.verdict.location import Location, Unplaced, read, sci
 from equivalence.core.verdict.stages import Step, held, initial_params, worst
 
 
@@ -16,23 +16,24 @@ def statistics(step: Step) -> Location | None:
     if not bad:
         return None
     leaf, stat = bad[0], bad[0].path.partition('/')[2]
+    said, momenta = _momenta(step, module(leaf.path))
     return Location(
         'statistics', step.inverse.get(stat, stat).rpartition('/')[0], module(leaf.path),
         f'the forward pass, the loss and the gradients agree; {leaf.path} after one step is {sci(leaf.max_abs)} '
-        f'apart (allowed {sci(leaf.limit)}): its running statistics are updated differently'
-        + _momenta(step, module(leaf.path)),
+        f'apart (allowed {sci(leaf.limit)}): its running statistics are updated differently{said}',
+        read=read(leaf=leaf.path, apart=leaf.max_abs, allowed=leaf.limit, momentum=momenta),
     )  # fmt: skip
 
 
-def _momenta(step: Step, module: str) -> str:
-    """The momentum of each side's one-step update of ``module``'s mean, its batch mean taken from
-    the module's recorded input (features on the last axis)."""
+def _momenta(step: Step, module: str) -> tuple[str, tuple | None]:
+    """``(the clause, (pmap's, NNX's) or None)``: the momentum of each side's one-step update of ``module``'s
+    mean, its batch mean taken from the module's recorded input (features on the last axis); None unread."""
     before = {step.mapping.get(p, p): a for p, a in convert.flatten(step.variables.get('batch_stats', {})).items()}
     source = next((old for old, new in step.paired.items() if new == module), None)
     record = step.raw['new'].get(module)
     if step.step > 1 or f'{module}/mean' not in before or source is None or record is None or not record.values[0][0]:
-        return ''
-    said = []
+        return '', None
+    said, momenta = [], []
     for side in ('legacy', 'new'):
         x = record.values[0][0][0]
         x = intercept.value(step.raw['legacy'][source], 0, 0, x) if side == 'legacy' else x
@@ -41,7 +42,8 @@ def _momenta(step: Step, module: str) -> str:
             before[f'{module}/mean'], step.final(side, 'model_state')[f'batch_stats/{module}/mean'], mean
         )
         said.append(f'{side} {m:.4g}' if m is not None else f'{side} -')
-    return f'; the momentum its one-step update of the mean implies: {", ".join(said)}'
+        momenta.append(m)
+    return f'; the momentum its one-step update of the mean implies: {", ".join(said)}', tuple(momenta)
 
 
 def ema(step: Step) -> Location | None:

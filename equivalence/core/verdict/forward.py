@@ -8,7 +8,7 @@ a value parts example by example (``by_example``).
 import numpy as np
 
 from equivalence.core.verdict import pairing
-from equivalence.core.verdict.location import ROOT, Location, Module, Unplaced, sci
+from equivalence.core.verdict.location import ROOT, Location, Module, Unplaced, read, sci
 from equivalence.core.verdict.stages import Step
 
 BETWEEN = 'the code between them (an activation, a residual, a mask)'
@@ -43,7 +43,7 @@ def _uncompared(m: Module, what: str) -> Location:
         f'not located: every call before it agrees; the {what} of {m.legacy} ↔ {m.new} cannot be compared (arrays '
         'of other shapes or in another number): from here the two sides\' module calls may not pair one to one, as '
         'where a module is called on one side only (the calls not paired are listed below)',
-        why=Unplaced.UNCOMPARED,
+        why=Unplaced.UNCOMPARED, read=read(legacy_call=m.legacy, new_call=m.new, arrays=what),
     )  # fmt: skip
 
 

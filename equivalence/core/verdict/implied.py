@@ -19,6 +19,8 @@ import dataclasses
 
 import numpy as np
 
+from equivalence.core.verdict.location import read
+
 NESTEROV_B1 = 0.9  # Adam's default b1
 EXPLAINED = 0.9  # r² a form must reach to be named
 
@@ -37,8 +39,11 @@ def fit(d: np.ndarray, x: np.ndarray) -> tuple[float, float]:
 
 
 def update(p0: np.ndarray, u_old: np.ndarray, u_new: np.ndarray, g: np.ndarray | None, assumed: bool,
-           kernels: np.ndarray | None = None, step: int = 1, moments_agree: bool = False) -> str:  # fmt: skip
-    """What the updates ``u_old`` (pmap) and ``u_new`` (NNX) of step ``step`` from ``p0`` imply, given the
+           kernels: np.ndarray | None = None, step: int = 1,
+           moments_agree: bool = False) -> tuple[str, tuple]:  # fmt: skip
+    """``(the sentence, its numbers as a Location.read: ``update`` (the form read), ``update_factor``,
+    ``update_r2``, ``decay``, ``eps``)``: what the updates ``u_old``
+    (pmap) and ``u_new`` (NNX) of step ``step`` from ``p0`` imply, given the
     pmap side's gradient ``g`` (None: not observed; ``assumed``: estimated from Adam's first moment);
     ``kernels``: which elements are of a parameter of two or more axes (a weight decay masked to them).
     An adaptive optimizer's eps, and nesterov's factor, are read on step 1 alone: only there is the
@@ -50,10 +55,10 @@ def update(p0: np.ndarray, u_old: np.ndarray, u_new: np.ndarray, g: np.ndarray |
     or schedule value ..., or a gradient scale' beside 'every optimizer slot agree')."""
     live = np.abs(u_old) > 0
     if not live.any():
-        return NO_UPDATE
+        return NO_UPDATE, read(update='none')
     d = u_new - u_old
     masked = masked_decay(d, p0, kernels)
-    if masked:
+    if masked[0]:
         return masked
     fits = {'lr': fit(d, u_old), 'decay': fit(d, p0)}
     eps = (adam_eps(g, u_old), adam_eps(g, u_new)) if g is not None and step == 1 else (None, None)
@@ -67,34 +72,39 @@ def update(p0: np.ndarray, u_old: np.ndarray, u_new: np.ndarray, g: np.ndarray |
         tried = f'{", ".join(forms)} or eps' if 'eps' in fits else ' or '.join(forms)
         later = f'; the moments of step {step} hold earlier gradients too: what they imply is not read'
         later = later if step > 1 else ''
-        return f'the new side steps {ratio:.6g} x the pmap side (median): no {tried} fits it (r² {r2:.2f}){later}'
+        text = f'the new side steps {ratio:.6g} x the pmap side (median): no {tried} fits it (r² {r2:.2f}){later}'
+        return text, read(update='unexplained', update_factor=ratio, update_r2=r2)
     if form == 'lr':
         first = (1 + 2 * NESTEROV_B1) / (1 + NESTEROV_B1)
         text = f'the new side steps {1 + c:.6g} x the pmap side (r² {r2:.3f})'
         if step == 1 and min(abs(1 + c - first), abs(1 / (1 + c) - first)) < 1e-3 * first:
-            return text + f', what nesterov gives Adam (b1 {NESTEROV_B1}) on its first step: {first:.4f}'
+            text += f', what nesterov gives Adam (b1 {NESTEROV_B1}) on its first step: {first:.4f}'
+            return text, read(update='nesterov', update_factor=1 + c, update_r2=r2)
         text += ': a learning rate or schedule value that differs by that factor'
-        return text + (' (not a gradient scale: the first moments agree)' if moments_agree else ', or a gradient scale')
+        text += ' (not a gradient scale: the first moments agree)' if moments_agree else ', or a gradient scale'
+        return text, read(update='step factor', update_factor=1 + c, update_r2=r2)
     if form == 'decay':
-        return f'a difference of {c:.3g} x the parameter (r² {r2:.3f}): a decoupled weight decay, lr x (pmap - NNX)'
+        text = f'a difference of {c:.3g} x the parameter (r² {r2:.3f}): a decoupled weight decay, lr x (pmap - NNX)'
+        return text, read(update='decay', decay=c, update_r2=r2)
     how = f', |g| from the first moment with b1 {NESTEROV_B1}' if assumed else ''
     sides = (
         f'about {eps[0]:.2g} on the pmap side, {eps[1]:.2g} in NNX' if eps[0] is not None else f'NNX - pmap {-c:.2g}'
     )
-    return f"a difference that grows as |g| shrinks (r² {r2:.3f}): an adaptive optimizer's eps, {sides}{how}"
+    text = f"a difference that grows as |g| shrinks (r² {r2:.3f}): an adaptive optimizer's eps, {sides}{how}"
+    return text, read(update='eps', update_r2=r2, eps=eps if eps[0] is not None else None)
 
 
 NO_UPDATE = 'no update on the pmap side (a learning rate of 0 at this step)'
 
 
-def masked_decay(d: np.ndarray, p0: np.ndarray, kernels: np.ndarray | None) -> str:
-    """'' unless the updates differ by a multiple of the parameter on one kind of leaf alone (the kernels, or
+def masked_decay(d: np.ndarray, p0: np.ndarray, kernels: np.ndarray | None) -> tuple[str, tuple]:
+    """``('', ())`` unless the updates differ by a multiple of the parameter on one kind of leaf alone (the kernels, or
     the biases and scales) and by nothing on the other (r² >= ``EXPLAINED`` there, the rest within a
     thousandth of it): a weight decay whose mask differs (``optax.add_decayed_weights(wd, mask=...)``, or
     ``adamw``'s ``mask``; lm1b's port tried blind decayed its biases and scales too, and read 'not one step
     factor or weight decay alone')."""
     if kernels is None or not kernels.any() or kernels.all():
-        return ''
+        return '', ()
     for on, what, rest_of in ((kernels, 'the kernels', 'the biases and scales'),
                               (~kernels, 'the biases and scales', 'the kernels')):  # fmt: skip
         c, r2 = fit(d[on], p0[on])
@@ -105,8 +115,8 @@ def masked_decay(d: np.ndarray, p0: np.ndarray, kernels: np.ndarray | None) -> s
                 f'decay whose mask differs, {what} decayed on one side only (new - pmap); c is -lr x decay where it '
                 'is decoupled (adamw), -decay where it is added after the learning-rate scale (add_decayed_weights '
                 'after scale_by_learning_rate)'
-            )
-    return ''
+            ), read(update='masked decay', decay=c, update_r2=r2, decayed='kernels' if on is kernels else 'others')
+    return '', ()
 
 
 def adam_eps(g: np.ndarray, u: np.ndarray) -> float | None:
@@ -140,6 +150,13 @@ class Moments:
     uneven: bool = False  # the slots part by no factor at all: the gradients themselves differ
     proportional: float | None = None  # uneven, their difference that multiple of the parameters (an L2 term, a decay)
     clipped: bool = False  # uneven, one side's parting elements all of one magnitude: an element-wise gradient clip
+    read: tuple = ()  # the sentence's numbers, as values by name (``location.read``): what ``Location.read`` takes
+
+    def values(self) -> dict:
+        """The numbers the sentence says, by name: ``factor`` and what it implies (``b1``, ``gradient_factor``),
+        ``factors`` (a factor per leaf: the lowest and highest), ``ratio`` (5th, 95th percentile), ``zeros`` (leaves
+        that part where the pmap side's are 0), ``proportional`` and ``r2``, ``clip`` (side, magnitude)."""
+        return dict(self.read)
 
 
 def _ratios(a: np.ndarray, b: np.ndarray, allowed: float) -> tuple[float, float]:
@@ -188,12 +205,14 @@ def moments(
         return np.max(np.abs(b - c * a), initial=0) <= lim * max(1.0, abs(c))
 
     if all(fits(a, b, lim, c) for a, b, lim in leaves.values()):
+        implies = {'mu': ('b1', 1 - c * (1 - NESTEROV_B1)), 'nu': ('gradient_factor', np.sqrt(abs(c)))}.get(slot)
         return Moments(
             True,
             c,
             worst,
             f'the {slot} slots part by one factor on every element of every leaf: '
             f'NNX = {c:.6g} x pmap; ' + _factor(slot, c),
+            read=read(factor=c, **dict([implies] if implies else [])),
         )
     apart = [k for k in leaves if over[k] > 1]
     lo, hi = _ratios(*(np.concatenate([leaves[k][i] for k in apart]) for i in (0, 1)), max(leaves[k][2] for k in apart))
@@ -208,6 +227,7 @@ def moments(
             f'differs from leaf to leaf ({min(cs):.4g} to {max(cs):.4g}; {worst}: {per_leaf[worst]:.4g}): '
             'a per-parameter scale (a per-leaf clip, a layer-wise rate) or a loss term that scales whole '
             "parameters' gradients; the numbers do not tell which",
+            read=read(factors=(min(cs), max(cs))),
         )
     what = 'first moments' if slot in ('mu', 'trace') else f'{slot} slots'
     ratio = (
@@ -216,6 +236,7 @@ def moments(
         else f"the pmap side's are 0 wherever the {len(apart)} leaves that part do"
     )
     text = f'the {what} part unevenly ({ratio}; most over its floor: {worst}): '
+    spread = read(ratio=(lo, hi)) if np.isfinite(lo) and np.isfinite(hi) else read(zeros=len(apart))
     held = _saturated([leaves[k] for k in apart])
     if held is not None and slot in ('mu', 'trace'):
         side, top = held
@@ -224,7 +245,7 @@ def moments(
             text + f"every element that parts holds one magnitude on the {side} side ({top:.6g}): the gradients are "
             f"clipped element-wise there ({'(1 - b1) x ' if slot == 'mu' else ''}the clip value; optax.clip), with "
             'another value or none on the other side',
-            uneven=True, clipped=True,
+            uneven=True, clipped=True, read=spread + read(clip=(side, top)),
         )  # fmt: skip
     parted = [k for k in leaves if over[k] > 1 and p0 is not None and k in p0]
     if slot in ('mu', 'trace') and parted:
@@ -244,12 +265,13 @@ def moments(
                 'them all)',
                 uneven=True,
                 proportional=c,
+                read=spread + read(proportional=c, r2=r2, gradient_factor=c / (1 - NESTEROV_B1) if slot == 'mu' else c),
             )
     text += (
         "the gradients differ, the training loss or the backward pass; not the optimizer's settings (one factor "
         'would scale them all)'
     )
-    return Moments(False, None, worst, text, uneven=True)
+    return Moments(False, None, worst, text, uneven=True, read=spread)
 
 
 SATURATED = 1e-5  # relative spread of one magnitude: a clip's value, held by every element it clipped

@@ -40,7 +40,7 @@ from equivalence.core.run.inputs import Inputs
 from equivalence.core.verdict import averages, collectives, compare, forward, slots, stages, upgrade
 from equivalence.core.verdict.first_step import Recorder
 from equivalence.core.verdict.intercept import NOT_MODULES
-from equivalence.core.verdict.location import ROOT, Location, Unplaced
+from equivalence.core.verdict.location import ROOT, Location, Unplaced, read
 from equivalence.core.verdict.location import STAGES as STAGE_NAMES
 from equivalence.core.verdict.pairing import pairs
 from equivalence.core.verdict.rule import MEASURED_FLOOR
@@ -106,13 +106,14 @@ def judge_step(
         found = stage(step)
         if found is None and (name != 'backward' or step.grads('legacy')):  # gradients not observed: not judged
             agreed.append(name)
-        moved = _starts_apart(results, at) if found is not None and at > 1 and name in TRAINING[:3] else ''
+        moved = _starts_apart(results, at) if found is not None and at > 1 and name in TRAINING[:3] else None
         if moved:  # the step starts from parameters that differ: what parts in it may follow from them
             text = (f'not located: on step {at} {found.kind} at {found.new} parts, but the parameters it starts '
-                    f'from differ already, within their floors ({moved}), after the update of step {at - 1}: what '
-                    'parts in its forward pass, loss or backward pass may follow from them')  # fmt: skip
+                    f'from differ already, within their floors ({moved[0]} {moved[1]:.2e} apart), after the '
+                    f'update of step {at - 1}: what parts in its forward pass, loss or backward pass may follow '
+                    'from them')  # fmt: skip
             return Location('unlocated', '', '', text, tuple(modules), notes=tuple(n.text for n in notes),
-                            why=Unplaced.STARTS_APART)  # fmt: skip
+                            why=Unplaced.STARTS_APART, read=read(step=at, leaf=moved[0], apart=moved[1]))  # fmt: skip
         if found is not None and stage is stages.loss and any(note.tag == UNOBSERVED for note in notes):
             agreed = [a for a in agreed if a != 'forward']  # not observed: not judged
             found = Location('unlocated', '', '', f'the first loss parts ({found.figures}), and the forward pass '
@@ -120,15 +121,15 @@ def judge_step(
                              why=Unplaced.UNOBSERVED)  # fmt: skip
         if found is not None:
             said = [note.text for note in notes if stage is slots.update or note.tag != LOOP_GRADS]
-            figures = found.figures
+            figures, values = found.figures, found.read
             if at > 1:
-                warmup = (
-                    "; step 1's update is 0, as warmup gives" if _first_update_is_0(results, variables, mapping) else ''
-                )
+                zero = _first_update_is_0(results, variables, mapping)
+                warmup = "; step 1's update is 0, as warmup gives" if zero else ''
                 before = 'nothing parts before it' if exact else 'nothing parted on steps 1 and 2'
                 figures = f'{"on" if exact else "by"} step {at} ({before}{warmup}): {figures}'
+                values = read(step=at, exact=exact, first_update_zero=zero) + values
             return dataclasses.replace(found, figures=figures, modules=tuple(modules), notes=tuple(said),
-                                       agreed=tuple(agreed))  # fmt: skip
+                                       agreed=tuple(agreed), read=values)  # fmt: skip
     checked = 'the loss, the gradients, ' if step.grads('legacy') else 'the loss, '
     later = 'the sides part later (a schedule, or growth from rounding)'
     if at > 1:
@@ -271,16 +272,16 @@ def _first_parting(results: dict, steps: int, noisy=frozenset()) -> int | None:
     return None
 
 
-def _starts_apart(results: dict, at: int) -> str:
-    """'' where both sides start step ``at`` from the same parameters, bit for bit (a warmup's zero first update
-    leaves them so); else the leaf that differs most, and by how much. Within their floors, such parameters
+def _starts_apart(results: dict, at: int) -> tuple[str, float] | None:
+    """None where both sides start step ``at`` from the same parameters, bit for bit (a warmup's zero first update
+    leaves them so); else ``(the leaf that differs most, by how much)``. Within their floors, such parameters
     part a module's output beyond its own (lm1b's Adam eps, tried blind: 'module at Embed_0 ... on step 3
     (nothing parts before it)', the embedding's own weights 3.1e-05 apart after step 2)."""
     before = [results[side].params_per_call[at - 2] for side in ('legacy', 'new')]
     gaps = {k: float(np.max(np.abs(np.asarray(before[0][k], np.float64) - np.asarray(v, np.float64)), initial=0.0))
             for k, v in before[1].items() if k in before[0] and np.shape(before[0][k]) == np.shape(v)}  # fmt: skip
     worst = max(gaps, key=gaps.get, default=None)
-    return f'{worst} {gaps[worst]:.2e} apart' if worst is not None and gaps[worst] > 0 else ''
+    return (worst, gaps[worst]) if worst is not None and gaps[worst] > 0 else None
 
 
 def _first_update_is_0(results: dict, variables: dict, mapping: dict[str, str]) -> bool:
@@ -309,7 +310,7 @@ def attach(verdict, port_kind: Kind, config: RunConfig, inputs: Inputs, recorder
             found = locate(port_kind, config, inputs, recorder, seen)
     except Exception as e:  # noqa: BLE001 -- the verdict stands; the location says why there is none
         found = Location('unlocated', '', '', f'the locating run raised {type(e).__name__}: {str(e)[:200]}',
-                         why=Unplaced.RAISED)  # fmt: skip
+                         why=Unplaced.RAISED, read=read(raised=type(e).__name__, message=str(e)[:200]))  # fmt: skip
     ruled_out = tuple(s for s in STAGE_NAMES if s not in stages_for(seen.failed)) if seen is not None else ()
     if verdict.match:
         found = unconfirmed(found)

@@ -4,6 +4,7 @@ that say so, and the module calls it read (``Module``). ``locate`` finds it; the
 
 import dataclasses
 import enum
+from typing import Any
 
 import numpy as np
 
@@ -96,6 +97,7 @@ class Location:
     ruled_out: tuple[str, ...] = ()  # the ``STAGES`` the verdict's own leaves rule out (``locate.stages_for``)
     settings: tuple = ()  # (name, legacy's, the new side's) of the settings the module at the place holds otherwise
     why: Unplaced | None = None  # why no place is named: every UNLOCATED has one, no other kind
+    read: tuple[tuple[str, Any], ...] = ()  # the figures' numbers and names, as values (``reading``, ``read``)
 
     def __post_init__(self):
         object.__setattr__(self, 'kind', Where(self.kind))  # an unknown kind raises here, where it is made
@@ -106,6 +108,12 @@ class Location:
         """The same location naming no place: its figures now ``figures``, and ``why`` none is named."""
         return dataclasses.replace(self, kind=Where.UNLOCATED, legacy='', new='', figures=figures, first=None,
                                    settings=(), why=why)  # fmt: skip
+
+    @property
+    def reading(self) -> dict[str, Any]:
+        """What the figures say, as values by name (docs/verdict.md lists the names): ``apart`` and ``allowed``
+        at the place, ``factor``, ``b1``, ``step`` ... ; what a program reads in place of the figures' words."""
+        return dict(self.read)
 
     def line(self) -> str:
         if self.kind in ('none', 'unlocated'):
@@ -122,12 +130,19 @@ class Location:
             'new': self.new,
             'figures': self.figures,
             'why': self.why.value if self.why is not None else None,
+            'read': self.reading,
             'first_module': self.first,
             'notes': list(self.notes),
             'agreed': list(self.agreed),
             'ruled_out': list(self.ruled_out),
             'modules': [dataclasses.asdict(m) for m in self.modules],
         }
+
+
+def read(**values: Any) -> tuple[tuple[str, Any], ...]:
+    """A ``Location.read``: the values given, None left out, numbers as Python's (the JSON carries them)."""
+    plain = lambda v: tuple(map(plain, v)) if isinstance(v, tuple | list) else v.item() if hasattr(v, 'item') else v  # noqa: E731
+    return tuple((name, plain(v)) for name, v in values.items() if v is not None)
 
 
 def over(diff: float, allowed: float | None) -> float:

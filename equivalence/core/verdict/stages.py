@@ -13,7 +13,7 @@ from equivalence.core.port import convert
 from equivalence.core.port.kind import Kind
 from equivalence.core.verdict import compare, intercept, pairing
 from equivalence.core.verdict.intercept import DOUT, LOSS, NOT_MODULES
-from equivalence.core.verdict.location import ROOT, Location, Module, over, sci
+from equivalence.core.verdict.location import ROOT, Location, Module, over, read, sci
 from equivalence.core.verdict.pairing import recorded_grads
 from equivalence.core.verdict.rule import MEASURED_FLOOR
 
@@ -173,15 +173,17 @@ def loss(step: Step) -> Location | None:
         step,
         f'the {leaf.path} loss is {sci(leaf.max_abs)} apart (allowed {sci(leaf.limit)}): '
         'the loss function differs (label smoothing, weights, reduction, masking)',
+        read(parts='loss', leaf=leaf.path, apart=leaf.max_abs, allowed=leaf.limit),
     )
 
 
-def _loss_location(step: Step, figures: str) -> Location:
+def _loss_location(step: Step, figures: str, values: tuple) -> Location:
     """A ``loss`` location: the two sides' loss functions, and whether the model's output agrees first."""
     root = next((m for m in step.modules if m.legacy == ROOT), None)
     model = f"the model's output agrees ({sci(root.output_diff)} apart); " if root is not None else ''
     names = step.port_kind.loss_names()
-    return Location('loss', names[0], names[1], model + figures)
+    output = read(output_apart=root.output_diff) if root is not None else ()
+    return Location('loss', names[0], names[1], model + figures, read=output + values)
 
 
 def _output_grad(step: Step) -> Location | None:
@@ -207,6 +209,7 @@ def _output_grad(step: Step) -> Location | None:
         f'the gradient of the training loss with respect to it is {sci(leaf.max_abs)} apart once one factor '
         f'({c:.4g}: the reduction) is taken out (allowed {sci(leaf.limit)}): the loss the step trains on differs '
         '(label smoothing, weights, masking), whether or not the loss it reports does',
+        read(parts='output gradient', factor=c, apart=leaf.max_abs, allowed=leaf.limit),
     )
 
 
@@ -223,6 +226,7 @@ def backward(step: Step) -> Location | None:
         f'the forward pass and the loss agree; its gradient is {sci(bad[0].max_abs)} apart (allowed '
         f'{sci(bad[0].limit)}), the first of {len(bad)} that part from the output back: the backward pass '
         'differs (a custom_vjp, a stop_gradient, a gradient scale)',
+        read=read(leaf=bad[0].path, apart=bad[0].max_abs, allowed=bad[0].limit, parting=len(bad)),
     )  # fmt: skip
 
 
