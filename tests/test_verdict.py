@@ -24,7 +24,9 @@ from equivalence.core.verdict import compare, fresh, judge, legacy_twin, rule, t
 from equivalence.core.verdict.findings import (
     Excess,
     Finding,
+    Held,
     LegacyTwin,
+    NotRun,
     NoTwin,
     Probe,
     Probed,
@@ -350,3 +352,15 @@ def test_the_policy_judges_what_the_runs_it_is_handed_measured():
     assert asked == [nudge.DRAWS] * 2, asked
     assert [v.outcome for v in unmeasured] == [Outcome.NOT_VERIFIED] * 2, unmeasured
     assert all(v.twin == NoTwin(NoTwin.Why.TWIN, unrun) for v in unmeasured), unmeasured
+
+    # A twin as far as the leaf is large: the leaf is noise-dominated, which the first step, held module by
+    # module, may verify; resumed from a checkpoint it cannot be recorded so, and the verdict says it was not.
+    noisy = {nudge.DRAWS[0]: moved(10 * float(np.abs(new.final['params'][leaf]).max()))}
+    resumed = dataclasses.replace(inputs, restore=lambda setup: None)
+    handed = Handed(kind, config, resumed, twin.Measured(noisy, (), (), ()))
+    located = dataclasses.replace(config, locate=None)  # as a check runs (locate=False holds nothing)
+    report, verdict = judge.judge(kind, located, old, new, resumed, tree, handed, diagnose=True)
+    assert report.match and any(x.noise_dominated for x in report.leaves), rule.failed(report)
+    assert [d for d in verdict.done if isinstance(d, Held | NotRun)] == [
+        NotRun(Probe.HELD, 'resumed from a checkpoint')
+    ]

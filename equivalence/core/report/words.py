@@ -50,7 +50,8 @@ SKIPS = {
 }
 
 PROBES = {Probe.GRADS: 'first-step gradients', Probe.LEGACY_TWIN: 'legacy twin',
-          Probe.RERUN: 'deterministic re-run (dropout off)'}  # fmt: skip
+          Probe.RERUN: 'deterministic re-run (dropout off)',
+          Probe.HELD: 'first step held module by module (noise-dominated leaves cannot verify)'}  # fmt: skip
 
 
 def lines(v: Verdict) -> list[str]:

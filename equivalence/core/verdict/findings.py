@@ -99,6 +99,7 @@ class Probe(enum.Enum):
     GRADS = 'grads'
     LEGACY_TWIN = 'legacy-twin'
     RERUN = 'rerun'
+    HELD = 'held'  # a MATCH's first step held module by module (``hidden``)
 
 
 @dataclasses.dataclass(frozen=True)

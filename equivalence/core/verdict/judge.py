@@ -150,17 +150,14 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
         frozenset(leaf.path for leaf in noisy if leaf.group == 'params'),
         failed=frozenset(leaf.group for leaf in report.leaves if not leaf.ok),
     )
-    if (
-        hidden.needed(report, seen)
-        and diagnose
-        and not unrecorded
-        and config.verdict != 'screen'
-        and config.locate is not False
-    ):
-        with clock.stage('the first step held module by module (noise-dominated leaves cannot verify)'):
-            extra, said = hidden.first_step_leaves(recorder, seen)
-        report, done = dataclasses.replace(report, leaves=[*report.leaves, *extra]), [*done, said]
-        seen = dataclasses.replace(seen, failed=seen.failed | {leaf.group for leaf in extra})
+    if hidden.needed(report, seen) and diagnose and config.verdict != 'screen' and config.locate is not False:
+        if unrecorded:  # several processes, or resumed: a MATCH these leaves leave unverified, and said so
+            done = [*done, found.NotRun(Probe.HELD, unrecorded)]
+        else:
+            with clock.stage('the first step held module by module (noise-dominated leaves cannot verify)'):
+                extra, said = hidden.first_step_leaves(recorder, seen)
+            report, done = dataclasses.replace(report, leaves=[*report.leaves, *extra]), [*done, said]
+            seen = dataclasses.replace(seen, failed=seen.failed | {leaf.group for leaf in extra})
     outcome = Outcome.MATCH if report.match else Outcome.MISMATCH  # NOT VERIFIED: ``unverified``, after
     judged = Verdict(outcome, config.verdict, tuple(done), twin=twin_record, noise_dominated=noisy, errors=errors)
     if report.match:
