@@ -354,13 +354,15 @@ def test_the_policy_judges_what_the_runs_it_is_handed_measured():
     assert all(v.twin == NoTwin(NoTwin.Why.TWIN, unrun) for v in unmeasured), unmeasured
 
     # A twin as far as the leaf is large: the leaf is noise-dominated, which the first step, held module by
-    # module, may verify; resumed from a checkpoint it cannot be recorded so, and the verdict says it was not.
+    # module, may verify; resumed from a checkpoint it cannot be recorded so, and with locate=False it is not
+    # asked for: the verdict says it was not held.
     noisy = {nudge.DRAWS[0]: moved(10 * float(np.abs(new.final['params'][leaf]).max()))}
     resumed = dataclasses.replace(inputs, restore=lambda setup: None)
     handed = Handed(kind, config, resumed, twin.Measured(noisy, (), (), ()))
-    located = dataclasses.replace(config, locate=None)  # as a check runs (locate=False holds nothing)
+    located = dataclasses.replace(config, locate=None)  # as a check runs
     report, verdict = judge.judge(kind, located, old, new, resumed, tree, handed, diagnose=True)
     assert report.match and any(x.noise_dominated for x in report.leaves), rule.failed(report)
-    assert [d for d in verdict.done if isinstance(d, Held | NotRun)] == [
-        NotRun(Probe.HELD, 'resumed from a checkpoint')
-    ]
+    held = lambda verdict: [d for d in verdict.done if isinstance(d, Held | NotRun)]  # noqa: E731
+    assert held(verdict) == [NotRun(Probe.HELD, 'resumed from a checkpoint')], verdict.done
+    _, unasked = judge.judge(kind, config, old, new, inputs, tree, handed, diagnose=True)  # the library's locate=False
+    assert held(unasked) == [NotRun(Probe.HELD, 'locate=False')], unasked.done

@@ -150,9 +150,12 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
         frozenset(leaf.path for leaf in noisy if leaf.group == 'params'),
         failed=frozenset(leaf.group for leaf in report.leaves if not leaf.ok),
     )
-    if hidden.needed(report, seen) and diagnose and config.verdict != 'screen' and config.locate is not False:
-        if unrecorded:  # several processes, or resumed: a MATCH these leaves leave unverified, and said so
-            done = [*done, found.NotRun(Probe.HELD, unrecorded)]
+    if hidden.needed(report, seen) and config.verdict != 'screen':
+        # a MATCH these leaves leave unverified where the hold cannot run (several processes, resumed) or was
+        # not asked for (``locate=False``, ``diagnose=False``: the library's), said so
+        skipped = unrecorded or ('locate=False' if config.locate is False else '' if diagnose else 'diagnose=False')
+        if skipped:
+            done = [*done, found.NotRun(Probe.HELD, skipped)]
         else:
             with clock.stage('the first step held module by module (noise-dominated leaves cannot verify)'):
                 extra, said = hidden.first_step_leaves(recorder, seen)
