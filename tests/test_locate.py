@@ -375,7 +375,7 @@ def test_a_training_loss_the_loop_does_not_report_is_the_gradients_not_the_optim
     assert loc.why is Unplaced.LOSS_OR_DECAY, loc.line()
     read = loc.reading  # mu = 0.1 (g + 2e-3 p): the gradients 2e-3 x the parameter apart, if b1 is 0.9
     assert read['proportional'] == pytest.approx(2 * PENALTY * 0.1, rel=5e-3), loc.line()
-    assert read['gradient_factor'] == pytest.approx(2 * PENALTY, rel=5e-3), loc.line()
+    assert read['l2'] == pytest.approx(2 * PENALTY, rel=5e-3), loc.line()
     agree(loc)
 
 

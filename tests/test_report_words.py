@@ -48,6 +48,7 @@ def test_each_step_the_verdict_took_is_said_in_order():
         LegacyTwin(LegacyTwin.Ran.NOT_RUN, why=LegacyTwin.Skip.ONE_CALL),
         LegacyTwin(LegacyTwin.Ran.RAISED, 2, 'ValueError: boom'),
         Probed(Probe.RERUN, agree=True),
+        NotRun(Probe.HELD, 'several processes'),
     ))  # fmt: skip
     assert words.done(verdict) == [
         'fixed screen failed',
@@ -60,6 +61,7 @@ def test_each_step_the_verdict_took_is_said_in_order():
         'legacy twin not run: with one call there is no early state to tell chaos from a real difference',
         'legacy twin on 2 device(s) not run: it raised ValueError: boom',
         'deterministic re-run (dropout off) matches',
+        'first step held module by module (noise-dominated leaves cannot verify) not run: several processes',
     ]
 
 

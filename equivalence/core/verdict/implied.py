@@ -153,9 +153,12 @@ class Moments:
     read: tuple = ()  # the sentence's numbers, as values by name (``location.read``): what ``Location.read`` takes
 
     def values(self) -> dict:
-        """The numbers the sentence says, by name: ``factor`` and what it implies (``b1``, ``gradient_factor``),
-        ``factors`` (a factor per leaf: the lowest and highest), ``ratio`` (5th, 95th percentile), ``zeros`` (leaves
-        that part where the pmap side's are 0), ``proportional`` and ``r2``, ``clip`` (side, magnitude)."""
+        """The numbers the sentence says, by name: ``factor`` (NNX / pmap) and what it implies (``b1``; for ``nu``,
+        ``gradient_factor``: every gradient scaled by it), ``factors`` (a factor per leaf: the lowest and highest),
+        ``ratio`` (5th, 95th percentile), ``zeros`` (leaves that part where the pmap side's are 0), ``proportional``
+        (the slots' difference over the parameter), ``r2`` and ``l2`` (the gradients' difference over the parameter:
+        an L2 term's 2 x coefficient, if b1 is 0.9 for ``mu``), ``clip`` (the side, ``pmap`` or ``new``, and the
+        magnitude)."""
         return dict(self.read)
 
 
@@ -265,7 +268,7 @@ def moments(
                 'them all)',
                 uneven=True,
                 proportional=c,
-                read=spread + read(proportional=c, r2=r2, gradient_factor=c / (1 - NESTEROV_B1) if slot == 'mu' else c),
+                read=spread + read(proportional=c, r2=r2, l2=c / (1 - NESTEROV_B1) if slot == 'mu' else c),
             )
     text += (
         "the gradients differ, the training loss or the backward pass; not the optimizer's settings (one factor "

@@ -134,7 +134,10 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
     cannot, unrecorded = inputs.single_process_probes(), inputs.first_steps_unrecorded()
     recorder = recorder or runs.recorder(None)
     probe = kind.first_step_probe()
-    if grads is None and probe is not None and (config.verdict == 'strict' or (not report.match and diagnose)):
+    # on MISMATCH the gradients are probed to diagnose; with no floor, diagnosed or not, they decide the outcome
+    # (differing gradients are math, a MISMATCH; agreeing ones leave it UNMEASURED, NOT VERIFIED)
+    asked = not report.match and (diagnose or report.floor is None)
+    if grads is None and probe is not None and (config.verdict == 'strict' or asked):
         if unrecorded:
             done = [*done, found.NotRun(Probe.GRADS, unrecorded)]
         else:

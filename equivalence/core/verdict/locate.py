@@ -118,7 +118,7 @@ def judge_step(
             agreed = [a for a in agreed if a != 'forward']  # not observed: not judged
             found = Location('unlocated', '', '', f'the first loss parts ({found.figures}), and the forward pass '
                              'was not observed on both sides: not localised further',
-                             why=Unplaced.UNOBSERVED)  # fmt: skip
+                             why=Unplaced.UNOBSERVED, read=found.read)  # fmt: skip
         if found is not None:
             said = [note.text for note in notes if stage is slots.update or note.tag != LOOP_GRADS]
             figures, values = found.figures, found.read

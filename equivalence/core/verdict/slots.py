@@ -192,5 +192,5 @@ def _later_slot(step: Step, slot: str, paths: list[str], slots: dict, grads: str
         f'not located: the forward pass, the loss and the statistics agree, {grads}; the optimizer slot {slot} '
         f'is the first that parts {step.after}, and {said}: a gradient that differs (a term of the training loss, '
         'a decay added to the gradient) and an optimizer setting both part it, which this step cannot tell apart',
-        why=Unplaced.GRADIENT_OR_SETTING, read=read(slot=slot, factor=figures[0], r2=figures[1]),
+        why=Unplaced.GRADIENT_OR_SETTING, read=read(slot=slot, before_factor=figures[0], r2=figures[1]),
     )  # fmt: skip

@@ -209,7 +209,7 @@ def _output_grad(step: Step) -> Location | None:
         f'the gradient of the training loss with respect to it is {sci(leaf.max_abs)} apart once one factor '
         f'({c:.4g}: the reduction) is taken out (allowed {sci(leaf.limit)}): the loss the step trains on differs '
         '(label smoothing, weights, masking), whether or not the loss it reports does',
-        read(parts='output gradient', factor=c, apart=leaf.max_abs, allowed=leaf.limit),
+        read(parts='output gradient', reduction=c, apart=leaf.max_abs, allowed=leaf.limit),
     )
 
 
