@@ -42,10 +42,10 @@ def update(p0: np.ndarray, u_old: np.ndarray, u_new: np.ndarray, g: np.ndarray |
            kernels: np.ndarray | None = None, step: int = 1,
            moments_agree: bool = False) -> tuple[str, tuple]:  # fmt: skip
     """``(the sentence, its numbers as a Location.read: ``update`` (the form read), ``update_factor``,
-    ``update_r2``, ``decay``, ``eps``)``: what the updates ``u_old``
-    (pmap) and ``u_new`` (NNX) of step ``step`` from ``p0`` imply, given the
-    pmap side's gradient ``g`` (None: not observed; ``assumed``: estimated from Adam's first moment);
-    ``kernels``: which elements are of a parameter of two or more axes (a weight decay masked to them).
+    ``update_r2``, ``decay``, ``eps``)``: what the updates ``u_old`` (pmap) and ``u_new`` (NNX) of step
+    ``step`` from ``p0`` imply, given the pmap side's gradient ``g`` (None: not observed; ``assumed``:
+    estimated from Adam's first moment); ``kernels``: which elements are of a parameter of two or more axes
+    (a weight decay masked to them).
     An adaptive optimizer's eps, and nesterov's factor, are read on step 1 alone: only there is the
     update one gradient's (``g / (|g| + eps)`` from moments at 0); on a later step the moments hold the
     earlier gradients too (a warmup's zero first update hid the slip until then), and no reading of them
@@ -208,14 +208,17 @@ def moments(
         return np.max(np.abs(b - c * a), initial=0) <= lim * max(1.0, abs(c))
 
     if all(fits(a, b, lim, c) for a, b, lim in leaves.values()):
-        implies = {'mu': ('b1', 1 - c * (1 - NESTEROV_B1)), 'nu': ('gradient_factor', np.sqrt(abs(c)))}.get(slot)
         return Moments(
             True,
             c,
             worst,
             f'the {slot} slots part by one factor on every element of every leaf: '
             f'NNX = {c:.6g} x pmap; ' + _factor(slot, c),
-            read=read(factor=c, **dict([implies] if implies else [])),
+            read=read(
+                factor=c,
+                b1=1 - c * (1 - NESTEROV_B1) if slot == 'mu' else None,
+                gradient_factor=np.sqrt(abs(c)) if slot == 'nu' else None,
+            ),
         )
     apart = [k for k in leaves if over[k] > 1]
     lo, hi = _ratios(*(np.concatenate([leaves[k][i] for k in apart]) for i in (0, 1)), max(leaves[k][2] for k in apart))

@@ -177,9 +177,8 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
     if not diagnose:  # only its outcome is read: no gradients probed, no re-run, not located
         # With no floor, a MISMATCH that nothing floor-free explains (NaNs, bookkeeping, the first step) is
         # UNMEASURED, NOT VERIFIED (``unverified.unmeasured``), as it is when diagnosed: the outcome is the same.
-        unmeasured = rule.diagnose(report, nonfinite, None, grads is not None, no_floor)
-        return report, dataclasses.replace(judged, diagnosis=unmeasured) if no_floor and (
-            unmeasured.kind is Finding.UNMEASURED) else judged  # fmt: skip
+        reading = rule.diagnose(report, nonfinite, None, grads is not None, no_floor)
+        return report, dataclasses.replace(judged, diagnosis=reading) if reading.kind is Finding.UNMEASURED else judged
     rerun = None
     # Only a first *loss* that differs can be re-checked with dropout off (the re-run compares
     # losses): a slip seen only in the first gradients is math, whatever dropout does.
