@@ -59,7 +59,7 @@ def draw_noise(noise_fn: Callable, key: jax.Array, batch, rng_mode: str, axis_na
     b = jax.tree.leaves(batch)[0].shape[0]
     if rng_mode == 'per-device':
         return noise_fn(key, batch_spec(batch, b))
-    n_dev = jax.lax.axis_size(axis_name)
+    n_dev = jax.lax.psum(1, axis_name)
     noise_G = noise_fn(key, batch_spec(batch, n_dev * b))  # same key on every device
     start = jax.lax.axis_index(axis_name) * b
     return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, b), noise_G)
@@ -72,7 +72,7 @@ def batch_mean(losses_B) -> jax.Array:
     if not isinstance(losses_B, dict):
         return jnp.mean(losses_B)
     weight = jax.lax.psum(jnp.sum(losses_B['weight']), axis_name=AXIS)
-    return jnp.sum(losses_B['loss']) / weight * jax.lax.axis_size(AXIS)
+    return jnp.sum(losses_B['loss']) / weight * jax.lax.psum(1, AXIS)
 
 
 def make_step_fn(

@@ -65,7 +65,7 @@ def legacy_global_mean(model, params, model_state, batch, noise):
     losses_B, model_state = legacy_losses.mlp_loss(model, params, model_state, batch, noise)
     m_B = batch['mask']
     n_valid = jax.lax.psum(jnp.sum(m_B), legacy.AXIS)
-    return losses_B * m_B * m_B.shape[0] * jax.lax.axis_size(legacy.AXIS) / n_valid, model_state
+    return losses_B * m_B * m_B.shape[0] * jax.lax.psum(1, legacy.AXIS) / n_valid, model_state
 
 
 def nnx_global_mean(model, batch, noise):

@@ -107,7 +107,7 @@ def draw_rows(noise_fn: Callable, keys_D: jax.Array, batch) -> dict:
     """This device's numbers: the run's D key rows each draw those of their G/D examples (as the run's
     devices do), and this device keeps the rows of the examples it holds (as the global mode cuts them)."""
     d, b = keys_D.shape[0], jax.tree.leaves(batch)[0].shape[0]
-    g = b * jax.lax.axis_size(legacy.AXIS)
+    g = b * jax.lax.psum(1, legacy.AXIS)
     noise_DxB = jax.vmap(lambda k: noise_fn(k, legacy.batch_spec(batch, g // d)))(keys_D)
     start = jax.lax.axis_index(legacy.AXIS) * b
     return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a.reshape(g, *a.shape[2:]), start, b), noise_DxB)
