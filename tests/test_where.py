@@ -68,6 +68,11 @@ def located(name: str):
         ('noise-correct', 'none', ['nothing parts']),
         ('noise-key-folded', 'randomness', ["the step's own random draws", r'(\d+) of the \1 random draws']),
         ('noise-rows-interleaved', Unplaced.BY_EXAMPLE, [r'\d+ of its 16 examples agree']),
+        # Biases before BatchNorm, noise-dominated with their Adam slots, do not hide the update rule (issue 60:
+        # 'not located: on step 4 module at conv1 parts, but ... conv2/bias 1.01e-03 apart'; the clip's 'nothing
+        # parts on steps 1 to 4', the twin's floor pooled over those leaves allowing every slot 10x its scale).
+        ('bn-bias-warmup', 'update', ['on step 2', 'a learning rate or schedule value that differs']),
+        ('bn-bias-clip', 'update', [r'1/0/mu', r'NNX = 0\.5 x pmap']),
     ],
 )
 def test_where_names_the_stage_that_parts_or_nothing(name, kind, figures):

@@ -14,6 +14,7 @@ from typing import Any
 import flax
 import jax
 import jax.numpy as jnp
+import bn_bias_ports
 import noisy_ports
 import numpy as np
 import optax
@@ -146,4 +147,7 @@ PORTS = {
     'noise-rows-interleaved': dataclasses.replace(
         noisy_ports.PER_DEVICE, name='interleaved', new_step=noisy_ports.new_step(interleaved=True)
     ),
+    # a new user's conv net with a bias before each BatchNorm (bn_bias_ports): its noise-dominated biases
+    'bn-bias-warmup': bn_bias_ports.port('bn-bias-warmup', warmup=4),
+    'bn-bias-clip': bn_bias_ports.port('bn-bias-clip', clip=0.5),
 }

@@ -4,7 +4,7 @@ import platform
 
 import numpy as np
 
-from equivalence.core.report import words
+from equivalence.core.report import reach, words
 from equivalence.core.run import clock
 from equivalence.core.verdict.judge import RunResult
 from equivalence.core.verdict.outcome import Outcome
@@ -157,6 +157,7 @@ def verdict_json(result: RunResult) -> dict | None:
             'diagnosis': words.diagnosis(v.diagnosis), 'floor_rule': floor, 'noise_dominated': noisy,
             'errors': list(v.errors), 'not_verified': words.unverified(v.unverified),
             'hidden_by_noise': v.hidden_by_noise, 'memory': v.memory,
+            'sensitivity': reach.sensitivity_json(v.sensitivity),
             'location': v.location.to_json() if v.location is not None else None}  # fmt: skip
 
 

@@ -3,6 +3,7 @@
 for the text and for the JSON's ``verdict`` fields alike.
 """
 
+from equivalence.core.report import reach
 from equivalence.core.run import footprint
 from equivalence.core.verdict import twin as twins
 from equivalence.core.verdict.compare import LeafDiff
@@ -21,6 +22,7 @@ from equivalence.core.verdict.findings import (
     Probed,
     Refusal,
     Screen,
+    Thin,
     TwinRefused,
     Twins,
     Unmeasured,
@@ -65,6 +67,7 @@ def lines(v: Verdict) -> list[str]:
     hides = f': {NOISE_HIDES}' if v.hidden_by_noise else ''
     out += [f'not verified: {unverified(v.unverified)}{hides}'] if v.unverified is not None else []
     out += [f'diagnosis ({v.kind}): {diagnosis(v.diagnosis)}'] if v.diagnosis is not None else []
+    out += [said] if v.match and (said := reach.sensitivity(v.sensitivity)) else []
     return out + (v.location.lines() if v.location is not None else [])
 
 
@@ -206,10 +209,12 @@ def held(record: Held) -> str:
 # -- NOT VERIFIED ------------------------------------------------------------------------------
 
 
-def unverified(record: Unmeasured | Hidden | None) -> str:
+def unverified(record: Unmeasured | Hidden | Thin | None) -> str:
     """Why a run is NOT VERIFIED, short; '' when it is not."""
     if record is None:
         return ''
+    if isinstance(record, Thin):
+        return reach.thin(record)
     if isinstance(record, Unmeasured):
         screen = (
             "the fixed screen passed, which is not a measure of this port's own noise"

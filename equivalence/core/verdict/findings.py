@@ -90,6 +90,16 @@ class Hidden:
     losses: bool = False  # the per-step losses are noise-dominated
 
 
+@dataclasses.dataclass(frozen=True)
+class Thin:
+    """NOT VERIFIED: every leaf within its floor, but some leaf's difference grows every call as a slip in the
+    update would, too weakly over these steps to decide (``systematic.Reading.suggestive``)."""
+
+    trends: tuple  # systematic.Trend: each suggestive one
+    steps: int  # the steps read
+    decide: int  # the steps that would decide
+
+
 # -- what the verdict did, step by step ----------------------------------------------------------
 
 

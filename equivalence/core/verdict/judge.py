@@ -42,10 +42,21 @@ import numpy as np
 from equivalence.core.port import convert, states
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
-from equivalence.core.run import clock, randomness, sides
+from equivalence.core.run import clock, nudge, randomness, sides
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.run.sides import PathResult
-from equivalence.core.verdict import compare, first_step, fresh, hidden, legacy_twin, locate, rule, twin, unverified
+from equivalence.core.verdict import (
+    compare,
+    first_step,
+    fresh,
+    hidden,
+    legacy_twin,
+    locate,
+    rule,
+    systematic,
+    twin,
+    unverified,
+)
 from equivalence.core.verdict import findings as found
 from equivalence.core.verdict.findings import Finding, NoTwin, Probe
 from equivalence.core.verdict.first_step import Recorder
@@ -102,9 +113,37 @@ def judge(kind: Kind, config: RunConfig, old, new, inputs: Inputs, tree, runs: R
             )
         if grads is not None:
             report = dataclasses.replace(report, leaves=[*report.leaves, *grads.leaves])
-    report, judged = finish(kind, config, report, old, new, inputs, done, on, runs, recorder, diagnose, errors, grads)
+    reading = trends(old, new, twins, inputs, report, start, config.steps_per_call)
+    if reading.decisive:  # a difference that grows every call as a slip in the update does, below the floors
+        report = dataclasses.replace(report, leaves=[*report.leaves, *systematic.leaves(reading)])
+    report, judged = finish(kind, config, report, old, new, inputs, done, on, runs, recorder, diagnose, errors, grads,
+                            reading)  # fmt: skip
     judged = unverified.unverified(kind.port, inputs, report, judged)
+    judged = unverified.thin(judged, reading)
+    if judged.match:
+        steps = len(old.params_per_call) * config.steps_per_call
+        judged = dataclasses.replace(judged, sensitivity=systematic.sensitivity(report, old.params_per_call, start,
+                                                                                 steps))  # fmt: skip
     return report, dataclasses.replace(judged, memory=memory)
+
+
+def trends(old, new, twins: dict, inputs: Inputs, report: compare.Report, start: dict, k: int) -> systematic.Reading:
+    """What the parameters after every call show beyond their floors (``systematic.read``): each twin read beside
+    the run from its own start (the run's own program from parameters one spacing off starts there). None after
+    ``--resume-at``, whose calls start from a checkpoint."""
+    if inputs.restore is not None or not old.params_per_call:
+        return systematic.Reading()
+    new_start = start_params(inputs.variables, inputs.mapping)
+    own = []
+    for n, tw in twins.items():
+        moved = isinstance(n, nudge.Nudged) and n.params
+        own.append((tw.params_per_call, start_params(nudge.variables(inputs.variables, n.draw), inputs.mapping)
+                    if moved else new_start))  # fmt: skip
+    noisy = frozenset(leaf.path for leaf in report.leaves if leaf.group == 'params' and leaf.noise_dominated)
+    try:
+        return systematic.read(old.params_per_call, new.params_per_call, {**new_start, **start}, own, noisy, k)
+    except Exception:  # noqa: BLE001 -- a reading beside the floors, never an error in place of the verdict
+        return systematic.Reading()
 
 
 def legacy_floor(kind: Kind, old, new, inputs: Inputs, twins: dict, runs: Runs, recorder: Recorder):
@@ -128,7 +167,7 @@ def legacy_floor(kind: Kind, old, new, inputs: Inputs, twins: dict, runs: Runs, 
 
 def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twin_record, runs: Runs, recorder,
            diagnose: bool,
-           errors: tuple = (), grads=None) -> tuple[compare.Report, Verdict]:  # fmt: skip
+           errors: tuple = (), grads=None, reading=None) -> tuple[compare.Report, Verdict]:  # fmt: skip
     """Gradients (strict, or to diagnose; ``grads`` if already probed), the diagnosis on MISMATCH, and
     where the sides part: ``(the report, with the gradients' leaves, the verdict)``."""
     cannot, unrecorded = inputs.single_process_probes(), inputs.first_steps_unrecorded()
@@ -195,11 +234,17 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
     data_step = nonfinite.data_step if nonfinite is not None else None
     seen = dataclasses.replace(seen, nonfinite=nonfinite, data_step=data_step)
     located = locate.attach(mismatch, kind, config, inputs, recorder, seen)
+    if reading is not None and reading.decisive and getattr(located.location, 'kind', None) in UNPLACED:
+        ranks = frozenset(np.ndim(a) for a in (old.params_per_call or [{}])[-1].values())
+        located = dataclasses.replace(located, location=systematic.location(reading, ranks))
     stage = Where(located.location.kind).stage if located.location is not None else None
     if diagnosed.kind in (Finding.UPDATE, Finding.OPTIMIZER) and stage in rule.EARLIER:  # the place the records found
         reading = rule.diagnose(report, nonfinite, rerun, grads is not None, no_floor, placed=stage)
         located = dataclasses.replace(located, diagnosis=reading)
     return report, located
+
+
+UNPLACED = (Where.NONE, Where.UNLOCATED)  # a first step that places nothing: a decisive trend places the update
 
 
 @dataclasses.dataclass

@@ -61,7 +61,7 @@ def stages_for(failed: frozenset) -> frozenset:
     if not failed:
         return frozenset((*TRAINING, 'statistics', 'ema', 'collective'))
     allowed = set()
-    if failed & {'params', 'opt_state', 'first_step', 'step'}:
+    if failed & {'params', 'opt_state', 'first_step', 'step', 'trend'}:
         allowed |= {*TRAINING, 'statistics', 'ema', 'collective'}
     if 'losses' in failed:
         allowed |= {'forward', 'loss', 'collective'}
@@ -106,7 +106,7 @@ def judge_step(
         found = stage(step)
         if found is None and (name != 'backward' or step.grads('legacy')):  # gradients not observed: not judged
             agreed.append(name)
-        moved = _starts_apart(results, at) if found is not None and at > 1 and name in TRAINING[:3] else None
+        moved = _starts_apart(results, at, noisy) if found is not None and at > 1 and name in TRAINING[:3] else None
         if moved:  # the step starts from parameters that differ: what parts in it may follow from them
             text = (f'not located: on step {at} {found.kind} at {found.new} parts, but the parameters it starts '
                     f'from differ already, within their floors ({moved[0]} {moved[1]:.2e} apart), after the '
@@ -272,14 +272,18 @@ def _first_parting(results: dict, steps: int, noisy=frozenset()) -> int | None:
     return None
 
 
-def _starts_apart(results: dict, at: int) -> tuple[str, float] | None:
+def _starts_apart(results: dict, at: int, noisy=frozenset()) -> tuple[str, float] | None:
     """None where both sides start step ``at`` from the same parameters, bit for bit (a warmup's zero first update
     leaves them so); else ``(the leaf that differs most, by how much)``. Within their floors, such parameters
     part a module's output beyond its own (lm1b's Adam eps, tried blind: 'module at Embed_0 ... on step 3
-    (nothing parts before it)', the embedding's own weights 3.1e-05 apart after step 2)."""
+    (nothing parts before it)', the embedding's own weights 3.1e-05 apart after step 2). The noise-dominated
+    parameters (``noisy``) are left out: the twin starts that step as far from the new side on them, so the
+    module floors of that step hold what follows from them (a bias before BatchNorm: a user's warmup slip was
+    'on step 8 module at bn1 parts, but ... conv2/bias 6.83e-03 apart', issue 60)."""
     before = [results[side].params_per_call[at - 2] for side in ('legacy', 'new')]
     gaps = {k: float(np.max(np.abs(np.asarray(before[0][k], np.float64) - np.asarray(v, np.float64)), initial=0.0))
-            for k, v in before[1].items() if k in before[0] and np.shape(before[0][k]) == np.shape(v)}  # fmt: skip
+            for k, v in before[1].items()
+            if k in before[0] and np.shape(before[0][k]) == np.shape(v) and not stages.owned_by(k, noisy)}  # fmt: skip
     worst = max(gaps, key=gaps.get, default=None)
     return (worst, gaps[worst]) if worst is not None and gaps[worst] > 0 else None
 

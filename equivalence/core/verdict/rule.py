@@ -38,6 +38,7 @@ from equivalence.core.verdict.findings import (
     NonFinite,
     NoTwin,
     Refusal,
+    Thin,
     Twins,
     Unmeasured,
 )
@@ -99,9 +100,10 @@ class Verdict:
     diagnosis: Diagnosis | None = None  # on MISMATCH
     noise_dominated: tuple[LeafDiff, ...] = ()
     errors: tuple[str, ...] = ()  # the whole text of what a twin raised; its record in done/twin is shortened
-    unverified: Unmeasured | Hidden | None = None  # NOT VERIFIED: why (and kind then '')
+    unverified: Unmeasured | Hidden | Thin | None = None  # NOT VERIFIED: why (and kind then '')
     memory: dict | None = None  # bytes per device of one call: {'run': ..., 'twins': {twin: ...}} (footprint)
     location: Any = None  # locate.Location: where the first step parts (on MISMATCH, or asked for on MATCH)
+    sensitivity: Any = None  # systematic.Sensitivity: on MATCH, how large a difference it could have missed
 
     @property
     def match(self) -> bool:

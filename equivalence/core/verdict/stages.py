@@ -38,7 +38,7 @@ def held(
     scale (score_sde's), every gradient before it is 1e-20 and sums of much larger terms, rounding only."""
     report = compare.compare_to_floor({'g': ref}, {'g': other}, {'g': twin_}, MEASURED_FLOOR)
     scale: dict[str, float] = {}
-    rel = pooled(other, twin_) if siblings else 0.0
+    rel = pooled(other, twin_, noisy) if siblings else 0.0
     owner = owner or (lambda path: path.rpartition('/')[0])
     if siblings:
         for path, a in ref.items():
@@ -48,7 +48,7 @@ def held(
     out = {}
     for leaf in report.leaves:
         if leaf.limit is not None and not leaf.ok:
-            if any(leaf.path == p or leaf.path.endswith('/' + p) for p in noisy):
+            if owned_by(leaf.path, noisy):
                 leaf = dataclasses.replace(leaf, ok=True, noise_dominated=True)
             elif siblings:
                 top = float(np.abs(np.asarray(ref[leaf.path], np.float64)).max(initial=0.0))
@@ -58,6 +58,11 @@ def held(
                     leaf = dataclasses.replace(leaf, ok=True, limit=allowed)
         out[leaf.path] = leaf
     return out
+
+
+def owned_by(path: str, params) -> bool:
+    """Whether ``path`` is one of ``params`` or a slot of one (``0/mu/<param>``)."""
+    return any(path == p or path.endswith('/' + p) for p in params)
 
 
 def slot_owner(params: dict):
@@ -75,12 +80,16 @@ def slot_owner(params: dict):
 POOLED = 90  # the percentile of the leaves' relative twin floors a tree's pooled floor is
 
 
-def pooled(nnx: dict, twin_: dict) -> float:
+def pooled(nnx: dict, twin_: dict, noisy=frozenset()) -> float:
     """The twin's relative floor over a tree's leaves, ``|nnx - twin| / max |nnx|`` per leaf, at its
-    ``POOLED``th percentile (a few noise-dominated leaves, whose relative floor is about 1, do not set it);
-    0 where no twin differs."""
+    ``POOLED``th percentile; 0 where no twin differs. The noise-dominated parameters and their slots
+    (``noisy``), whose relative floor is about 1, are left out: where they are more than a tenth of the
+    tree (a user's conv net with a bias before each BatchNorm, issue 60: 7 of 25 leaves) they would set it,
+    and allow every leaf 10x its own scale (its clip and b2 slips then parted nowhere)."""
     rels = []
     for path, a in nnx.items():
+        if owned_by(path, noisy):
+            continue
         b = twin_.get(path)
         a = np.asarray(a)
         if b is None or not compare.is_float(a.dtype) or np.shape(b) != a.shape:

@@ -16,7 +16,7 @@ from equivalence.core.port import convert
 from equivalence.core.port.ports import Port, init_inputs
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.verdict import compare, rule
-from equivalence.core.verdict.findings import Finding, Unmeasured
+from equivalence.core.verdict.findings import Finding, Thin, Unmeasured
 from equivalence.core.verdict.outcome import Outcome
 from equivalence.core.verdict.rule import Verdict
 
@@ -44,6 +44,15 @@ def unverified(port: Port, inputs: Inputs, report: compare.Report, judged: Verdi
     why = rule.not_verified(report, last or output_layer(port, inputs.variables, inputs.calls[0], inputs.mapping))
     if why is None:
         return judged
+    return dataclasses.replace(judged, outcome=Outcome.NOT_VERIFIED, unverified=why)
+
+
+def thin(judged: Verdict, reading) -> Verdict:
+    """A MATCH some of whose leaves grow every call as a slip in the update would, but too weakly to decide
+    (``systematic.Reading.suggestive``), made NOT VERIFIED: thin evidence is never a MATCH."""
+    if not judged.match or not reading.suggestive:
+        return judged
+    why = Thin(reading.suggestive, reading.steps, reading.steps_to_decide())
     return dataclasses.replace(judged, outcome=Outcome.NOT_VERIFIED, unverified=why)
 
 
