@@ -41,6 +41,10 @@ class Loop:
         """Its step draws as its own code says: a twin's first call is recorded, its draws checked against the run's."""
         return draws.FirstCall()
 
+    def handed_dropout_keys(self) -> None:
+        """None: its own step hands its model the keys it draws with, whatever the model holds (an
+        ``nnx.bridge.ToNNX`` model holds linen's Dropouts, which no NNX fact sees)."""
+
     def asked(self, asker: Any) -> Any:
         """What a command above the core asks of a loop port (its bench variants, its new side measured):
         ``asker.loop_port()``, its own pmap step and new call."""

@@ -118,6 +118,10 @@ class Model:
             return legacy_twin.with_rows(self.port, config, n, inputs), True
         return sides.run_legacy(self, legacy_twin.on(config, n), inputs), False
 
+    def handed_dropout_keys(self) -> bool:
+        """Whether the suite's loops hand the models dropout keys: where the NNX model has Dropout or attention."""
+        return facts.uses_dropout(self.port)
+
     def draws_random_numbers(self) -> bool:
         """Whether its step consumes random numbers (Dropout, attention, its own noise)."""
         return facts.uses_dropout(self.port) or self.port.noise not in (None, legacy_losses.no_noise)

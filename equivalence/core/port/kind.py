@@ -65,6 +65,7 @@ class Kind(Protocol):
     def new_ahead(self) -> Any: ...  # what builds the new side ahead (compiled on a thread), or None
     def first_step_probe(self) -> Any: ...  # recorder -> the first step's gradients compared, or None: not seen
     def draws_recorder(self) -> Any: ...  # records a twin's first call's draws (run.draws.FirstCall), or None
+    def handed_dropout_keys(self) -> bool | None: ...  # the suite hands the model dropout keys; None: its step
     def recording_mesh(self, setup: Setup) -> Any: ...  # where the recording gathers a new side's values, or None
     def asked(self, asker: Any) -> Any: ...  # a command's question, by kind: asker.model_port() or .loop_port()
     def preflight(self, config: RunConfig, variables: dict, batch_KxG: Any, mapping: dict) -> None: ...

@@ -40,7 +40,7 @@ from equivalence.core.run.inputs import Inputs
 from equivalence.core.verdict import averages, collectives, compare, forward, slots, stages, upgrade
 from equivalence.core.verdict.first_step import Recorder
 from equivalence.core.verdict.intercept import NOT_MODULES
-from equivalence.core.verdict.location import ROOT, Location, Unplaced, read
+from equivalence.core.verdict.location import ROOT, Location, Unplaced, Where, read
 from equivalence.core.verdict.location import STAGES as STAGE_NAMES
 from equivalence.core.verdict.pairing import pairs
 from equivalence.core.verdict.rule import MEASURED_FLOOR
@@ -131,9 +131,9 @@ def judge_step(
             return dataclasses.replace(found, figures=figures, modules=tuple(modules), notes=tuple(said),
                                        agreed=tuple(agreed), read=values)  # fmt: skip
     checked = 'the loss, the gradients, ' if step.grads('legacy') else 'the loss, '
-    later = 'the sides part later (a schedule, or growth from rounding)'
+    later = 'whatever parts does so later'
     if at > 1:
-        later = f'whatever parts does so after step {at}, or through growth from rounding'
+        later = f'whatever parts does so after step {at}'
     elif slots.update_is_zero(step):
         later = f'{WARMUP} (a schedule at 0 on step 1, as warmup gives): an optimizer that differs shows later'
         if not step.grads('legacy') and slots.holds_first_moments(step.held('opt_state'), step.held('params')):
@@ -322,6 +322,11 @@ def attach(verdict, port_kind: Kind, config: RunConfig, inputs: Inputs, recorder
         again = lambda today, saw: locate(port_kind, config, today, Recorder(port_kind, config, today, recorder.twin),  # noqa: E731
                                           saw)  # fmt: skip
         found = upgrade.across_versions(found, inputs, seen or Seen(), versions, again)
+    if (
+        not verdict.match and found.kind == Where.NONE
+    ):  # the final leaves part, no recorded step does: no rounding shown
+        found = found.unplaced(f'not located: {found.figures}; yet the final leaves part: what parts does so after '
+                               "the steps recorded, or adds up below each step's floor", Unplaced.LATER)  # fmt: skip
     return dataclasses.replace(verdict, location=dataclasses.replace(found, ruled_out=ruled_out))
 
 

@@ -75,6 +75,7 @@ class Unplaced(enum.StrEnum):
     MATCH_UNCONFIRMED = 'match unconfirmed'  # a MATCH: what the recording alone parts at, no leaf confirms
     ACROSS_VERSIONS = 'across versions'  # a reference of another JAX, and no pmap code here to place it against
     UPGRADE = 'upgrade'  # a reference of another JAX; against the pmap code run here, nothing parts
+    LATER = 'later'  # a MISMATCH whose recorded steps all agree: it parts later, or adds up below each step's floor
 
 
 # The stages of one step, in the order it runs them: what the location picture draws, the one that parts marked.

@@ -141,7 +141,8 @@ def read(path: str, kind: Kind, config: RunConfig) -> tuple[dict, Recorded]:
             f'on {here} (docs/reference.md)'
         )
     content = held.content(TYPES)
-    if bool(content['dropout']) != facts.uses_dropout(kind.port):
+    handed = kind.handed_dropout_keys()  # None: the port's own step hands them, as it did when recorded
+    if handed is not None and bool(content['dropout']) != handed:
         said = 'with' if content['dropout'] else 'without'
         raise reference.BadReference(f'reference {path}: recorded {said} dropout keys handed to the model, and the '
                                      f'new model {"has no" if content["dropout"] else "has"} Dropout or attention '

@@ -28,8 +28,8 @@ from equivalence.core.verdict.location import read as located
 
 BY = ('parameter', 'update')  # what a leaf's change in the difference is regressed on
 MIN_VALUES = 16  # fewer values (elements x calls) say nothing: a bias of 1 element fits any line
-DECISIVE_R2, DECISIVE_CHANCE = 0.9, 1e-9  # a MISMATCH: the structure, past what rounding gives by chance
-SUGGESTIVE_R2, SUGGESTIVE_CHANCE = 0.5, 1e-4  # not decided: NOT VERIFIED, naming the steps that would decide
+DECISIVE_R2, DECISIVE_CHANCE = 0.75, 1e-9  # a MISMATCH: the structure, past what rounding gives by chance
+SUGGESTIVE_R2, SUGGESTIVE_CHANCE = 0.4, 1e-4  # not decided: NOT VERIFIED, naming the steps that would decide
 TWIN_SHARE = 0.5  # the twins' own r² on the leaf must stay under this share of the run's
 MIN_SPACINGS = 2.0  # some element of the leaf ends this many float32 spacings apart: no quantisation artefact
 
