@@ -39,8 +39,14 @@ def parse(argv: list[str] | None):
         '--precision',
         default='auto',
         help="float32 matrix products' precision: auto (default): highest on an accelerator, where the default "
-        "rounds them to bfloat16 passes (TPU) or TF32 (GPU) and no floor measures that, and the default's gap "
-        "between the two sides is said; highest; default: the backend's own",
+        'rounds them to bfloat16 passes (TPU) or TF32 (GPU) and no floor measures that; highest; default: the '
+        "backend's own",
+    )
+    parser.add_argument(
+        '--default-gap',
+        action='store_true',
+        help="on an accelerator checked at highest: both sides run once more at the backend's default precision, "
+        'and how far apart they end is said, not judged (about a third more time: not run unless asked)',
     )
     parser.add_argument(
         '--twin',
@@ -73,7 +79,7 @@ def inputs(argv: list[str] | None, n_available: int | None = None):
     raises ``ConfigError``."""
     args = parse(argv)
     extra = {'perturb': args.perturb, 'nnx_form': args.nnx_form, 'verdict': args.verdict}
-    extra |= {'twin': args.twin, 'precision': args.precision}
+    extra |= {'twin': args.twin, 'precision': args.precision, 'default_gap': args.default_gap}
     extra['locate'] = args.locate or None
     extra['reference'] = args.reference
     wl, config = cli.run_config(args, n_available, **extra)

@@ -154,8 +154,9 @@ def run(port: Port, config: RunConfig, progress: Progress | None = None, diagnos
         with precision.computing_at(config.precision):
             result = _run(port, config, progress or silent, diagnose, checkpoints)
         result.device = precision.Device.here(config.devices, config.precision)
-        if diagnose and config.precision == 'auto' and result.device.precision == 'highest' and not config.reference:
-            result.device = dataclasses.replace(result.device, default_gap=_default_gap(port, config))
+        at_highest = config.precision == 'auto' and result.device.precision == 'highest'
+        if config.default_gap and diagnose and at_highest and not config.reference:  # asked: both sides again
+            result.device = dataclasses.replace(result.device, default_gap=_default_gap(port, config) or {})
     result.timing = measured.summary()
     return result
 

@@ -38,7 +38,8 @@ class RunConfig:
     nnx_form: str = 'split'  # 'split': jax.jit(lax.scan) over split state; 'graph': nnx.jit(nnx.scan) over objects
     verdict: str = 'measured'  # measured: twin floor always; strict: + first-step gradients; screen: twin if it fails
     locate: bool | None = None  # where the first step parts (verdict.locate): None: on MISMATCH; True: MATCH too
-    precision: str = 'auto'  # auto: highest on an accelerator (said, with the default's gap), as it is on CPU
+    precision: str = 'auto'  # auto: highest on an accelerator (said), as it is on CPU
+    default_gap: bool = False  # --default-gap: on an accelerator at highest, both sides again at the default (said)
     twin: str = 'program'  # the floor's twin: the run's own program, inputs one spacing off; or other device counts
     reference: str | None = None  # --reference: the pmap side read from this recording, not run (verdict.referenced)
     available: dataclasses.InitVar[int | None] = None  # devices JAX sees; None: not checked (library use)

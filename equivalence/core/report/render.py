@@ -37,6 +37,10 @@ def device_text(device) -> str:
             f'; at the default precision the two sides end {gap["params"]:.2e} apart in the parameters, '
             f'{gap["losses"]:.2e} in the losses (first loss {gap["first_loss"]:.2e}): said, not judged'
         )
+    elif gap is not None:
+        said += '; at the default precision: not measured (the two sides could not run again at it)'
+    elif device.precision == 'highest':
+        said += '; how far apart the two sides end at the default precision: --default-gap runs them again at it'
     return said
 
 
