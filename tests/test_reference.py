@@ -20,10 +20,12 @@ from conftest import ROOT, assert_one_line_error, import_example, require_device
 from equivalence import RECORDED, devices
 from equivalence import record as record_command
 from equivalence import run as run_command
-from equivalence.core import harness
+from equivalence.core import harness, kinds
 from equivalence.core.port import port_fields, workloads
-from equivalence.core.port.config import RunConfig
-from equivalence.core.run import reference
+from equivalence.core.port.config import ConfigError, RunConfig
+from equivalence.core.report import render
+from equivalence.core.run import fits, reference
+from equivalence.core.run import inputs as made
 from equivalence.core.verdict.location import Unplaced
 from equivalence.core.verdict.outcome import Outcome
 from nnx_sharded import losses as nnx_losses
@@ -48,6 +50,29 @@ def test_a_reference_recorded_on_the_classic_pmap_checks_the_port_on_todays_jax(
     both = harness.check(port, batch_size=8, perturb=1e-3, **FLAGS)  # the control: today's pmap beside it
     assert slip.outcome is both.outcome is Outcome.MISMATCH
     assert slip.verdict.location.kind == both.verdict.location.kind != 'unlocated'
+
+
+def test_a_port_whose_two_sides_do_not_fit_together_is_refused_before_training_and_checks_against_a_reference(
+    monkeypatch,
+):
+    """A device that holds one train state but not two (its bytes set by ``EQUIVALENCE_DEVICE_BYTES``, as a
+    TPU's allocator says its own): a check of both sides is one line, exit 2, before anything trains, naming
+    the bytes and the way out; against a reference, which holds the new side alone, the same port MATCHes,
+    and its report gives the peak memory it measured."""
+    require_devices(2)
+    port, path = workloads.WORKLOADS['mlp'], classic('mlp')
+    one = fits.state_bytes(kinds.of(port), made.unpaired(port, RunConfig(batch_size=8, **FLAGS)).variables)
+    monkeypatch.setenv(fits.ENV, str(int(1.5 * one)))
+    monkeypatch.setattr(harness, 'both_sides', lambda *a, **k: pytest.fail('trained before refusing'))
+    with pytest.raises(ConfigError, match=r'do not fit on one device together.*python -m equivalence.record.*'
+                       r'--reference'):  # fmt: skip
+        harness.check(port, batch_size=8, **FLAGS)
+    alone = harness.check(port, reference=path, batch_size=8, **FLAGS)
+    assert alone.outcome is Outcome.MATCH and alone.timing['memory']['host_peak_bytes'] > 0
+    assert 'memory: host peak' in render.text(alone, 'cpu')
+    monkeypatch.setenv(fits.ENV, str(one // 2))  # not even once: said so
+    with pytest.raises(ConfigError, match='does not fit on this device at all'):
+        harness.check(port, reference=path, batch_size=8, **FLAGS)
 
 
 def test_across_versions_a_computed_place_is_placed_against_the_pmap_code_run_today_or_not_at_all():

@@ -121,6 +121,16 @@ def _stages(repeats: list[dict]) -> list[dict]:
              'programs': med(xs, 'programs'), 'repeats': len(xs)} for (n, d), xs in names.items()]  # fmt: skip
 
 
+def _memory(repeats: list[dict]) -> dict:
+    """The peaks each repeat's process measured (``peaks``): the host's resident bytes, and the most any
+    device held (None where the backend counts none: the CPU's)."""
+    got = [r['timing'].get('memory') or {} for r in repeats]
+    hosts = [m['host_peak_bytes'] for m in got if m.get('host_peak_bytes')]
+    devices = [max(m['device_peak_bytes'].values()) for m in got if m.get('device_peak_bytes')]
+    return {'host_peak_bytes': _stats(hosts) if hosts else None,
+            'device_peak_bytes': _stats(devices) if devices else None}  # fmt: skip
+
+
 def summary(subjects: list[Subject], runs: dict[str, list[dict]], machine: dict) -> dict:
     """The JSON of a cost run: every repeat's figures, their medians, the ratios and the targets."""
     bare = runs['bare']
@@ -138,6 +148,7 @@ def summary(subjects: list[Subject], runs: dict[str, list[dict]], machine: dict)
             'programs': _stats([r['timing']['programs'] for r in reps]),
             'compiled_again': reps[0]['timing'].get('compiled_again', {}),
             'stages': _stages(reps),
+            **_memory(reps),
             'same_losses_every_repeat': all(r['losses'] == reps[0]['losses'] for r in reps),
         }  # fmt: skip
         if s.mode == 'check':
@@ -178,13 +189,15 @@ def text(result: dict) -> str:
         'ratio = median check wall / median bare wall',
         '',
         f'{"run":44s} {"wall s median [min, max]":>26s} {"vs bare":>8s} {"per repeat":>20s} '
-        f'{"compile s":>10s} {"programs":>9s}  outcome',
+        f'{"compile s":>10s} {"programs":>9s} {"host GB":>8s} {"device GB":>9s}  outcome',
     ]
+    gb = lambda st: f'{st["median"] / 1e9:.2f}' if st else '-'  # noqa: E731
     for s in subjects.values():
         ratio = f'{s["ratio_vs_bare"]:.2f}x' if 'ratio_vs_bare' in s else '1.00x'
         per = _range(s['ratio_per_repeat'], '.2f') if 'ratio_per_repeat' in s else ''
         lines.append(f'{s["label"][:44]:44s} {_range(s["wall_s"]):>26s} {ratio:>8s} {per:>20s} '
-                     f'{s["compile_s"]["median"]:>10.1f} {s["programs"]["median"]:>9.0f}  '
+                     f'{s["compile_s"]["median"]:>10.1f} {s["programs"]["median"]:>9.0f} '
+                     f'{gb(s.get("host_peak_bytes")):>8s} {gb(s.get("device_peak_bytes")):>9s}  '
                      f'{s.get("outcome", "")}')  # fmt: skip
     for s in subjects.values():
         if s.get('outcome') == 'MISMATCH':

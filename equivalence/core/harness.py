@@ -17,7 +17,7 @@ from equivalence.core.port import port_fields
 from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.port.kind import Kind
 from equivalence.core.port.ports import Port
-from equivalence.core.run import clock, precision, randomness, reference
+from equivalence.core.run import clock, fits, precision, randomness, reference
 from equivalence.core.run import inputs as made
 from equivalence.core.run.facts import has_batch_stats, name_mapping
 from equivalence.core.run.inputs import Inputs
@@ -180,6 +180,7 @@ def _run(port: Port, config: RunConfig, progress: Progress, diagnose: bool, chec
     resumed = False
     if inputs.recorded is not None:
         return _against_reference(prepared, progress, diagnose)
+    fits.check(kind, config, inputs.variables)  # both train states on one device: refused before training
     if checkpoints is None:
         old, new = both_sides(kind, config, inputs, progress)
         result = judgement(kind, config, old, new, inputs, diagnose=diagnose)
@@ -197,6 +198,7 @@ def _against_reference(prepared: Prepared, progress: Progress, diagnose: bool) -
     (``jax_threefry_partitionable``), so the recorded setting is the check's, and said where it is not today's."""
     kind, config, inputs = prepared.kind, prepared.config, prepared.inputs
     recorded = inputs.recorded
+    fits.check(kind, config, inputs.variables, sides=1)
     partitionable = recorded.environment.get('threefry_partitionable', jax.config.jax_threefry_partitionable)
     with jax.threefry_partitionable(bool(partitionable)):
         with clock.stage(f'new side: {kind.programs()[1]}, {len(inputs.calls)} calls (compiled, run)'):

@@ -5,7 +5,7 @@ import platform
 import numpy as np
 
 from equivalence.core.report import reach, words
-from equivalence.core.run import clock
+from equivalence.core.run import clock, peaks
 from equivalence.core.verdict.judge import RunResult
 from equivalence.core.verdict.outcome import Outcome
 
@@ -179,6 +179,7 @@ def text(result: RunResult, backend: str) -> str:
             '',
             *accuracy_line(result),
             *([clock.line(result.timing)] if result.timing else []),
+            *([said] if result.timing and (said := peaks.line(result.timing.get('memory'))) else []),
             verdict(result),
         ]
     )

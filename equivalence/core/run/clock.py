@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from typing import Protocol, TextIO
 
+from equivalence.core.run import peaks
 from equivalence.core.run.said import Said, told
 
 COMPILE_EVENT = '/jax/core/compile/backend_compile_duration'  # jax._src.dispatch.BACKEND_COMPILE_EVENT
@@ -124,6 +125,7 @@ class Clock:
             'cached': self.cached,
             'compiled_again': {name: n for name, n in self.names.most_common() if n > 1},  # by program name
             'stages': [st.to_json() for st in self.stages],
+            'memory': peaks.measured(),  # the host's and each device's peak bytes (``peaks``)
         }
 
 

@@ -16,7 +16,6 @@ from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
 from equivalence.core.run import clock, footprint
 from equivalence.core.run.inputs import Inputs
-from equivalence.core.run.setups import NnxGraphSetup, NnxSetup
 
 
 @dataclasses.dataclass
@@ -24,7 +23,7 @@ class PathResult:
     final: convert.Neutral  # state after the last call
     losses: np.ndarray  # [C * K] per-step losses, as each path reports them
     params_per_call: list[dict[str, np.ndarray]]  # parameters after each call
-    raw: Any  # the path's own final state (legacy: replicated, nnx: (graphdef, state))
+    raw: Any  # legacy: its own final state, replicated, on the host; None for the new side (``final`` holds it)
     eval_accuracy: float | None = None  # held-out accuracy, for classifiers
     placement: list = dataclasses.field(default_factory=list)  # NNX: sharding.Decision per parameter
     mesh: dict = dataclasses.field(default_factory=dict)  # NNX: the mesh's axes
@@ -104,8 +103,8 @@ def run_legacy(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, a
     start = _params(setup.neutral(), mapping)  # before the first call: what the port's own state holds
     losses, per_call = run_calls(setup, inputs.calls, inputs.rng, mapping, progress, 'legacy', after_call, before_call,
                                  forward)  # fmt: skip
-    result = PathResult(convert.rename(setup.neutral(), mapping), losses, per_call, setup.pstate, start=start,
-                        device_losses=getattr(setup, 'device_losses', None))  # fmt: skip
+    result = PathResult(convert.rename(setup.neutral(), mapping), losses, per_call, jax.device_get(setup.pstate),
+                        start=start, device_losses=getattr(setup, 'device_losses', None))  # fmt: skip
     result.metrics, result.notes = loop_metrics(setup), [*getattr(setup, 'notes', [])]
     result.left_out = set(getattr(setup, 'uneven', ()))
     result.notes += kind.legacy_notes(setup)
@@ -124,8 +123,8 @@ def run_new(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, afte
     if inputs.restore is not None:
         rng = inputs.restore(setup)
     losses, per_call = run_calls(setup, calls, rng, None, progress, 'new', after_call, before_call, forward)
-    raw = {NnxSetup: lambda: (setup.graphdef, setup.state), NnxGraphSetup: lambda: setup.ts}
-    result = PathResult(setup.neutral(), losses, per_call, raw.get(type(setup), lambda: setup.train_state)())
+    # its final state leaves the device with the setup (read to the host: ``final``), before any twin of it runs
+    result = PathResult(setup.neutral(), losses, per_call, None)
     result.placement, result.mesh = getattr(setup, 'decisions', []), dict(setup.mesh.shape)
     result.placed_by, result.program = getattr(setup, 'placed_by', ''), setup.shared()
     result.memory = None if forward else footprint.per_device(setup, calls[0], rng)
