@@ -97,8 +97,10 @@ def add_run_flags(
     calls_help: str | None = None,
     calls_default: int = 4,
     strategy_help: str = 'NNX placement: dp, fsdp, tp, fsdp-tp, shard_map (default dp)',
+    placement: bool = True,
 ) -> None:
-    """The flags that make a ``RunConfig``; ``None`` means "not given", never a value to replace."""
+    """The flags that make a ``RunConfig``; ``None`` means "not given", never a value to replace. ``placement``:
+    ``--strategy`` and ``--mesh``, which place the new side (``record``, which never runs it, has neither)."""
     parser.add_argument(
         '--workload',
         default='mlp',
@@ -112,8 +114,9 @@ def add_run_flags(
     parser.add_argument('--batch-size', type=int, default=None, help="global batch (default: the workload's)")
     parser.add_argument('--seed', type=int, default=0, help='seed of data, parameters and keys, 0 <= S < 2**32')
     parser.add_argument('--rng', default=None, help="per-device (score_sde) or global (default: the port's first)")
-    parser.add_argument('--strategy', default='dp', help=strategy_help)
-    parser.add_argument('--mesh', default=None, help="fsdp-tp's 2-D mesh, data=A,model=B (default data=D/2,model=2)")
+    if placement:
+        parser.add_argument('--strategy', default='dp', help=strategy_help)
+        parser.add_argument('--mesh', default=None, help="fsdp-tp's 2-D mesh, data=A,model=B (default data=D/2,model=2)")
 
 
 def add_output_flags(parser: argparse.ArgumentParser, json_help: str, plot: bool = False) -> None:
@@ -152,9 +155,9 @@ def available_devices(n_available: int | None = None) -> int:
     return len(jax.devices())
 
 
-def run_config(args: argparse.Namespace, n_available: int | None = None, **extra):
+def run_config(args: argparse.Namespace, n_available: int | None = None, recording: bool = False, **extra):
     """The flags of ``add_run_flags`` -> ``(workload, RunConfig)``, the port's own limits checked
-    too (``harness.validate``); raises ``ConfigError`` on bad input."""
+    too (``harness.validate``; ``recording``: for ``record``); raises ``ConfigError`` on bad input."""
     from equivalence.core import harness
     from equivalence.core.port import workloads
     from equivalence.core.port.config import RunConfig, parse_mesh
@@ -169,13 +172,13 @@ def run_config(args: argparse.Namespace, n_available: int | None = None, **extra
         batch_size=wl.default_batch if args.batch_size is None else args.batch_size,
         seed=args.seed,
         rng_mode=wl.rng_modes[0] if args.rng is None else args.rng,
-        strategy=args.strategy,
-        mesh=parse_mesh(args.mesh) if args.mesh is not None else None,
+        strategy=getattr(args, 'strategy', 'dp'),
+        mesh=parse_mesh(args.mesh) if getattr(args, 'mesh', None) is not None else None,
         available=available,
         **extra,
     )
     check_processes(config, available)
-    harness.validate(wl, config)
+    harness.validate(wl, config, recording)
     return wl, config
 
 
@@ -240,8 +243,14 @@ def too_old(command: str) -> None:
     if command != 'equivalence.record' and found and found < (0, 10):
         jax_version = '.'.join(map(str, found))
         fail(f'{command} needs jax 0.10 (this environment has jax {jax_version}): record the pmap side here with '
-             "python -m equivalence.record, and check it where pip install 'pmap-to-nnx-equivalence[check]' has "
-             'put the versions it was tried on (docs/reference.md)')  # fmt: skip
+             f"python -m equivalence.record, and check it in an environment where pip install -e '{suite_root()}"
+             "[check]' (this suite, from its checkout) has put the versions it was tried on (docs/reference.md)")  # fmt: skip
+
+
+def suite_root() -> str:
+    """The folder this suite is installed from (its checkout, holding pyproject.toml); else a placeholder."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return root if os.path.isfile(os.path.join(root, 'pyproject.toml')) else 'path/to/this/suite'
 
 
 def command_name(fn: Callable) -> str:

@@ -180,7 +180,10 @@ def test_on_an_old_jax_only_the_recorder_runs(monkeypatch, capsys):
     monkeypatch.setattr(compat, 'version', lambda package='jax': (0, 4, 38))
     with pytest.raises(SystemExit) as refused:
         run_command.main(['--workload', 'mlp'])
-    assert refused.value.code == 2 and '0.4.38' in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert refused.value.code == 2 and '0.4.38' in said
+    # what it says to install is this suite, from its checkout (the package is on no registry)
+    assert f"pip install -e '{ROOT}[check]'" in said and 'pmap-to-nnx-equivalence[' not in said, said
     with pytest.raises(SystemExit) as bad_flag:  # record is not refused for its JAX: its own flags are read
         record_command.main(['--workload', 'mlp', '--devices', '0', '--out', 'x.npz'])
     assert bad_flag.value.code == 2 and '0.4.38' not in capsys.readouterr().err

@@ -425,3 +425,29 @@ def test_a_mistake_in_a_real_step_is_one_line_before_any_training(fields, line, 
     if 'NameError' in line:  # JAX's own words, then the user's frame, then the fix that fits the port
         assert 'unbound axis name: devices' in text and 'at test_step_forms.py:' in text, text
         assert "fix: the port declares axis_name='batch'" in text, text
+
+
+@pytest.mark.parametrize(
+    'fields, line',
+    [
+        (dict(loss=None), "legacy_step returns metrics ['denominator', 'loss', 'mae'], and the port gives no loss=: "),
+        (dict(legacy_step=_adapter_of_a_pmapped_step), 'fix: call the function it wraps, P_TRAIN_STEP.__wrapped__'),
+        (dict(axis_name='data'), "fix: the port declares axis_name='data': set axis_name='batch' or pmean over 'data'"),
+    ],
+    ids=['no loss=', 'pmapped inside', 'axis name'],
+)
+def test_record_refuses_the_pmap_sides_mistakes_that_run_refuses_before_recording(fields, line, tmp_path):
+    """``record`` runs the pmap side's half of the pre-flight (issue 60: a step returning metrics with no ``loss=``,
+    an ``axis_name`` its pmean does not name, a call of upstream's pmapped step inside it were each exit 3 after
+    the pmap side ran): the line a check says, before anything is recorded; nothing written."""
+    from equivalence.core import preflight
+    from equivalence.core.port.config import RunConfig
+
+    port = dataclasses.replace(FORMS['state, steps, no key'], **fields)
+    config = RunConfig(workload=port.name, devices=2, batch_size=8, rng_mode=port.rng_modes[0], **QUICK)
+    with pytest.raises(preflight.PreflightError) as checked:
+        harness.check(port, devices=2, **QUICK)
+    with pytest.raises(preflight.PreflightError) as recorded:
+        harness.record(port, config, str(tmp_path / 'reference.npz'))
+    assert line in str(recorded.value) and str(recorded.value) == str(checked.value), str(recorded.value)
+    assert not list(tmp_path.iterdir())

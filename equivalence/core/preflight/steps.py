@@ -33,10 +33,15 @@ def trace_steps(port: LoopPort, config: RunConfig, variables: dict, batch_KxG: A
     """Both sides' steps, traced on abstract inputs of the run's shapes; ``PreflightError`` (exit 2)
     naming the field on the first mistake. Returns both abstract train states ``(legacy, new)``, built once."""
     state = trace_legacy_step(port, config, variables, batch_KxG)
+    return state, trace_new_steps(port, config, batch_KxG, variables, mapping)
+
+
+def trace_new_steps(port: LoopPort, config: RunConfig, batch_KxG: Any, variables: dict, mapping: dict) -> Any:
+    """The new side's half of ``trace_steps`` (a check against a reference runs it alone); its abstract train state."""
     ts = nnx_train_state(port, variables)
     trace_nnx_side(port, config, batch_KxG, ts)
     check_new_groups(port, ts, variables, mapping)
-    return state, ts
+    return ts
 
 
 def trace_legacy_step(port: LoopPort, config: RunConfig, variables: dict, batch_KxG: Any) -> Any:
@@ -111,6 +116,9 @@ def _new_step_form(port: LoopPort) -> str:
 def check_loss(port: LoopPort, field: str, out_K: Any, k: int) -> None:
     """The step's output ``[K, ...]`` read by ``port.loss`` as the run reads it: one loss per step."""
     if port.loss is None:
+        if isinstance(out_K, dict):  # a metrics dict, its loss one of its keys
+            raise fail(port, field, f'returns metrics {sorted(out_K)}, and the port gives no loss=: name the one that '
+                                    "is the loss (loss='loss'), or give a function of them")  # fmt: skip
         losses = out_K
     elif isinstance(port.loss, str):
         if not isinstance(out_K, dict) or port.loss not in out_K:
