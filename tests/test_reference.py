@@ -13,16 +13,18 @@ import os
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ROOT, assert_one_line_error, import_example, require_devices
+from flax import nnx
 
-from equivalence import RECORDED, devices
+from equivalence import RECORDED, LoopPort, devices
 from equivalence import record as record_command
 from equivalence import run as run_command
 from equivalence.core import harness
 from equivalence.core.port import port_fields, workloads
-from equivalence.core.port.config import RunConfig
+from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.run import reference
 from equivalence.core.verdict.location import Unplaced
 from equivalence.core.verdict.outcome import Outcome
@@ -130,6 +132,128 @@ def test_a_damaged_or_ill_fitting_reference_is_refused_before_anything_trains(tm
     said = capsys.readouterr()
     assert_one_line_error(subprocess.CompletedProcess([], command.value.code, said.out, said.err), 'sha256')
     assert said.out == ''
+
+
+def _rewritten(path: str, target, edit) -> str:
+    """The reference at ``path`` written again to ``target`` with its manifest (a dict) changed by ``edit``; arrays
+    kept. ``edit`` returns the manifest's new text, or None to drop the entry."""
+    with np.load(path) as held:
+        entries = {k: held[k] for k in held.files}
+    text = edit(json.loads(str(entries.pop('manifest'))))
+    np.savez(target, **entries, **({} if text is None else {'manifest': np.array(text)}))
+    return str(target)
+
+
+def _sealed_then_edited(manifest: dict) -> str:
+    """As ``record`` writes a manifest now (its own sha256), then one value changed by hand."""
+    manifest['manifest_sha256'] = reference._manifest_digest(manifest)
+    manifest['config']['seed'] = 1
+    return json.dumps(manifest)
+
+
+def _truncated(path: str, target) -> str:
+    data = open(path, 'rb').read()
+    target.write_bytes(data[: len(data) // 2])
+    return str(target)
+
+
+def _zip_of_text(target) -> str:
+    import zipfile
+
+    with zipfile.ZipFile(target, 'w') as z:
+        z.writestr('README.txt', 'the logs of a run')
+    return str(target)
+
+
+def _unreadable(path: str, target) -> str:
+    """A copy of the reference no one may read (mode 000; as root, who reads it anyway, the test refuses its
+    opening as the kernel refuses it to others)."""
+    target.write_bytes(open(path, 'rb').read())
+    target.chmod(0)
+    return str(target)
+
+
+def _refused(name, *args, **kwargs):
+    raise PermissionError(13, 'Permission denied', name)
+
+
+def _npy(target) -> str:
+    with open(target, 'wb') as f:  # numpy.save would add .npy to the name
+        np.save(f, np.zeros(3))
+    return str(target)
+
+
+HOSTILE = {  # what a user may hand over as --reference, and the words that say what it is
+    'empty': (lambda p, t: (t.write_bytes(b''), str(t))[1], 'empty (0 bytes)'),
+    'a .npy': (lambda p, t: _npy(t), 'one numpy array (.npy, numpy.save), not a reference'),
+    'a directory': (lambda p, t: (t.mkdir(), str(t))[1], 'a directory, not a file'),
+    'no file': (lambda p, t: str(t), 'no such file'),
+    'a pickle': (lambda p, t: (t.write_bytes(__import__('pickle').dumps({'a': 1})), str(t))[1], 'a pickle, which'),
+    'a text file': (lambda p, t: (t.write_text('loss 0.5\n'), str(t))[1], "a text file ('loss 0.5'...), not a"),
+    'other bytes': (lambda p, t: (t.write_bytes(bytes(range(16))), str(t))[1], 'neither a zip nor a numpy file'),
+    'truncated': (_truncated, 'a damaged or truncated zip'),
+    'a zip, not npz': (lambda p, t: _zip_of_text(t), 'a zip of 1 entries (README.txt) with no manifest'),
+    'an npz, no manifest': (lambda p, t: (np.savez(t, a=np.zeros(2)), str(t))[1], '(a) with no manifest'),
+    'unreadable': (_unreadable, 'cannot be read (Permission denied)'),
+    'manifest not JSON': (lambda p, t: _rewritten(p, t, lambda m: '{"format": '), 'its manifest is not JSON'),
+    'manifest of another format': (
+        lambda p, t: _rewritten(p, t, lambda m: json.dumps({**m, 'format': 'orbax'})),
+        "not a reference this suite wrote (format 'orbax')",
+    ),
+    'manifest edited, sealed': (lambda p, t: _rewritten(p, t, _sealed_then_edited), 'its own sha256 fails'),
+    'manifest without a field': (
+        lambda p, t: _rewritten(p, t, lambda m: json.dumps({k: v for k, v in m.items() if k != 'environment'})),
+        'no environment as written',
+    ),
+    'manifest with its tree cut': (
+        lambda p, t: _rewritten(p, t, lambda m: json.dumps({**m, 'tree': {'dict': []}})),
+        'does not read as a recording (KeyError',
+    ),
+}
+
+
+@pytest.mark.parametrize('case', list(HOSTILE))
+def test_each_bad_reference_a_user_can_hand_over_is_one_line_saying_what_it_is(case, tmp_path, monkeypatch):
+    """Issue 60: a 0-byte file, a .npy, a step without loss= were exit 3, a directory 'no such file'. Each hostile
+    file is refused (exit 2's ``ConfigError``) before anything trains, with one line saying what it is."""
+    require_devices(2)
+    make, words = HOSTILE[case]
+    monkeypatch.setattr(harness, 'run_new', lambda *a, **k: pytest.fail('the new side ran'))
+    path = make(classic('mlp'), tmp_path / 'loop.npz')
+    if case == 'unreadable' and os.geteuid() == 0:  # root reads any file: its opening refused here instead
+        monkeypatch.setattr(reference, 'open', _refused, raising=False)
+    with pytest.raises(reference.BadReference) as refused:
+        harness.check(workloads.WORKLOADS['mlp'], reference=path, batch_size=8, **FLAGS)
+    line = str(refused.value)
+    assert line.startswith(f'reference {path}: ') and words in line and '\n' not in line, line
+
+
+def _metrics_step(ts, batch):
+    """A new step returning a metrics dict, its loss under 'loss'."""
+    model, optimizer = ts
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean(nnx_losses.mlp_loss(m, batch, None)))(model)
+    optimizer.update(model, grads)
+    return ts, {'loss': loss}
+
+
+def test_a_new_step_whose_loss_it_does_not_say_is_refused_against_a_reference(monkeypatch):
+    """A check against a reference traces the new side's half of the pre-flight: a step returning metrics with
+    no ``loss=`` was exit 3 (``float()`` of a dict) after the new side ran; now the line a check of both sides
+    says. Given ``loss='loss'`` the same port is accepted (the control)."""
+    require_devices(2)
+    monkeypatch.setattr(harness, 'run_new', lambda *a, **k: pytest.fail('the new side ran'))
+    port = LoopPort(name='mlp', legacy_model=RECORDED, make_data=RECORDED, init_args=RECORDED, legacy_state=RECORDED,
+                    legacy_step=RECORDED, nnx_model=workloads.WORKLOADS['mlp'].nnx_model, step_form='state',
+                    new_state=lambda m: (m, nnx.Optimizer(m, workloads.mlp_tx(), wrt=nnx.Param)),
+                    new_step=nnx.jit(_metrics_step))  # fmt: skip
+    with pytest.raises(ConfigError) as refused:
+        harness.check(port, reference=classic('mlp'), batch_size=8, **FLAGS)
+    assert str(refused.value) == (
+        "port 'mlp': new_step returns metrics ['loss'], and the port gives no loss=: name the one that is the loss "
+        "(loss='loss'), or give a function of them"
+    )
+    with pytest.raises(pytest.fail.Exception, match='the new side ran'):
+        harness.check(dataclasses.replace(port, loss='loss'), reference=classic('mlp'), batch_size=8, **FLAGS)
 
 
 CHECKS = """

@@ -140,8 +140,17 @@ def read(path: str, kind: Kind, config: RunConfig) -> tuple[dict, Recorded]:
             f'(a correct mlp recorded on a TPU is 5 leaves past its floor here): check on {recorded}, or record '
             f'on {here} (docs/reference.md)'
         )
-    content = held.content(TYPES)
-    if bool(content['dropout']) != facts.uses_dropout(kind.port):
+    content, dropout = held.content(TYPES), facts.uses_dropout(kind.port)
+    try:
+        return _recorded(held, content, dropout)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:  # a manifest edited: no recording
+        raise held.edited(e) from None
+
+
+def _recorded(held: reference.Reference, content: dict, dropout: bool) -> tuple[dict, Recorded]:
+    """``read``'s answer from the decoded ``content``; ``dropout``: whether the new model draws dropout masks."""
+    path = held.path
+    if bool(content['dropout']) != dropout:
         said = 'with' if content['dropout'] else 'without'
         raise reference.BadReference(f'reference {path}: recorded {said} dropout keys handed to the model, and the '
                                      f'new model {"has no" if content["dropout"] else "has"} Dropout or attention '
