@@ -116,7 +116,8 @@ def add_run_flags(
     parser.add_argument('--rng', default=None, help="per-device (score_sde) or global (default: the port's first)")
     if placement:
         parser.add_argument('--strategy', default='dp', help=strategy_help)
-        parser.add_argument('--mesh', default=None, help="fsdp-tp's 2-D mesh, data=A,model=B (default data=D/2,model=2)")
+        mesh_help = "fsdp-tp's 2-D mesh, data=A,model=B (default data=D/2,model=2)"
+        parser.add_argument('--mesh', default=None, help=mesh_help)
 
 
 def add_output_flags(parser: argparse.ArgumentParser, json_help: str, plot: bool = False) -> None:
@@ -242,9 +243,10 @@ def too_old(command: str) -> None:
     found = compat.version()
     if command != 'equivalence.record' and found and found < (0, 10):
         jax_version = '.'.join(map(str, found))
+        install = f"pip install -e '{suite_root()}[check]'"  # this suite, from its checkout: on no registry
         fail(f'{command} needs jax 0.10 (this environment has jax {jax_version}): record the pmap side here with '
-             f"python -m equivalence.record, and check it in an environment where pip install -e '{suite_root()}"
-             "[check]' (this suite, from its checkout) has put the versions it was tried on (docs/reference.md)")  # fmt: skip
+             f'python -m equivalence.record, and check it in an environment where {install} (this suite, from its '
+             'checkout) has put the versions it was tried on (docs/reference.md)')  # fmt: skip
 
 
 def suite_root() -> str:

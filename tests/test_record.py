@@ -1,6 +1,7 @@
 """``python -m equivalence.record``'s own words, in-process and before anything trains (issue 60): the flags it
 takes, a port it cannot record, what JAX says of its own programs. What it records, and checks against it, are
-``test_reference.py``'s; the pmap side's mistakes it refuses, ``test_hostile_ports.py``'s and ``test_step_forms.py``'s."""
+``test_reference.py``'s; the pmap side's mistakes it refuses, ``test_hostile_ports.py``'s and
+``test_step_forms.py``'s."""
 
 import os
 import warnings
@@ -43,8 +44,10 @@ def test_a_port_whose_pmap_side_is_recorded_is_refused_saying_to_record_the_one_
 def test_the_recorder_leaves_unsaid_what_jax_says_of_its_own_programs():
     """jax 0.4 warns of jit-of-pmap on every recording (its programs are that), and of the donated batch: neither
     is the port's; another warning is still said (the control)."""
-    jit_of_pmap = ('The jitted function <unnamed wrapped function> includes a pmap. Using jit-of-pmap can lead to '
-                   'inefficient data movement, as the outer jit does not preserve sharded data representations')  # fmt: skip
+    jit_of_pmap = (
+        'The jitted function <unnamed wrapped function> includes a pmap. Using jit-of-pmap can lead to '
+        'inefficient data movement, as the outer jit does not preserve sharded data representations'
+    )
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter('always')
         record_command.quiet()
