@@ -109,10 +109,12 @@ def add_run_flags(
         '(a ModelPort or LoopPort, or a function returning one; its folder on PYTHONPATH or the current directory)',
     )
     parser.add_argument('--devices', type=int, default=None, help='D devices (default: all; 8 simulated on CPU)')
-    parser.add_argument('--steps-per-call', type=int, default=5, help='K steps fused per call (default 5)')
-    parser.add_argument('--calls', type=int, default=calls_default, help=calls_help or 'C compiled calls (default 4)')
+    parser.add_argument('--steps-per-call', type=int, default=None, help='K steps fused per call (default 5)')
+    parser.add_argument('--calls', type=int, default=None, help=calls_help or 'C compiled calls (default 4)')
     parser.add_argument('--batch-size', type=int, default=None, help="global batch (default: the workload's)")
-    parser.add_argument('--seed', type=int, default=0, help='seed of data, parameters and keys, 0 <= S < 2**32')
+    parser.add_argument('--seed', type=int, default=None, help='seed of data, parameters and keys, 0 <= S < 2**32')
+    parser.set_defaults(unset={'steps_per_call': 5, 'calls': calls_default, 'seed': 0})  # the values of flags not
+    # given, where no reference gives them (run --reference: its own, ``run_config``)
     parser.add_argument('--rng', default=None, help="per-device (score_sde) or global (default: the port's first)")
     if placement:
         parser.add_argument('--strategy', default='dp', help=strategy_help)
@@ -165,14 +167,15 @@ def run_config(args: argparse.Namespace, n_available: int | None = None, recordi
 
     wl = workloads.get(args.workload)
     available = available_devices(n_available)
+    given = _given(args, {'devices': available, 'batch_size': wl.default_batch, 'rng': wl.rng_modes[0]})
     config = RunConfig(
         workload=wl.name,
-        devices=available if args.devices is None else args.devices,
-        steps_per_call=args.steps_per_call,
-        calls=args.calls,
-        batch_size=wl.default_batch if args.batch_size is None else args.batch_size,
-        seed=args.seed,
-        rng_mode=wl.rng_modes[0] if args.rng is None else args.rng,
+        devices=given('devices'),
+        steps_per_call=given('steps_per_call'),
+        calls=given('calls'),
+        batch_size=given('batch_size'),
+        seed=given('seed'),
+        rng_mode=given('rng'),
         strategy=getattr(args, 'strategy', 'dp'),
         mesh=parse_mesh(args.mesh) if getattr(args, 'mesh', None) is not None else None,
         available=available,
@@ -181,6 +184,19 @@ def run_config(args: argparse.Namespace, n_available: int | None = None, recordi
     check_processes(config, available)
     harness.validate(wl, config, recording)
     return wl, config
+
+
+def _given(args: argparse.Namespace, defaults: dict) -> Callable[[str], object]:
+    """``flag name -> its value``: as given; else, with ``--reference``, what the reference was recorded with (so
+    that ``run --reference FILE`` checks the run it holds); else its default (``defaults``, ``args.unset``)."""
+    recorded = {}
+    if getattr(args, 'reference', None) is not None:
+        from equivalence.core.run import reference
+
+        recorded = reference.recorded_config(args.reference)  # a file that is no reference: its one line, exit 2
+        recorded['rng'] = recorded.get('rng_mode')
+    defaults = {**getattr(args, 'unset', {}), **defaults}
+    return lambda name: next((v for v in (getattr(args, name), recorded.get(name)) if v is not None), defaults[name])
 
 
 def check_processes(config, n_available: int) -> None:

@@ -2,6 +2,7 @@
 ``python -m equivalence.run --reference FILE`` checks the new side against, anywhere, after the pmap code is gone
 (docs/reference.md). Exit 0 when written; 2 on bad input (an existing file is replaced only with --overwrite)."""
 
+import shlex
 import sys
 import warnings
 
@@ -46,10 +47,15 @@ def work(validated) -> int:
     steps = config.steps_per_call * config.calls
     print(f'wrote {args.out}: the pmap side of {wl.name!r}, {steps} steps on {config.devices} devices, '
           f'last loss {float(done["losses"][-1]):.6g}')  # fmt: skip
-    print(f'check a port against it: python -m equivalence.run --workload {args.workload} --reference {args.out} '
-          f'--devices {config.devices} --steps-per-call {config.steps_per_call} --calls {config.calls} '
-          f'--batch-size {config.batch_size} --seed {config.seed} --rng {config.rng_mode}')  # fmt: skip
+    print(f'check a port against it: {check_command(args.workload, args.out)} (its devices, steps, batch, seed and '
+          'keys are read from the reference)')  # fmt: skip
     return 0
+
+
+def check_command(workload: str, out: str) -> str:
+    """The command that checks a port against the reference at ``out``: ``run`` reads every flag that decides
+    what the pmap side computed from it (a ``--rng`` said here was wrong for a port handed no key)."""
+    return f'python -m equivalence.run --workload {shlex.quote(workload)} --reference {shlex.quote(out)}'
 
 
 def quiet() -> None:

@@ -28,6 +28,7 @@ from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.run import reference
 from equivalence.core.verdict.location import Unplaced
 from equivalence.core.verdict.outcome import Outcome
+from equivalence.testing import PortInputError, assert_port_matches
 from nnx_sharded import losses as nnx_losses
 
 DATA = os.path.join(ROOT, 'tests', 'data')
@@ -45,11 +46,35 @@ def test_a_reference_recorded_on_the_classic_pmap_checks_the_port_on_todays_jax(
     require_devices(2)
     port, path = workloads.WORKLOADS['mlp'], classic('mlp')
     assert reference.load(path).environment['versions']['jax'] == '0.4.38'
-    assert harness.check(port, reference=path, batch_size=8, **FLAGS).outcome is Outcome.MATCH
+    # the plugin as docs/reference.md writes it: K, C, the batch, the seed and the keys read from the reference
+    assert assert_port_matches(port, devices=2, reference=path).outcome is Outcome.MATCH
     slip = harness.check(port, reference=path, batch_size=8, perturb=1e-3, **FLAGS)
     both = harness.check(port, batch_size=8, perturb=1e-3, **FLAGS)  # the control: today's pmap beside it
     assert slip.outcome is both.outcome is Outcome.MISMATCH
     assert slip.verdict.location.kind == both.verdict.location.kind != 'unlocated'
+
+
+def test_the_library_reads_the_run_from_the_reference_and_refuses_a_keyword_that_differs(monkeypatch):
+    """``equivalence.check(port, reference=FILE)`` and the plugin run what the reference holds (issue 60: the
+    plugin's K = C = 2 refused a reference recorded with record's 5 and 4, naming --steps-per-call); a value
+    given that differs is refused naming the keyword, as the library spells it."""
+    path = classic('mlp')
+    ran = []
+    monkeypatch.setattr(harness, 'run', lambda port, config, **kwargs: ran.append(config))
+    harness.check(workloads.WORKLOADS['mlp'], reference=path)
+    recorded = {name: getattr(ran[0], name) for name in reference.FITTED[1:]}
+    assert recorded == {'devices': 2, 'steps_per_call': 2, 'calls': 2, 'batch_size': 8, 'seed': 0,
+                        'rng_mode': 'per-device'}  # fmt: skip
+    with pytest.raises(reference.BadReference) as refused:
+        harness.check(workloads.WORKLOADS['mlp'], reference=path, steps_per_call=5)
+    assert str(refused.value) == (
+        f'reference {path}: recorded with steps_per_call=2, this check gives steps_per_call=5: leave steps_per_call '
+        'out (the reference gives it), or record a reference for this check'
+    )
+    with pytest.raises(PortInputError) as plugin:
+        assert_port_matches(workloads.WORKLOADS['mlp'], devices=2, reference=path, calls=4)
+    assert 'recorded with calls=2, this check gives calls=4: leave calls out' in str(plugin.value)
+    assert '--' not in str(plugin.value).replace(path, '')
 
 
 def test_across_versions_a_computed_place_is_placed_against_the_pmap_code_run_today_or_not_at_all():
@@ -257,14 +282,13 @@ def test_a_new_step_whose_loss_it_does_not_say_is_refused_against_a_reference(mo
 
 
 CHECKS = """
-import json, sys
+import json, shlex, sys
 sys.modules['legacy_code'] = None  # the pmap code is gone: importing it raises
 from equivalence.run import main
-run = ['--devices', '2', '--steps-per-call', '2', '--calls', '2']
-codes = [main(['--workload', 'new_only:LOOP', *run, '--reference', sys.argv[1]]),
-         main(['--workload', 'new_only:LOOP_EPSILON_SLIP', *run, '--reference', sys.argv[1], '--json', sys.argv[2]])]
+codes = [main(shlex.split(sys.argv[3])[3:]),  # as record says to check it: the run's flags read from the reference
+         main(['--workload', 'new_only:LOOP_EPSILON_SLIP', '--reference', sys.argv[1], '--json', sys.argv[2]])]
 try:
-    main(['--workload', 'new_only:LOOP', *run])
+    main(['--workload', 'new_only:LOOP', '--devices', '2', '--steps-per-call', '2', '--calls', '2'])
 except SystemExit as e:
     codes.append(e.code)
 print(json.dumps(codes))
@@ -286,8 +310,10 @@ def test_a_port_whose_pmap_code_is_gone_is_checked_against_the_reference_recorde
         record_command.main(['--workload', 'mlp', '--devices', '2', '--out', ref])
     assert again.value.code == 2 and open(ref, 'rb').read() == written
     env = devices.without_device_count(dict(os.environ))  # its own count; the tests' XLA level kept (conftest)
-    proc = subprocess.run([sys.executable, '-c', CHECKS, ref, report], cwd=MLP_PORT, capture_output=True, text=True,
-                          timeout=300, env={**env, 'PYTHONPATH': ROOT})  # fmt: skip
+    said = record_command.check_command('new_only:LOOP', ref)  # what record says, checked as it says it
+    assert said == f'python -m equivalence.run --workload new_only:LOOP --reference {ref}'
+    proc = subprocess.run([sys.executable, '-c', CHECKS, ref, report, said], cwd=MLP_PORT, capture_output=True,
+                          text=True, timeout=300, env={**env, 'PYTHONPATH': ROOT})  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [0, 1, 2]
     with open(report) as f:

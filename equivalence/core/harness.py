@@ -278,10 +278,13 @@ def _matches_on_one(port: Port, config: RunConfig) -> bool:
 def check(port: Port, diagnose: bool = True, **flags) -> RunResult:
     """Run both paths of ``port`` on this process's devices and compare them: the library form
     of ``python -m equivalence.run``. ``flags`` are ``RunConfig`` fields (``devices`` defaults
-    to every device JAX sees, ``batch_size`` to the port's); bad values raise ``ConfigError``.
+    to every device JAX sees, ``batch_size`` to the port's; with ``reference=FILE``, each to the value the
+    reference was recorded with, and one given that differs is refused); bad values raise ``ConfigError``.
     ``diagnose=False``: a MISMATCH is the verdict and its leaves only, with no diagnosis, location or
     hint, each of which runs both sides' first steps again (about half a MISMATCH's time): for a
     test that expects a slip to fail."""
+    if flags.get('reference') is not None:  # the run it holds: its D, K, C, batch, seed and keys, unless given
+        flags = reference.with_recorded(flags)
     flags.setdefault('devices', len(jax.devices()))
     flags.setdefault('batch_size', port.default_batch)
     flags.setdefault('rng_mode', port.rng_modes[0])

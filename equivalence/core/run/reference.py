@@ -228,6 +228,19 @@ def recorded_config(path: str) -> dict:
     return _read(path, with_arrays=False)[0]['config']
 
 
+def with_recorded(flags: dict) -> dict:
+    """``flags`` (``RunConfig`` keywords, ``reference`` among them) with the run's values the reference was recorded
+    with where they leave them out: the library's and the pytest plugin's form of ``run --reference``; a value
+    given that differs is ``BadReference`` naming the keyword, as those forms spell it."""
+    path, recorded = flags['reference'], recorded_config(flags['reference'])
+    for name in FITTED[1:]:  # not the workload: a port's name, which ``fits`` checks
+        if name in flags and flags[name] != recorded[name]:
+            raise BadReference(f'reference {path}: recorded with {name}={recorded[name]!r}, this check gives '
+                               f'{name}={flags[name]!r}: leave {name} out (the reference gives it), or record a '
+                               'reference for this check')  # fmt: skip
+    return {**{name: recorded[name] for name in FITTED[1:]}, **flags}
+
+
 def _read(path: str, with_arrays: bool) -> tuple[dict, dict]:
     """``(its manifest, checked; its arrays by name, or {})``; ``BadReference`` saying what the file is where it
     is not a reference (``_what_it_is``) or cannot be read as one."""
