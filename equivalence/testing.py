@@ -49,9 +49,11 @@ def require_devices(n: int) -> None:
     """Skip, saying how to get them, when JAX sees fewer than ``n`` devices."""
     import jax
 
+    from equivalence.core.port import installed
+
     have = len(jax.devices())
     if have < n:
-        pytest.skip(f'needs {n} devices, JAX sees {have}; run with JAX_NUM_CPU_DEVICES={n} to simulate them')
+        pytest.skip(f'needs {n} devices, JAX sees {have}; run with {installed.cpu_devices(n)} to simulate them')
 
 
 class PortMismatch(AssertionError):

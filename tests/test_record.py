@@ -55,3 +55,20 @@ def test_the_recorder_leaves_unsaid_what_jax_says_of_its_own_programs():
         warnings.warn('Some donated buffers were not usable: ShapedArray(float32[2,8])', UserWarning, stacklevel=1)
         warnings.warn('the port says something', UserWarning, stacklevel=1)
     assert [str(w.message) for w in said] == ['the port says something']
+
+
+@pytest.mark.parametrize('jax_version, setting', [
+    ((0, 4, 38), 'XLA_FLAGS=--xla_force_host_platform_device_count=16'),
+    ((0, 10, 2), 'JAX_NUM_CPU_DEVICES=16'),
+])  # fmt: skip
+def test_too_few_devices_says_how_this_jax_simulates_more(jax_version, setting, monkeypatch, capsys):
+    """jax 0.4.38, the recorder's, reads no JAX_NUM_CPU_DEVICES (issue 60: following that advice gave the same
+    error); its XLA flag gives it the devices. The line names the setting the JAX installed reads."""
+    from equivalence.core.port import installed
+
+    monkeypatch.setattr(installed, 'version', lambda package='jax': jax_version)
+    with pytest.raises(SystemExit) as refused:
+        record_command.main(['--workload', 'mlp', '--devices', '16', '--out', 'x.npz'])
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert refused.value.code == 2 and f'on CPU, set {setting} to simulate more' in line, line
+    assert ('JAX_NUM_CPU_DEVICES' in line) == (jax_version >= (0, 5)), line
