@@ -159,6 +159,17 @@ def nnx_carry_call(ts, key, batch_KxG):
     return nnx_fused(ts, jnp.stack(keys), batch_KxG)
 
 
+def three_outputs_step(state, batch):
+    """``(state, metrics, logs)``: a trainer's step that returns what it logs beside its metrics (issue 60)."""
+    state, metrics = train_step(state, batch)
+    return state, metrics, {'learning_rate': jnp.float32(0.05)}
+
+
+def nnx_three_outputs(ts, batch):
+    """The new side's twin of ``three_outputs_step``: ``(train_state, metrics, logs)``."""
+    return ts, nnx_train_step(ts, batch), {'learning_rate': jnp.float32(0.05)}
+
+
 BASE = dict(name='forms', legacy_model=LinenMLP, nnx_model=lambda rngs: NnxMLP(rngs), make_data=make_data,
             legacy_state=legacy_state, new_state=nnx_state, init_args=lambda b: (b['x'], False), default_batch=8,
             rng_modes=('global',))  # fmt: skip
@@ -177,6 +188,8 @@ FORMS = {
     'tuple state': LoopPort(**{**BASE, 'legacy_state': lambda v: (v['params'], tx().init(v['params']))},
                             legacy_step=tuple_step, step_form='state', loss='loss', new_step=nnx_train_step),
     'carry with metrics': LoopPort(**BASE, legacy_step=carry_step, loss='loss', new_call=nnx_carry_call),
+    'three outputs': LoopPort(**BASE, legacy_step=three_outputs_step, step_form='state', loss='loss',
+                              new_step=nnx_three_outputs),
     # As teams hand them over: the step already pmapped (p_train_step), the state a dict.
     'dict state, pmapped step': LoopPort(**{**BASE, 'legacy_state': dict_state},
                                          legacy_step=jax.pmap(dict_step, axis_name=AXIS), step_form='state',
@@ -225,6 +238,14 @@ def test_a_step_that_takes_no_key_is_not_said_to_get_per_device_keys(results):
 def skipped(notes: list) -> set:
     """``(subject, why)`` of each ``not compared`` line of a result's notes (``states.Uncompared``)."""
     return {(n.subject, n.skip) for n in notes if isinstance(n, states.Uncompared)}
+
+
+def test_a_step_returning_more_than_state_and_out_is_run_and_what_follows_out_said_not_compared(results):
+    """``(state, metrics, logs)`` was refused ('returned a tuple of 3', issue 60); now its logs, on each side,
+    are one ``not compared`` line, and the metrics are compared (the form's MATCH and slip: above)."""
+    assert {('legacy_step outputs after the second (1)', Skip.EXTRA_OUTPUT),
+            ('new_step outputs after the second (1)', Skip.EXTRA_OUTPUT)} <= skipped(results['three outputs'].notes)
+    assert not {s for _, s in skipped(results['state, steps, no key'].notes)} & {Skip.EXTRA_OUTPUT}  # the control
 
 
 def test_a_flax_train_state_lists_what_it_does_not_compare(results):

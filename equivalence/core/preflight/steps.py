@@ -83,8 +83,7 @@ def trace_nnx_side(port: LoopPort, config: RunConfig, batch_KxG: Any, ts: Any) -
     def pure(state, keys, batch):
         ts = rebuild(state)
         if step is not None:
-            out = step(ts, batch, keys)
-            new_ts, out = out if adapters.returns_state(out, ts) else (ts, out)
+            new_ts, out, _ = adapters.state_and_out(step(ts, batch, keys), ts)
         else:
             new_ts, out = pair(port, field, port.new_call(ts, keys, batch), '(train_state, out_K)')
         same_nnx_state(port, field, new_ts, state)
