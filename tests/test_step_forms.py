@@ -243,8 +243,10 @@ def skipped(notes: list) -> set:
 def test_a_step_returning_more_than_state_and_out_is_run_and_what_follows_out_said_not_compared(results):
     """``(state, metrics, logs)`` was refused ('returned a tuple of 3', issue 60); now its logs, on each side,
     are one ``not compared`` line, and the metrics are compared (the form's MATCH and slip: above)."""
-    assert {('legacy_step outputs after the second (1)', Skip.EXTRA_OUTPUT),
-            ('new_step outputs after the second (1)', Skip.EXTRA_OUTPUT)} <= skipped(results['three outputs'].notes)
+    assert {
+        ('legacy_step outputs after the second (1)', Skip.EXTRA_OUTPUT),
+        ('new_step outputs after the second (1)', Skip.EXTRA_OUTPUT),
+    } <= skipped(results['three outputs'].notes)
     assert not {s for _, s in skipped(results['state, steps, no key'].notes)} & {Skip.EXTRA_OUTPUT}  # the control
 
 
