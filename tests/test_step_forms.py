@@ -474,3 +474,53 @@ def test_record_refuses_the_pmap_sides_mistakes_that_run_refuses_before_recordin
         harness.record(port, config, str(tmp_path / 'reference.npz'))
     assert line in str(recorded.value) and str(recorded.value) == str(checked.value), str(recorded.value)
     assert not list(tmp_path.iterdir())
+
+
+def device_folding_step(state, batch):
+    """google-research's form: the key kept in the train state, the device index folded into it (issue 60)."""
+    return train_step(state, batch, jax.random.fold_in(state.rng, jax.lax.axis_index(AXIS)))
+
+
+def test_global_keys_are_refused_for_a_step_whose_numbers_depend_on_its_device(monkeypatch):
+    """A step that folds ``lax.axis_index`` into the key it draws from draws per device: under ``--rng global``
+    its correct port MISMATCHed, blamed on randomness, while the header said no key is handed. The pre-flight
+    reads it from the step's jaxpr and refuses global keys, before anything trains; per-device keys are accepted,
+    and so is the same step without the fold under global keys (the controls)."""
+    from equivalence.core import preflight
+    from equivalence.core.port.config import RunConfig
+
+    monkeypatch.setattr(step_side.StepLegacySetup, 'call', lambda *a: pytest.fail('a step ran'))
+    keyed = dataclasses.replace(FORMS['key in state'], rng_modes=('per-device', 'global'))
+    folding = dataclasses.replace(keyed, legacy_step=device_folding_step)
+    with pytest.raises(preflight.PreflightError) as refused:
+        harness.check(folding, devices=2, rng_mode='global', **QUICK)
+    assert str(refused.value).startswith(
+        "port 'forms': legacy_step draws its random numbers from a key its device index reaches "
+        "(lax.axis_index('batch'), folded in): each pmap device draws its own, which global keys (--rng global) "
+        'cannot give the new side; check it with per-device keys'
+    ), str(refused.value)
+    for port, mode in ((folding, 'per-device'), (keyed, 'global')):
+        config = RunConfig(workload=port.name, devices=2, batch_size=8, rng_mode=mode, **QUICK)
+        preflight.check(kinds.of(port), config)
+
+
+def test_the_device_index_is_followed_into_jits_scans_and_conds():
+    """What the refusal reads (``device_keys.by_device``), as values: a key the device index reaches, inside a
+    jit, a scan or a cond; not a draw cut into the device's slice afterwards (the suite's own global draw), nor
+    the index used for arithmetic beside a draw."""
+    from equivalence.core.preflight import device_keys
+
+    def by_device(fn) -> bool:
+        key, x = jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((4,), jnp.float32)
+        closed = jax.make_jaxpr(fn, axis_env=[(AXIS, 2)])(key, x)
+        return device_keys.by_device(closed.jaxpr, [False, False])[0]
+
+    folded = lambda k: jax.random.fold_in(k, jax.lax.axis_index(AXIS))  # noqa: E731
+    assert by_device(lambda k, x: jax.jit(lambda k: jax.random.normal(folded(k), (4,)))(k) * x)
+    assert by_device(lambda k, x: jax.lax.scan(lambda c, _: (c + jax.random.normal(folded(k), ()), None), 0.0,
+                                               None, length=2)[0])  # fmt: skip
+    assert by_device(lambda k, x: jax.lax.cond(x.sum() > 0, lambda: jax.random.normal(jax.jit(folded)(k), ()),
+                                               lambda: 0.0))  # fmt: skip
+    sliced = lambda k, x: jax.lax.dynamic_slice_in_dim(jax.random.normal(k, (8,)), jax.lax.axis_index(AXIS) * 4, 4)  # noqa: E731
+    assert not by_device(sliced)
+    assert not by_device(lambda k, x: jax.random.normal(k, (4,)) + x * jax.lax.axis_index(AXIS))

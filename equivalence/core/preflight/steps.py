@@ -20,6 +20,7 @@ import numpy as np
 from equivalence.core.port import step_forms
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort
+from equivalence.core.preflight import device_keys
 from equivalence.core.preflight.errors import HOST_ONLY, blamed, fail, kind
 from equivalence.core.preflight.groups import check_new_groups
 from equivalence.core.preflight.trace import as_traced, legacy_state, nnx_train_state, pair, same_nnx_state
@@ -69,6 +70,8 @@ def trace_legacy_step(port: LoopPort, config: RunConfig, variables: dict, batch_
             return state
     k = config.steps_per_call
     check_loss(port, 'legacy_step', jax.tree.map(lambda s: SDS((k, *s.shape[1:]), s.dtype), out_n), k)
+    one_row = lambda tree: jax.tree.map(lambda s: SDS(s.shape[1:], s.dtype), tree)  # noqa: E731
+    device_keys.refuse_global(port, config, state, one_row(batch), SDS((2,), np.uint32), d)
     return state
 
 
