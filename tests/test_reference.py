@@ -337,3 +337,19 @@ def test_on_an_old_jax_only_the_recorder_runs(monkeypatch, capsys):
     with pytest.raises(SystemExit) as bad_flag:  # record is not refused for its JAX: its own flags are read
         record_command.main(['--workload', 'mlp', '--devices', '0', '--out', 'x.npz'])
     assert bad_flag.value.code == 2 and '0.4.38' not in capsys.readouterr().err
+
+
+def test_the_guide_names_every_field_a_port_gives_as_recorded():
+    """docs/reference.md said 'give every field of the pmap side as RECORDED' and named none (issue 60): it names
+    each field ``RECORDED`` stands for (``port_fields.LEGACY``)."""
+    with open(os.path.join(ROOT, 'docs', 'reference.md')) as f:
+        section = f.read().split('## After the pmap code is gone', 1)[1].split('\n## ', 1)[0]
+    assert [field for field in port_fields.LEGACY if f'`{field}`' not in section] == []
+
+
+def test_the_readme_says_where_where_names_no_module_beside_its_claim_that_it_does():
+    """Only docs/reference.md said that against an old JAX's reference, its pmap code gone, no place in what the
+    step computes is named (issue 60): the README's paragraph that shows ``where:`` naming a module says it."""
+    with open(os.path.join(ROOT, 'README.md')) as f:
+        paragraph = next(p for p in f.read().split('\n\n') if '`where: module at' in p)
+    assert 'is not named' in paragraph and '(docs/reference.md#what-the-jax-upgrade-changed)' in paragraph

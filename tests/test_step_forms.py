@@ -4,13 +4,15 @@ of a flax TrainState, and the refusals of forms that do not fit together."""
 
 import dataclasses
 import functools
+import os
+import re
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from conftest import require_devices
+from conftest import ROOT, require_devices
 from flax import nnx
 from flax.training import train_state
 
@@ -524,3 +526,15 @@ def test_the_device_index_is_followed_into_jits_scans_and_conds():
     sliced = lambda k, x: jax.lax.dynamic_slice_in_dim(jax.random.normal(k, (8,)), jax.lax.axis_index(AXIS) * 4, 4)  # noqa: E731
     assert not by_device(sliced)
     assert not by_device(lambda k, x: jax.random.normal(k, (4,)) + x * jax.lax.axis_index(AXIS))
+
+
+def test_the_guide_maps_a_steps_signature_to_the_fields_of_each_form():
+    """Choosing ``step_form``, ``rng_arg`` and ``new_step`` for ``train_step(state, batch, rng)`` took reading an
+    example (issue 60): docs/port.md has a table from the signature to the fields, a row for each form."""
+    from equivalence.core.port import step_forms
+
+    with open(os.path.join(ROOT, 'docs', 'port.md')) as f:
+        section = f.read().split("**From your step's signature to the fields.**", 1)[1].split('\n\n', 2)[1]
+    rows = [row[2:].split(' | ') for row in section.splitlines() if row.startswith('| `')]
+    assert {re.match(r"`'(\w+)'`", row[1]).group(1) for row in rows} >= set(step_forms.FORMS)
+    assert ['`train_step(state, batch, rng) -> (state, metrics)`', "`'state_rng'`"] in [row[:2] for row in rows]
