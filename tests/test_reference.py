@@ -68,12 +68,12 @@ def test_the_library_reads_the_run_from_the_reference_and_refuses_a_keyword_that
     with pytest.raises(reference.BadReference) as refused:
         harness.check(workloads.WORKLOADS['mlp'], reference=path, steps_per_call=5)
     assert str(refused.value) == (
-        f'reference {path}: recorded with steps_per_call=2, this check gives steps_per_call=5: leave steps_per_call '
-        'out (the reference gives it), or record a reference for this check'
+        f'reference {path}: recorded with steps_per_call=2, this check gives steps_per_call=5: give steps_per_call=2 '
+        'or leave it out (the reference gives it), or record a reference for this check'
     )
     with pytest.raises(PortInputError) as plugin:
         assert_port_matches(workloads.WORKLOADS['mlp'], devices=2, reference=path, calls=4)
-    assert 'recorded with calls=2, this check gives calls=4: leave calls out' in str(plugin.value)
+    assert 'recorded with calls=2, this check gives calls=4: give calls=2 or leave it out' in str(plugin.value)
     assert '--' not in str(plugin.value).replace(path, '')
 
 

@@ -236,8 +236,8 @@ def with_recorded(flags: dict) -> dict:
     for name in FITTED[1:]:  # not the workload: a port's name, which ``fits`` checks
         if name in flags and flags[name] != recorded[name]:
             raise BadReference(f'reference {path}: recorded with {name}={recorded[name]!r}, this check gives '
-                               f'{name}={flags[name]!r}: leave {name} out (the reference gives it), or record a '
-                               'reference for this check')  # fmt: skip
+                               f'{name}={flags[name]!r}: give {name}={recorded[name]!r} or leave it out (the reference '
+                               'gives it), or record a reference for this check')  # fmt: skip
     return {**{name: recorded[name] for name in FITTED[1:]}, **flags}
 
 
