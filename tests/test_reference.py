@@ -149,8 +149,9 @@ def test_a_damaged_or_ill_fitting_reference_is_refused_before_anything_trains(tm
         with pytest.raises(reference.BadReference):
             harness.check(port, **{**FLAGS, **flags})
         assert why  # each of them refused
-    with pytest.raises(reference.BadReference):  # another port, under the same flags
+    with pytest.raises(reference.BadReference) as another:  # another port, under the same flags
         harness.check(workloads.WORKLOADS['score'], reference=path, batch_size=8, **FLAGS)
+    assert f"reference {path}: recorded for the port 'mlp', not 'score' (a port keeps the name" in str(another.value)
     args = ['--workload', 'mlp', '--devices', '2', '--steps-per-call', '2', '--calls', '2', '--batch-size', '8']
     with pytest.raises(SystemExit) as command:  # the command, in-process: run_new still fails if called
         run_command.main([*args, '--reference', refused['damaged']['reference']])
