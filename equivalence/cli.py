@@ -97,8 +97,10 @@ def add_run_flags(
     calls_help: str | None = None,
     calls_default: int = 4,
     strategy_help: str = 'NNX placement: dp, fsdp, tp, fsdp-tp, shard_map (default dp)',
+    placement: bool = True,
 ) -> None:
-    """The flags that make a ``RunConfig``; ``None`` means "not given", never a value to replace."""
+    """The flags that make a ``RunConfig``; ``None`` means "not given", never a value to replace. ``placement``:
+    ``--strategy`` and ``--mesh``, which place the new side (``record``, which never runs it, has neither)."""
     parser.add_argument(
         '--workload',
         default='mlp',
@@ -107,13 +109,17 @@ def add_run_flags(
         '(a ModelPort or LoopPort, or a function returning one; its folder on PYTHONPATH or the current directory)',
     )
     parser.add_argument('--devices', type=int, default=None, help='D devices (default: all; 8 simulated on CPU)')
-    parser.add_argument('--steps-per-call', type=int, default=5, help='K steps fused per call (default 5)')
-    parser.add_argument('--calls', type=int, default=calls_default, help=calls_help or 'C compiled calls (default 4)')
+    parser.add_argument('--steps-per-call', type=int, default=None, help='K steps fused per call (default 5)')
+    parser.add_argument('--calls', type=int, default=None, help=calls_help or 'C compiled calls (default 4)')
     parser.add_argument('--batch-size', type=int, default=None, help="global batch (default: the workload's)")
-    parser.add_argument('--seed', type=int, default=0, help='seed of data, parameters and keys, 0 <= S < 2**32')
+    parser.add_argument('--seed', type=int, default=None, help='seed of data, parameters and keys, 0 <= S < 2**32')
+    parser.set_defaults(unset={'steps_per_call': 5, 'calls': calls_default, 'seed': 0})  # the values of flags not
+    # given, where no reference gives them (run --reference: its own, ``run_config``)
     parser.add_argument('--rng', default=None, help="per-device (score_sde) or global (default: the port's first)")
-    parser.add_argument('--strategy', default='dp', help=strategy_help)
-    parser.add_argument('--mesh', default=None, help="fsdp-tp's 2-D mesh, data=A,model=B (default data=D/2,model=2)")
+    if placement:
+        parser.add_argument('--strategy', default='dp', help=strategy_help)
+        mesh_help = "fsdp-tp's 2-D mesh, data=A,model=B (default data=D/2,model=2)"
+        parser.add_argument('--mesh', default=None, help=mesh_help)
 
 
 def add_output_flags(parser: argparse.ArgumentParser, json_help: str, plot: bool = False) -> None:
@@ -152,31 +158,45 @@ def available_devices(n_available: int | None = None) -> int:
     return len(jax.devices())
 
 
-def run_config(args: argparse.Namespace, n_available: int | None = None, **extra):
+def run_config(args: argparse.Namespace, n_available: int | None = None, recording: bool = False, **extra):
     """The flags of ``add_run_flags`` -> ``(workload, RunConfig)``, the port's own limits checked
-    too (``harness.validate``); raises ``ConfigError`` on bad input."""
+    too (``harness.validate``; ``recording``: for ``record``); raises ``ConfigError`` on bad input."""
     from equivalence.core import harness
     from equivalence.core.port import workloads
     from equivalence.core.port.config import RunConfig, parse_mesh
 
     wl = workloads.get(args.workload)
     available = available_devices(n_available)
+    given = _given(args, {'devices': available, 'batch_size': wl.default_batch, 'rng': wl.rng_modes[0]})
     config = RunConfig(
         workload=wl.name,
-        devices=available if args.devices is None else args.devices,
-        steps_per_call=args.steps_per_call,
-        calls=args.calls,
-        batch_size=wl.default_batch if args.batch_size is None else args.batch_size,
-        seed=args.seed,
-        rng_mode=wl.rng_modes[0] if args.rng is None else args.rng,
-        strategy=args.strategy,
-        mesh=parse_mesh(args.mesh) if args.mesh is not None else None,
+        devices=given('devices'),
+        steps_per_call=given('steps_per_call'),
+        calls=given('calls'),
+        batch_size=given('batch_size'),
+        seed=given('seed'),
+        rng_mode=given('rng'),
+        strategy=getattr(args, 'strategy', 'dp'),
+        mesh=parse_mesh(args.mesh) if getattr(args, 'mesh', None) is not None else None,
         available=available,
         **extra,
     )
     check_processes(config, available)
-    harness.validate(wl, config)
+    harness.validate(wl, config, recording)
     return wl, config
+
+
+def _given(args: argparse.Namespace, defaults: dict) -> Callable[[str], object]:
+    """``flag name -> its value``: as given; else, with ``--reference``, what the reference was recorded with (so
+    that ``run --reference FILE`` checks the run it holds); else its default (``defaults``, ``args.unset``)."""
+    recorded = {}
+    if getattr(args, 'reference', None) is not None:
+        from equivalence.core.run import reference
+
+        recorded = reference.recorded_config(args.reference)  # a file that is no reference: its one line, exit 2
+        recorded['rng'] = recorded.get('rng_mode')
+    defaults = {**getattr(args, 'unset', {}), **defaults}
+    return lambda name: next((v for v in (getattr(args, name), recorded.get(name)) if v is not None), defaults[name])
 
 
 def check_processes(config, n_available: int) -> None:
@@ -239,9 +259,16 @@ def too_old(command: str) -> None:
     found = compat.version()
     if command != 'equivalence.record' and found and found < (0, 10):
         jax_version = '.'.join(map(str, found))
+        install = f"pip install -e '{suite_root()}[check]'"  # this suite, from its checkout: on no registry
         fail(f'{command} needs jax 0.10 (this environment has jax {jax_version}): record the pmap side here with '
-             "python -m equivalence.record, and check it where pip install 'pmap-to-nnx-equivalence[check]' has "
-             'put the versions it was tried on (docs/reference.md)')  # fmt: skip
+             f'python -m equivalence.record, and check it in an environment where {install} (this suite, from its '
+             'checkout) has put the versions it was tried on (docs/reference.md)')  # fmt: skip
+
+
+def suite_root() -> str:
+    """The folder this suite is installed from (its checkout, holding pyproject.toml); else a placeholder."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return root if os.path.isfile(os.path.join(root, 'pyproject.toml')) else 'path/to/this/suite'
 
 
 def command_name(fn: Callable) -> str:

@@ -16,16 +16,10 @@ The device count: 0.4.38 reads no ``JAX_NUM_CPU_DEVICES``, only XLA's flag (``de
 
 import contextlib
 import enum
-import importlib.metadata
 
+from equivalence.core.port import installed
 
-def version(package: str = 'jax') -> tuple[int, ...]:
-    """``package``'s installed version as numbers, read without importing it: ``(0, 4, 38)``."""
-    try:
-        text = importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return ()
-    return tuple(int(p) for p in text.split('.')[:3] if p.isdigit())
+version = installed.version  # ``package``'s installed version as numbers, read without importing it: (0, 4, 38)
 
 
 class _UserContext:

@@ -49,9 +49,11 @@ def require_devices(n: int) -> None:
     """Skip, saying how to get them, when JAX sees fewer than ``n`` devices."""
     import jax
 
+    from equivalence.core.port import installed
+
     have = len(jax.devices())
     if have < n:
-        pytest.skip(f'needs {n} devices, JAX sees {have}; run with JAX_NUM_CPU_DEVICES={n} to simulate them')
+        pytest.skip(f'needs {n} devices, JAX sees {have}; run with {installed.cpu_devices(n)} to simulate them')
 
 
 class PortMismatch(AssertionError):
@@ -77,9 +79,11 @@ class PortInputError(AssertionError, pytest.fail.Exception):
         return self.msg
 
 
-def assert_port_matches(port, devices: int, steps_per_call: int = 2, calls: int = 2, **flags):
+def assert_port_matches(port, devices: int, steps_per_call: int | None = None, calls: int | None = None, **flags):
     """Run both sides of ``port`` on ``devices`` devices and raise ``PortMismatch`` (an
     ``AssertionError``) with the worst leaves unless every leaf matches; returns the ``RunResult``.
+    ``steps_per_call`` and ``calls`` default to 2; with ``reference=FILE``, to the reference's (as its batch,
+    seed and key mode: ``equivalence.check``), and a value given that differs is refused.
     A mistake in the port is ``PortInputError`` (an ``AssertionError`` too), its one ``error:`` line.
     ``flags``: other ``RunConfig`` fields, and ``diagnose=False`` (``equivalence.check``). Once the
     process holds more than ``RELEASE_AT`` of the kernel's memory-map limit, the programs JAX keeps
@@ -94,7 +98,7 @@ def assert_port_matches(port, devices: int, steps_per_call: int = 2, calls: int 
     require_devices(devices)
     try:
         _compilation_cache.keep_programs_with_callbacks()  # JAX is imported by now
-        result = harness.check(port, devices=devices, steps_per_call=steps_per_call, calls=calls, **flags)
+        result = harness.check(port, devices=devices, **_steps(steps_per_call, calls, flags), **flags)
     except ConfigError as e:  # a mistake in the port or the flags: its one line, not a traceback into the suite
         raise PortInputError(f'error: {e}') from None
     except Exception as e:
@@ -108,6 +112,13 @@ def assert_port_matches(port, devices: int, steps_per_call: int = 2, calls: int 
         report = '\n'.join([render.header(result, 'cpu'), *render.leaf_table(result), render.verdict(result)])
         raise PortMismatch(report, result)
     return result
+
+
+def _steps(steps_per_call: int | None, calls: int | None, flags: dict) -> dict:
+    """K and C as given; left out, 2 each, or against a reference its own (``harness.check`` reads them there)."""
+    defaults = {} if flags.get('reference') is not None else {'steps_per_call': 2, 'calls': 2}
+    given = {'steps_per_call': steps_per_call, 'calls': calls}
+    return {**defaults, **{k: v for k, v in given.items() if v is not None}}
 
 
 def assert_port_matches_across_processes(

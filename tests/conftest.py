@@ -1,8 +1,10 @@
 """Simulated CPU devices are requested here, before any test module imports JAX."""
 
+import atexit
 import contextlib
 import importlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -11,6 +13,16 @@ from equivalence import devices
 from equivalence.core.run import said
 
 devices.simulate_cpu_devices()
+
+# What the suite keeps in the temporary folder (a traceback for exit 3, a long error's whole text, the logs of
+# --processes' workers, the stages said) goes, for a test and every process it starts, into one folder of
+# this session's (TMPDIR, which tempfile and the processes started read), removed when the session ends: the
+# tests leave nothing in the system's. The session's first process makes it; pytest-xdist's workers inherit it.
+SESSION_TMP_ENV = 'EQUIVALENCE_TESTS_TMP'
+if SESSION_TMP_ENV not in os.environ:
+    os.environ[SESSION_TMP_ENV] = os.environ['TMPDIR'] = tempfile.mkdtemp(prefix='equivalence-tests-')
+    tempfile.tempdir = None  # read again, from TMPDIR
+    atexit.register(shutil.rmtree, os.environ[SESSION_TMP_ENV], True)
 
 # Every stage line a check says, here or in a process a test starts, is recorded in this file (``said``):
 # ``message_lines`` tells a command's messages from its stages' lines by these records, not by wording.

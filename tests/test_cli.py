@@ -176,6 +176,18 @@ def test_injected_internal_error_exits_3_with_one_line_and_the_traceback_in_a_fi
     )
 
 
+def test_what_the_tests_keep_in_a_temporary_folder_is_the_sessions_removed_after_it():
+    """A process a test starts keeps its exit 3's traceback in this session's temporary folder (conftest), which
+    is removed when the session ends: before, the suite's tests left tracebacks and workers' logs in the system's."""
+    session = os.environ.get('EQUIVALENCE_TESTS_TMP')
+    assert session and tempfile.gettempdir() == session != os.path.dirname(session)
+    proc = run_module('equivalence.run', env={cli.INJECT_INTERNAL_ERROR: '1'})
+    assert proc.returncode == 3, proc.stderr
+    path = proc.stderr.strip().rsplit('full traceback in ', 1)[1]
+    assert os.path.dirname(path) == session and os.path.isfile(path)
+    os.unlink(path)
+
+
 def test_main_maps_every_outcome_to_its_exit_code(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(cli.devices, 'simulate_cpu_devices', lambda: None)  # JAX is already up in this process
     inputs = lambda argv: argv

@@ -176,6 +176,7 @@ def _accept():
 @pytest.mark.parametrize('cmd', DOCUMENTED, ids=str)
 def test_documented_command_line_passes_its_commands_validation(cmd, monkeypatch, tmp_path, capsys):
     monkeypatch.chdir(tmp_path)  # relative report and checkpoint paths name nothing that exists
+    _references_recorded(cmd.argv)
     folder = os.path.join(ROOT, cmd.folder) if cmd.folder else EXAMPLE
     monkeypatch.syspath_prepend(folder)
     with own_modules(folder):
@@ -187,6 +188,18 @@ def test_documented_command_line_passes_its_commands_validation(cmd, monkeypatch
         assert len(lines) == 1 and lines[0].startswith('error: '), f'{cmd}\n{err}'
     else:
         assert code == 0, f'{cmd}\nis refused (exit {code}):\n{err}'
+
+
+def _references_recorded(argv: tuple[str, ...]) -> None:
+    """Each ``--reference FILE`` a documented line reads (its run's flags, as it validates them) written as the
+    guide's ``record`` line writes it: examples/mlp_port's LOOP, 2 devices, record's defaults (nothing recorded)."""
+    from equivalence.core.port.config import RunConfig
+    from equivalence.core.run import reference
+
+    config = RunConfig(workload='mlp-port-loop', devices=2, rng_mode='global')  # K = 5, C = 4, batch 64: record's
+    for flag, path in zip(argv, argv[1:], strict=False):
+        if flag == '--reference':
+            reference.save(path, config, 'mlp-port-loop', {})
 
 
 def test_every_command_is_documented_and_some_refusals_are_shown():

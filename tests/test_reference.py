@@ -13,11 +13,13 @@ import os
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ROOT, assert_one_line_error, import_example, require_devices
+from flax import nnx
 
-from equivalence import RECORDED, devices
+from equivalence import RECORDED, LoopPort, devices
 from equivalence import record as record_command
 from equivalence import run as run_command
 from equivalence.core import harness, kinds
@@ -28,6 +30,7 @@ from equivalence.core.run import fits, reference
 from equivalence.core.run import inputs as made
 from equivalence.core.verdict.location import Unplaced
 from equivalence.core.verdict.outcome import Outcome
+from equivalence.testing import PortInputError, assert_port_matches
 from nnx_sharded import losses as nnx_losses
 
 DATA = os.path.join(ROOT, 'tests', 'data')
@@ -45,7 +48,8 @@ def test_a_reference_recorded_on_the_classic_pmap_checks_the_port_on_todays_jax(
     require_devices(2)
     port, path = workloads.WORKLOADS['mlp'], classic('mlp')
     assert reference.load(path).environment['versions']['jax'] == '0.4.38'
-    assert harness.check(port, reference=path, batch_size=8, **FLAGS).outcome is Outcome.MATCH
+    # the plugin as docs/reference.md writes it: K, C, the batch, the seed and the keys read from the reference
+    assert assert_port_matches(port, devices=2, reference=path).outcome is Outcome.MATCH
     slip = harness.check(port, reference=path, batch_size=8, perturb=1e-3, **FLAGS)
     both = harness.check(port, batch_size=8, perturb=1e-3, **FLAGS)  # the control: today's pmap beside it
     assert slip.outcome is both.outcome is Outcome.MISMATCH
@@ -73,6 +77,29 @@ def test_a_port_whose_two_sides_do_not_fit_together_is_refused_before_training_a
     monkeypatch.setenv(fits.ENV, str(one // 2))  # not even once: said so
     with pytest.raises(ConfigError, match='does not fit on this device at all'):
         harness.check(port, reference=path, batch_size=8, **FLAGS)
+
+
+def test_the_library_reads_the_run_from_the_reference_and_refuses_a_keyword_that_differs(monkeypatch):
+    """``equivalence.check(port, reference=FILE)`` and the plugin run what the reference holds (issue 60: the
+    plugin's K = C = 2 refused a reference recorded with record's 5 and 4, naming --steps-per-call); a value
+    given that differs is refused naming the keyword, as the library spells it."""
+    path = classic('mlp')
+    ran = []
+    monkeypatch.setattr(harness, 'run', lambda port, config, **kwargs: ran.append(config))
+    harness.check(workloads.WORKLOADS['mlp'], reference=path)
+    recorded = {name: getattr(ran[0], name) for name in reference.FITTED[1:]}
+    assert recorded == {'devices': 2, 'steps_per_call': 2, 'calls': 2, 'batch_size': 8, 'seed': 0,
+                        'rng_mode': 'per-device'}  # fmt: skip
+    with pytest.raises(reference.BadReference) as refused:
+        harness.check(workloads.WORKLOADS['mlp'], reference=path, steps_per_call=5)
+    assert str(refused.value) == (
+        f'reference {path}: recorded with steps_per_call=2, this check gives steps_per_call=5: give steps_per_call=2 '
+        'or leave it out (the reference gives it), or record a reference for this check'
+    )
+    with pytest.raises(PortInputError) as plugin:
+        assert_port_matches(workloads.WORKLOADS['mlp'], devices=2, reference=path, calls=4)
+    assert 'recorded with calls=2, this check gives calls=4: give calls=2 or leave it out' in str(plugin.value)
+    assert '--' not in str(plugin.value).replace(path, '')
 
 
 def test_across_versions_a_computed_place_is_placed_against_the_pmap_code_run_today_or_not_at_all():
@@ -147,8 +174,9 @@ def test_a_damaged_or_ill_fitting_reference_is_refused_before_anything_trains(tm
         with pytest.raises(reference.BadReference):
             harness.check(port, **{**FLAGS, **flags})
         assert why  # each of them refused
-    with pytest.raises(reference.BadReference):  # another port, under the same flags
+    with pytest.raises(reference.BadReference) as another:  # another port, under the same flags
         harness.check(workloads.WORKLOADS['score'], reference=path, batch_size=8, **FLAGS)
+    assert f"reference {path}: recorded for the port 'mlp', not 'score' (a port keeps the name" in str(another.value)
     args = ['--workload', 'mlp', '--devices', '2', '--steps-per-call', '2', '--calls', '2', '--batch-size', '8']
     with pytest.raises(SystemExit) as command:  # the command, in-process: run_new still fails if called
         run_command.main([*args, '--reference', refused['damaged']['reference']])
@@ -157,15 +185,136 @@ def test_a_damaged_or_ill_fitting_reference_is_refused_before_anything_trains(tm
     assert said.out == ''
 
 
+def _rewritten(path: str, target, edit) -> str:
+    """The reference at ``path`` written again to ``target`` with its manifest (a dict) changed by ``edit``; arrays
+    kept. ``edit`` returns the manifest's new text, or None to drop the entry."""
+    with np.load(path) as held:
+        entries = {k: held[k] for k in held.files}
+    text = edit(json.loads(str(entries.pop('manifest'))))
+    np.savez(target, **entries, **({} if text is None else {'manifest': np.array(text)}))
+    return str(target)
+
+
+def _sealed_then_edited(manifest: dict) -> str:
+    """As ``record`` writes a manifest now (its own sha256), then one value changed by hand."""
+    manifest['manifest_sha256'] = reference._manifest_digest(manifest)
+    manifest['config']['seed'] = 1
+    return json.dumps(manifest)
+
+
+def _truncated(path: str, target) -> str:
+    data = open(path, 'rb').read()
+    target.write_bytes(data[: len(data) // 2])
+    return str(target)
+
+
+def _zip_of_text(target) -> str:
+    import zipfile
+
+    with zipfile.ZipFile(target, 'w') as z:
+        z.writestr('README.txt', 'the logs of a run')
+    return str(target)
+
+
+def _unreadable(path: str, target) -> str:
+    """A copy of the reference no one may read (mode 000; as root, who reads it anyway, the test refuses its
+    opening as the kernel refuses it to others)."""
+    target.write_bytes(open(path, 'rb').read())
+    target.chmod(0)
+    return str(target)
+
+
+def _refused(name, *args, **kwargs):
+    raise PermissionError(13, 'Permission denied', name)
+
+
+def _npy(target) -> str:
+    with open(target, 'wb') as f:  # numpy.save would add .npy to the name
+        np.save(f, np.zeros(3))
+    return str(target)
+
+
+HOSTILE = {  # what a user may hand over as --reference, and the words that say what it is
+    'empty': (lambda p, t: (t.write_bytes(b''), str(t))[1], 'empty (0 bytes)'),
+    'a .npy': (lambda p, t: _npy(t), 'one numpy array (.npy, numpy.save), not a reference'),
+    'a directory': (lambda p, t: (t.mkdir(), str(t))[1], 'a directory, not a file'),
+    'no file': (lambda p, t: str(t), 'no such file'),
+    'a pickle': (lambda p, t: (t.write_bytes(__import__('pickle').dumps({'a': 1})), str(t))[1], 'a pickle, which'),
+    'a text file': (lambda p, t: (t.write_text('loss 0.5\n'), str(t))[1], "a text file ('loss 0.5'...), not a"),
+    'other bytes': (lambda p, t: (t.write_bytes(bytes(range(16))), str(t))[1], 'neither a zip nor a numpy file'),
+    'truncated': (_truncated, 'a damaged or truncated zip'),
+    'a zip, not npz': (lambda p, t: _zip_of_text(t), 'a zip of 1 entries (README.txt) with no manifest'),
+    'an npz, no manifest': (lambda p, t: (np.savez(t, a=np.zeros(2)), str(t))[1], '(a) with no manifest'),
+    'unreadable': (_unreadable, 'cannot be read (Permission denied)'),
+    'manifest not JSON': (lambda p, t: _rewritten(p, t, lambda m: '{"format": '), 'its manifest is not JSON'),
+    'manifest of another format': (
+        lambda p, t: _rewritten(p, t, lambda m: json.dumps({**m, 'format': 'orbax'})),
+        "not a reference this suite wrote (format 'orbax')",
+    ),
+    'manifest edited, sealed': (lambda p, t: _rewritten(p, t, _sealed_then_edited), 'its own sha256 fails'),
+    'manifest without a field': (
+        lambda p, t: _rewritten(p, t, lambda m: json.dumps({k: v for k, v in m.items() if k != 'environment'})),
+        'no environment as written',
+    ),
+    'manifest with its tree cut': (
+        lambda p, t: _rewritten(p, t, lambda m: json.dumps({**m, 'tree': {'dict': []}})),
+        'does not read as a recording (KeyError',
+    ),
+}
+
+
+@pytest.mark.parametrize('case', list(HOSTILE))
+def test_each_bad_reference_a_user_can_hand_over_is_one_line_saying_what_it_is(case, tmp_path, monkeypatch):
+    """Issue 60: a 0-byte file, a .npy, a step without loss= were exit 3, a directory 'no such file'. Each hostile
+    file is refused (exit 2's ``ConfigError``) before anything trains, with one line saying what it is."""
+    require_devices(2)
+    make, words = HOSTILE[case]
+    monkeypatch.setattr(harness, 'run_new', lambda *a, **k: pytest.fail('the new side ran'))
+    path = make(classic('mlp'), tmp_path / 'loop.npz')
+    if case == 'unreadable' and os.geteuid() == 0:  # root reads any file: its opening refused here instead
+        monkeypatch.setattr(reference, 'open', _refused, raising=False)
+    with pytest.raises(reference.BadReference) as refused:
+        harness.check(workloads.WORKLOADS['mlp'], reference=path, batch_size=8, **FLAGS)
+    line = str(refused.value)
+    assert line.startswith(f'reference {path}: ') and words in line and '\n' not in line, line
+
+
+def _metrics_step(ts, batch):
+    """A new step returning a metrics dict, its loss under 'loss'."""
+    model, optimizer = ts
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean(nnx_losses.mlp_loss(m, batch, None)))(model)
+    optimizer.update(model, grads)
+    return ts, {'loss': loss}
+
+
+def test_a_new_step_whose_loss_it_does_not_say_is_refused_against_a_reference(monkeypatch):
+    """A check against a reference traces the new side's half of the pre-flight: a step returning metrics with
+    no ``loss=`` was exit 3 (``float()`` of a dict) after the new side ran; now the line a check of both sides
+    says. Given ``loss='loss'`` the same port is accepted (the control)."""
+    require_devices(2)
+    monkeypatch.setattr(harness, 'run_new', lambda *a, **k: pytest.fail('the new side ran'))
+    port = LoopPort(name='mlp', legacy_model=RECORDED, make_data=RECORDED, init_args=RECORDED, legacy_state=RECORDED,
+                    legacy_step=RECORDED, nnx_model=workloads.WORKLOADS['mlp'].nnx_model, step_form='state',
+                    new_state=lambda m: (m, nnx.Optimizer(m, workloads.mlp_tx(), wrt=nnx.Param)),
+                    new_step=nnx.jit(_metrics_step))  # fmt: skip
+    with pytest.raises(ConfigError) as refused:
+        harness.check(port, reference=classic('mlp'), batch_size=8, **FLAGS)
+    assert str(refused.value) == (
+        "port 'mlp': new_step returns metrics ['loss'], and the port gives no loss=: name the one that is the loss "
+        "(loss='loss'), or give a function of them"
+    )
+    with pytest.raises(pytest.fail.Exception, match='the new side ran'):
+        harness.check(dataclasses.replace(port, loss='loss'), reference=classic('mlp'), batch_size=8, **FLAGS)
+
+
 CHECKS = """
-import json, sys
+import json, shlex, sys
 sys.modules['legacy_code'] = None  # the pmap code is gone: importing it raises
 from equivalence.run import main
-run = ['--devices', '2', '--steps-per-call', '2', '--calls', '2']
-codes = [main(['--workload', 'new_only:LOOP', *run, '--reference', sys.argv[1]]),
-         main(['--workload', 'new_only:LOOP_EPSILON_SLIP', *run, '--reference', sys.argv[1], '--json', sys.argv[2]])]
+codes = [main(shlex.split(sys.argv[3])[3:]),  # as record says to check it: the run's flags read from the reference
+         main(['--workload', 'new_only:LOOP_EPSILON_SLIP', '--reference', sys.argv[1], '--json', sys.argv[2]])]
 try:
-    main(['--workload', 'new_only:LOOP', *run])
+    main(['--workload', 'new_only:LOOP', '--devices', '2', '--steps-per-call', '2', '--calls', '2'])
 except SystemExit as e:
     codes.append(e.code)
 print(json.dumps(codes))
@@ -187,8 +336,10 @@ def test_a_port_whose_pmap_code_is_gone_is_checked_against_the_reference_recorde
         record_command.main(['--workload', 'mlp', '--devices', '2', '--out', ref])
     assert again.value.code == 2 and open(ref, 'rb').read() == written
     env = devices.without_device_count(dict(os.environ))  # its own count; the tests' XLA level kept (conftest)
-    proc = subprocess.run([sys.executable, '-c', CHECKS, ref, report], cwd=MLP_PORT, capture_output=True, text=True,
-                          timeout=300, env={**env, 'PYTHONPATH': ROOT})  # fmt: skip
+    said = record_command.check_command('new_only:LOOP', ref)  # what record says, checked as it says it
+    assert said == f'python -m equivalence.run --workload new_only:LOOP --reference {ref}'
+    proc = subprocess.run([sys.executable, '-c', CHECKS, ref, report, said], cwd=MLP_PORT, capture_output=True,
+                          text=True, timeout=300, env={**env, 'PYTHONPATH': ROOT})  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [0, 1, 2]
     with open(report) as f:
@@ -205,7 +356,26 @@ def test_on_an_old_jax_only_the_recorder_runs(monkeypatch, capsys):
     monkeypatch.setattr(compat, 'version', lambda package='jax': (0, 4, 38))
     with pytest.raises(SystemExit) as refused:
         run_command.main(['--workload', 'mlp'])
-    assert refused.value.code == 2 and '0.4.38' in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert refused.value.code == 2 and '0.4.38' in said
+    # what it says to install is this suite, from its checkout (the package is on no registry)
+    assert f"pip install -e '{ROOT}[check]'" in said and 'pmap-to-nnx-equivalence[' not in said, said
     with pytest.raises(SystemExit) as bad_flag:  # record is not refused for its JAX: its own flags are read
         record_command.main(['--workload', 'mlp', '--devices', '0', '--out', 'x.npz'])
     assert bad_flag.value.code == 2 and '0.4.38' not in capsys.readouterr().err
+
+
+def test_the_guide_names_every_field_a_port_gives_as_recorded():
+    """docs/reference.md said 'give every field of the pmap side as RECORDED' and named none (issue 60): it names
+    each field ``RECORDED`` stands for (``port_fields.LEGACY``)."""
+    with open(os.path.join(ROOT, 'docs', 'reference.md')) as f:
+        section = f.read().split('## After the pmap code is gone', 1)[1].split('\n## ', 1)[0]
+    assert [field for field in port_fields.LEGACY if f'`{field}`' not in section] == []
+
+
+def test_the_readme_says_where_where_names_no_module_beside_its_claim_that_it_does():
+    """Only docs/reference.md said that against an old JAX's reference, its pmap code gone, no place in what the
+    step computes is named (issue 60): the README's paragraph that shows ``where:`` naming a module says it."""
+    with open(os.path.join(ROOT, 'README.md')) as f:
+        paragraph = next(p for p in f.read().split('\n\n') if '`where: module at' in p)
+    assert 'is not named' in paragraph and '(docs/reference.md#what-the-jax-upgrade-changed)' in paragraph

@@ -4,13 +4,15 @@ of a flax TrainState, and the refusals of forms that do not fit together."""
 
 import dataclasses
 import functools
+import os
+import re
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from conftest import require_devices
+from conftest import ROOT, require_devices
 from flax import nnx
 from flax.training import train_state
 
@@ -159,6 +161,17 @@ def nnx_carry_call(ts, key, batch_KxG):
     return nnx_fused(ts, jnp.stack(keys), batch_KxG)
 
 
+def three_outputs_step(state, batch):
+    """``(state, metrics, logs)``: a trainer's step that returns what it logs beside its metrics (issue 60)."""
+    state, metrics = train_step(state, batch)
+    return state, metrics, {'learning_rate': jnp.float32(0.05)}
+
+
+def nnx_three_outputs(ts, batch):
+    """The new side's twin of ``three_outputs_step``: ``(train_state, metrics, logs)``."""
+    return ts, nnx_train_step(ts, batch), {'learning_rate': jnp.float32(0.05)}
+
+
 BASE = dict(name='forms', legacy_model=LinenMLP, nnx_model=lambda rngs: NnxMLP(rngs), make_data=make_data,
             legacy_state=legacy_state, new_state=nnx_state, init_args=lambda b: (b['x'], False), default_batch=8,
             rng_modes=('global',))  # fmt: skip
@@ -177,6 +190,8 @@ FORMS = {
     'tuple state': LoopPort(**{**BASE, 'legacy_state': lambda v: (v['params'], tx().init(v['params']))},
                             legacy_step=tuple_step, step_form='state', loss='loss', new_step=nnx_train_step),
     'carry with metrics': LoopPort(**BASE, legacy_step=carry_step, loss='loss', new_call=nnx_carry_call),
+    'three outputs': LoopPort(**BASE, legacy_step=three_outputs_step, step_form='state', loss='loss',
+                              new_step=nnx_three_outputs),
     # As teams hand them over: the step already pmapped (p_train_step), the state a dict.
     'dict state, pmapped step': LoopPort(**{**BASE, 'legacy_state': dict_state},
                                          legacy_step=jax.pmap(dict_step, axis_name=AXIS), step_form='state',
@@ -225,6 +240,16 @@ def test_a_step_that_takes_no_key_is_not_said_to_get_per_device_keys(results):
 def skipped(notes: list) -> set:
     """``(subject, why)`` of each ``not compared`` line of a result's notes (``states.Uncompared``)."""
     return {(n.subject, n.skip) for n in notes if isinstance(n, states.Uncompared)}
+
+
+def test_a_step_returning_more_than_state_and_out_is_run_and_what_follows_out_said_not_compared(results):
+    """``(state, metrics, logs)`` was refused ('returned a tuple of 3', issue 60); now its logs, on each side,
+    are one ``not compared`` line, and the metrics are compared (the form's MATCH and slip: above)."""
+    assert {
+        ('legacy_step outputs after the second (1)', Skip.EXTRA_OUTPUT),
+        ('new_step outputs after the second (1)', Skip.EXTRA_OUTPUT),
+    } <= skipped(results['three outputs'].notes)
+    assert not {s for _, s in skipped(results['state, steps, no key'].notes)} & {Skip.EXTRA_OUTPUT}  # the control
 
 
 def test_a_flax_train_state_lists_what_it_does_not_compare(results):
@@ -425,3 +450,91 @@ def test_a_mistake_in_a_real_step_is_one_line_before_any_training(fields, line, 
     if 'NameError' in line:  # JAX's own words, then the user's frame, then the fix that fits the port
         assert 'unbound axis name: devices' in text and 'at test_step_forms.py:' in text, text
         assert "fix: the port declares axis_name='batch'" in text, text
+
+
+@pytest.mark.parametrize(
+    'fields, line',
+    [
+        (dict(loss=None), "legacy_step returns metrics ['denominator', 'loss', 'mae'], and the port gives no loss=: "),
+        (dict(legacy_step=_adapter_of_a_pmapped_step), 'fix: call the function it wraps, P_TRAIN_STEP.__wrapped__'),
+        (dict(axis_name='data'), "fix: the port declares axis_name='data': set axis_name='batch' or pmean over 'data'"),
+    ],
+    ids=['no loss=', 'pmapped inside', 'axis name'],
+)
+def test_record_refuses_the_pmap_sides_mistakes_that_run_refuses_before_recording(fields, line, tmp_path):
+    """``record`` runs the pmap side's half of the pre-flight (issue 60: a step returning metrics with no ``loss=``,
+    an ``axis_name`` its pmean does not name, a call of upstream's pmapped step inside it were each exit 3 after
+    the pmap side ran): the line a check says, before anything is recorded; nothing written."""
+    from equivalence.core import preflight
+    from equivalence.core.port.config import RunConfig
+
+    port = dataclasses.replace(FORMS['state, steps, no key'], **fields)
+    config = RunConfig(workload=port.name, devices=2, batch_size=8, rng_mode=port.rng_modes[0], **QUICK)
+    with pytest.raises(preflight.PreflightError) as checked:
+        harness.check(port, devices=2, **QUICK)
+    with pytest.raises(preflight.PreflightError) as recorded:
+        harness.record(port, config, str(tmp_path / 'reference.npz'))
+    assert line in str(recorded.value) and str(recorded.value) == str(checked.value), str(recorded.value)
+    assert not list(tmp_path.iterdir())
+
+
+def device_folding_step(state, batch):
+    """google-research's form: the key kept in the train state, the device index folded into it (issue 60)."""
+    return train_step(state, batch, jax.random.fold_in(state.rng, jax.lax.axis_index(AXIS)))
+
+
+def test_global_keys_are_refused_for_a_step_whose_numbers_depend_on_its_device(monkeypatch):
+    """A step that folds ``lax.axis_index`` into the key it draws from draws per device: under ``--rng global``
+    its correct port MISMATCHed, blamed on randomness, while the header said no key is handed. The pre-flight
+    reads it from the step's jaxpr and refuses global keys, before anything trains; per-device keys are accepted,
+    and so is the same step without the fold under global keys (the controls)."""
+    from equivalence.core import preflight
+    from equivalence.core.port.config import RunConfig
+
+    monkeypatch.setattr(step_side.StepLegacySetup, 'call', lambda *a: pytest.fail('a step ran'))
+    keyed = dataclasses.replace(FORMS['key in state'], rng_modes=('per-device', 'global'))
+    folding = dataclasses.replace(keyed, legacy_step=device_folding_step)
+    with pytest.raises(preflight.PreflightError) as refused:
+        harness.check(folding, devices=2, rng_mode='global', **QUICK)
+    assert str(refused.value).startswith(
+        "port 'forms': legacy_step draws its random numbers from a key its device index reaches "
+        "(lax.axis_index('batch'), folded in): each pmap device draws its own, which global keys (--rng global) "
+        'cannot give the new side; check it with per-device keys'
+    ), str(refused.value)
+    for port, mode in ((folding, 'per-device'), (keyed, 'global')):
+        config = RunConfig(workload=port.name, devices=2, batch_size=8, rng_mode=mode, **QUICK)
+        preflight.check(kinds.of(port), config)
+
+
+def test_the_device_index_is_followed_into_jits_scans_and_conds():
+    """What the refusal reads (``device_keys.by_device``), as values: a key the device index reaches, inside a
+    jit, a scan or a cond; not a draw cut into the device's slice afterwards (the suite's own global draw), nor
+    the index used for arithmetic beside a draw."""
+    from equivalence.core.preflight import device_keys
+
+    def by_device(fn) -> bool:
+        key, x = jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((4,), jnp.float32)
+        closed = jax.make_jaxpr(fn, axis_env=[(AXIS, 2)])(key, x)
+        return device_keys.by_device(closed.jaxpr, [False, False])[0]
+
+    folded = lambda k: jax.random.fold_in(k, jax.lax.axis_index(AXIS))  # noqa: E731
+    assert by_device(lambda k, x: jax.jit(lambda k: jax.random.normal(folded(k), (4,)))(k) * x)
+    assert by_device(lambda k, x: jax.lax.scan(lambda c, _: (c + jax.random.normal(folded(k), ()), None), 0.0,
+                                               None, length=2)[0])  # fmt: skip
+    assert by_device(lambda k, x: jax.lax.cond(x.sum() > 0, lambda: jax.random.normal(jax.jit(folded)(k), ()),
+                                               lambda: 0.0))  # fmt: skip
+    sliced = lambda k, x: jax.lax.dynamic_slice_in_dim(jax.random.normal(k, (8,)), jax.lax.axis_index(AXIS) * 4, 4)  # noqa: E731
+    assert not by_device(sliced)
+    assert not by_device(lambda k, x: jax.random.normal(k, (4,)) + x * jax.lax.axis_index(AXIS))
+
+
+def test_the_guide_maps_a_steps_signature_to_the_fields_of_each_form():
+    """Choosing ``step_form``, ``rng_arg`` and ``new_step`` for ``train_step(state, batch, rng)`` took reading an
+    example (issue 60): docs/port.md has a table from the signature to the fields, a row for each form."""
+    from equivalence.core.port import step_forms
+
+    with open(os.path.join(ROOT, 'docs', 'port.md')) as f:
+        section = f.read().split("**From your step's signature to the fields.**", 1)[1].split('\n\n', 2)[1]
+    rows = [row[2:].split(' | ') for row in section.splitlines() if row.startswith('| `')]
+    assert {re.match(r"`'(\w+)'`", row[1]).group(1) for row in rows} >= set(step_forms.FORMS)
+    assert ['`train_step(state, batch, rng) -> (state, metrics)`', "`'state_rng'`"] in [row[:2] for row in rows]

@@ -28,9 +28,14 @@ from equivalence.core.verdict.outcome import Outcome
 from equivalence.core.verdict.runs import Runs
 
 
-def validate(port: Port, config: RunConfig) -> None:
-    """What a port cannot do with these flags, as ``ConfigError`` (exit 2), before any work."""
+def validate(port: Port, config: RunConfig, recording: bool = False) -> None:
+    """What a port cannot do with these flags, as ``ConfigError`` (exit 2), before any work; ``recording``: for
+    ``record``, which runs the pmap side alone."""
     recorded = port_fields.recorded_fields(port)
+    if recorded and recording:
+        raise ConfigError(f'port {port.name!r}: {recorded[0]}=RECORDED: record runs the pmap side, and this port has '
+                          'no pmap code to run; record the port that holds it (its legacy_step, legacy_model, ...), '
+                          'where that code imports and runs')  # fmt: skip
     if recorded and config.reference is None:
         how = 'check it with --reference FILE (python -m equivalence.record writes one where the pmap code runs)'
         raise ConfigError(f'port {port.name!r}: {recorded[0]}=RECORDED, its pmap side read from a reference: {how}')
@@ -80,6 +85,8 @@ def _from_reference(kind: Kind, config: RunConfig) -> Prepared:
     with clock.stage(f'reference {config.reference} read, every array checked against its sha256'):
         held, recorded = referenced.read(config.reference, kind, config)
         mapping = name_mapping(kind.port, held['variables'])
+    with clock.stage('pre-flight (the new side traced abstractly)'):
+        preflight.check_new(kind, config, held['variables'], held['calls'][0], mapping)
     recorded = dataclasses.replace(recorded.named(mapping), gone=port_fields.recorded_fields(kind.port))
     inputs = Inputs(held['variables'], held['calls'], held['rng'], mapping, recorded=recorded)
     return Prepared(kind, config, inputs)
@@ -93,6 +100,8 @@ def record(port: Port, config: RunConfig, path: str, say: clock.Say | None = Non
         raise ConfigError('a reference is recorded in one process: its pmap side spans the devices this process sees')
     kind = kinds.of(port)
     with clock.measuring(say) as measured:
+        with clock.stage('pre-flight (the pmap side traced abstractly)'):
+            preflight.check_legacy(kind, config)  # its mistakes are exit 2 here, as run's are, before training
         with precision.computing_at(config.precision):
             with clock.stage('inputs (data, keys, initial variables)'):
                 inputs = made.unpaired(port, config)
@@ -272,10 +281,13 @@ def _matches_on_one(port: Port, config: RunConfig) -> bool:
 def check(port: Port, diagnose: bool = True, **flags) -> RunResult:
     """Run both paths of ``port`` on this process's devices and compare them: the library form
     of ``python -m equivalence.run``. ``flags`` are ``RunConfig`` fields (``devices`` defaults
-    to every device JAX sees, ``batch_size`` to the port's); bad values raise ``ConfigError``.
+    to every device JAX sees, ``batch_size`` to the port's; with ``reference=FILE``, each to the value the
+    reference was recorded with, and one given that differs is refused); bad values raise ``ConfigError``.
     ``diagnose=False``: a MISMATCH is the verdict and its leaves only, with no diagnosis, location or
     hint, each of which runs both sides' first steps again (about half a MISMATCH's time): for a
     test that expects a slip to fail."""
+    if flags.get('reference') is not None:  # the run it holds: its D, K, C, batch, seed and keys, unless given
+        flags = reference.with_recorded(flags)
     flags.setdefault('devices', len(jax.devices()))
     flags.setdefault('batch_size', port.default_batch)
     flags.setdefault('rng_mode', port.rng_modes[0])

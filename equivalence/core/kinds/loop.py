@@ -121,6 +121,16 @@ class FusedLoop(Loop):
         new_state = trace.trace_nnx_loop(self.port, config, batch_KxG, variables)
         groups.check_groups(self.port, old_state, new_state, variables, mapping)
 
+    def legacy_preflight(self, config: RunConfig, variables: dict, batch_KxG: Any) -> None:
+        """The pmap side's half of ``preflight``: all a recording traces (it never builds the new side)."""
+        old_state = trace.trace_legacy_loop(self.port, config, variables, batch_KxG)
+        groups.check_legacy_groups(self.port, old_state, variables)
+
+    def new_preflight(self, config: RunConfig, variables: dict, batch_KxG: Any, mapping: dict) -> None:
+        """The new side's half of ``preflight``: all a check against a reference traces."""
+        new_state = trace.trace_nnx_loop(self.port, config, batch_KxG, variables)
+        groups.check_new_state_groups(self.port, new_state, variables, mapping)
+
     def check_states(self, variables: dict, mapping: dict) -> None:
         old_state, new_state = trace.legacy_state(self.port, variables), trace.nnx_train_state(self.port, variables)
         groups.check_groups(self.port, old_state, new_state, variables, mapping)
@@ -162,6 +172,16 @@ class StepLoop(Loop):
     def preflight(self, config: RunConfig, variables: dict, batch_KxG: Any, mapping: dict) -> None:
         old_state, new_state = steps.trace_steps(self.port, config, variables, batch_KxG, mapping)
         groups.check_groups(self.port, old_state, new_state, variables, mapping, states.legacy_groups)
+
+    def legacy_preflight(self, config: RunConfig, variables: dict, batch_KxG: Any) -> None:
+        """The pmap side's half of ``preflight``: all a recording traces (it never builds the new side)."""
+        old_state = steps.trace_legacy_step(self.port, config, variables, batch_KxG)
+        groups.check_legacy_groups(self.port, old_state, variables, states.legacy_groups)
+
+    def new_preflight(self, config: RunConfig, variables: dict, batch_KxG: Any, mapping: dict) -> None:
+        """The new side's half of ``preflight``: all a check against a reference traces."""
+        new_state = steps.trace_new_steps(self.port, config, batch_KxG, variables, mapping)
+        groups.check_new_state_groups(self.port, new_state, variables, mapping)
 
     def check_states(self, variables: dict, mapping: dict) -> None:
         """Nothing beyond the data and names: its states are checked when its steps are traced."""

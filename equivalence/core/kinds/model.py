@@ -35,6 +35,14 @@ class Model:
         trace.trace_legacy_model(self.port, config, variables, batch_KxG)
         trace.trace_nnx_model(self.port, config, batch_KxG)
 
+    def legacy_preflight(self, config: RunConfig, variables: dict, batch_KxG: Any) -> None:
+        """The pmap side's half of ``preflight``: all a recording traces (it never builds the new side)."""
+        trace.trace_legacy_model(self.port, config, variables, batch_KxG)
+
+    def new_preflight(self, config: RunConfig, variables: dict, batch_KxG: Any, mapping: dict) -> None:
+        """The new side's half of ``preflight``: all a check against a reference traces."""
+        trace.trace_nnx_model(self.port, config, batch_KxG)
+
     def check_states(self, variables: dict, mapping: dict) -> None:
         """Both train states are the suite's: nothing of the port's to check."""
 

@@ -8,6 +8,8 @@ Every value a user can type is checked here (``RunConfig.__post_init__`` and the
 import dataclasses
 import math
 
+from equivalence.core.port import installed
+
 RNG_MODES = ('per-device', 'global')
 STRATEGIES = ('dp', 'fsdp', 'tp', 'fsdp-tp', 'shard_map')  # nnx_sharded.sharding.STRATEGIES, without importing JAX
 NNX_FORMS = ('split', 'graph')
@@ -126,7 +128,7 @@ def check_available(devices: int, available: int) -> None:
     if devices > available:
         raise ConfigError(
             f'--devices {devices} asks for more devices than the {available} available; '
-            f'on CPU, set JAX_NUM_CPU_DEVICES={devices} to simulate more'
+            f'on CPU, set {installed.cpu_devices(devices)} to simulate more'
         )
 
 

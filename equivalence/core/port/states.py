@@ -44,6 +44,7 @@ class Skip(enum.StrEnum):
     NO_STEP = 'no step'  # one side's train state holds no step counter
     ONE_SIDE = 'one side'  # a metric only one side's step reports
     PER_DEVICE = 'per device'  # a metric that differs between pmap devices: not global on the pmap side
+    EXTRA_OUTPUT = 'extra output'  # what a step returns after (state, out): (state, metrics, logs)'s logs
 
 
 class Uncompared(Line):

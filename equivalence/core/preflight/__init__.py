@@ -22,15 +22,19 @@ against given and the fix where one is known:
   traced as it is, never split.
 """
 
+from typing import Any
+
 import jax
+import numpy as np
 
 from equivalence.core.port import blame
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
 from equivalence.core.preflight.data import abstract_variables, check_names, make_data
 from equivalence.core.preflight.errors import PreflightError, blamed, line
+from equivalence.core.run import facts
 
-__all__ = ['PreflightError', 'blamed', 'check', 'check_states', 'line']
+__all__ = ['PreflightError', 'blamed', 'check', 'check_legacy', 'check_new', 'check_states', 'line']
 
 
 def check(kind: Kind, config: RunConfig, n_steps: int | None = None) -> dict[str, str]:
@@ -44,9 +48,33 @@ def check(kind: Kind, config: RunConfig, n_steps: int | None = None) -> dict[str
     data = make_data(port, config.seed, n_steps, config.batch_size, f'--calls x --steps-per-call = {n_steps}')
     variables = abstract_variables(port, data)
     mapping = check_names(port, variables)
-    batch_KxG = jax.tree.map(lambda v: jax.ShapeDtypeStruct((config.steps_per_call, *v.shape[1:]), v.dtype), data)
-    kind.preflight(config, variables, batch_KxG, mapping)
+    kind.preflight(config, variables, _one_call(data, config), mapping)
     return mapping
+
+
+def check_legacy(kind: Kind, config: RunConfig) -> None:
+    """The pmap side's half of ``check``, all that ``record`` can trace (where the pmap code runs, the new side
+    need not import): ``make_data``, the linen init, the legacy step or losses, the legacy train state's groups.
+    The port's facts are read from its linen model (``facts.linen_alone``), as the recording reads them."""
+    port = kind.port
+    blame.set_port(port)
+    data = make_data(port, config.seed, config.steps, config.batch_size, f'--calls x --steps-per-call = {config.steps}')
+    variables = abstract_variables(port, data)
+    with facts.linen_alone(port, data):
+        kind.legacy_preflight(config, variables, _one_call(data, config))
+
+
+def check_new(kind: Kind, config: RunConfig, variables: dict, batch_KxG: Any, mapping: dict) -> None:
+    """The new side's half of ``check``, against the pmap side a reference holds: its ``variables`` and one
+    call's batch (concrete or abstract), its names already paired (``mapping``)."""
+    blame.set_port(kind.port)
+    shapes = lambda tree: jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v), v.dtype), tree)  # noqa: E731
+    kind.new_preflight(config, shapes(variables), shapes(batch_KxG), mapping)
+
+
+def _one_call(data: Any, config: RunConfig) -> Any:
+    """One call's batch ``[K, G, ...]`` of ``data`` ``[n_steps, G, ...]``, shapes only."""
+    return jax.tree.map(lambda v: jax.ShapeDtypeStruct((config.steps_per_call, *v.shape[1:]), v.dtype), data)
 
 
 def check_states(kind: Kind) -> None:

@@ -17,21 +17,36 @@ def check_groups(
     """Both train states grouped as the comparison reads them, with the parameters where expected and
     every group of its shape (``shapes``); ``mapping``: the names paired (linen -> NNX); ``reader``: the
     legacy side's default (a step form's reads tuples)."""
+    legacy = check_legacy_groups(port, legacy_state, variables, reader)
+    groups = check_new_state_groups(port, nnx_ts, variables, mapping)
+    if legacy is not None and groups is not None:
+        _check_opt_states(port, 'new_groups' if port.new_groups else 'new_state', legacy, groups)
+
+
+def check_legacy_groups(port: Port, legacy_state: Any, variables: dict, reader=convert.legacy_groups) -> dict | None:
+    """The pmap side's train state grouped as the comparison reads it (``check_groups``' first half, all that a
+    recording checks: it never builds the new side); the groups, None where reading them runs host code."""
     groups = legacy_groups(port, legacy_state, reader)
-    expect = {p for p, (c, _, _) in naming.linen_spec(variables).items() if c == 'params'}
-    collections = set(variables) - {'params'}
     if groups is not None:
         field = 'legacy_groups' if port.legacy_groups else 'legacy_state'
-        _check_params(port, field, groups, expect)
-        check_shapes(port, field, groups, collections)
+        _check_params(port, field, groups, _params(variables))
+        check_shapes(port, field, groups, set(variables) - {'params'})
+    return groups
+
+
+def check_new_state_groups(port: Port, nnx_ts: Any, variables: dict, mapping: dict) -> dict | None:
+    """The new train state grouped as the comparison reads it (``check_groups``' second half, all that a check
+    against a reference checks: its pmap side was recorded); the groups, None where reading them runs host code."""
     field = 'new_groups' if port.new_groups else 'new_state'
-    legacy = groups
     groups = new_groups(port, nnx_ts, field)
     if groups is not None:
-        _check_params(port, field, groups, {mapping.get(p, p) for p in expect})
-        check_shapes(port, field, groups, collections)
-    if legacy is not None and groups is not None:
-        _check_opt_states(port, field, legacy, groups)
+        _check_params(port, field, groups, {mapping.get(p, p) for p in _params(variables)})
+        check_shapes(port, field, groups, set(variables) - {'params'})
+    return groups
+
+
+def _params(variables: dict) -> set[str]:
+    return {p for p, (c, _, _) in naming.linen_spec(variables).items() if c == 'params'}
 
 
 def _check_opt_states(port: Port, field: str, legacy: dict, new: dict) -> None:
@@ -86,11 +101,10 @@ def _slots(tree: Any, params: Any) -> set[str]:
 
 def check_new_groups(port: LoopPort, ts: Any, variables: dict, mapping: dict) -> None:
     """The new train state alone (a step form traces it as the adapter builds it)."""
-    expect = {p for p, (c, _, _) in naming.linen_spec(variables).items() if c == 'params'}
     field = 'new_groups' if port.new_groups else 'new_state'
     groups = new_groups(port, ts, field)
     if groups is not None:
-        _check_params(port, field, groups, {mapping.get(p, p) for p in expect})
+        _check_params(port, field, groups, {mapping.get(p, p) for p in _params(variables)})
 
 
 def new_groups(port: LoopPort, ts: Any, field: str) -> dict | None:

@@ -20,6 +20,7 @@ import numpy as np
 from equivalence.core.port import step_forms
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort
+from equivalence.core.preflight import device_keys
 from equivalence.core.preflight.errors import HOST_ONLY, blamed, fail, kind
 from equivalence.core.preflight.groups import check_new_groups
 from equivalence.core.preflight.trace import as_traced, legacy_state, nnx_train_state, pair, same_nnx_state
@@ -33,10 +34,15 @@ def trace_steps(port: LoopPort, config: RunConfig, variables: dict, batch_KxG: A
     """Both sides' steps, traced on abstract inputs of the run's shapes; ``PreflightError`` (exit 2)
     naming the field on the first mistake. Returns both abstract train states ``(legacy, new)``, built once."""
     state = trace_legacy_step(port, config, variables, batch_KxG)
+    return state, trace_new_steps(port, config, batch_KxG, variables, mapping)
+
+
+def trace_new_steps(port: LoopPort, config: RunConfig, batch_KxG: Any, variables: dict, mapping: dict) -> Any:
+    """The new side's half of ``trace_steps`` (a check against a reference runs it alone); its abstract train state."""
     ts = nnx_train_state(port, variables)
     trace_nnx_side(port, config, batch_KxG, ts)
     check_new_groups(port, ts, variables, mapping)
-    return state, ts
+    return ts
 
 
 def trace_legacy_step(port: LoopPort, config: RunConfig, variables: dict, batch_KxG: Any) -> Any:
@@ -64,6 +70,8 @@ def trace_legacy_step(port: LoopPort, config: RunConfig, variables: dict, batch_
             return state
     k = config.steps_per_call
     check_loss(port, 'legacy_step', jax.tree.map(lambda s: SDS((k, *s.shape[1:]), s.dtype), out_n), k)
+    one_row = lambda tree: jax.tree.map(lambda s: SDS(s.shape[1:], s.dtype), tree)  # noqa: E731
+    device_keys.refuse_global(port, config, state, one_row(batch), SDS((2,), np.uint32), d)
     return state
 
 
@@ -78,8 +86,7 @@ def trace_nnx_side(port: LoopPort, config: RunConfig, batch_KxG: Any, ts: Any) -
     def pure(state, keys, batch):
         ts = rebuild(state)
         if step is not None:
-            out = step(ts, batch, keys)
-            new_ts, out = out if adapters.returns_state(out, ts) else (ts, out)
+            new_ts, out, _ = adapters.state_and_out(step(ts, batch, keys), ts)
         else:
             new_ts, out = pair(port, field, port.new_call(ts, keys, batch), '(train_state, out_K)')
         same_nnx_state(port, field, new_ts, state)
@@ -111,6 +118,9 @@ def _new_step_form(port: LoopPort) -> str:
 def check_loss(port: LoopPort, field: str, out_K: Any, k: int) -> None:
     """The step's output ``[K, ...]`` read by ``port.loss`` as the run reads it: one loss per step."""
     if port.loss is None:
+        if isinstance(out_K, dict):  # a metrics dict, its loss one of its keys
+            raise fail(port, field, f'returns metrics {sorted(out_K)}, and the port gives no loss=: name the one that '
+                                    "is the loss (loss='loss'), or give a function of them")  # fmt: skip
         losses = out_K
     elif isinstance(port.loss, str):
         if not isinstance(out_K, dict) or port.loss not in out_K:

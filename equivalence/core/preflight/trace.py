@@ -10,11 +10,14 @@ from flax import nnx
 from equivalence.core.port import new_side
 from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.port.ports import LoopPort, ModelPort, Port
+from equivalence.core.preflight import device_keys
 from equivalence.core.preflight.errors import HOST_ONLY, blamed, fail, kind
 from equivalence.core.run import adapters, facts, randomness, setups
 from equivalence.distributed import rows
 from legacy_pmap import train as legacy
 from nnx_sharded import train as sharded
+
+SDS = jax.ShapeDtypeStruct
 
 
 def legacy_state(port: LoopPort, variables: dict) -> Any:
@@ -44,7 +47,10 @@ def make_tx(port: Port) -> Any:
 def trace_legacy_loop(port: LoopPort, config: RunConfig, variables: dict, batch_KxG: Any) -> Any:
     """A loop port's step under the suite's pmap(scan) (``loop_side.legacy_setup``), traced once."""
     state = legacy_state(port, variables)
-    return trace_legacy(port, config, state, adapters.legacy_step(port), port.axis_name, 'legacy_step', batch_KxG)
+    trace_legacy(port, config, state, adapters.legacy_step(port), port.axis_name, 'legacy_step', batch_KxG)
+    batch = jax.tree.map(lambda v: SDS((v.shape[1] // config.devices, *v.shape[2:]), v.dtype), batch_KxG)
+    device_keys.refuse_global(port, config, state, batch, SDS((2,), np.uint32), config.devices)
+    return state
 
 
 def trace_legacy_model(port: ModelPort, config: RunConfig, variables: dict, batch_KxG: Any) -> Any:

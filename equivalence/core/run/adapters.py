@@ -35,6 +35,7 @@ from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.port.line import Line
 from equivalence.core.port.port_fields import pmapped
 from equivalence.core.port.ports import LoopPort
+from equivalence.core.port.states import Skip, Uncompared
 from legacy_pmap import train as legacy
 
 LOOPS = ('steps', 'scan')
@@ -187,9 +188,34 @@ def _name(fn: Any) -> str:
     return getattr(fn, '__qualname__', None) or type(fn).__name__
 
 
-def one_step(port: LoopPort) -> Callable:
-    """``(state, batch, key) -> (state, out)`` from the team's step."""
-    return step_forms.of(port).one_step(legacy_step(port), port)
+def one_step(port: LoopPort) -> 'TwoOf':
+    """``(state, batch, key) -> (state, out)`` from the team's step; what it returns after ``out`` (its logs, say:
+    ``(state, metrics, logs)``) is left out, and counted (``TwoOf.extra``)."""
+    return TwoOf(step_forms.of(port).one_step(legacy_step(port), port))
+
+
+class TwoOf:
+    """A step whose output is read as ``(state, out)``: a tuple of more is cut to its first two, and ``extra``
+    says how many it left out (0 until it was traced), for the report's ``not compared`` line (``unread``)."""
+
+    def __init__(self, step: Callable):
+        self.step, self.extra = step, 0
+
+    def __call__(self, *args):
+        out = self.step(*args)
+        if isinstance(out, tuple) and len(out) > 2 and not hasattr(out, '_fields'):
+            self.extra = len(out) - 2
+            return out[0], out[1]
+        return out
+
+
+def unread(field: str, extra: int, side: str = '') -> list[Uncompared]:
+    """The ``not compared`` line of the outputs a step returned after ``(state, out)``, or none."""
+    if not extra:
+        return []
+    what = f'(state, out, and {extra} more)' if field == 'legacy_step' else f'(train_state, out, and {extra} more)'
+    return [Uncompared(f'{field} outputs after the second ({extra})', Skip.EXTRA_OUTPUT,
+                       f'it returns {what}: what follows out is not read', side)]  # fmt: skip
 
 
 def new_rng_keyword(port: LoopPort) -> str | None:
@@ -203,11 +229,12 @@ def new_step_call(port: LoopPort) -> Callable:
     return step_forms.of(port).new_step_call(port)
 
 
-def legacy_program(port: LoopPort, devices) -> Callable:
+def legacy_program(port: LoopPort, devices, one: TwoOf | None = None) -> Callable:
     """``run(pstate, batch_nxK, keys) -> (pstate, out_nxK)``: pmap(step) K times, or pmap(scan(step)); or,
-    where the key chain is the scan's carry, as the step expects, the fused call."""
+    where the key chain is the scan's carry, as the step expects, the fused call. ``one``: the step it runs
+    (``one_step``'s, made here where not given)."""
     carried = lambda: _carried_program(port, devices)  # noqa: E731
-    return step_forms.of(port).program(carried, lambda: _stepped_program(port, devices))
+    return step_forms.of(port).program(carried, lambda: _stepped_program(port, devices, one or one_step(port)))
 
 
 def _carried_program(port: LoopPort, devices) -> Callable:
@@ -217,8 +244,7 @@ def _carried_program(port: LoopPort, devices) -> Callable:
     return carry
 
 
-def _stepped_program(port: LoopPort, devices) -> Callable:
-    one = one_step(port)
+def _stepped_program(port: LoopPort, devices, one: TwoOf) -> Callable:
     if legacy_loop(port) == 'scan':
         scan = lambda state, batch_K, keys_K: jax.lax.scan(lambda s, xs: one(s, *xs), state, (batch_K, keys_K))  # noqa: E731
         return jax.pmap(scan, axis_name=port.axis_name, devices=devices, donate_argnums=1)
@@ -254,10 +280,18 @@ def _unpack_carry(result):
     return pstate, out
 
 
+def state_and_out(out: Any, train_state: Any) -> tuple[Any, Any, int]:
+    """``(the train state after a new step, its output, how many outputs after it were left out)`` of what
+    ``new_step`` returned: ``(train_state, out, *more)``, or ``out`` alone (NNX objects updated in place)."""
+    if returns_state(out, train_state):
+        return out[0], out[1], len(out) - 2
+    return train_state, out, 0
+
+
 def returns_state(out: Any, train_state: Any) -> bool:
-    """``(train_state, out)`` rather than ``out`` alone (NNX objects updated in place): the first of two
-    is the train state itself, holds NNX objects (``nnx.Pytree``: modules, optimizers), or is of its type."""
-    if not (isinstance(out, tuple) and len(out) == 2):
+    """``(train_state, out, ...)`` rather than ``out`` alone (NNX objects updated in place): the first of two
+    or more is the train state itself, holds NNX objects (``nnx.Pytree``: modules, optimizers), or is of its type."""
+    if not (isinstance(out, tuple) and len(out) >= 2 and not hasattr(out, '_fields')):
         return False
     first = out[0]
     objects = [x for x in jax.tree.leaves(first, is_leaf=_is_object) if isinstance(x, nnx.Pytree)]

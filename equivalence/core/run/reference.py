@@ -21,6 +21,7 @@ import platform
 import sys
 import tempfile
 import zipfile
+import zlib
 from typing import Any
 
 import jax
@@ -151,15 +152,30 @@ class Reference:
     arrays: dict
 
     def content(self, types: dict[str, type]) -> Any:
-        return decode(self.structure, self.arrays, types)
+        """The recording, decoded; ``BadReference`` where its structure does not (an edited manifest)."""
+        try:
+            return decode(self.structure, self.arrays, types)
+        except BadReference:
+            raise
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+            raise self.edited(e) from None
+
+    def edited(self, error: Exception) -> 'BadReference':
+        """A manifest whose structure does not read as a recording (``error``): edited or damaged."""
+        return BadReference(f'reference {self.path}: its manifest does not read as a recording ({type(error).__name__}'
+                            f' {error}): edited or damaged since it was recorded, record it again')  # fmt: skip
 
     def fits(self, config: RunConfig, port_name: str) -> None:
         """``BadReference`` naming the first thing this run does not share with the recorded one."""
         given = {**{k: getattr(config, k) for k in FITTED}, 'workload': port_name}
         for name in FITTED:
             if given[name] != self.config.get(name):
-                flag = FLAGS.get(name, f'--{name}') if name != 'workload' else 'the port'
                 recorded, here = self.config.get(name), given[name]
+                if name == 'workload':
+                    raise BadReference(f'reference {self.path}: recorded for the port {recorded!r}, not {here!r} (a '
+                                       f'port keeps the name it was recorded under): check {recorded!r} against it, '
+                                       f'or record a reference for {here!r}')  # fmt: skip
+                flag = FLAGS.get(name, f'--{name}')
                 raise BadReference(f'reference {self.path}: recorded with {flag} {recorded}, this run has {here}: run '
                                    f'the check with {flag} {recorded}, or record a reference for this run')  # fmt: skip
 
@@ -177,6 +193,7 @@ def save(path: str, config: RunConfig, port_name: str, tree: Any) -> None:
         'sha256': {name: digest(a) for name, a in named.items()},
         'tree': structure,
     }
+    manifest['manifest_sha256'] = _manifest_digest(manifest)
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=folder, suffix='.npz.tmp')
     try:
@@ -194,19 +211,8 @@ def save(path: str, config: RunConfig, port_name: str, tree: Any) -> None:
 
 def load(path: str) -> Reference:
     """The reference at ``path``, every array checked against its sha256 (``BadReference`` otherwise)."""
-    if not os.path.isfile(path):
-        raise BadReference(f'reference {path}: no such file')
-    try:
-        with np.load(path, allow_pickle=False) as held:
-            manifest = json.loads(str(held['manifest']))
-            arrays = {name: held[name] for name in held.files if name != 'manifest'}
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile, json.JSONDecodeError) as e:
-        raise BadReference(f'reference {path}: not a reference this suite wrote ({type(e).__name__})') from None
-    if manifest.get('format') != FORMAT:
-        raise BadReference(f'reference {path}: not a reference this suite wrote (format {manifest.get("format")!r})')
-    if manifest.get('version') != VERSION:
-        raise BadReference(f'reference {path}: format version {manifest.get("version")}, this suite reads {VERSION}')
-    hashes = manifest.get('sha256', {})
+    manifest, arrays = _read(path, with_arrays=True)
+    hashes = manifest['sha256']
     if set(hashes) != set(arrays):
         raise BadReference(f'reference {path}: {len(arrays)} arrays, its manifest lists {len(hashes)}: damaged')
     for name, a in arrays.items():
@@ -214,3 +220,109 @@ def load(path: str) -> Reference:
             raise BadReference(f'reference {path}: array {name} fails its sha256: damaged since it was recorded')
     by_index = {int(name[1:]): a for name, a in arrays.items()}
     return Reference(path, manifest['config'], manifest['environment'], manifest['tree'], by_index)
+
+
+def recorded_config(path: str) -> dict:
+    """What the reference at ``path`` was recorded with (``FITTED``), its manifest alone read (no array):
+    ``BadReference`` where it is no reference, as ``load`` says it."""
+    return _read(path, with_arrays=False)[0]['config']
+
+
+def with_recorded(flags: dict) -> dict:
+    """``flags`` (``RunConfig`` keywords, ``reference`` among them) with the run's values the reference was recorded
+    with where they leave them out: the library's and the pytest plugin's form of ``run --reference``; a value
+    given that differs is ``BadReference`` naming the keyword, as those forms spell it."""
+    path, recorded = flags['reference'], recorded_config(flags['reference'])
+    for name in FITTED[1:]:  # not the workload: a port's name, which ``fits`` checks
+        if name in flags and flags[name] != recorded[name]:
+            raise BadReference(f'reference {path}: recorded with {name}={recorded[name]!r}, this check gives '
+                               f'{name}={flags[name]!r}: give {name}={recorded[name]!r} or leave it out (the reference '
+                               'gives it), or record a reference for this check')  # fmt: skip
+    return {**{name: recorded[name] for name in FITTED[1:]}, **flags}
+
+
+def _read(path: str, with_arrays: bool) -> tuple[dict, dict]:
+    """``(its manifest, checked; its arrays by name, or {})``; ``BadReference`` saying what the file is where it
+    is not a reference (``_what_it_is``) or cannot be read as one."""
+    _what_it_is(path)
+    try:
+        with np.load(path, allow_pickle=False) as held:
+            if 'manifest' not in held.files:
+                names = ', '.join(held.files[:3]) + (' ...' if len(held.files) > 3 else '')
+                raise BadReference(f'reference {path}: a zip of {len(held.files)} entries ({names or "none"}) with no '
+                                   f'manifest: not a reference (python -m equivalence.record writes one)')  # fmt: skip
+            text = str(held['manifest'])
+            arrays = {name: held[name] for name in held.files if name != 'manifest'} if with_arrays else {}
+    except BadReference:
+        raise
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+        raise BadReference(f'reference {path}: a damaged or truncated zip, which numpy cannot read '
+                           f'({type(e).__name__}): record it again, or copy it whole') from None  # fmt: skip
+    try:
+        manifest = json.loads(text)
+    except ValueError:
+        raise BadReference(f'reference {path}: its manifest is not JSON: edited or damaged since it was recorded, '
+                           'record it again') from None  # fmt: skip
+    _check_manifest(path, manifest)
+    return manifest, arrays
+
+
+def _what_it_is(path: str) -> None:
+    """``BadReference`` saying what ``path`` is, where it is not a zip that could be a reference: missing, a
+    directory, unreadable, empty, one ``.npy`` array, a pickle (never loaded: loading one runs code), text."""
+    if os.path.isdir(path):
+        raise BadReference(f'reference {path}: a directory, not a file: give the .npz that python -m '
+                           'equivalence.record wrote (its --out)')  # fmt: skip
+    try:
+        with open(path, 'rb') as f:
+            head = f.read(512)
+    except FileNotFoundError:
+        raise BadReference(f'reference {path}: no such file') from None
+    except OSError as e:
+        raise BadReference(f'reference {path}: cannot be read ({e.strerror or type(e).__name__})') from None
+    for magic, what in MAGIC:
+        if head.startswith(magic):
+            if what:
+                raise BadReference(f'reference {path}: {what}, not a reference (python -m equivalence.record writes '
+                                   'one, an .npz)')  # fmt: skip
+            return
+    if not head:
+        raise BadReference(f'reference {path}: empty (0 bytes): a recording that did not finish, or a file cut short')
+    text = head.decode('utf-8', 'replace').strip()  # its last character may be cut
+    if text.count('\ufffd') > 1 or not all(c.isprintable() or c.isspace() for c in text):
+        raise BadReference(f'reference {path}: neither a zip nor a numpy file (its first bytes {head[:4].hex()}), '
+                           'not a reference (python -m equivalence.record writes one, an .npz)')  # fmt: skip
+    raise BadReference(f'reference {path}: a text file ({text[:24]!r}...), not a reference (python -m '
+                       'equivalence.record writes one, an .npz)')  # fmt: skip
+
+
+MAGIC = (  # a file's first bytes, and what it is where it is not a zip
+    (b'PK\x03\x04', ''),  # a zip: numpy's .npz, maybe a reference
+    (b'PK\x05\x06', ''),  # an empty zip
+    (b'\x93NUMPY', 'one numpy array (.npy, numpy.save)'),
+    (b'\x80', 'a pickle, which this suite never loads (loading one runs its code)'),
+)
+
+
+def _check_manifest(path: str, manifest: Any) -> None:
+    """``BadReference`` where the manifest is not this suite's, of another version, or edited since it was
+    written (its own sha256, or its fields, do not hold)."""
+    if not isinstance(manifest, dict) or manifest.get('format') != FORMAT:
+        said = manifest.get('format') if isinstance(manifest, dict) else type(manifest).__name__
+        raise BadReference(f'reference {path}: not a reference this suite wrote (format {said!r})')
+    if manifest.get('version') != VERSION:
+        raise BadReference(f'reference {path}: format version {manifest.get("version")}, this suite reads {VERSION}')
+    own = manifest.pop('manifest_sha256', None)  # written since 2026-12: references recorded before have none
+    config, fields = manifest.get('config'), (('environment', dict), ('sha256', dict), ('tree', object))
+    wrong = [name for name, kind in fields if not isinstance(manifest.get(name), kind) or name not in manifest]
+    edited = own is not None and own != _manifest_digest(manifest)
+    missing = [name for name in FITTED if name not in config] if isinstance(config, dict) else ['config']
+    if edited or missing or wrong:
+        what = 'its own sha256 fails' if edited else f'no {", ".join(missing + wrong)} as written'
+        raise BadReference(f'reference {path}: its manifest was edited or damaged since it was recorded ({what}): '
+                           'record it again')  # fmt: skip
+
+
+def _manifest_digest(manifest: dict) -> str:
+    """sha256 of the manifest less its own (``manifest_sha256``), as written."""
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()

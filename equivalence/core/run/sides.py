@@ -129,7 +129,7 @@ def run_new(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, afte
     result.placed_by, result.program = getattr(setup, 'placed_by', ''), setup.shared()
     result.memory = None if forward else footprint.per_device(setup, calls[0], rng)
     result.metrics = loop_metrics(setup)
-    result.notes = kind.new_notes(setup)
+    result.notes = [*getattr(setup, 'notes', []), *kind.new_notes(setup)]
     result.eval_accuracy = kind.new_accuracy(setup)
     return result
 

@@ -17,14 +17,8 @@ from jax.sharding import PartitionSpec as P
 from equivalence.core.port import new_side, states, step_forms
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort
-from equivalence.core.run import pruned, randomness, setups
-from equivalence.core.run.adapters import (
-    legacy_program,
-    new_step_call,
-    read_output,
-    replica_outputs,
-    returns_state,
-)
+from equivalence.core.run import adapters, pruned, randomness, setups
+from equivalence.core.run.adapters import legacy_program, new_step_call, read_output, replica_outputs
 from equivalence.distributed import rows
 from legacy_pmap import train as legacy
 from nnx_sharded import sharding
@@ -36,6 +30,7 @@ class StepLegacySetup(setups.LegacySetup):
     """The pmap side of a loop port with a real step (``p_train_step`` is ``legacy_program``)."""
 
     port: LoopPort = None
+    step: adapters.TwoOf = None  # the step its program runs: how many outputs after (state, out) it left out
     metrics: list = dataclasses.field(default_factory=list)  # per call: {metric path: [K, ...]}
     notes: list = dataclasses.field(default_factory=list)
     uneven: set = dataclasses.field(default_factory=set)  # metric paths that differ between devices
@@ -57,6 +52,7 @@ class StepLegacySetup(setups.LegacySetup):
         self.uneven.update(uneven)
         why = "differs between pmap devices (no pmean or psum in the step): the pmap side's value is not global"
         self.notes[:] = [states.Uncompared(f'metrics/{p}', states.Skip.PER_DEVICE, why) for p in sorted(self.uneven)]
+        self.notes += adapters.unread('legacy_step', self.step.extra if self.step else 0)
         return losses_K
 
     def forward(self, args: tuple) -> np.ndarray:
@@ -72,7 +68,8 @@ def legacy_setup(port: LoopPort, config: RunConfig, variables: dict) -> StepLega
     pstate = legacy.replicate(port.legacy_state(variables), local, port.axis_name)
     context = lambda: randomness.bridged(config.rng_mode, port.axis_name)  # noqa: E731
     groups = port.legacy_groups or states.legacy_groups
-    return StepLegacySetup(legacy_program(port, devices), pstate, config, groups, context, port)
+    one = adapters.one_step(port)
+    return StepLegacySetup(legacy_program(port, devices, one), pstate, config, groups, context, port, one)
 
 
 # -- the NNX side ------------------------------------------------------------------------------
@@ -83,6 +80,7 @@ class StepNewSetup(setups.LoopNewSetup):
     """The NNX side of a loop port with a real step: the user's fused call, or their one step K times."""
 
     metrics: list = dataclasses.field(default_factory=list)
+    notes: list = dataclasses.field(default_factory=list)  # what its step returned that is not read (adapters.unread)
 
     def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
         form = step_forms.of(self.port)
@@ -122,9 +120,8 @@ class StepNewSetup(setups.LoopNewSetup):
     def _steps(self, keys: list, batches: list):
         outs, step = [], new_step_call(self.port)
         for key, batch in zip(keys, batches, strict=True):
-            out = step(self.train_state, batch, key)
-            if returns_state(out, self.train_state):
-                self.train_state, out = out
+            self.train_state, out, extra = adapters.state_and_out(step(self.train_state, batch, key), self.train_state)
+            self.notes[:] = adapters.unread('new_step', extra, 'new')
             outs.append(jax.tree.map(np.asarray, jax.block_until_ready(out)))
         return jax.tree.map(lambda *a: np.stack(a), *outs)
 
@@ -141,9 +138,7 @@ class StepNewSetup(setups.LoopNewSetup):
             ts, outs = nnx.merge(graphdef, state) if objects else state, []
             with randomness.bridged(rng_mode):
                 for key, batch in zip(keys, batches, strict=True):
-                    out = step(ts, batch, key)
-                    if returns_state(out, ts):
-                        ts, out = out
+                    ts, out, _ = adapters.state_and_out(step(ts, batch, key), ts)
                     outs.append(out)
             return (nnx.state(ts) if objects else ts), outs
 

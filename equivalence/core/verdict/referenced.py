@@ -140,8 +140,17 @@ def read(path: str, kind: Kind, config: RunConfig) -> tuple[dict, Recorded]:
             f'(a correct mlp recorded on a TPU is 5 leaves past its floor here): check on {recorded}, or record '
             f'on {here} (docs/reference.md)'
         )
-    content = held.content(TYPES)
-    handed = kind.handed_dropout_keys()  # None: the port's own step hands them, as it did when recorded
+    content, handed = held.content(TYPES), kind.handed_dropout_keys()  # None: the port's own step hands them
+    try:
+        return _recorded(held, content, handed)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:  # a manifest edited: no recording
+        raise held.edited(e) from None
+
+
+def _recorded(held: reference.Reference, content: dict, handed: bool | None) -> tuple[dict, Recorded]:
+    """``read``'s answer from the decoded ``content``; ``handed``: whether the suite hands the new model dropout
+    keys (None: the port's own step hands them, as it did when the reference was recorded)."""
+    path = held.path
     if handed is not None and bool(content['dropout']) != handed:
         said = 'with' if content['dropout'] else 'without'
         raise reference.BadReference(f'reference {path}: recorded {said} dropout keys handed to the model, and the '
