@@ -11,10 +11,10 @@ import os
 import sys
 from typing import Any
 
+import bn_bias_ports
 import flax
 import jax
 import jax.numpy as jnp
-import bn_bias_ports
 import noisy_ports
 import numpy as np
 import optax
