@@ -25,6 +25,7 @@ import zlib
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 
 from equivalence.core.port.config import ConfigError, RunConfig
@@ -54,7 +55,11 @@ def encode(tree: Any, arrays: list) -> Any:
         arrays.append(np.asarray(jax.random.key_data(tree)))
         return {'key': len(arrays) - 1, 'impl': str(jax.random.key_impl(tree))}
     if isinstance(tree, np.ndarray | np.generic | jax.Array | int | float):
-        arrays.append(np.asarray(tree))
+        a = np.asarray(tree)
+        if a.dtype.kind == 'V' and a.dtype.names is None:  # bfloat16 and the other ml_dtypes: .npy keeps no name
+            arrays.append(a.view(f'u{a.dtype.itemsize}'))  # their bits, as unsigned integers of their width
+            return {'array': len(arrays) - 1, 'dtype': a.dtype.name}
+        arrays.append(a)
         return {'array': len(arrays) - 1}
     if isinstance(tree, tuple) and hasattr(tree, '_fields'):
         return {'record': type(tree).__name__, 'fields': {k: encode(v, arrays) for k, v in tree._asdict().items()}}
@@ -79,7 +84,8 @@ def decode(node: Any, arrays: dict, types: dict[str, type]) -> Any:
     if isinstance(node, list):
         return [decode(v, arrays, types) for v in node]
     if 'array' in node:
-        return arrays[node['array']]
+        a = arrays[node['array']]
+        return a.view(getattr(ml_dtypes, node['dtype'])) if 'dtype' in node else a
     if 'key' in node:
         return jax.random.wrap_key_data(arrays[node['key']], impl=node['impl'])
     if 'record' in node:
