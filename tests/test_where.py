@@ -155,7 +155,7 @@ def test_a_part_seen_in_the_forward_pass_alone_needs_the_whole_steps_recording_t
             return judged[runs], Held(calls=22, part=('module', 'attn/out')) if judged[runs] else Held(calls=22)
 
         monkeypatch.setattr(hidden, '_held', held)
-        recorder = types.SimpleNamespace(held=lambda noisy: forward, runs=whole, recorded_whole=False)
+        recorder = types.SimpleNamespace(forward=forward, runs=whole, recorded_whole=False)
         leaves, said = hidden.first_step_leaves(recorder, locate.Seen(noisy=frozenset({'attn/k/bias'})))
         if whole_parts:
             assert leaves == [part] and said == Held(calls=22, part=('module', 'attn/out')), said
@@ -164,9 +164,6 @@ def test_a_part_seen_in_the_forward_pass_alone_needs_the_whole_steps_recording_t
 
     class Unrecordable:  # the whole step cannot be recorded: the part seen stands, and the words say where it was seen
         forward, recorded_whole = ('forward',), False
-
-        def held(self, noisy):
-            return self.forward
 
         @property
         def runs(self):

@@ -61,21 +61,6 @@ class Recorder:
         except Exception:  # noqa: BLE001 -- recorded whole instead; a port's own error raises there again
             return self.runs
 
-    def held(self, noisy: frozenset) -> tuple[dict, dict]:
-        """``forward``, recording only the module calls that own the ``noisy`` parameters (NNX paths; the pmap
-        side's by the names paired), beside the outermost: what the first-step hold reads of a MATCH. At real
-        sizes every module's inputs and outputs are what does not scale (a ViT-B at batch 64: about 150 calls of
-        12.6 MB a side); the noise-dominated leaves are what the hold verifies, and a slip in a module they do not
-        own shows in that module's own leaves. The whole step's recording (``runs``), where it is asked for,
-        records every call."""
-        if self.recorded_whole:
-            return self.runs
-        only = owners(noisy, self.inputs.mapping)
-        try:
-            return recorded_run.first_steps(self.kind, self.config, self.inputs, self.twin, forward=True, only=only)
-        except Exception:  # noqa: BLE001 -- recorded whole instead; a port's own error raises there again
-            return self.runs
-
     @property
     def recorded_whole(self) -> bool:
         """Whether ``runs`` (the whole step's recording) is recorded already: ``forward`` then is it."""
@@ -85,13 +70,6 @@ class Recorder:
         """The first ``n`` steps recorded (a fresh recording: only the last one is kept), on the programs that
         ``runs`` compiled (one step a call)."""
         return recorded_run.first_steps(self.kind, self.config, self.inputs, self.twin, n, reuse=self.reuse)
-
-
-def owners(noisy: frozenset, mapping: dict[str, str]) -> frozenset:
-    """The module paths that hold the ``noisy`` parameters, on both sides: NNX's, and linen's by ``mapping``
-    (linen leaf path -> NNX leaf path; without one the new side keeps linen's names)."""
-    linen = {old for old, new in mapping.items() if new in noisy} if mapping else set(noisy)
-    return frozenset(p.rpartition('/')[0] for p in (*noisy, *linen))
 
 
 def grads(recorder: Recorder) -> dict[str, dict]:

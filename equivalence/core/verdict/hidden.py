@@ -41,7 +41,7 @@ def first_step_leaves(recorder: Recorder, seen: locate.Seen) -> tuple[list[LeafD
     failing leaf (none where nothing parts), and what was done (``findings.Held``). Held first on the
     forward pass alone (``Recorder.forward``, a fraction of the compile); a part there is held again on the
     whole step's recording (``Recorder.runs``), which alone decides."""
-    leaves, said = _held(recorder, recorder.held(seen.noisy), seen)
+    leaves, said = _held(recorder, recorder.forward, seen)
     if not leaves or recorder.recorded_whole:  # forward was the whole step's recording: judged already
         return leaves, said
     alone = leaves[0]

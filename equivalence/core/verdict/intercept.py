@@ -57,7 +57,6 @@ class _Session:
         self.active: set[int] = set()  # NNX: modules whose __call__ is running
         self.linen_active: set[int] = set()  # linen: the same
         self.forward = False  # the forward pass alone: nothing recorded that the backward pass computes
-        self.only: frozenset | None = None  # module paths (both sides') whose calls alone are recorded; None: all
         self.draws: dict = {}  # side -> the digests of the random draws its recorded calls made (``draws``)
 
 
@@ -185,15 +184,8 @@ def _linen_call(next_fun, args, kwargs, context):
     finally:
         s.linen_active.discard(id(module))
     path = '/'.join(module.path)
-    if kept(path):
-        _emit(_label(path), type(module).__name__, (args, kwargs), out, module=module)
+    _emit(_label(path), type(module).__name__, (args, kwargs), out, module=module)
     return out if path else _tapped(out)
-
-
-def kept(path: str) -> bool:
-    """Whether a module call at ``path`` is recorded: every one, or the outermost and those of ``only``."""
-    only = _SESSION.only
-    return only is None or not path or path in only
 
 
 def _nnx_call(method: Callable) -> Callable:
@@ -215,8 +207,7 @@ def _nnx_call(method: Callable) -> Callable:
             out = method(self, *args, **kwargs)
         finally:
             s.active.discard(id(self))
-        if kept(path):
-            _emit(_label(path), type(self).__name__, (args, kwargs), out, module=self)
+        _emit(_label(path), type(self).__name__, (args, kwargs), out, module=self)
         return out if path else _tapped(out)
 
     return call

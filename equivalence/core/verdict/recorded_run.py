@@ -40,8 +40,7 @@ class Reuse:
 
 
 def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, n_twin: twin.TwinKind | None, steps: int = 1,
-                forward: bool = False, reuse: Reuse | None = None, only_legacy: bool = False,
-                only: frozenset | None = None):  # fmt: skip
+                forward: bool = False, reuse: Reuse | None = None, only_legacy: bool = False):  # fmt: skip
     """``({side: PathResult after ``steps`` steps}, {side: {label: Record}})``: the first ``steps``
     steps of each side (legacy, nnx, and twin when ``n_twin``: a count, or a sharded run's
     ``twin.Reordered``), each a call of its own, every module call recorded; a ``Record`` holds the
@@ -52,8 +51,7 @@ def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, n_twin: twin.Twin
     theirs; nothing is cleared. ``forward``: the forward pass alone, each call compiled with only what its
     callbacks and its losses need (``setup.forward``): the results' states are the states before the step,
     and no gradient or cotangent is recorded. ``only_legacy``: the pmap side alone (a reference's recording);
-    ``inputs.recorded``: the pmap side's, read from a reference, not run. ``only``: the module paths (linen's
-    and NNX's) whose calls alone are recorded, beside the outermost (``intercept.kept``); None: every call."""
+    ``inputs.recorded``: the pmap side's, read from a reference, not run."""
     reuse = reuse or Reuse()
     one = dataclasses.replace(probe.probe_config(config), steps_per_call=1, calls=steps)
     first, recording = [step_batch(inputs.calls, j) for j in range(steps)], kind.recording()
@@ -71,7 +69,7 @@ def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, n_twin: twin.Twin
     graph = nnx.iter_graph(abstract) if abstract is not None else ()
     classes = {type(m) for _, m in graph if isinstance(m, nnx.Module)}
     results, s, compiling, rows = {}, _SESSION, None, None
-    s.raw, s.counts, s.order, s.call, s.forward, s.draws, s.only = {}, [], 0, 0, forward, {}, only
+    s.raw, s.counts, s.order, s.call, s.forward, s.draws = {}, [], 0, 0, forward, {}
     try:
         with _patched(classes), _RECORDINGS(reuse.session), draws.recording([]):
             # The pmap side is traced first, as it always was, and compiles on a thread while the new side
@@ -101,14 +99,12 @@ def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, n_twin: twin.Twin
     finally:
         if compiling is not None:
             compiling.result()  # no compile left running, whatever raised
-        s.side, s.mesh, s.axis, s.forward, s.only = None, None, None, False, None
+        s.side, s.mesh, s.axis, s.forward = None, None, None, False
         randomness.take_unbridged()  # the checked runs' lines were taken; these are the same layers'
     if rows is not None:
         s.raw['twin'] = {label: in_order(record, rows) for label, record in s.raw['twin'].items()}
     if inputs.recorded is not None:
-        results['legacy'], held = inputs.recorded.first_steps(steps, forward)
-        s.raw['legacy'] = {label: r for label, r in held.items() if only is None or not label or
-                           label.partition('#')[0] in only}  # fmt: skip
+        results['legacy'], s.raw['legacy'] = inputs.recorded.first_steps(steps, forward)
     return results, s.raw
 
 
