@@ -133,7 +133,7 @@ def sized(name: str, slip_in_block: int | None = None) -> LoopPort:
         legacy_model=model,
         nnx_model=lambda rngs: new.VisionTransformer(
             rngs=rngs, slip_in_block=slip_in_block, image_size=size.image_size, **size.model()
-        ),  # fmt: skip
+        ),
         make_data=functools.partial(old.make_data, image_size=size.image_size, num_classes=size.num_classes),
         **legacy_port('bfloat16', model()),
         default_batch=size.batch,
