@@ -2,6 +2,7 @@
 abstractly, ResNet-50 included (nothing allocated), so that the real sizes cannot rot unseen."""
 
 import jax
+import legacy_code as old
 import my_port
 import numpy as np
 import pytest
@@ -35,6 +36,8 @@ def test_each_size_has_its_parameters(name):
     model = nnx.eval_shape(lambda: port.nnx_model(nnx.Rngs(0)))
     new = (parameters(nnx.state(model, nnx.Param)), parameters(nnx.state(model, nnx.BatchStat)))
     assert (parameters(linen['params']), parameters(linen['batch_stats'])) == new == COUNTS[name]
+    if name == 'r50':
+        assert port.legacy_model() == old.ResNet50()  # flax's own partial: the same fields
 
 
 def parameters(tree) -> int:
