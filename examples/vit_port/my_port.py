@@ -25,7 +25,7 @@ embedding (65 tokens) are those of 64x64 images, where B/16 at 224x224 has 16x16
 ``LOOP_S`` the ViT-S rung. ``--batch-size`` overrides the batch:
 
 python -m equivalence.run --workload my_port:LADDER_2E5 --devices 1 --steps-per-call 1 --calls 1 --batch-size 2
-python -m equivalence.run --workload my_port:LOOP_B16   # 86M parameters, batch 64: an accelerator's job
+python -m equivalence.run --workload my_port:LOOP_B16 --steps-per-call 2 --calls 1 --batch-size 2  # 2-4 min, 4.6 GB
 """
 
 import dataclasses
