@@ -4,8 +4,9 @@ embeddings, pre-LayerNorm encoder blocks with dropout 0.1, a **zero-initialised 
 ``update_fn(params, opt_state, batch, rng)`` pmapped with ``axis_name='batch'``, the gradient
 ``pmean``'d by hand; SGD with momentum 0.9, gradient clipping at global norm 1, a warmup + cosine
 schedule, and the momentum kept in **bfloat16** (``accumulator_dtype='bfloat16'``, the usual
-memory saving; ``make_tx(accumulator_dtype=None)`` keeps it in float32). Shrunk to 8x8 images,
-patch 4, 2 layers, so that it trains on a CPU in seconds. Not part of the suite.
+memory saving; ``make_tx(accumulator_dtype=None)`` keeps it in float32). Its sizes are the model's
+fields, as vit_jax's configs set them: the defaults are shrunk to 8x8 images, patch 4, 2 layers, so that
+it trains on a CPU in seconds; ``my_port.py`` sets ViT-S and ViT-B depth and width. Not part of the suite.
 
 One line differs from such code as found: it binds the dropout key to the device
 (``fold_in(rng, lax.axis_index('batch'))``), so its masks depend on the device count and no
@@ -72,15 +73,20 @@ class Encoder(nn.Module):
 class VisionTransformer(nn.Module):
     num_classes: int = NUM_CLASSES
     hidden_size: int = HIDDEN
+    patch_size: int = PATCH  # vit_jax: patches.size
+    num_layers: int = LAYERS  # vit_jax: the transformer config's fields
+    mlp_dim: int = MLP_DIM
+    num_heads: int = HEADS
 
     @nn.compact
     def __call__(self, inputs, train):  # keyword-only upstream (*, train); the suite's init passes it by position
-        x = nn.Conv(self.hidden_size, (PATCH, PATCH), strides=(PATCH, PATCH), padding='VALID', name='embedding')(inputs)
+        p = self.patch_size
+        x = nn.Conv(self.hidden_size, (p, p), strides=(p, p), padding='VALID', name='embedding')(inputs)
         n, h, w, c = x.shape
         x = jnp.reshape(x, [n, h * w, c])
         cls = self.param('cls', nn.initializers.zeros, (1, 1, c))
         x = jnp.concatenate([jnp.tile(cls, [n, 1, 1]), x], axis=1)
-        x = Encoder(LAYERS, MLP_DIM, HEADS, name='Transformer')(x, train=train)
+        x = Encoder(self.num_layers, self.mlp_dim, self.num_heads, name='Transformer')(x, train=train)
         return nn.Dense(self.num_classes, name='head', kernel_init=nn.initializers.zeros)(x[:, 0])
 
 
@@ -128,9 +134,10 @@ def make_update_fn(*, apply_fn, tx):
     return jax.pmap(update_fn, axis_name='batch', donate_argnums=(0,))
 
 
-def make_data(rng: np.random.Generator, n_steps: int, batch: int) -> dict:
-    """``{'image': [n_steps, batch, 8, 8, 3], 'label': [n_steps, batch, 10]}`` (one-hot): class blobs."""
-    label = rng.integers(0, NUM_CLASSES, size=(n_steps, batch))
-    means = rng.normal(size=(NUM_CLASSES, 1, 1, 3))
-    image = means[label] + rng.normal(size=(n_steps, batch, IMAGE_SIZE, IMAGE_SIZE, 3))
-    return {'image': image.astype(np.float32), 'label': np.eye(NUM_CLASSES, dtype=np.float32)[label]}
+def make_data(rng: np.random.Generator, n_steps: int, batch: int, image_size: int = IMAGE_SIZE,
+              num_classes: int = NUM_CLASSES) -> dict:  # fmt: skip
+    """``{'image': [n_steps, batch, S, S, 3], 'label': [n_steps, batch, classes]}`` (one-hot): class blobs."""
+    label = rng.integers(0, num_classes, size=(n_steps, batch))
+    means = rng.normal(size=(num_classes, 1, 1, 3))
+    image = means[label] + rng.normal(size=(n_steps, batch, image_size, image_size, 3))
+    return {'image': image.astype(np.float32), 'label': np.eye(num_classes, dtype=np.float32)[label]}

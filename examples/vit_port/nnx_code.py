@@ -3,7 +3,9 @@
 Modules own their submodules by attribute (``embedding``, ``encoder/blocks/0``, ``head``); the
 head is zero-initialised as before; the dropout key is handed to the model by ``nnx.reseed``; one
 ``nnx.jit`` step over the model and its ``nnx.Optimizer`` on the global batch, no ``pmean``. The
-optimizer is the same optax chain, momentum in bfloat16 unless told otherwise.
+optimizer is the same optax chain, momentum in bfloat16 unless told otherwise. The sizes are the
+constructor's arguments, the linen model's fields under the same names (``image_size`` besides: the
+position embedding is built before any image is seen); the defaults are the shrunk model.
 """
 
 import jax
@@ -11,9 +13,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-NUM_CLASSES, PATCH, HIDDEN, HEADS, MLP_DIM, LAYERS, DROPOUT = 10, 4, 16, 2, 32, 2, 0.1
+NUM_CLASSES, IMAGE_SIZE, PATCH, HIDDEN, HEADS, MLP_DIM, LAYERS, DROPOUT = 10, 8, 4, 16, 2, 32, 2, 0.1
 BASE_LR, WARMUP_STEPS, TOTAL_STEPS, GRAD_NORM_CLIP = 0.03, 2, 20, 1.0
-TOKENS = 1 + (8 // PATCH) ** 2  # the class token and 2x2 patches of an 8x8 image
 
 
 class MlpBlock(nnx.Module):
@@ -28,12 +29,12 @@ class MlpBlock(nnx.Module):
 
 
 class EncoderBlock(nnx.Module):
-    def __init__(self, *, rngs: nnx.Rngs, approximate_gelu: bool = True):
-        self.norm1, self.norm2 = nnx.LayerNorm(HIDDEN, rngs=rngs), nnx.LayerNorm(HIDDEN, rngs=rngs)
-        self.attn = nnx.MultiHeadAttention(num_heads=HEADS, in_features=HIDDEN, decode=False, dropout_rate=0.0,
+    def __init__(self, hidden: int, heads: int, mlp_dim: int, *, rngs: nnx.Rngs, approximate_gelu: bool = True):
+        self.norm1, self.norm2 = nnx.LayerNorm(hidden, rngs=rngs), nnx.LayerNorm(hidden, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(num_heads=heads, in_features=hidden, decode=False, dropout_rate=0.0,
                                            kernel_init=nnx.initializers.xavier_uniform(), rngs=rngs)  # fmt: skip
         self.drop = nnx.Dropout(DROPOUT, rngs=rngs)
-        self.mlp = MlpBlock(HIDDEN, MLP_DIM, rngs=rngs, approximate_gelu=approximate_gelu)
+        self.mlp = MlpBlock(hidden, mlp_dim, rngs=rngs, approximate_gelu=approximate_gelu)
 
     def __call__(self, x):
         x = x + self.drop(self.attn(self.norm1(x)))
@@ -41,11 +42,13 @@ class EncoderBlock(nnx.Module):
 
 
 class Encoder(nnx.Module):
-    def __init__(self, *, rngs: nnx.Rngs, slip_in_block: int | None = None):
-        self.pos_embedding = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (1, TOKENS, HIDDEN)))
+    def __init__(self, tokens: int, hidden: int, heads: int, mlp_dim: int, layers: int, *, rngs: nnx.Rngs,
+                 slip_in_block: int | None = None):  # fmt: skip
+        self.pos_embedding = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (1, tokens, hidden)))
         self.drop = nnx.Dropout(DROPOUT, rngs=rngs)
-        self.blocks = nnx.List([EncoderBlock(rngs=rngs, approximate_gelu=i != slip_in_block) for i in range(LAYERS)])
-        self.encoder_norm = nnx.LayerNorm(HIDDEN, rngs=rngs)
+        self.blocks = nnx.List([EncoderBlock(hidden, heads, mlp_dim, rngs=rngs, approximate_gelu=i != slip_in_block)
+                                for i in range(layers)])  # fmt: skip
+        self.encoder_norm = nnx.LayerNorm(hidden, rngs=rngs)
 
     def __call__(self, x):
         x = self.drop(x + self.pos_embedding[...])
@@ -55,11 +58,15 @@ class Encoder(nnx.Module):
 
 
 class VisionTransformer(nnx.Module):
-    def __init__(self, *, rngs: nnx.Rngs, slip_in_block: int | None = None):
-        self.embedding = nnx.Conv(3, HIDDEN, (PATCH, PATCH), strides=(PATCH, PATCH), padding='VALID', rngs=rngs)
-        self.cls = nnx.Param(jnp.zeros((1, 1, HIDDEN)))
-        self.encoder = Encoder(rngs=rngs, slip_in_block=slip_in_block)
-        self.head = nnx.Linear(HIDDEN, NUM_CLASSES, kernel_init=nnx.initializers.zeros, rngs=rngs)
+    def __init__(self, *, rngs: nnx.Rngs, slip_in_block: int | None = None, num_classes: int = NUM_CLASSES,
+                 image_size: int = IMAGE_SIZE, patch_size: int = PATCH, hidden_size: int = HIDDEN,
+                 num_layers: int = LAYERS, mlp_dim: int = MLP_DIM, num_heads: int = HEADS):  # fmt: skip
+        p, tokens = patch_size, 1 + (image_size // patch_size) ** 2  # the class token and the patches
+        self.embedding = nnx.Conv(3, hidden_size, (p, p), strides=(p, p), padding='VALID', rngs=rngs)
+        self.cls = nnx.Param(jnp.zeros((1, 1, hidden_size)))
+        self.encoder = Encoder(tokens, hidden_size, num_heads, mlp_dim, num_layers, rngs=rngs,
+                               slip_in_block=slip_in_block)  # fmt: skip
+        self.head = nnx.Linear(hidden_size, num_classes, kernel_init=nnx.initializers.zeros, rngs=rngs)
 
     def __call__(self, images):
         x = self.embedding(images)

@@ -2,10 +2,14 @@
 
 SGD momentum in bfloat16 (as upstream) and in float32, at D = 1, 2, 4, 8 (16 runs, minutes on
 2 cores); the slip in one encoder block; and the form that draws other random numbers, which must
-never read as a MATCH."""
+never read as a MATCH. The ladder's rungs built abstractly, ViT-B/16 included (nothing allocated), so that
+the real sizes cannot rot unseen."""
 
+import jax
 import my_port
+import numpy as np
 import pytest
+from flax import nnx
 
 from equivalence import check
 from equivalence.testing import assert_port_matches
@@ -33,3 +37,19 @@ def test_other_random_numbers_are_not_verified():
     """The NNX step folds the device count into its dropout key: no MATCH, NOT VERIFIED."""
     result = check(my_port.LOOP_DEVICE_KEYS, devices=2, steps_per_call=2, calls=2)
     assert result.outcome.label == 'NOT VERIFIED'
+
+
+COUNTS = {'6e3': 5_530, '2e5': 208_074, '3e6': 2_912_296, '2e7': 21_778_792, '9e7': 86_023_912}
+
+
+@pytest.mark.parametrize('name', list(my_port.LADDER))
+def test_each_rung_has_its_parameters(name):
+    port = my_port.sized(name)
+    image = port.make_data(np.random.default_rng(0), 1, 1)['image'][0]
+    linen = jax.eval_shape(lambda: port.legacy_model().init(jax.random.key(0), image, False))
+    model = nnx.eval_shape(lambda: port.nnx_model(nnx.Rngs(0)))
+    assert parameters(linen['params']) == parameters(nnx.state(model, nnx.Param)) == COUNTS[name]
+
+
+def parameters(tree) -> int:
+    return sum(leaf.size for leaf in jax.tree.leaves(tree))

@@ -1,0 +1,1 @@
+pytest_plugins = ['equivalence.testing']  # devices and warning filters, before anything imports JAX
