@@ -314,6 +314,24 @@ def test_a_step_that_takes_its_key_first_is_called_so():
     assert seen == [('key', 'state', 'batch')]
 
 
+def test_a_key_named_third_by_rng_arg_is_taken_by_that_name():
+    """``train_step(state, batch, dropout_rng)`` with ``rng_arg='dropout_rng'`` (a GPT-2 port's, issue 59): the
+    key is handed by name, as flax's wmt step takes it; building the port had refused it ('cannot be called as
+    legacy_step(state, batch, dropout_rng=rng): missing a required argument'), binding the state and the batch
+    alone."""
+
+    def third(state, batch, dropout_rng):
+        return train_step(state, batch, dropout_rng)
+
+    port = dataclasses.replace(FORMS['state_rng, scan, fused nnx'], legacy_step=third, rng_arg='dropout_rng')
+    seen = []
+    spy = dataclasses.replace(
+        port, legacy_step=lambda state, batch, dropout_rng: seen.append((state, batch, dropout_rng))
+    )
+    adapters.one_step(spy)('state', 'batch', 'key')
+    assert seen == [('state', 'batch', 'key')]
+
+
 def test_a_key_named_by_rng_arg_beside_other_arguments_is_passed_by_name():
     """google-research/diffusion_distillation's ``step_fn(base_rng, train, state, batch, learning_rate_mult=1.)``:
     with ``train`` bound (``functools.partial(step_fn, train=True)``, which leaves state and batch keyword-only),

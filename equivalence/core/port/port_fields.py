@@ -76,7 +76,10 @@ def check(port: Any) -> None:
     if 'legacy_step' in fields:
         check_pmapped_step(port)
         n, form = _step_call(port)
-        if rng_call(port)[0] != 'names':  # by name: its own signature named the three (rng_call)
+        how = rng_call(port)[0]
+        if how == 'keyword':  # legacy_step(state, batch, dropout_rng=rng): its key by its name
+            check_callable(port, 'legacy_step', n, form, optional=False, keywords=(port.rng_arg,))
+        elif how != 'names':  # by name: its own signature named the three (rng_call)
             check_callable(port, 'legacy_step', n, form, optional=False)
     if not isinstance(port.default_batch, int) or isinstance(port.default_batch, bool) or port.default_batch < 1:
         raise _error(port, 'default_batch', f'must be a positive int, got {port.default_batch!r}')
@@ -285,7 +288,7 @@ def check_nnx_model(port: Any) -> None:
     raise _error(port, 'nnx_model', 'takes no rngs argument: the suite calls nnx_model(nnx.Rngs(0))')
 
 
-def check_callable(port: Any, field: str, n: int, form: str, optional: bool) -> None:
+def check_callable(port: Any, field: str, n: int, form: str, optional: bool, keywords: tuple = ()) -> None:
     fn = getattr(port, field)
     if fn is None and optional:
         return
@@ -293,7 +296,7 @@ def check_callable(port: Any, field: str, n: int, form: str, optional: bool) -> 
         raise _error(port, field, f'is missing: give the function the suite calls as {form}')
     if not callable(fn):
         raise _error(port, field, f'is {_what(fn)}, not a function: the suite calls {form}')
-    _arity(port, field, fn, n, form)
+    _arity(port, field, fn, n, form, keywords)
 
 
 def check_skip(port: Any) -> None:
@@ -317,10 +320,10 @@ def _parameters(fn: Callable) -> list | None:
         return None
 
 
-def _arity(port: Any, field: str, fn: Callable, n: int, form: str) -> None:
-    """Whether ``fn`` accepts ``n`` positional arguments, read from its signature when it has one."""
+def _arity(port: Any, field: str, fn: Callable, n: int, form: str, keywords: tuple = ()) -> None:
+    """Whether ``fn`` accepts ``n`` positional arguments and ``keywords``, read from its signature when it has one."""
     try:
-        _signature(fn).bind(*range(n))
+        _signature(fn).bind(*range(n), **dict.fromkeys(keywords))
     except TypeError as e:
         where = _where(fn)
         raise _error(port, field, f'{where}cannot be called as {form}: {e}') from None
