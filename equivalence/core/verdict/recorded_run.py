@@ -6,15 +6,17 @@ called is dropped (``_first_call``), each call's records kept apart (``_next_cal
 import dataclasses
 
 import jax
+import numpy as np
 from flax import nnx
 
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
 from equivalence.core.run import draws, facts, randomness, sides
 from equivalence.core.run.inputs import Inputs
+from equivalence.core.run.model_side import Reordered
 from equivalence.core.run.nudge import Nudged
 from equivalence.core.verdict import probe, twin
-from equivalence.core.verdict.intercept import _RECORDINGS, _SESSION, _SESSIONS, _patched
+from equivalence.core.verdict.intercept import _RECORDINGS, _SESSION, _SESSIONS, GRADS, ROWS, _patched
 from equivalence.core.verdict.recorded import host, in_order
 
 
@@ -70,6 +72,9 @@ def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, n_twin: twin.Twin
     classes = {type(m) for _, m in graph if isinstance(m, nnx.Module)}
     results, s, compiling, rows = {}, _SESSION, None, None
     s.raw, s.counts, s.order, s.call, s.forward, s.draws = {}, [], 0, 0, forward, {}
+    # each value kept to the first rows of each device's batch (``intercept.sampled``), but where a twin lays its
+    # rows out otherwise (``Reordered``: put back in the run's order whole, ``recorded.in_order``)
+    s.rows = s_rows = None if isinstance(n_twin, Reordered) else (ROWS, config.devices, config.batch_size)
     try:
         with _patched(classes), _RECORDINGS(reuse.session), draws.recording([]):
             # The pmap side is traced first, as it always was, and compiles on a thread while the new side
@@ -99,13 +104,26 @@ def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, n_twin: twin.Twin
     finally:
         if compiling is not None:
             compiling.result()  # no compile left running, whatever raised
-        s.side, s.mesh, s.axis, s.forward = None, None, None, False
+        s.side, s.mesh, s.axis, s.forward, s.rows = None, None, None, False, None
         randomness.take_unbridged()  # the checked runs' lines were taken; these are the same layers'
     if rows is not None:
         s.raw['twin'] = {label: in_order(record, rows) for label, record in s.raw['twin'].items()}
-    if inputs.recorded is not None:
-        results['legacy'], s.raw['legacy'] = inputs.recorded.first_steps(steps, forward)
+    if inputs.recorded is not None:  # recorded by this rule (``referenced.record``), or whole before it was one
+        results['legacy'], held = inputs.recorded.first_steps(steps, forward)
+        s.raw['legacy'] = rows_kept(held, config.batch_size // config.devices) if s_rows else held
     return results, s.raw
+
+
+def rows_kept(raw: dict, per_device: int) -> dict:
+    """A reference's records (recorded whole before ``intercept.sampled`` kept ``ROWS`` rows) cut as it cuts."""
+    if ROWS >= per_device:
+        return raw
+    cut = lambda a: a[:ROWS] if np.ndim(a) and np.shape(a)[0] == per_device else a  # noqa: E731
+    return {
+        label: r if label == GRADS else r._replace(values={d: ([cut(a) for a in i], [cut(a) for a in o])
+                                                           for d, (i, o) in r.values.items()})
+        for label, r in raw.items()
+    }  # fmt: skip
 
 
 def _first_call() -> None:
