@@ -53,9 +53,28 @@ def call(fn: Callable, args: tuple, keep: Callable[[Any], Any]) -> Any:
     with one_step_scans():
         jaxpr, used = pe.dce_jaxpr(jaxpr, [i in picked for i in range(len(leaves))], instantiate=False)
     inputs = [x for x, u in zip([*closed.consts, *jax.tree.leaves(args)], used, strict=True) if u]
-    out = jax.jit(functools.partial(core.eval_jaxpr, jaxpr, ()), compiler_options=options())(*inputs)
+    out = compiled(jaxpr)(*inputs)
     at = {i: out[n] for n, i in enumerate(sorted(picked))}
     return jax.tree.map(lambda i: at[i], wanted)
+
+
+_PROGRAMS: dict = {}  # the pruned program's text -> its jitted function: what JAX's own cache then keys by shapes
+KEPT = 4  # the programs of one verdict's recordings; older ones are let go (a test process runs hundreds)
+
+
+def compiled(jaxpr: core.Jaxpr) -> Callable:
+    """``jaxpr`` as a jitted function, one per program text: the twin of the run's own program records the very
+    program the new side recorded (from inputs one spacing off, handed in as inputs), which a function made anew
+    each call compiled again (a ViT-B on a TPU chip: 32 s of its check, the third of three such compiles, issue 59).
+    Its text is read once (seconds at that size, against a compile of tens). The last ``KEPT`` are kept."""
+    text = str(jaxpr)
+    fn = _PROGRAMS.pop(text, None)
+    if fn is None:
+        fn = jax.jit(functools.partial(core.eval_jaxpr, jaxpr, ()), compiler_options=options())
+    _PROGRAMS[text] = fn  # the newest last
+    while len(_PROGRAMS) > KEPT:
+        del _PROGRAMS[next(iter(_PROGRAMS))]
+    return fn
 
 
 @contextlib.contextmanager
