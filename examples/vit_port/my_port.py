@@ -143,3 +143,7 @@ def sized(name: str, slip_in_block: int | None = None) -> LoopPort:
 LADDER_6E3, LADDER_2E5, LADDER_3E6, LADDER_2E7, LADDER_9E7 = (sized(name) for name in LADDER)
 LOOP_S, LOOP_B16 = LADDER_2E7, LADDER_9E7
 LOOP_B16_GELU_SLIP = sized('9e7', slip_in_block=1)
+# each rung's GELU slip, for ``bench --cost --slip``: the cost of a MISMATCH up the ladder
+LADDER_6E3_GELU_SLIP, LADDER_2E5_GELU_SLIP, LADDER_3E6_GELU_SLIP, LADDER_2E7_GELU_SLIP, _ = (
+    sized(name, slip_in_block=1) for name in LADDER
+)
