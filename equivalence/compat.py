@@ -22,6 +22,10 @@ from equivalence.core.port import installed
 version = installed.version  # ``package``'s installed version as numbers, read without importing it: (0, 4, 38)
 
 
+# the names ``install`` gives where JAX lacks them: code the recorder runs may use these on any JAX
+GIVEN = ('jax.make_user_context', 'jax.extend.core.get_opaque_trace_state', 'jax.sharding.AxisType', 'jax.typeof')
+
+
 class _UserContext:
     """``jax.make_user_context`` where JAX has none: the value, and JAX's caches cleared on each change."""
 

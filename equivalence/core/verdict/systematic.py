@@ -15,7 +15,8 @@ every leaf of at least 16 values that is not noise-dominated, each of its twins'
 decisive or suggestive (the largest r² 0.71, on 16 values, its twin's 0.47). Of 34 slip runs, the 17 in the update
 are decisive: a weight decay 2x and 0 (r² 0.993, 1.000), masked to the kernels on the 1-D leaves (0.992; under a
 warmup, 0.53 over 4 steps, thin, and 0.78 over 16, decisive), a learning rate 1 + 1e-5 and 1 + 1e-6 (0.989 to
-0.999, on the update); the forward-pass slips show none, as they should not.
+0.999, on the update); the other 17 (the forward pass, the randomness, the statistics, Adam's eps and b2, which
+their floors catch) show none.
 """
 
 import dataclasses
