@@ -128,3 +128,45 @@ def test_work_handed_to_a_thread_counts_in_the_stage_that_handed_it_over():
         assert failed.result() is None and isinstance(failed.error, ZeroDivisionError)
     assert (handed.compile_s, handed.programs, other.compile_s, other.programs) == (2.0, 1, 1.0, 1)
     assert (c.compile_s, c.programs, dict(c.names)) == (3.0, 2, {'jit(_fun)': 1, 'jit(train_calls)': 1})
+
+
+def _held(vit, name: str, batch: int) -> tuple[int, int, int]:
+    """``(module calls, bytes moved to the host, programs compiled or read)`` of the first step's forward pass
+    held module by module (what a MATCH with noise-dominated leaves runs), for the ViT example's rung ``name``."""
+    from equivalence.core import kinds
+    from equivalence.core.port.config import RunConfig
+    from equivalence.core.run import inputs as made
+    from equivalence.core.run.nudge import DRAWS
+    from equivalence.core.verdict.first_step import Recorder
+
+    port = vit.sized(name)
+    config = RunConfig(workload=port.name, devices=1, steps_per_call=1, calls=1, batch_size=batch, rng_mode='global')
+    recorder = Recorder(kinds.of(port), config, made.make(port, config), DRAWS[0])
+    with clock.measuring() as measured:
+        _, raw = recorder.forward
+    moved = sum(
+        a.nbytes for side in raw.values() for r in side.values() for i, o in r.values.values() for a in [*i, *o]
+    )
+    timing = measured.summary()
+    return len(raw['new']), moved, timing['programs'] + timing['cached']
+
+
+def test_the_first_step_held_grows_as_the_model_and_not_with_the_batch():
+    """issue 59: at real sizes the hold was what did not scale (a ViT-B at batch 64 on a TPU chip: 358 of its
+    check's 559 s, 13 GB through the host). Two encoder blocks at batch 16, four at batch 32: the programs it
+    compiles do not grow with the depth, and the bytes it moves grow no faster than its module calls (as the
+    run's own work does), the batch twice as large moving no more (each device's first 8 rows are kept: moving
+    them all, the bytes grew twice as fast as the calls)."""
+    import dataclasses
+
+    from conftest import import_example
+
+    (vit,) = import_example('vit_port', 'my_port')
+    vit.LADDER['test-4'] = dataclasses.replace(vit.LADDER['6e3'], num_layers=4)
+    try:
+        calls_2, bytes_2, programs_2 = _held(vit, '6e3', 16)
+        calls_4, bytes_4, programs_4 = _held(vit, 'test-4', 32)
+    finally:
+        del vit.LADDER['test-4']
+    assert programs_4 == programs_2, (programs_2, programs_4)
+    assert bytes_4 / bytes_2 <= 1.1 * calls_4 / calls_2, (bytes_2, bytes_4, calls_2, calls_4)
