@@ -175,7 +175,8 @@ def run_twin(
         return setup.neutral(), losses, sides.loop_metrics(setup), per_call
 
     final, losses, metrics, per_call = gather.together(run)
-    final, losses, metrics = gather.from_process_0((final, losses, metrics))
+    # every call's parameters too: the verdict reads their trends (``systematic``), the same in every process
+    final, losses, metrics, per_call = gather.from_process_0((final, losses, metrics, per_call))
     result = sides.PathResult(final, losses, per_call, None, mesh=dict(setup.mesh.shape))
     result.metrics, result.memory = metrics, None if forward else footprint.per_device(setup, calls[0], rng)
     return result
