@@ -641,4 +641,6 @@ def test_a_later_step_that_starts_from_parameters_apart_names_no_module(monkeypa
     read = apart.reading
     assert apart.why is Unplaced.STARTS_APART and read['leaf'] == 'embed/embedding', apart.figures
     assert read['apart'] == pytest.approx(3e-5, rel=2e-3), apart.figures
+    # it names no module as where it parts (issue 60: 'on step 8 module at bn1 parts' was no place), only its value
+    assert read['parted'] == 'embed' and 'module at' not in apart.line(), apart.line()
     assert judged(0.0).kind == 'module'

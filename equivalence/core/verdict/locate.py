@@ -108,12 +108,14 @@ def judge_step(
             agreed.append(name)
         moved = _starts_apart(results, at, noisy) if found is not None and at > 1 and name in TRAINING[:3] else None
         if moved:  # the step starts from parameters that differ: what parts in it may follow from them
-            text = (f'not located: on step {at} {found.kind} at {found.new} parts, but the parameters it starts '
-                    f'from differ already, within their floors ({moved[0]} {moved[1]:.2e} apart), after the '
-                    f'update of step {at - 1}: what parts in its forward pass, loss or backward pass may follow '
-                    'from them')  # fmt: skip
+            # no module is named: what parts there may follow from the parameters, not be the place (issue 60)
+            part = {'forward': 'forward pass', 'backward': 'backward pass'}.get(name, name)
+            text = (f'not located: on step {at} its {part} parts, but the parameters it starts from differ already, '
+                    f'within their floors ({moved[0]} {moved[1]:.2e} apart), after the update of step {at - 1}: what '
+                    'parts in its forward pass, loss or backward pass may follow from them')  # fmt: skip
             return Location('unlocated', '', '', text, tuple(modules), notes=tuple(n.text for n in notes),
-                            why=Unplaced.STARTS_APART, read=read(step=at, leaf=moved[0], apart=moved[1]))  # fmt: skip
+                            why=Unplaced.STARTS_APART, read=read(step=at, leaf=moved[0], apart=moved[1],
+                                                                 parted=found.new))  # fmt: skip
         if found is not None and stage is stages.loss and any(note.tag == UNOBSERVED for note in notes):
             agreed = [a for a in agreed if a != 'forward']  # not observed: not judged
             found = Location('unlocated', '', '', f'the first loss parts ({found.figures}), and the forward pass '
