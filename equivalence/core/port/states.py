@@ -132,14 +132,17 @@ def nnx_not_compared(train_state: Any) -> list[str]:
     return lines
 
 
-def align(ref: convert.Neutral, other: convert.Neutral) -> tuple[convert.Neutral, convert.Neutral, list[str]]:
-    """A ``step`` counter that one side's state does not hold is left out on both, and said."""
+def align(ref: convert.Neutral, other: convert.Neutral, mapped: bool = False):
+    """``(ref, other, notes)``: a ``step`` counter that one side's state does not hold is left out on both, and
+    said; ``mapped``: the port's own groups (``legacy_groups``) read the pmap side, and hold none."""
     if bool(ref.get('step')) == bool(other.get('step')):
         return ref, other, []
     side = 'pmap' if not ref.get('step') else 'NNX'
-    note = Uncompared('step', Skip.NO_STEP, f'the {side} train state holds no step counter (a tuple (params, '
-                      "opt_state), a dict with no 'step', or a state with no step field)")  # fmt: skip
-    return without(ref, 'step'), without(other, 'step'), [note]
+    held = 'holds no step counter'
+    why = (f"the {side} side's groups (the port's legacy_groups / new_groups) hold no step counter: map it as "
+           "'step' to compare it" if mapped else f"the {side} train state {held} (a tuple (params, opt_state), "
+           "a dict with no 'step', or a state with no step field)")  # fmt: skip
+    return without(ref, 'step'), without(other, 'step'), [Uncompared('step', Skip.NO_STEP, why)]
 
 
 def without(neutral: convert.Neutral, group: str) -> convert.Neutral:

@@ -290,9 +290,10 @@ def compared(kind: Kind, old: PathResult, new: PathResult) -> tuple[Callable[[Pa
     left_out = old.left_out | set(one_side)
     kept = lambda metrics: {p: a for p, a in metrics.items() if p not in left_out}  # noqa: E731
     full = lambda path: sides.with_losses(path.final, path.losses, kept(path.metrics))  # noqa: E731
-    # A state read by the suite that holds no step counter (a tuple (params, opt_state)) leaves
-    # the counter out, said; groups the port maps itself must map it (else: bookkeeping).
-    notes = [] if kind.port.legacy_groups else states.align(full(old), full(new))[2]
+    # A state that holds no step counter (a tuple (params, opt_state)), or groups the port maps itself without
+    # one (its legacy_groups leaving out a global_step field, which is then said not compared: a report that also
+    # called it a bookkeeping MISMATCH said both, issue 60), leaves the counter out on both sides, said.
+    notes = states.align(full(old), full(new), mapped=bool(kind.port.legacy_groups))[2]
 
     def tree(path: PathResult) -> convert.Neutral:
         return states.without(full(path), 'step') if notes else full(path)
