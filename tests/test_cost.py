@@ -58,8 +58,9 @@ def test_a_second_check_reads_its_programs_from_the_cache_and_says_its_stages_as
         names = [s['name'] for s in timing['stages'] if s['depth'] <= 1]
         assert all(any(line.lstrip().startswith(name) for line in said) for name in names), (names, said)
         assert message_lines(proc.stderr) == [], said  # every line a stage's (its record), none a message
-        *_, time_line, verdict = proc.stdout.strip().splitlines()
+        *_, time_line, memory_line, verdict = proc.stdout.strip().splitlines()
         assert time_line.startswith(f'time: {timing["wall_s"]:.1f} s') and verdict.startswith('MATCH')
+        assert memory_line.startswith('memory: host peak '), memory_line
     top = [s['name'] for s in t1['stages'] if s['depth'] == 0]
     # a model port's two programs are the suite's: both traced and compiled on threads, then each side runs
     sides = ['legacy side', 'new side'] * 2

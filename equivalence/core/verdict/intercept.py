@@ -123,6 +123,7 @@ def settings(module: Any) -> tuple:
 
 
 ROWS = 8  # the most rows of each device's batch a recorded value keeps (``sampled``)
+STATISTICS = (nn.BatchNorm, nnx.BatchNorm)  # their running statistics are read from every row of their input
 
 
 def sampled(arrays: list, levels: list, side: str | None) -> list:
@@ -165,8 +166,8 @@ def _emit(label: str, cls: str, inputs: Any, outputs: Any, names: tuple | None =
         # above every vmap, one callback: the whole batch at once
         if s.mesh is not None:  # gathered here: a callback on a sharded value would make XLA do it, loudly
             values = [_whole(a, s.mesh) for a in values]
-        if label != GRADS:  # a gradient is no example's
-            values = sampled(values, levels, s.side)
+        if label != GRADS and not isinstance(module, STATISTICS):  # a gradient is no example's; a batch's
+            values = sampled(values, levels, s.side)  # statistics read from a BatchNorm's input need every row
         jax.debug.callback(store, device, values[:n_in], values[n_in:])
 
 
