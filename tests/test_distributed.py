@@ -251,10 +251,12 @@ def test_an_exception_in_one_worker_ends_every_process_with_one_line(tmp_path):
 def test_on_a_cluster_the_survivors_of_a_dead_worker_end_within_the_heartbeat_timeout(tmp_path):
     """No launcher: the survivor ends within JAX's heartbeat (here 5 s, ``--heartbeat-timeout``, so that the
     test waits less; at the default 10 s, measured ~8 s after a SIGKILL),
-    and says a peer is gone. Two things can notice first, and which does depends on where the
+    and says a peer is gone. Three things can notice first, and which does depends on where the
     survivor was when its peer died, not on the machine: JAX's heartbeat (an abort naming the
-    silent peer), or the survivor's own collective failing on the closed connection (then exit 4
-    and one line, ``a peer process left the run``, never the internal error of exit 3)."""
+    silent peer), the survivor's own collective failing on the closed connection (then exit 4
+    and one line, ``a peer process left the run``, never the internal error of exit 3), or gloo
+    itself aborting in C++ on the half-sent message (``gloo::EnforceNotMet ... Received data size
+    doesn't match``, SIGABRT; seen once in CI: no Python runs after it, so no line of ours)."""
     port = launch.free_port()
     env = clean_env(JAX_NUM_CPU_DEVICES='2', **LEVEL_0)
     procs, logs = [], []
@@ -272,7 +274,8 @@ def test_on_a_cluster_the_survivors_of_a_dead_worker_end_within_the_heartbeat_ti
         assert code != 0 and time.monotonic() - t0 < 30, code  # heartbeat 5 s, with margin for a loaded machine
         log = (tmp_path / 'worker-0.log').read_text()
         errors = [line for line in log.splitlines() if line.startswith('error: ')]
-        if 'stopped sending heartbeats' not in log:  # the collective noticed first
+        gloo_abort = code == -signal.SIGABRT and 'gloo::EnforceNotMet' in log
+        if 'stopped sending heartbeats' not in log and not gloo_abort:  # the collective noticed first
             assert code == launch.EXIT_WORKER_DIED and errors, log[-2000:]
             assert errors[-1].startswith('error: process 0 of 2: a peer process left the run during a collective')
         assert 'internal error' not in log and 'full traceback in' not in log, log[-2000:]
