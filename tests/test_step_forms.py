@@ -544,6 +544,15 @@ def test_the_device_index_is_followed_into_jits_scans_and_conds():
     sliced = lambda k, x: jax.lax.dynamic_slice_in_dim(jax.random.normal(k, (8,)), jax.lax.axis_index(AXIS) * 4, 4)  # noqa: E731
     assert not by_device(sliced)
     assert not by_device(lambda k, x: jax.random.normal(k, (4,)) + x * jax.lax.axis_index(AXIS))
+    # the pre-flight's screen: the step as traced under vmap, where the device index is an iota
+    rows = jax.ShapeDtypeStruct((2, 2), jnp.uint32), jax.ShapeDtypeStruct((2, 4), jnp.float32)
+
+    def screened(fn) -> bool:
+        closed = jax.make_jaxpr(jax.vmap(fn, axis_name=AXIS))(*rows)
+        return device_keys.by_device(closed.jaxpr, [False, False], device_keys.UNDER_VMAP)[0]
+
+    assert screened(lambda k, x: jax.jit(lambda k: jax.random.normal(folded(k), (4,)))(k) * x)
+    assert not screened(sliced)
 
 
 def test_the_guide_maps_a_steps_signature_to_the_fields_of_each_form():

@@ -65,13 +65,15 @@ def trace_legacy_step(port: LoopPort, config: RunConfig, variables: dict, batch_
 
     with blamed(port, 'legacy_step', expected), randomness.bridged(config.rng_mode, port.axis_name):
         try:
-            out_n = jax.eval_shape(jax.vmap(step, axis_name=port.axis_name), stacked, batch, keys)
+            closed, out_n = jax.make_jaxpr(jax.vmap(step, axis_name=port.axis_name), return_shape=True)(
+                stacked, batch, keys
+            )
         except HOST_ONLY:
             return state
     k = config.steps_per_call
     check_loss(port, 'legacy_step', jax.tree.map(lambda s: SDS((k, *s.shape[1:]), s.dtype), out_n), k)
     one_row = lambda tree: jax.tree.map(lambda s: SDS(s.shape[1:], s.dtype), tree)  # noqa: E731
-    device_keys.refuse_global(port, config, state, one_row(batch), SDS((2,), np.uint32), d)
+    device_keys.refuse_global(port, config, state, one_row(batch), SDS((2,), np.uint32), d, closed.jaxpr)
     return state
 
 
