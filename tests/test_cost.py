@@ -171,3 +171,41 @@ def test_the_first_step_held_grows_as_the_model_and_not_with_the_batch():
         del vit.LADDER['test-1']
     assert programs_2 == programs_1, (programs_1, programs_2)
     assert bytes_2 / bytes_1 <= 1.1 * calls_2 / calls_1, (bytes_1, bytes_2, calls_1, calls_2)
+
+
+def test_a_checks_models_are_merged_from_one_trace_of_the_port_constructor():
+    """A check builds its NNX model holding linen's weights five times (the run, two twins, the first step
+    recorded): each was an ``nnx.eval_shape`` of the whole constructor (1.2 s each for a ViT-S). The graph is
+    traced once per port; each model is merged anew from it, with Variables of its own, holding the same values."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from equivalence.core.port import workloads
+    from equivalence.core.port.config import RunConfig
+    from equivalence.core.run import facts
+    from equivalence.core.run import inputs as made
+
+    built = []
+    base = workloads.get('cnn')  # BatchNorm and Dropout: statistics and a random stream of its own
+
+    def constructor(rngs):
+        built.append(1)
+        return base.nnx_model(rngs)
+
+    port = dataclasses.replace(base, nnx_model=constructor)
+    config = RunConfig(workload=port.name, devices=1, steps_per_call=1, calls=1, batch_size=8, rng_mode='global')
+    inputs = made.make(port, config)
+    first = facts.model_holding(port, inputs.variables, inputs.mapping)
+    before = len(built)
+    second = facts.model_holding(port, inputs.variables, inputs.mapping)
+    assert len(built) == before, 'the constructor was traced again'
+    one, two = dict(nnx.to_flat_state(nnx.state(first))), dict(nnx.to_flat_state(nnx.state(second)))
+    assert one.keys() == two.keys() and not any(one[p] is two[p] for p in one)
+    for path in one:
+        a, b = one[path].get_value(), two[path].get_value()
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
