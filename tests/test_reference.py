@@ -79,6 +79,27 @@ def test_a_port_whose_two_sides_do_not_fit_together_is_refused_before_training_a
         harness.check(port, reference=path, batch_size=8, **FLAGS)
 
 
+def test_a_references_records_are_cut_to_the_rows_the_recorder_keeps_and_a_batchnorms_kept_whole():
+    """A reference recorded with every row is cut as the recorder now cuts (``intercept.sampled``): each device's
+    first 8 examples, but a BatchNorm's values whole (its running statistics read every row) and the gradients
+    whole. Cut there too, a check against a reference at 16 rows a device stopped at the first BatchNorm, its
+    inputs of other shapes on the two sides (`not located: ... the inputs of bn1 <-> bn1 cannot be compared`)."""
+    from equivalence.core.verdict.intercept import GRADS, ROWS
+    from equivalence.core.verdict.recorded import Record
+    from equivalence.core.verdict.recorded_run import rows_kept
+
+    rows, other = np.arange(16 * 3.0).reshape(16, 3), np.ones((3, 4))
+    held = {label: Record(cls, 0, None, {0: ([rows, other], [rows])})
+            for label, cls in (('Dense_0', 'Dense'), ('bn1', 'BatchNorm'), (GRADS, 'grads'))}  # fmt: skip
+    kept = rows_kept(held, per_device=16)
+    (ins, outs) = kept['Dense_0'].values[0]
+    assert [a.shape for a in (*ins, *outs)] == [(ROWS, 3), (3, 4), (ROWS, 3)]
+    np.testing.assert_array_equal(ins[0], rows[:ROWS])
+    for label in ('bn1', GRADS):
+        assert [a.shape for a in (*kept[label].values[0][0], *kept[label].values[0][1])] == [(16, 3), (3, 4), (16, 3)]
+    assert rows_kept(held, per_device=ROWS) is held  # a batch no larger than what is kept: nothing cut
+
+
 def test_the_library_reads_the_run_from_the_reference_and_refuses_a_keyword_that_differs(monkeypatch):
     """``equivalence.check(port, reference=FILE)`` and the plugin run what the reference holds (issue 60: the
     plugin's K = C = 2 refused a reference recorded with record's 5 and 4, naming --steps-per-call); a value

@@ -124,6 +124,12 @@ def settings(module: Any) -> tuple:
 
 ROWS = 8  # the most rows of each device's batch a recorded value keeps (``sampled``)
 STATISTICS = (nn.BatchNorm, nnx.BatchNorm)  # their running statistics are read from every row of their input
+STATISTICS_NAMES = frozenset(c.__name__ for c in STATISTICS)  # the same, as a record on the host names its class
+
+
+def first_rows(a: Any, per_device: int, keep: int = ROWS) -> Any:
+    """A pmap-side value ``[B / D, ...]`` cut to its device's first ``keep`` examples; any other kept whole."""
+    return a[:keep] if np.ndim(a) and np.shape(a)[0] == per_device else a
 
 
 def sampled(arrays: list, levels: list, side: str | None) -> list:
@@ -141,7 +147,7 @@ def sampled(arrays: list, levels: list, side: str | None) -> list:
         return arrays
     pairs = zip(arrays, levels, strict=True)
     if side == 'legacy':
-        return [a[:keep] if not lv and a.ndim and a.shape[0] == per_device else a for a, lv in pairs]
+        return [a if lv else first_rows(a, per_device, keep) for a, lv in pairs]
     rows = np.concatenate([np.arange(keep) + d * per_device for d in range(devices)])
     return [a[rows] if not lv and a.ndim and a.shape[0] == batch else a for a, lv in pairs]
 

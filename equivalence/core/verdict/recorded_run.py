@@ -4,9 +4,9 @@ called is dropped (``_first_call``), each call's records kept apart (``_next_cal
 """
 
 import dataclasses
+import functools
 
 import jax
-import numpy as np
 from flax import nnx
 
 from equivalence.core.port.config import RunConfig
@@ -16,7 +16,16 @@ from equivalence.core.run.inputs import Inputs
 from equivalence.core.run.model_side import Reordered
 from equivalence.core.run.nudge import Nudged
 from equivalence.core.verdict import probe, twin
-from equivalence.core.verdict.intercept import _RECORDINGS, _SESSION, _SESSIONS, GRADS, ROWS, _patched
+from equivalence.core.verdict.intercept import (
+    _RECORDINGS,
+    _SESSION,
+    _SESSIONS,
+    GRADS,
+    ROWS,
+    STATISTICS_NAMES,
+    _patched,
+    first_rows,
+)
 from equivalence.core.verdict.recorded import host, in_order
 
 
@@ -115,13 +124,15 @@ def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, n_twin: twin.Twin
 
 
 def rows_kept(raw: dict, per_device: int) -> dict:
-    """A reference's records (recorded whole before ``intercept.sampled`` kept ``ROWS`` rows) cut as it cuts."""
+    """A reference's records (recorded whole before ``intercept.sampled`` kept ``ROWS`` rows) cut as it cuts: not
+    the gradients, nor a BatchNorm's (kept whole by the recorder, as the new side's are: cut here, a check against a
+    reference stopped at the first BatchNorm, its inputs of other shapes on the two sides)."""
     if ROWS >= per_device:
         return raw
-    cut = lambda a: a[:ROWS] if np.ndim(a) and np.shape(a)[0] == per_device else a  # noqa: E731
+    cut = functools.partial(first_rows, per_device=per_device)
     return {
-        label: r if label == GRADS else r._replace(values={d: ([cut(a) for a in i], [cut(a) for a in o])
-                                                           for d, (i, o) in r.values.items()})
+        label: r if label == GRADS or r.cls in STATISTICS_NAMES else
+        r._replace(values={d: ([cut(a) for a in i], [cut(a) for a in o]) for d, (i, o) in r.values.items()})
         for label, r in raw.items()
     }  # fmt: skip
 
