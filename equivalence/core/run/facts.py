@@ -19,6 +19,17 @@ from equivalence.core.port.ports import Port, init_inputs
 _ABSTRACT: dict[int, tuple[weakref.ref, tuple[Any, Any]]] = {}
 
 
+def _once_per_port(cache: dict, port: Port, build: Any) -> Any:
+    """``build()``, kept in ``cache`` for as long as ``port`` (this very object) lives."""
+    key = id(port)
+    held = cache.get(key)
+    if held is not None and held[0]() is port:
+        return held[1]
+    value = build()
+    cache[key] = (weakref.ref(port, lambda _, key=key: cache.pop(key, None)), value)
+    return value
+
+
 def abstract_model(port: Port) -> nnx.Module | None:
     """The port's NNX model with shapes and dtypes only: what checks read, nothing allocated. None
     for a loop port without one (its new side is built from linen's variables). Its constructor is traced
@@ -27,13 +38,9 @@ def abstract_model(port: Port) -> nnx.Module | None:
     with Variables of its own (``copy=True``): what one fills or trains, no other holds."""
     if port.nnx_model is None:
         return None
-    key = id(port)
-    held = _ABSTRACT.get(key)
-    if held is None or held[0]() is not port:
-        graph = nnx.split(nnx.eval_shape(lambda: port.nnx_model(nnx.Rngs(0))))
-        held = (weakref.ref(port, lambda _, key=key: _ABSTRACT.pop(key, None)), graph)
-        _ABSTRACT[key] = held
-    graphdef, state = held[1]
+    graphdef, state = _once_per_port(
+        _ABSTRACT, port, lambda: nnx.split(nnx.eval_shape(lambda: port.nnx_model(nnx.Rngs(0))))
+    )
     return nnx.merge(graphdef, state, copy=True)
 
 
@@ -56,22 +63,19 @@ def model_facts(port: Port) -> ModelFacts | None:
     each abstract model is an ``nnx.eval_shape`` of the whole model); None without a model."""
     if _ALONE is not None:
         return _ALONE
-    held = _FACTS.get(id(port))
-    if held is not None and held[0]() is port:
-        return held[1]
-    abstract = abstract_model(port)
-    facts = None
-    if abstract is not None:
-        nodes = [node for _, node in nnx.iter_graph(abstract)]
-        facts = ModelFacts(
-            naming.nnx_spec(abstract),
-            any(isinstance(node, nnx.BatchStat) for node in nodes),
-            any(isinstance(node, nnx.Dropout | nnx.MultiHeadAttention) for node in nodes),
-            any(isinstance(node, nnx.RngState | jax.core.Tracer | jax.ShapeDtypeStruct) for node in nodes),
-        )
-    key = id(port)
-    _FACTS[key] = (weakref.ref(port, lambda _, key=key: _FACTS.pop(key, None)), facts)
-    return facts
+    return _once_per_port(_FACTS, port, lambda: _read_facts(abstract_model(port)))
+
+
+def _read_facts(abstract: nnx.Module | None) -> ModelFacts | None:
+    if abstract is None:
+        return None
+    nodes = [node for _, node in nnx.iter_graph(abstract)]
+    return ModelFacts(
+        naming.nnx_spec(abstract),
+        any(isinstance(node, nnx.BatchStat) for node in nodes),
+        any(isinstance(node, nnx.Dropout | nnx.MultiHeadAttention) for node in nodes),
+        any(isinstance(node, nnx.RngState | jax.core.Tracer | jax.ShapeDtypeStruct) for node in nodes),
+    )
 
 
 @contextlib.contextmanager
