@@ -16,12 +16,14 @@ every carry a later iteration could read, and with it the update of every parame
 """
 
 import contextlib
+import dataclasses
 import functools
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import numpy as np
 from jax._src import core
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lax.control_flow import loops
@@ -42,9 +44,49 @@ def options() -> dict:
     return {} if LEVEL in os.environ.get('XLA_FLAGS', '') else {LEVEL: 2}
 
 
-def call(fn: Callable, args: tuple, keep: Callable[[Any], Any]) -> Any:
+def call(fn: Callable, args: tuple, keep: Callable[[Any], Any], ready: 'Program | None' = None) -> Any:
     """``keep(fn(*args))`` (``keep`` picks a subtree of the output: ``lambda out: out[1]``), from a program
-    that computes nothing else but ``fn``'s effects. ``fn``'s other outputs are never computed."""
+    that computes nothing else but ``fn``'s effects. ``fn``'s other outputs are never computed. ``ready``: the
+    program ``prepare`` traced already for arguments of these shapes (``LegacySetup.lowered``, compiled on a
+    thread while the other side ran), used where it fits ``args`` and traced again where it does not."""
+    program = ready if ready is not None and ready.fits(args) else prepare(fn, args, keep)
+    return program(args)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One call's pruned program (``prepare``): the jitted function of what is left, which of the call's
+    inputs (its constants, then its arguments' leaves) it reads, and where the kept outputs lie."""
+
+    fn: Callable
+    consts: tuple
+    used: tuple
+    wanted: Any  # the kept subtree, each leaf its position among the call's outputs
+    avals: tuple  # the arguments' structure and abstract values the trace was made for
+
+    def fits(self, args: tuple) -> bool:
+        return self.avals == _avals(args)
+
+    def inputs(self, args: tuple) -> list:
+        return [x for x, u in zip([*self.consts, *jax.tree.leaves(args)], self.used, strict=True) if u]
+
+    def lower(self, args: tuple) -> Any:
+        """What ``__call__`` compiles, lowered and not compiled (JAX's cache keeps its compile for the call)."""
+        return self.fn.lower(*self.inputs(args))
+
+    def __call__(self, args: tuple) -> Any:
+        out = self.fn(*self.inputs(args))
+        at = {i: out[n] for n, i in enumerate(sorted(jax.tree.leaves(self.wanted)))}
+        return jax.tree.map(lambda i: at[i], self.wanted)
+
+
+def _avals(args: tuple) -> tuple:
+    leaves, tree = jax.tree.flatten(args)
+    return tree, tuple((np.shape(x), str(getattr(x, 'dtype', type(x)))) for x in leaves)
+
+
+def prepare(fn: Callable, args: tuple, keep: Callable[[Any], Any]) -> Program:
+    """``call``'s program, traced and pruned (``jax.make_jaxpr``, ``dce_jaxpr``) and not compiled."""
     closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     leaves, tree = jax.tree.flatten(shape)
     wanted = keep(jax.tree.unflatten(tree, range(len(leaves))))
@@ -52,10 +94,7 @@ def call(fn: Callable, args: tuple, keep: Callable[[Any], Any]) -> Any:
     jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)  # the constants become inputs: no array is baked in
     with one_step_scans():
         jaxpr, used = pe.dce_jaxpr(jaxpr, [i in picked for i in range(len(leaves))], instantiate=False)
-    inputs = [x for x, u in zip([*closed.consts, *jax.tree.leaves(args)], used, strict=True) if u]
-    out = compiled(jaxpr)(*inputs)
-    at = {i: out[n] for n, i in enumerate(sorted(picked))}
-    return jax.tree.map(lambda i: at[i], wanted)
+    return Program(compiled(jaxpr), tuple(closed.consts), tuple(used), wanted, _avals(args))
 
 
 _PROGRAMS: dict = {}  # the pruned program's text -> its jitted function: what JAX's own cache then keys by shapes

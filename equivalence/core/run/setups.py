@@ -8,6 +8,7 @@ rows each process feeds them, and a model port's losses wrapped for the suite's 
 import contextlib
 import dataclasses
 import functools
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -63,6 +64,9 @@ def nnx_step(port: ModelPort, graphdef, config: RunConfig) -> Callable:
     return sharded.make_step_fn(graphdef, nnx_loss(port, config), noise, port.ema_rate, config.rng_mode)
 
 
+LOSSES = operator.itemgetter(1)  # a call's outputs ``(carry, losses)``: what a forward pass keeps (``pruned``)
+
+
 @dataclasses.dataclass
 class LegacySetup:
     """Everything the pmap path needs before its first call."""
@@ -72,6 +76,8 @@ class LegacySetup:
     config: RunConfig
     groups: Callable = convert.legacy_groups  # one replica of the state -> {group: tree}
     context: Callable = contextlib.nullcontext  # entered around each call (a loop port's Dropout bridge)
+    # pruned.Program: the first call's forward pass, traced by ``lowered(forward=True)``
+    ready: Any = dataclasses.field(default=None, init=False, repr=False)
 
     def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
         """``(next rng, args of one call)`` in score_sde's layout; this process's devices' rows only."""
@@ -93,8 +99,12 @@ class LegacySetup:
         """The K losses of the call of ``args``, from a program of what they and its effects need
         (``pruned``: the recording's forward pass); the state is not updated."""
         with self.context():
-            self.device_losses = pruned.call(self.p_train_step, args, lambda out: out[1])
+            self.device_losses = pruned.call(self.forward_program(), args, LOSSES, self.ready)
         return legacy.unreplicate_to_host(self.device_losses)
+
+    def forward_program(self) -> Callable:
+        """The function whose forward pass ``forward`` prunes."""
+        return self.p_train_step
 
     def neutral(self) -> convert.Neutral:
         return convert.groups_to_neutral(self.groups(legacy.unreplicate_to_host(self.pstate)))
@@ -105,12 +115,16 @@ class LegacySetup:
         self.p_train_step = program or self.p_train_step
         return self.p_train_step
 
-    def lowered(self, args: tuple) -> list:
+    def lowered(self, args: tuple, forward: bool = False) -> list:
         """The programs the call of ``args`` compiles, traced here (in its context) and none compiled: what
         a thread may compile while the other side runs (``sides.prefetch``); the call then finds them in
-        JAX's cache. A pmap, or the suite's own program of a real step form (``adapters.legacy_program``)."""
+        JAX's cache. A pmap, or the suite's own program of a real step form (``adapters.legacy_program``).
+        ``forward``: the program of ``forward``'s call instead (``pruned.prepare``), kept for that call."""
         program = self.p_train_step
         with self.context():
+            if forward:
+                self.ready = pruned.prepare(self.forward_program(), args, LOSSES)
+                return [self.ready.lower(args)]
             return [program.lower(*args)] if hasattr(program, 'lower') else program.lowered(*args)
 
 

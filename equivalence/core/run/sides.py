@@ -78,17 +78,19 @@ def _params(neutral: convert.Neutral, mapping: dict[str, str] | None) -> dict[st
     return convert.rename(neutral, mapping)['params'] if mapping else neutral['params']
 
 
-def prefetch(setup, inputs: Inputs) -> clock.OnThread | None:
+def prefetch(setup, inputs: Inputs, forward: bool = False) -> clock.OnThread | None:
     """The programs of ``setup``'s first call compiled on a thread of their own, from now on, where the setup
     can trace them without running them (``lowered``: the pmap side, the suite's own NNX program), so that
     they compile while the other side runs; its first call then finds them in JAX's cache. None where it
     cannot (the team's own new call, whose programs only its first call compiles; a restored key chain).
-    Never raises: a call whose programs are not ready compiles them itself, as it always did."""
+    ``forward``: the program of its first ``forward`` call (the pmap side's alone). Never raises: a call
+    whose programs are not ready compiles them itself, as it always did."""
     lower = getattr(setup, 'lowered', None)
     if lower is None or inputs.rng is None:
         return None
     try:
-        programs = lower(setup.call_args(inputs.rng, inputs.calls[0])[1])
+        args = setup.call_args(inputs.rng, inputs.calls[0])[1]
+        programs = lower(args, forward=True) if forward else lower(args)
     except Exception:  # noqa: BLE001 -- the first call traces again and raises its own error
         return None
     return clock.on_thread(lambda: [p.compile() for p in programs])

@@ -91,7 +91,9 @@ def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, n_twin: twin.Twin
             if inputs.recorded is None:
                 s.side, s.axis, s.mesh, s.call = 'legacy', kind.axis_name, None, -1  # building: not kept
                 legacy_setup = reuse.share('legacy', recording.legacy_setup(one, fed))
-                compiling = None if forward else sides.prefetch(legacy_setup, fed)  # forward: not this program
+                # forward: its forward pass alone, traced now and compiled on a thread beside the new side's
+                # (the hold of a MATCH at 2e5 parameters: 10 s of a 30 s check, each side's program a third)
+                compiling = sides.prefetch(legacy_setup, fed, forward)
                 s.side = None
                 legacy_run = lambda setup: sides.run_legacy(recording, one, fed, setup=setup, **hooks)  # noqa: E731
                 runs['legacy'] = (lambda: legacy_setup, legacy_run)
