@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import core
+from jax._src import compiler, core
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lax.control_flow import loops
 from jax._src.util import split_list
@@ -42,6 +42,30 @@ def options() -> dict:
     holds each side's first loss within 8 spacings of its run's (``locate.not_reproduced``). score_sde's
     and VDM's MATCH said the same module calls within their floors, with the same figures, at 2 and 3."""
     return {} if LEVEL in os.environ.get('XLA_FLAGS', '') else {LEVEL: 2}
+
+
+@contextlib.contextmanager
+def at_recording_level() -> Iterator[None]:
+    """Every program compiled in this block at ``options()``' level: a recording's whole first step too (the
+    pmap side's and the new side's own programs, traced afresh with the recording in them under a user context of
+    its own, so that no program of the run is compiled so or replaced)."""
+    chosen = [(k, str(v)) for k, v in options().items()]
+    if not chosen:
+        yield
+        return
+    original = compiler.compile_or_get_cached
+
+    def at_level(backend, computation, devices, compile_options, *rest, **kwargs):
+        given = {k for k, _ in compile_options.env_option_overrides}
+        compile_options.env_option_overrides = [*compile_options.env_option_overrides,
+                                                *(o for o in chosen if o[0] not in given)]  # fmt: skip
+        return original(backend, computation, devices, compile_options, *rest, **kwargs)
+
+    compiler.compile_or_get_cached = at_level
+    try:
+        yield
+    finally:
+        compiler.compile_or_get_cached = original
 
 
 def call(fn: Callable, args: tuple, keep: Callable[[Any], Any], ready: 'Program | None' = None) -> Any:

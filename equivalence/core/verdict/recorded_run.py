@@ -11,7 +11,7 @@ from flax import nnx
 
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
-from equivalence.core.run import draws, facts, randomness, sides
+from equivalence.core.run import draws, facts, pruned, randomness, sides
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.run.model_side import Reordered
 from equivalence.core.run.nudge import Nudged
@@ -85,7 +85,7 @@ def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, n_twin: twin.Twin
     # rows out otherwise (``Reordered``: put back in the run's order whole, ``recorded.in_order``)
     s.rows = s_rows = None if isinstance(n_twin, Reordered) else (ROWS, config.devices, config.batch_size)
     try:
-        with _patched(classes), _RECORDINGS(reuse.session), draws.recording([]):
+        with _patched(classes), _RECORDINGS(reuse.session), draws.recording([]), pruned.at_recording_level():
             # The pmap side is traced first, as it always was, and compiles on a thread while the new side
             # and the twin run; it runs last, its values recorded then (a callback reads the side as it runs).
             if inputs.recorded is None:
