@@ -18,6 +18,7 @@ every carry a later iteration could read, and with it the update of every parame
 import contextlib
 import dataclasses
 import functools
+import operator
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -33,7 +34,8 @@ LEVEL = 'xla_backend_optimization_level'
 
 
 def options() -> dict:
-    """The recorded forward pass compiled at backend optimisation level 2, not XLA's default 3, unless
+    """A recording's programs (its forward pass here, its whole step through ``at_recording_level``) compiled at
+    backend optimisation level 2, not XLA's default 3, unless
     ``XLA_FLAGS`` chose a level (kept, as the suite's tests choose 1). It runs once, for one step, and level 3
     was most of its compile: score_sde_port at D = 2, the three recorded forward passes 7.4 s of compiling
     at 3, 3.5 s at 2; upstream VDM's port 7.2 and 5.0 s. The values are not bitwise level 3's (a test
@@ -42,6 +44,15 @@ def options() -> dict:
     holds each side's first loss within 8 spacings of its run's (``locate.not_reproduced``). score_sde's
     and VDM's MATCH said the same module calls within their floors, with the same figures, at 2 and 3."""
     return {} if LEVEL in os.environ.get('XLA_FLAGS', '') else {LEVEL: 2}
+
+
+LOSSES = operator.itemgetter(1)  # a call's outputs ``(carry, losses)``: what a recording's forward pass keeps
+
+
+def traceable(program: Callable) -> Callable:
+    """A side's call as one function of arrays: a real step form's (``adapters.legacy_program``: not the loop
+    that blocks each step), else the call itself (a pmap)."""
+    return getattr(program, 'traceable', program)
 
 
 @contextlib.contextmanager

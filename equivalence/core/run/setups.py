@@ -8,7 +8,6 @@ rows each process feeds them, and a model port's losses wrapped for the suite's 
 import contextlib
 import dataclasses
 import functools
-import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -64,9 +63,6 @@ def nnx_step(port: ModelPort, graphdef, config: RunConfig) -> Callable:
     return sharded.make_step_fn(graphdef, nnx_loss(port, config), noise, port.ema_rate, config.rng_mode)
 
 
-LOSSES = operator.itemgetter(1)  # a call's outputs ``(carry, losses)``: what a forward pass keeps (``pruned``)
-
-
 @dataclasses.dataclass
 class LegacySetup:
     """Everything the pmap path needs before its first call."""
@@ -76,8 +72,7 @@ class LegacySetup:
     config: RunConfig
     groups: Callable = convert.legacy_groups  # one replica of the state -> {group: tree}
     context: Callable = contextlib.nullcontext  # entered around each call (a loop port's Dropout bridge)
-    # pruned.Program: the first call's forward pass, traced by ``lowered(forward=True)``
-    ready: Any = dataclasses.field(default=None, init=False, repr=False)
+    ready: Any = dataclasses.field(default=None, init=False)  # pruned.Program of forward's call (sides.prefetch)
 
     def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
         """``(next rng, args of one call)`` in score_sde's layout; this process's devices' rows only."""
@@ -96,15 +91,11 @@ class LegacySetup:
         return legacy.unreplicate_to_host(loss_DxK)
 
     def forward(self, args: tuple) -> np.ndarray:
-        """The K losses of the call of ``args``, from a program of what they and its effects need
-        (``pruned``: the recording's forward pass); the state is not updated."""
+        """The K losses of the call of ``args``, from a program of what they and its effects need (``pruned``: the
+        recording's forward pass; ``ready``, traced already where it fits); the state is not updated."""
         with self.context():
-            self.device_losses = pruned.call(self.forward_program(), args, LOSSES, self.ready)
+            self.device_losses = pruned.call(self.p_train_step, args, pruned.LOSSES, self.ready)
         return legacy.unreplicate_to_host(self.device_losses)
-
-    def forward_program(self) -> Callable:
-        """The function whose forward pass ``forward`` prunes."""
-        return self.p_train_step
 
     def neutral(self) -> convert.Neutral:
         return convert.groups_to_neutral(self.groups(legacy.unreplicate_to_host(self.pstate)))
@@ -115,16 +106,12 @@ class LegacySetup:
         self.p_train_step = program or self.p_train_step
         return self.p_train_step
 
-    def lowered(self, args: tuple, forward: bool = False) -> list:
+    def lowered(self, args: tuple) -> list:
         """The programs the call of ``args`` compiles, traced here (in its context) and none compiled: what
         a thread may compile while the other side runs (``sides.prefetch``); the call then finds them in
-        JAX's cache. A pmap, or the suite's own program of a real step form (``adapters.legacy_program``).
-        ``forward``: the program of ``forward``'s call instead (``pruned.prepare``), kept for that call."""
+        JAX's cache. A pmap, or the suite's own program of a real step form (``adapters.legacy_program``)."""
         program = self.p_train_step
         with self.context():
-            if forward:
-                self.ready = pruned.prepare(self.forward_program(), args, LOSSES)
-                return [self.ready.lower(args)]
             return [program.lower(*args)] if hasattr(program, 'lower') else program.lowered(*args)
 
 
@@ -276,9 +263,8 @@ class LoopNewSetup:
         """Loaded in place (the view shares the team's objects): nothing to take back."""
 
     def as_pure_call(self) -> tuple[Callable, Any]:
-        """``(jax.jit(call over split state), typed state)``: the user's call as one program whose
-        inputs are arrays, so that explain can lower it and name every input. A pytree train state
-        (``new_side``) is such an input as it is."""
+        """``(jax.jit(call over split state), typed state)``: the user's call as one program whose inputs are arrays,
+        so that explain can lower it and name every input. A pytree train state (``new_side``) is one as it is."""
         if new_side.form(self.train_state) == new_side.PYTREE:
             return jax.jit(self._pure_pytree_call, keep_unused=True), self.train_state
         graphdef, state = nnx.split(self.train_state)

@@ -14,7 +14,7 @@ import numpy as np
 from equivalence.core.port import convert
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
-from equivalence.core.run import clock, footprint
+from equivalence.core.run import clock, footprint, pruned
 from equivalence.core.run.inputs import Inputs
 
 
@@ -90,10 +90,18 @@ def prefetch(setup, inputs: Inputs, forward: bool = False) -> clock.OnThread | N
         return None
     try:
         args = setup.call_args(inputs.rng, inputs.calls[0])[1]
-        programs = lower(args, forward=True) if forward else lower(args)
+        programs = _forward_lowered(setup, args) if forward else lower(args)
     except Exception:  # noqa: BLE001 -- the first call traces again and raises its own error
         return None
     return clock.on_thread(lambda: [p.compile() for p in programs])
+
+
+def _forward_lowered(setup, args: tuple) -> list:
+    """The pmap side's ``forward`` program of the call of ``args``, traced (in its context) and kept for that call
+    (``setup.ready``), not compiled."""
+    with setup.context():  # lowered in it too: its jit context is a key of JAX's cache, which the call then reads
+        setup.ready = pruned.prepare(pruned.traceable(setup.p_train_step), args, pruned.LOSSES)
+        return [setup.ready.lower(args)]
 
 
 def run_legacy(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, after_call=None,

@@ -58,11 +58,8 @@ class StepLegacySetup(setups.LegacySetup):
     def forward(self, args: tuple) -> np.ndarray:
         """The K losses alone (``setups.LegacySetup.forward``); the state is not updated."""
         with self.context():
-            out_nxK = pruned.call(self.forward_program(), args, setups.LOSSES, self.ready)
+            out_nxK = pruned.call(pruned.traceable(self.p_train_step), args, pruned.LOSSES, self.ready)
         return read_output(self.port, replica_outputs(out_nxK)[0])[0]
-
-    def forward_program(self) -> Callable:
-        return getattr(self.p_train_step, 'traceable', self.p_train_step)  # not the loop that blocks each step
 
 
 def legacy_setup(port: LoopPort, config: RunConfig, variables: dict) -> StepLegacySetup:
