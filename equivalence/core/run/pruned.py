@@ -82,7 +82,7 @@ def at_recording_level() -> Iterator[None]:
 def call(fn: Callable, args: tuple, keep: Callable[[Any], Any], ready: 'Program | None' = None) -> Any:
     """``keep(fn(*args))`` (``keep`` picks a subtree of the output: ``lambda out: out[1]``), from a program
     that computes nothing else but ``fn``'s effects. ``fn``'s other outputs are never computed. ``ready``: the
-    program ``prepare`` traced already for arguments of these shapes (``LegacySetup.lowered``, compiled on a
+    program ``prepare`` traced already for arguments of these shapes (``sides.prefetch``, compiled on a
     thread while the other side ran), used where it fits ``args`` and traced again where it does not."""
     program = ready if ready is not None and ready.fits(args) else prepare(fn, args, keep)
     return program(args)
