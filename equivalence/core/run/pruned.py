@@ -34,7 +34,7 @@ LEVEL = 'xla_backend_optimization_level'
 
 
 def options() -> dict:
-    """A recording's programs (its forward pass here, its whole step through ``at_recording_level``) compiled at
+    """A recording's programs (its forward pass and its whole step alike, ``at_recording_level``) compiled at
     backend optimisation level 2, not XLA's default 3, unless
     ``XLA_FLAGS`` chose a level (kept, as the suite's tests choose 1). It runs once, for one step, and level 3
     was most of its compile: score_sde_port at D = 2, the three recorded forward passes 7.4 s of compiling
@@ -144,7 +144,7 @@ def compiled(jaxpr: core.Jaxpr) -> Callable:
     text = str(jaxpr)
     fn = _PROGRAMS.pop(text, None)
     if fn is None:
-        fn = jax.jit(functools.partial(core.eval_jaxpr, jaxpr, ()), compiler_options=options())
+        fn = jax.jit(functools.partial(core.eval_jaxpr, jaxpr, ()))  # at options()' level: at_recording_level
     _PROGRAMS[text] = fn  # the newest last
     while len(_PROGRAMS) > KEPT:
         del _PROGRAMS[next(iter(_PROGRAMS))]

@@ -147,7 +147,7 @@ class NnxSetup:
 
     def forward(self, args: tuple) -> np.ndarray:
         """The K losses alone (``LegacySetup.forward``); the state is not updated."""
-        return np.asarray(pruned.call(self.fused, args, lambda out: out[1]))
+        return np.asarray(pruned.call(self.fused, args, pruned.LOSSES))
 
     def neutral(self) -> convert.Neutral:
         return convert.nnx_to_neutral(self.graphdef, gather.to_host(self.state))
@@ -242,7 +242,7 @@ class LoopNewSetup:
     def forward_outputs(self, args: tuple) -> Any:
         fn, state = self.as_pure_call()
         with pinned_to_its_mesh(self.port, self.mesh):
-            return pruned.call(fn, (state, *args), lambda out: out[1])
+            return pruned.call(fn, (state, *args), pruned.LOSSES)
 
     def neutral(self) -> convert.Neutral:
         groups = self.port.new_groups or new_side.read_groups
