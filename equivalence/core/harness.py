@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import jax
 
 from equivalence.core import kinds, preflight
-from equivalence.core.port import port_fields
+from equivalence.core.port import freshness, port_fields
 from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.port.kind import Kind
 from equivalence.core.port.ports import Port
@@ -31,6 +31,7 @@ from equivalence.core.verdict.runs import Runs
 def validate(port: Port, config: RunConfig, recording: bool = False) -> None:
     """What a port cannot do with these flags, as ``ConfigError`` (exit 2), before any work; ``recording``: for
     ``record``, which runs the pmap side alone."""
+    freshness.starting(port)  # what earlier checks kept goes where the port's code changed since
     recorded = port_fields.recorded_fields(port)
     if recorded and recording:
         raise ConfigError(f'port {port.name!r}: {recorded[0]}=RECORDED: record runs the pmap side, and this port has '
@@ -59,6 +60,7 @@ def prepare(port: Port, config: RunConfig, n_steps: int | None = None) -> Prepar
     """The port traced abstractly (``preflight``: a mistake in it is exit 2, before training; it pairs the
     two sides' names, once), then its inputs made. ``config`` must have passed ``validate``. ``n_steps``:
     the steps the pre-flight asks ``make_data`` for (bench's pool)."""
+    freshness.starting(port)  # what earlier checks kept goes where the port's code changed since
     kind = kinds.of(port)
     if config.reference is not None:
         return _from_reference(kind, config)
@@ -98,6 +100,7 @@ def record(port: Port, config: RunConfig, path: str, say: clock.Say | None = Non
     neither run nor paired. ``{'timing': ...}``: what each stage cost."""
     if jax.process_count() > 1:
         raise ConfigError('a reference is recorded in one process: its pmap side spans the devices this process sees')
+    freshness.starting(port)
     kind = kinds.of(port)
     with clock.measuring(say) as measured:
         with clock.stage('pre-flight (the pmap side traced abstractly)'):

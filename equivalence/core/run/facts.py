@@ -14,10 +14,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from equivalence.core.port import convert, naming
+from equivalence.core.port import convert, freshness, naming
 from equivalence.core.port.ports import Port, init_inputs
 
 _ABSTRACT: dict[int, tuple[weakref.ref, tuple[Any, Any]]] = {}
+freshness.kept(_ABSTRACT.clear)
 
 
 def _once_per_port(cache: dict, port: Port, build: Any) -> Any:
@@ -57,6 +58,7 @@ class ModelFacts:
 
 _FACTS: dict[int, tuple[weakref.ref, ModelFacts | None]] = {}
 _ALONE: ModelFacts | None = None  # while a reference is recorded, every port's (``linen_alone``)
+freshness.kept(_FACTS.clear)
 
 
 def model_facts(port: Port) -> ModelFacts | None:
@@ -174,6 +176,9 @@ def _constructed(nnx_model, wanted: frozenset) -> dict:
         return {path: v.get_value() for path, v in built if path in wanted}
 
     return {path: _on_host(value) for path, value in jax.jit(own)().items()}
+
+
+freshness.kept(_constructed.cache_clear)
 
 
 def _on_host(value: jax.Array) -> tuple:

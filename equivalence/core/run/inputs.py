@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from equivalence.core.port import freshness
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import Port, init_inputs
 from equivalence.core.run.facts import name_mapping
@@ -97,6 +98,7 @@ def start(port: Port, config: RunConfig) -> Start:
 
 
 _INITS: collections.OrderedDict = collections.OrderedDict()  # key -> (the port, weakly; its jitted init)
+freshness.kept(_INITS.clear)
 KEPT_INITS = 8  # the initialisations kept, the least recently used going first
 
 
