@@ -3,6 +3,7 @@ mlp example's loop port with an EMA (``where_ports.py``): the kind it names and 
 so, and the correct port (the negative control) located nowhere. A wrong place is worse than none:
 the NaN batch is not located at all."""
 
+import dataclasses
 import functools
 import os
 import re
@@ -18,7 +19,7 @@ from where_ports import my_port
 from equivalence.core import harness, kinds
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.naming import PortError
-from equivalence.core.report import plots, render
+from equivalence.core.report import plots, render, words
 from equivalence.core.run import inputs as made
 from equivalence.core.run import nudge
 from equivalence.core.verdict import compare, hidden, locate
@@ -26,6 +27,7 @@ from equivalence.core.verdict import rule as verdict
 from equivalence.core.verdict.findings import Finding, Held
 from equivalence.core.verdict.first_step import Recorder
 from equivalence.core.verdict.location import Unplaced
+from equivalence.core.verdict.outcome import Outcome
 
 
 @functools.cache
@@ -298,3 +300,25 @@ def test_a_match_names_no_place_and_a_later_reading_defers_to_a_first_step_place
     assert verdict.diagnose(off, None, None, True).kind is Finding.OPTIMIZER
     assert verdict.diagnose(off, None, None, True, placed='forward').kind is Finding.MATH
     assert verdict.diagnose(off, None, None, False, placed='forward').kind is Finding.MATH
+
+
+def test_the_diagnosis_never_contradicts_where_and_says_so_where_it_would():
+    """A first loss that agrees with dropout off reads as randomness, unless the first step's records (both
+    sides' draws held equal) place a computation: a LayerNorm's epsilon at D = 8 read 'randomness' beside
+    'where: module at LayerNorm_0 ... epsilon 1e-06 <-> 1e-05'. Where a diagnosis and a place still disagree,
+    the report says so under where: (and the JSON's ``disagree``)."""
+    ref, new = (verdict.first_step_tree(loss=x) for x in (1.0, 1.001))
+    early = compare.compare_to_floor(ref, new, new, verdict.MEASURED_FLOOR)  # the twin at the new side: floor 0
+    assert verdict.diagnose(early, None, True, True).kind is Finding.RANDOMNESS
+    assert verdict.diagnose(early, None, True, True, place='randomness').kind is Finding.RANDOMNESS
+    for computed in ('module', 'between', 'loss', 'backward'):
+        assert verdict.diagnose(early, None, True, True, place=computed).kind is Finding.MATH
+    assert verdict.disagrees(Finding.MATH, 'update') and verdict.disagrees(Finding.RANDOMNESS, 'module')
+    assert not verdict.disagrees(Finding.MATH, 'module') and not verdict.disagrees(Finding.MATH, 'unlocated')
+    assert not verdict.disagrees(Finding.UPDATE, 'update') and not verdict.disagrees(Finding.NON_FINITE, 'module')
+    update = locate.Location('update', 'the update rule', 'the update rule', 'steps 0 x the pmap side')
+    said = verdict.Verdict(Outcome.MISMATCH, 'measured', diagnosis=verdict.diagnose(early, None, None, True),
+                           location=update)  # fmt: skip
+    assert words.disagree(said) and words.DISAGREE in words.lines(said)
+    agreed = dataclasses.replace(said, location=locate.Location('module', 'Dense_0', 'fc1', 'computes else'))
+    assert not words.disagree(agreed) and words.DISAGREE not in words.lines(agreed)

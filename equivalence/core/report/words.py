@@ -5,6 +5,7 @@ for the text and for the JSON's ``verdict`` fields alike.
 
 from equivalence.core.report import reach
 from equivalence.core.run import footprint
+from equivalence.core.verdict import rule
 from equivalence.core.verdict import twin as twins
 from equivalence.core.verdict.compare import LeafDiff
 from equivalence.core.verdict.findings import (
@@ -68,7 +69,17 @@ def lines(v: Verdict) -> list[str]:
     out += [f'not verified: {unverified(v.unverified)}{hides}'] if v.unverified is not None else []
     out += [f'diagnosis ({v.kind}): {diagnosis(v.diagnosis)}'] if v.diagnosis is not None else []
     out += [said] if v.match and (said := reach.sensitivity(v.sensitivity)) else []
-    return out + (v.location.lines() if v.location is not None else [])
+    out += v.location.lines() if v.location is not None else []
+    return out + ([DISAGREE] if disagree(v) else [])
+
+
+# The diagnosis reads the leaves after training; where: holds each call of the first step to its own floor.
+DISAGREE = '  note: the diagnosis and where: disagree; where: holds the first step to its own floors: trust it'
+
+
+def disagree(v: Verdict) -> bool:
+    """Whether the verdict's diagnosis and its ``where:`` place contradict each other (``rule.disagrees``)."""
+    return v.diagnosis is not None and v.location is not None and rule.disagrees(v.kind, v.location.kind)
 
 
 def whose(leaf: LeafDiff) -> str:

@@ -237,9 +237,13 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
     if reading is not None and reading.decisive and getattr(located.location, 'kind', None) in UNPLACED:
         ranks = frozenset(np.ndim(a) for a in (old.params_per_call or [{}])[-1].values())
         located = dataclasses.replace(located, location=systematic.location(reading, ranks))
-    stage = Where(located.location.kind).stage if located.location is not None else None
-    if diagnosed.kind in (Finding.UPDATE, Finding.OPTIMIZER) and stage in rule.EARLIER:  # the place the records found
-        reading = rule.diagnose(report, nonfinite, rerun, grads is not None, no_floor, placed=stage)
+    place = Where(located.location.kind) if located.location is not None else None
+    stage = place.stage if place is not None else None
+    # the place the records found, which the diagnosis from the final leaves or a re-run must not contradict
+    if (diagnosed.kind in (Finding.UPDATE, Finding.OPTIMIZER) and stage in rule.EARLIER) or (
+        diagnosed.kind is Finding.RANDOMNESS and place in rule.COMPUTED
+    ):
+        reading = rule.diagnose(report, nonfinite, rerun, grads is not None, no_floor, placed=stage, place=place)
         located = dataclasses.replace(located, diagnosis=reading)
     return report, located
 

@@ -201,18 +201,37 @@ def failed(report: Report, group: str | None = None) -> list[LeafDiff]:
 
 
 EARLIER = ('forward', 'loss', 'backward', 'statistics')  # stages of a place found before the update
+# Where-kinds (``location.Where``'s values) of a place that computing parts at, not drawing: the first step's
+# records hold both sides' random draws equal, so a module there that computes otherwise is no randomness.
+COMPUTED = ('module', 'between', 'loss', 'backward', 'statistics')
+# The places each diagnosis may meet in ``where:``; a place of another kind contradicts it (``disagrees``).
+PLACES = {
+    Finding.MATH: (*COMPUTED, 'collective'),
+    Finding.RANDOMNESS: ('randomness',),
+    Finding.UPDATE: ('update', 'collective'),
+    Finding.OPTIMIZER: ('update', 'collective'),
+    Finding.STATE: ('statistics', 'collective'),
+    Finding.EMA: ('ema',),
+}
+
+
+def disagrees(kind: Finding | str, where: str | None) -> bool:
+    """Whether ``where:``'s place (a ``Where`` value) contradicts the diagnosis ``kind``: the report says so."""
+    return where not in (None, 'none', 'unlocated') and kind in PLACES and where not in PLACES[kind]
 
 
 def diagnose(
     report: Report, nonfinite: NonFinite | None, rerun_matched: bool | None, grads_checked: bool,
-    no_floor: NoTwin | None = None, placed: str | None = None,
+    no_floor: NoTwin | None = None, placed: str | None = None, place: str | None = None,
 ) -> Diagnosis:  # fmt: skip
     """The ``Diagnosis`` of a report that does not match; the first finding that explains it wins.
     ``no_floor``: why no twin measured a floor (the verdict's ``twin``), for ``unmeasured``;
     ``placed``: the stage the location found (a ``Where``'s), which an ``update`` or ``optimizer`` reading of the
     final leaves must not contradict (a GroupNorm's epsilon read 'the update differs' above 'where: module'; behind
     diffusion_distillation's zero-initialised output convolutions every first gradient is 0 on both sides, and its
-    slips in the forward pass read 'the optimizer ... differ'): it is ``math``, placed by the first step's records."""
+    slips in the forward pass read 'the optimizer ... differ'): it is ``math``, placed by the first step's records.
+    ``place``: the location's kind (a ``Where`` value); a first loss that agrees only with dropout off is
+    randomness unless the records place a computation (``COMPUTED``): a LayerNorm's epsilon then, not the masks."""
     bad = failed(report)
     if nonfinite is not None:
         return Diagnosis(Finding.NON_FINITE, nonfinite=nonfinite)
@@ -220,7 +239,7 @@ def diagnose(
     if sided and len(sided) == len(bad):
         return Diagnosis(Finding.BOOKKEEPING, sided=sided)
     early = tuple(failed(report, 'first_step'))
-    if early and rerun_matched:
+    if early and rerun_matched and place not in COMPUTED:
         return Diagnosis(Finding.RANDOMNESS, early, sided)
     if early:
         return Diagnosis(Finding.MATH, early, sided)
