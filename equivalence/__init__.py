@@ -32,7 +32,7 @@ _PUBLIC = {
     'ConfigError': ('equivalence.core.port.config', 'ConfigError'),
     'check': ('equivalence.core.harness', 'check'),
     'RECORDED': ('equivalence.core.port.port_fields', 'RECORDED'),  # a pmap-side field read from a reference
-    'read_groups': ('equivalence.core.port.new_side', 'read_groups'),  # new_groups='s default, to start from
+    'read_groups': ('equivalence.core.state.new_side', 'read_groups'),  # new_groups='s default, to start from
 }
 __all__ = list(_PUBLIC)
 

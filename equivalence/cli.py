@@ -17,9 +17,9 @@ from collections.abc import Callable
 from typing import NoReturn, TypeVar
 
 from equivalence import compat, compilation_cache, devices
+from equivalence.core.compare.outcome import Outcome
 from equivalence.core.port import blame
 from equivalence.core.port.config import ConfigError
-from equivalence.core.verdict.outcome import Outcome
 from equivalence.distributed import records, worker
 
 EXIT_MATCH, EXIT_MISMATCH = Outcome.MATCH.exit_code, Outcome.MISMATCH.exit_code  # a check's outcome (run)
@@ -191,7 +191,7 @@ def _given(args: argparse.Namespace, defaults: dict) -> Callable[[str], object]:
     that ``run --reference FILE`` checks the run it holds); else its default (``defaults``, ``args.unset``)."""
     recorded = {}
     if getattr(args, 'reference', None) is not None:
-        from equivalence.core.run import reference
+        from equivalence.core.reference import reference
 
         recorded = reference.recorded_config(args.reference)  # a file that is no reference: its one line, exit 2
         recorded['rng'] = recorded.get('rng_mode')

@@ -39,7 +39,7 @@ def inputs(argv: list[str] | None, n_available: int | None = None):
 
 def work(validated) -> int:
     from equivalence.core import harness
-    from equivalence.core.run import clock
+    from equivalence.core.measure import clock
 
     args, wl, config = validated
     quiet()

@@ -96,7 +96,7 @@ def progress(total: int):
     """``(bar, tick, say)``: each stage on stderr as it begins and ends, terminal or not (``clock.Lines``);
     on a terminal, a tqdm bar over the compiled calls too, naming the stage that runs; a worker of
     several processes logs one line per call as well."""
-    from equivalence.core.run import clock
+    from equivalence.core.measure import clock
 
     bar, say = clock.on_stderr(total, 'call', 'compiled calls')
     if bar is None:

@@ -90,10 +90,10 @@ def assert_port_matches(port, devices: int, steps_per_call: int | None = None, c
     are released after the check (``equivalence.devices.release_compiled_programs``)."""
     __tracebackhide__ = True  # a failure points at the test's line, not into this helper
     from equivalence.core import harness
+    from equivalence.core.compare.outcome import Outcome
     from equivalence.core.port import blame
     from equivalence.core.port.config import ConfigError
     from equivalence.core.report import render
-    from equivalence.core.verdict.outcome import Outcome
 
     require_devices(devices)
     try:

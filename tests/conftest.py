@@ -10,7 +10,7 @@ import sys
 import tempfile
 
 from equivalence import devices
-from equivalence.core.run import said
+from equivalence.core.measure import said
 
 devices.simulate_cpu_devices()
 

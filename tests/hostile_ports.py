@@ -587,7 +587,7 @@ class Trainer(nnx.Module):
 
 def grouped_loop():
     """The loop port with a train state that is not (model, optimizer): new_groups= says where things are."""
-    from equivalence.core.port import convert
+    from equivalence.core.state import convert
 
     return loop(
         new_state=Trainer,

@@ -18,7 +18,7 @@ from equivalence import ModelPort
 from equivalence.core import harness
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.naming import PortError
-from equivalence.core.run import randomness
+from equivalence.core.rng import randomness
 from equivalence.pitfalls import masked_loss
 
 F, L = 4, 3
@@ -167,7 +167,7 @@ def test_only_a_padded_batch_is_run_again_on_one_device_for_the_hint():
     """The masked-loss hint runs both sides again on one device, on a padded batch only: a mask or weights
     leaf, or integer tokens ``[K, G, length]`` holding zeros; not uint8 images with black pixels (every
     MISMATCH of google-research/vdm's port paid 20 to 40 s for it)."""
-    from equivalence.core.verdict import hints
+    from equivalence.core.judge import hints
 
     tokens = np.array([[[5, 3, 0, 0]] * 2] * 2, np.int32)  # [K, G, length], padded with zeros
     images = np.zeros((2, 2, 8, 8, 3), np.uint8)

@@ -20,12 +20,12 @@ from equivalence.checkpoint import __main__ as checkpoint_command
 from equivalence.checkpoint import layout, migrate, resume, store
 from equivalence.checkpoint.options import CheckpointOptions
 from equivalence.core import harness, kinds
+from equivalence.core.compare.findings import Finding, LegacyTwin, NotRun, Probe, Screen, Twins
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.run import inputs as made
 from equivalence.core.run import sides
 from equivalence.core.run.nudge import DRAWS
-from equivalence.core.verdict.findings import Finding, LegacyTwin, NotRun, Probe, Screen, Twins
 from legacy_pmap import checkpoints as legacy_checkpoints
 from legacy_pmap import models as legacy_models
 from nnx_sharded import checkpoints as nnx_checkpoints

@@ -13,10 +13,10 @@ import pytest
 from conftest import assert_one_line_error, run_module
 
 from equivalence import cli
+from equivalence.core.compare import compare
+from equivalence.core.compare.outcome import Outcome
 from equivalence.core.port.config import ConfigError
-from equivalence.core.verdict import compare
-from equivalence.core.verdict.outcome import Outcome
-from equivalence.core.verdict.twin import PROGRAM_TWIN
+from equivalence.core.twins.twin import PROGRAM_TWIN
 
 QUICK = ['--steps-per-call', '2', '--calls', '2']
 

@@ -17,7 +17,7 @@ import types
 import pytest
 
 from equivalence import corpus
-from equivalence.core.verdict.outcome import Outcome
+from equivalence.core.compare.outcome import Outcome
 from equivalence.corpus import runner
 from equivalence.corpus.__main__ import main
 from tests.conftest import require_devices

@@ -1,4 +1,4 @@
-"""What a check costs, as it measures it (``core/run/clock.py``): its stages said on stderr as they
+"""What a check costs, as it measures it (``core/measure/clock.py``): its stages said on stderr as they
 happen, piped or not; its ``timing`` in the JSON and its one ``time:`` line; and JAX's persistent
 compilation cache (``equivalence/compilation_cache.py``), which makes a second check of the same port
 read its programs instead of compiling them, also for a port that stubs ``tensorflow``. Figures of
@@ -14,7 +14,7 @@ import textwrap
 from conftest import ROOT, message_lines
 
 from equivalence import compilation_cache
-from equivalence.core.run import clock
+from equivalence.core.measure import clock
 
 STUB_PORT = """
 import sys, types
@@ -77,7 +77,7 @@ def test_stage_lines_begin_when_slow_nest_under_their_stage_and_say_a_failure_on
     (the command's error line is then the only line), a slow one that it failed."""
     import time
 
-    from equivalence.core.run import said
+    from equivalence.core.measure import said
 
     out, before = io.StringIO(), len(said.read(os.environ[said.EVENTS_ENV]))
     c = clock.Clock(clock.Lines(out, delay=0.05))
@@ -135,10 +135,10 @@ def _held(vit, name: str, batch: int) -> tuple[int, int, int]:
     """``(module calls, bytes moved to the host, programs compiled or read)`` of the first step's forward pass
     held module by module (what a MATCH with noise-dominated leaves runs), for the ViT example's rung ``name``."""
     from equivalence.core import kinds
+    from equivalence.core.locate.first_step import Recorder
     from equivalence.core.port.config import RunConfig
     from equivalence.core.run import inputs as made
     from equivalence.core.run.nudge import DRAWS
-    from equivalence.core.verdict.first_step import Recorder
 
     port = vit.sized(name)
     config = RunConfig(workload=port.name, devices=1, steps_per_call=1, calls=1, batch_size=batch, rng_mode='global')
@@ -185,9 +185,10 @@ def test_a_checks_models_are_merged_from_one_trace_of_the_port_constructor():
 
     from equivalence.core.port import workloads
     from equivalence.core.port.config import RunConfig
-    from equivalence.core.run import draws, facts
+    from equivalence.core.record import intercept
+    from equivalence.core.rng import draws
+    from equivalence.core.run import facts
     from equivalence.core.run import inputs as made
-    from equivalence.core.verdict import intercept
 
     built = []
     base = workloads.get('cnn')  # BatchNorm and Dropout: statistics and a random stream of its own

@@ -20,9 +20,9 @@ from conftest import ROOT, assert_one_line_error, at_level_0, message_lines, req
 from equivalence import devices
 from equivalence.checkpoint import migrate
 from equivalence.core import harness
+from equivalence.core.compare import compare
 from equivalence.core.port import workloads
 from equivalence.core.report import render
-from equivalence.core.verdict import compare
 from equivalence.distributed import launch
 from legacy_pmap import checkpoints as legacy_checkpoints
 

@@ -194,7 +194,7 @@ def _references_recorded(argv: tuple[str, ...]) -> None:
     """Each ``--reference FILE`` a documented line reads (its run's flags, as it validates them) written as the
     guide's ``record`` line writes it: examples/mlp_port's LOOP, 2 devices, record's defaults (nothing recorded)."""
     from equivalence.core.port.config import RunConfig
-    from equivalence.core.run import reference
+    from equivalence.core.reference import reference
 
     config = RunConfig(workload='mlp-port-loop', devices=2, rng_mode='global')  # K = 5, C = 4, batch 64: record's
     for flag, path in zip(argv, argv[1:], strict=False):

@@ -11,10 +11,11 @@ import pytest
 from conftest import require_devices
 
 from equivalence.core import harness
+from equivalence.core.compare import compare
+from equivalence.core.judge import judge
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.run import sides
-from equivalence.core.verdict import compare, judge
 from legacy_pmap import train as legacy
 
 WORKLOADS = list(workloads.WORKLOADS)

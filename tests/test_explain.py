@@ -191,7 +191,7 @@ def test_explain_bad_input_exits_2_with_one_line():
 def test_a_bar_only_on_a_terminal_and_the_stages_said_either_way(monkeypatch):
     """Piped (not a terminal): no bar, each stage on its own lines; a terminal: the bar over the calls too,
     naming the stage that runs, each stage written whole as it ends."""
-    from equivalence.core.run import clock
+    from equivalence.core.measure import clock
 
     class Terminal(io.StringIO):
         def isatty(self):

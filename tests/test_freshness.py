@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT
 
 from equivalence import check
-from equivalence.core.verdict.outcome import Outcome
+from equivalence.core.compare.outcome import Outcome
 
 TEMPLATE = os.path.join(ROOT, 'tests', 'data', 'edited_port.py')
 

@@ -15,7 +15,10 @@ from conftest import ROOT
 
 PACKAGES = ('equivalence', 'legacy_pmap', 'nnx_sharded')
 # The rooms of core, lowest first: a room may import its own and those of a lower rank.
-RANK = {'port': 0, 'run': 1, 'preflight': 2, 'verdict': 2, 'kinds': 3, 'report': 3, 'harness': 4}
+RANK = {
+    'state': 0, 'port': 1, 'rng': 2, 'measure': 2, 'compare': 2, 'record': 3, 'trend': 3, 'run': 4, 'preflight': 5,
+    'twins': 5, 'locate': 6, 'reference': 7, 'judge': 8, 'kinds': 9, 'report': 9, 'harness': 10,
+}  # fmt: skip
 # equivalence's library parts: anything else under equivalence/ is a command (or its shared CLI).
 LIBRARY = ('core', 'distributed')
 
@@ -192,18 +195,18 @@ def test_the_rule_sees_a_circle(tmp_path):
         'equivalence/__init__.py': '',
         'equivalence/core/__init__.py': '',
         'equivalence/core/run/__init__.py': '',
-        'equivalence/core/run/a.py': 'def f():\n    from ..verdict import b\n',
-        'equivalence/core/verdict/__init__.py': '',
-        'equivalence/core/verdict/b.py': 'import equivalence.core.run.a\n',
+        'equivalence/core/run/a.py': 'def f():\n    from ..judge import b\n',
+        'equivalence/core/judge/__init__.py': '',
+        'equivalence/core/judge/b.py': 'import equivalence.core.run.a\n',
     }
     for path, text in files.items():
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(text)
     graph = import_graph(tmp_path)
-    assert graph['equivalence.core.run.a'] == {'equivalence.core.verdict.b'}, graph
-    assert set(circle(graph)) == {'equivalence.core.run.a', 'equivalence.core.verdict.b'}
-    assert upward(graph) == ['equivalence.core.run.a -> equivalence.core.verdict.b']
-    (tmp_path / 'equivalence/core/verdict/b.py').write_text('import json\n')  # the circle broken: none found
+    assert graph['equivalence.core.run.a'] == {'equivalence.core.judge.b'}, graph
+    assert set(circle(graph)) == {'equivalence.core.run.a', 'equivalence.core.judge.b'}
+    assert upward(graph) == ['equivalence.core.run.a -> equivalence.core.judge.b']
+    (tmp_path / 'equivalence/core/judge/b.py').write_text('import json\n')  # the circle broken: none found
     assert circle(import_graph(tmp_path)) == []
 
 

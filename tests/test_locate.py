@@ -25,16 +25,18 @@ from flax import nnx
 from equivalence import ModelPort
 from equivalence import run as run_command
 from equivalence.core import harness, kinds
+from equivalence.core.compare import location, rule
+from equivalence.core.compare.findings import Finding
+from equivalence.core.compare.location import Unplaced
+from equivalence.core.compare.outcome import Outcome
+from equivalence.core.locate import first_step, implied, locate, recorded_run
+from equivalence.core.locate.first_step import Recorder
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.report import plots, render, words
 from equivalence.core.run import inputs as made
 from equivalence.core.run import model_side
-from equivalence.core.verdict import first_step, implied, locate, location, probe, recorded_run, rule
-from equivalence.core.verdict.findings import Finding
-from equivalence.core.verdict.first_step import Recorder
-from equivalence.core.verdict.location import Unplaced
-from equivalence.core.verdict.outcome import Outcome
+from equivalence.core.twins import probe
 from equivalence.corpus import batchnorm
 
 sys.path.insert(0, os.path.join(ROOT, 'examples', 'mlp_port'))

@@ -15,7 +15,7 @@ from flax import nnx
 
 from equivalence import testing
 from equivalence.core.port import workloads
-from equivalence.core.run import randomness
+from equivalence.core.rng import randomness
 
 _TOLD: list = []
 

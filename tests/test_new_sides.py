@@ -22,14 +22,14 @@ from jax.sharding import PartitionSpec as P
 
 from equivalence import LoopPort
 from equivalence.core import harness, kinds, preflight
-from equivalence.core.port import new_side, states
+from equivalence.core.compare.findings import Twins
+from equivalence.core.compare.outcome import Outcome
 from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.report import render, words
 from equivalence.core.run import adapters
 from equivalence.core.run import inputs as made
 from equivalence.core.run.nudge import DRAWS
-from equivalence.core.verdict.findings import Twins
-from equivalence.core.verdict.outcome import Outcome
+from equivalence.core.state import new_side, states
 
 AXIS, FEATURES, HIDDEN, RATE = 'batch', 4, 8, 0.2
 QUICK = {'steps_per_call': 2, 'calls': 2}

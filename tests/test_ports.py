@@ -16,10 +16,10 @@ from conftest import ROOT, assert_one_line_error, at_level_0, require_devices, r
 from flax import nnx
 
 from equivalence.core import harness
+from equivalence.core.compare.outcome import Outcome
 from equivalence.core.port import naming, workloads
 from equivalence.core.port.naming import PortError
-from equivalence.core.run import randomness
-from equivalence.core.verdict.outcome import Outcome
+from equivalence.core.rng import randomness
 from equivalence.devices import without_device_count
 
 EXAMPLE = os.path.join(ROOT, 'examples', 'mlp_port')
@@ -238,7 +238,7 @@ def test_dropout_inside_the_model_matters_without_the_bridge_the_paths_differ(po
 def test_the_bridge_draws_what_both_dropout_layers_draw_from_a_key():
     """In a loop port the mask comes from the key the user's code gave the layer: the bits are
     the ones ``nn.Dropout`` and ``nnx.Dropout`` draw themselves from that key folded with the call index."""
-    from equivalence.core.run import randomness
+    from equivalence.core.rng import randomness
 
     key, x = jax.random.PRNGKey(3), jax.random.normal(jax.random.PRNGKey(4), (16, 32))
     own = nn.Dropout(0.25, deterministic=False).apply({}, x, rng=jax.random.fold_in(key, 0))

@@ -15,11 +15,12 @@ import numpy as np
 from conftest import ROOT, require_devices
 
 from equivalence import cli
+from equivalence.core.compare import compare, rule
+from equivalence.core.compare.outcome import Outcome
+from equivalence.core.compare.rule import MEASURED_FLOOR
 from equivalence.core.report import words
 from equivalence.core.run import facts
-from equivalence.core.verdict import compare, rule, unverified
-from equivalence.core.verdict.outcome import Outcome
-from equivalence.core.verdict.rule import MEASURED_FLOOR
+from equivalence.core.twins import unverified
 
 sys.path.insert(0, os.path.join(ROOT, 'examples', 'mlp_port'))
 import my_port  # noqa: E402  (the example, imported as a user's module)

@@ -23,7 +23,7 @@ from equivalence import LoopPort, ModelPort
 from equivalence.core import harness, kinds, preflight
 from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.run.inputs import make_inputs
-from equivalence.core.verdict import unverified
+from equivalence.core.twins import unverified
 from equivalence.explain import measure_both, path_text, report
 from nnx_sharded import sharding
 

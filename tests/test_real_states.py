@@ -16,11 +16,11 @@ from test_step_forms import BASE, LinenMLP, skipped, tx
 
 from equivalence import LoopPort
 from equivalence.core import harness, kinds, preflight
-from equivalence.core.port import new_side
-from equivalence.core.port.states import Skip
+from equivalence.core.compare.outcome import Outcome
 from equivalence.core.report import words
 from equivalence.core.run import step_side
-from equivalence.core.verdict.outcome import Outcome
+from equivalence.core.state import new_side
+from equivalence.core.state.states import Skip
 
 QUICK = {'steps_per_call': 2, 'calls': 2}
 SCREEN = {**QUICK, 'verdict': 'screen'}  # the fixed screen: what is checked here is the reading, not the floor

@@ -17,11 +17,11 @@ import recording_forms as forms
 from conftest import require_devices
 
 from equivalence.core import harness, kinds, preflight
+from equivalence.core.locate import hidden, locate
+from equivalence.core.locate.first_step import Recorder
 from equivalence.core.port.config import RunConfig
+from equivalence.core.record import pruned
 from equivalence.core.run import inputs as made
-from equivalence.core.run import pruned
-from equivalence.core.verdict import hidden, locate
-from equivalence.core.verdict.first_step import Recorder
 
 
 def recorder(port) -> Recorder:

@@ -23,13 +23,14 @@ from equivalence import RECORDED, LoopPort, devices
 from equivalence import record as record_command
 from equivalence import run as run_command
 from equivalence.core import harness, kinds
+from equivalence.core.compare.location import Unplaced
+from equivalence.core.compare.outcome import Outcome
 from equivalence.core.port import port_fields, workloads
 from equivalence.core.port.config import ConfigError, RunConfig
+from equivalence.core.reference import reference
 from equivalence.core.report import render
-from equivalence.core.run import fits, reference
+from equivalence.core.run import fits
 from equivalence.core.run import inputs as made
-from equivalence.core.verdict.location import Unplaced
-from equivalence.core.verdict.outcome import Outcome
 from equivalence.testing import PortInputError, assert_port_matches
 from nnx_sharded import losses as nnx_losses
 
@@ -84,9 +85,9 @@ def test_a_references_records_are_cut_to_the_rows_the_recorder_keeps_and_a_batch
     first 8 examples, but a BatchNorm's values whole (its running statistics read every row) and the gradients
     whole. Cut there too, a check against a reference at 16 rows a device stopped at the first BatchNorm, its
     inputs of other shapes on the two sides (`not located: ... the inputs of bn1 <-> bn1 cannot be compared`)."""
-    from equivalence.core.verdict.intercept import GRADS, ROWS
-    from equivalence.core.verdict.recorded import Record
-    from equivalence.core.verdict.recorded_run import rows_kept
+    from equivalence.core.locate.recorded_run import rows_kept
+    from equivalence.core.record.intercept import GRADS, ROWS
+    from equivalence.core.record.recorded import Record
 
     rows, other = np.arange(16 * 3.0).reshape(16, 3), np.ones((3, 4))
     held = {label: Record(cls, 0, None, {0: ([rows, other], [rows])})

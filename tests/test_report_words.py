@@ -6,10 +6,8 @@ sentences a user reads are held here, once, from those values. No JAX runs.
 
 import numpy as np
 
-from equivalence.core.report import words
-from equivalence.core.run.model_side import Reordered
-from equivalence.core.verdict.compare import LeafDiff
-from equivalence.core.verdict.findings import (
+from equivalence.core.compare.compare import LeafDiff
+from equivalence.core.compare.findings import (
     Diagnosis,
     Excess,
     Finding,
@@ -28,8 +26,10 @@ from equivalence.core.verdict.findings import (
     Unmeasured,
     Unrun,
 )
-from equivalence.core.verdict.outcome import Outcome
-from equivalence.core.verdict.rule import Verdict
+from equivalence.core.compare.outcome import Outcome
+from equivalence.core.compare.rule import Verdict
+from equivalence.core.report import words
+from equivalence.core.run.model_side import Reordered
 
 LOSS = LeafDiff('first_step', 'loss', 3e-5, 3e-5, False, floor=1e-7, limit=1e-6)
 KERNEL = LeafDiff('params', 'hidden/kernel', 2.5e-5, 1e-3, False, floor=6e-8, limit=6e-7)

@@ -10,11 +10,11 @@ from conftest import require_devices
 from flax import nnx
 
 from equivalence.core import harness, kinds
+from equivalence.core.compare import compare
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.run import inputs as made
 from equivalence.core.run import sides
-from equivalence.core.verdict import compare
 from legacy_pmap import models as legacy_models
 from nnx_sharded import models as nnx_models
 

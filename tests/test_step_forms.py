@@ -18,13 +18,13 @@ from flax.training import train_state
 
 from equivalence import LoopPort
 from equivalence.core import harness, kinds
-from equivalence.core.port import states
+from equivalence.core.compare.findings import Twins
 from equivalence.core.port.config import ConfigError
-from equivalence.core.port.states import Skip
 from equivalence.core.report import render, words
 from equivalence.core.run import adapters, step_side
 from equivalence.core.run.nudge import DRAWS
-from equivalence.core.verdict.findings import Twins
+from equivalence.core.state import states
+from equivalence.core.state.states import Skip
 
 AXIS, FEATURES, HIDDEN = 'batch', 4, 8
 QUICK = {'steps_per_call': 2, 'calls': 2}
@@ -381,7 +381,7 @@ def _other_axis(state, batch):
 
 def _bare_step(ts):
     """The NNX groups read by hand, the counter left bare (the issue's functional-NNX port)."""
-    from equivalence.core.port import convert
+    from equivalence.core.state import convert
 
     return {**convert.find_nnx_groups(ts), 'step': ts[1].step[...]}
 

@@ -20,9 +20,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from equivalence.core import harness
+from equivalence.core.judge import judge
 from equivalence.core.port import workloads
 from equivalence.core.port.config import ConfigError, RunConfig
-from equivalence.core.verdict import judge
 from nnx_sharded import shard_map, sharding
 
 QUICK = {'steps_per_call': 2, 'calls': 2}

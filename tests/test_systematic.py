@@ -10,7 +10,7 @@ from conftest import require_devices
 
 from equivalence.core import harness
 from equivalence.core.port.workloads import WORKLOADS
-from equivalence.core.verdict import systematic
+from equivalence.core.trend import systematic
 
 RNG = np.random.default_rng(0)
 SPACING = float(np.spacing(np.float32(1.0)))

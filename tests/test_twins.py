@@ -19,6 +19,10 @@ from conftest import require_devices
 from noisy_ports import PER_DEVICE, QUICK, nnx_step
 
 from equivalence.core import harness, kinds
+from equivalence.core.compare import compare
+from equivalence.core.compare import rule as verdict
+from equivalence.core.compare.findings import Finding, Memory, NoTwin, Refusal, TwinRefused, Twins, Unmeasured
+from equivalence.core.compare.outcome import Outcome
 from equivalence.core.port import loading, workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.report import render as report
@@ -26,10 +30,7 @@ from equivalence.core.report import words
 from equivalence.core.run import inputs as made
 from equivalence.core.run import model_side, sides
 from equivalence.core.run.model_side import Reordered
-from equivalence.core.verdict import compare, fresh, legacy_twin
-from equivalence.core.verdict import rule as verdict
-from equivalence.core.verdict.findings import Finding, Memory, NoTwin, Refusal, TwinRefused, Twins, Unmeasured
-from equivalence.core.verdict.outcome import Outcome
+from equivalence.core.twins import fresh, legacy_twin
 
 
 def mesh_sized_step(ts, batch, keys):

@@ -15,14 +15,8 @@ import pmap_side_chaos
 from conftest import ROOT, require_devices
 
 from equivalence.core import harness, kinds
-from equivalence.core.port import blame, workloads
-from equivalence.core.port.config import RunConfig
-from equivalence.core.report import render, words
-from equivalence.core.run import inputs as made
-from equivalence.core.run import model_side, nudge, sides
-from equivalence.core.run.inputs import Inputs
-from equivalence.core.verdict import compare, fresh, judge, legacy_twin, rule, twin
-from equivalence.core.verdict.findings import (
+from equivalence.core.compare import compare, rule
+from equivalence.core.compare.findings import (
     Excess,
     Finding,
     Held,
@@ -35,8 +29,16 @@ from equivalence.core.verdict.findings import (
     Screen,
     Unrun,
 )
-from equivalence.core.verdict.outcome import Outcome
-from equivalence.core.verdict.runs import Runs
+from equivalence.core.compare.outcome import Outcome
+from equivalence.core.judge import judge
+from equivalence.core.judge.runs import Runs
+from equivalence.core.port import blame, workloads
+from equivalence.core.port.config import RunConfig
+from equivalence.core.report import render, words
+from equivalence.core.run import inputs as made
+from equivalence.core.run import model_side, nudge, sides
+from equivalence.core.run.inputs import Inputs
+from equivalence.core.twins import fresh, legacy_twin, twin
 
 sys.path.insert(0, os.path.join(ROOT, 'examples', 'mlp_port'))
 import my_port  # noqa: E402  (the example, imported as a user's module)

@@ -17,17 +17,18 @@ from conftest import require_devices
 from where_ports import my_port
 
 from equivalence.core import harness, kinds
+from equivalence.core.compare import compare
+from equivalence.core.compare import rule as verdict
+from equivalence.core.compare.findings import Finding, Held
+from equivalence.core.compare.location import Unplaced
+from equivalence.core.compare.outcome import Outcome
+from equivalence.core.locate import hidden, locate
+from equivalence.core.locate.first_step import Recorder
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.naming import PortError
 from equivalence.core.report import plots, render, words
 from equivalence.core.run import inputs as made
 from equivalence.core.run import nudge
-from equivalence.core.verdict import compare, hidden, locate
-from equivalence.core.verdict import rule as verdict
-from equivalence.core.verdict.findings import Finding, Held
-from equivalence.core.verdict.first_step import Recorder
-from equivalence.core.verdict.location import Unplaced
-from equivalence.core.verdict.outcome import Outcome
 
 
 @functools.cache
@@ -221,7 +222,7 @@ def test_an_ema_that_carries_what_its_parameters_part_is_not_the_place():
     floor of its own, by (1 - d) x as much. One decay on both sides and nothing of the EMA's own: not the
     place. Controls: an EMA that parts beyond what its parameters carry (a rate kept in another precision),
     or whose parameters agree to the bit, is the EMA's own update."""
-    from equivalence.core.verdict import averages
+    from equivalence.core.locate import averages
 
     rng = np.random.default_rng(0)
     p, delta, d = rng.normal(size=16), 1e-4 * rng.normal(size=16), 0.99
@@ -249,7 +250,7 @@ def test_a_slot_that_parts_on_a_later_step_is_the_optimizer_only_where_its_numbe
     was 'update at opt_state 0/trace/...' on step 2 (trials on fetched code): the gradients are not observed,
     and a gradient that differs parts the trace as a momentum does. A momentum that differs parts it by a
     multiple of the trace before the step: located (the control); a difference of another shape: not located."""
-    from equivalence.core.verdict import slots
+    from equivalence.core.locate import slots
 
     rng = np.random.default_rng(1)
     before, g, p = rng.normal(size=32), rng.normal(size=32), rng.normal(size=32)

@@ -41,7 +41,7 @@ def _train(setup, inputs) -> list[float]:
 
 def bare(port, config) -> dict:
     from equivalence.core import harness, kinds
-    from equivalence.core.run import clock, precision
+    from equivalence.core.measure import clock, precision
     from equivalence.core.run import inputs as made
 
     harness.validate(port, config)

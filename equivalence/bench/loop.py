@@ -22,7 +22,8 @@ from flax import nnx
 from equivalence.bench.variants import Feed, Variant, _config, _nnx_chain, _nnx_place
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort
-from equivalence.core.run import randomness, setups
+from equivalence.core.rng import randomness
+from equivalence.core.run import setups
 
 FORMS = {  # name -> (label, state as a plain dict and donated)
     'nnx_jit_state': ("the port's call under jax.jit, split state", False),

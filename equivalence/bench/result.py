@@ -8,9 +8,9 @@ import numpy as np
 
 from equivalence.bench.timing import Block, CompileTiming
 from equivalence.bench.variants import Variant
+from equivalence.core.compare import compare
+from equivalence.core.compare.outcome import Outcome
 from equivalence.core.port.config import RunConfig
-from equivalence.core.verdict import compare
-from equivalence.core.verdict.outcome import Outcome
 
 
 @dataclasses.dataclass

@@ -26,7 +26,8 @@ from equivalence.core.port.kind import Kind
 from equivalence.core.port.ports import LoopPort
 from equivalence.core.port.ports import ModelPort as Workload
 from equivalence.core.port.workloads import WORKLOADS
-from equivalence.core.run import randomness, setups
+from equivalence.core.rng import randomness
+from equivalence.core.run import setups
 from equivalence.core.run.inputs import Inputs
 from equivalence.distributed import rows
 from legacy_pmap import train as legacy

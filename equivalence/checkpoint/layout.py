@@ -17,9 +17,9 @@ import numpy as np
 from flax import nnx
 
 from equivalence.core import kinds
-from equivalence.core.port import states
 from equivalence.core.port.ports import Port, init_inputs
 from equivalence.core.run.setups import View  # noqa: F401 -- a loop port's objects under TrainState's names
+from equivalence.core.state import states
 from nnx_sharded import checkpoints as nnx_checkpoints
 
 

@@ -30,9 +30,10 @@ from jax.experimental import multihost_utils
 from equivalence.checkpoint import layout, manifest, store
 from equivalence.checkpoint.store import CheckpointError
 from equivalence.core import kinds
-from equivalence.core.port import convert, naming
+from equivalence.core.port import naming
 from equivalence.core.port.ports import Port
 from equivalence.core.run import facts
+from equivalence.core.state import convert
 from legacy_pmap import checkpoints as legacy_checkpoints
 from nnx_sharded import checkpoints as nnx_checkpoints
 

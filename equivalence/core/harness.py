@@ -13,19 +13,22 @@ from typing import Any, Protocol
 import jax
 
 from equivalence.core import kinds, preflight
+from equivalence.core.compare.outcome import Outcome
+from equivalence.core.judge import hints
+from equivalence.core.judge.judge import RunResult, judged
+from equivalence.core.judge.runs import Runs
+from equivalence.core.measure import clock, precision
 from equivalence.core.port import freshness, port_fields
 from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.port.kind import Kind
 from equivalence.core.port.ports import Port
-from equivalence.core.run import clock, fits, precision, randomness, reference
+from equivalence.core.reference import reference, referenced
+from equivalence.core.rng import randomness
+from equivalence.core.run import fits
 from equivalence.core.run import inputs as made
 from equivalence.core.run.facts import has_batch_stats, name_mapping
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.run.sides import PathResult, Progress, both_sides, run_legacy, run_new, silent
-from equivalence.core.verdict import hints, referenced
-from equivalence.core.verdict.judge import RunResult, judged
-from equivalence.core.verdict.outcome import Outcome
-from equivalence.core.verdict.runs import Runs
 
 
 def validate(port: Port, config: RunConfig, recording: bool = False) -> None:

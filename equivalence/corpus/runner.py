@@ -8,7 +8,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterable
 
-from equivalence.core.verdict.outcome import Outcome
+from equivalence.core.compare.outcome import Outcome
 from equivalence.corpus.entry import Entry
 from equivalence.devices import release_compiled_programs
 

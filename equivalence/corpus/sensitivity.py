@@ -9,7 +9,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-from equivalence.core.verdict.outcome import Outcome
+from equivalence.core.compare.outcome import Outcome
 from equivalence.corpus.entry import Entry
 from equivalence.corpus.runner import LADDER, SENSITIVITY_DEVICES, Case, run_case
 

@@ -3,7 +3,7 @@ sensitivity, and the count of wrong verdicts; and the same as JSON."""
 
 import statistics
 
-from equivalence.core.verdict.outcome import Outcome
+from equivalence.core.compare.outcome import Outcome
 from equivalence.corpus.entry import Entry
 from equivalence.corpus.runner import OUTCOMES, VERDICTS, Case, confusion, label
 from equivalence.corpus.sensitivity import Sensitivity

@@ -1,6 +1,6 @@
 """Reading state back for comparison when no process may hold all of it: a conversion step.
 
-``equivalence.core.port.convert`` turns each framework's state into named host arrays; this
+``equivalence.core.state.convert`` turns each framework's state into named host arrays; this
 comes first, turning arrays that span several processes into host arrays holding their
 whole logical value, so that the comparison never learns about processes. An array this
 process can read whole (every shard local, or a full copy local, as replicated state

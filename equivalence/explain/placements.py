@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from equivalence.core.port.paths import key_name
+from equivalence.core.state.paths import key_name
 from equivalence.explain.measurements import Placement
 
 LEGACY_GROUPS = {  # train state field -> group (the suite's TrainState, and the usual names of a user's)

@@ -65,7 +65,7 @@ def run_cases(names: list[str], n_devices: int) -> list[dict]:
     """Every case's row, each case said on stderr as it runs, piped or not (``pitfall 1 missing_pmean ...
     3.2 s (compiling 2.1 s, 12 programs)``, ``clock.Lines``); on a terminal, a bar over the cases."""
     from equivalence import pitfalls
-    from equivalence.core.run import clock
+    from equivalence.core.measure import clock
 
     bar, say = clock.on_stderr(len(names), 'case', 'pitfalls', depth=0)
     rows = []

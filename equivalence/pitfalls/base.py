@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from equivalence.core.verdict import compare
-from equivalence.core.verdict.outcome import Outcome
+from equivalence.core.compare import compare
+from equivalence.core.compare.outcome import Outcome
 
 TOL = compare.FLOAT32_REDUCTION_ORDER  # "the fix matches": the suite's own tolerance, reason included
 # "the wrong version shows damage": a difference 100x the tolerance's absolute floor, so it

@@ -16,8 +16,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from equivalence.core import harness
-from equivalence.core.port import convert, workloads
+from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
+from equivalence.core.state import convert
 from equivalence.pitfalls.base import CaseResult, first_line, max_abs_diff, within_tol, yes
 from nnx_sharded import losses as nnx_losses
 from nnx_sharded import sharding

@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from equivalence.core.port import convert, workloads
+from equivalence.core.port import workloads
 from equivalence.core.port.config import ConfigError, RunConfig
+from equivalence.core.state import convert
 from equivalence.pitfalls import masked_loss
 from equivalence.pitfalls.base import CaseResult, first_line, indivisible, max_abs_diff, padded, within_tol, yes
 from legacy_pmap import losses as legacy_losses

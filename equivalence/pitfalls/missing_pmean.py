@@ -11,11 +11,12 @@ import numpy as np
 import optax
 
 from equivalence.core import harness
-from equivalence.core.port import convert, workloads
+from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import ModelPort
 from equivalence.core.run import setups, sides
 from equivalence.core.run.inputs import make_inputs
+from equivalence.core.state import convert
 from equivalence.pitfalls.base import DAMAGE, CaseResult, matched, max_abs_diff, yes
 from legacy_pmap import train as legacy
 

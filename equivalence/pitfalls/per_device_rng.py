@@ -10,11 +10,11 @@ implements both (``--rng per-device|global``, see docs/randomness.md), and eithe
 import numpy as np
 
 from equivalence.core import harness
+from equivalence.core.compare import compare
+from equivalence.core.compare.outcome import Outcome
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
 from equivalence.core.run import sides
-from equivalence.core.verdict import compare
-from equivalence.core.verdict.outcome import Outcome
 from equivalence.pitfalls.base import DAMAGE, CaseResult, yes
 
 NUMBER = 3

@@ -20,8 +20,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from equivalence.core import harness
-from equivalence.core.port import convert, workloads
+from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
+from equivalence.core.state import convert
 from equivalence.pitfalls.base import CaseResult, max_abs_diff, within_tol, yes
 from nnx_sharded import losses as nnx_losses
 from nnx_sharded import sharding

@@ -19,8 +19,9 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from equivalence.core import harness
-from equivalence.core.port import convert, workloads
+from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
+from equivalence.core.state import convert
 from equivalence.pitfalls.base import CaseResult, max_abs_diff, within_tol, yes
 from legacy_pmap import losses as legacy_losses
 from nnx_sharded import sharding

@@ -133,10 +133,11 @@ def child(mode: str, calls: int) -> dict:
     from flax import nnx
 
     from equivalence.core import harness
-    from equivalence.core.port import convert, workloads
+    from equivalence.core.compare import compare
+    from equivalence.core.compare.outcome import Outcome
+    from equivalence.core.port import workloads
     from equivalence.core.port.config import RunConfig
-    from equivalence.core.verdict import compare
-    from equivalence.core.verdict.outcome import Outcome
+    from equivalence.core.state import convert
     from legacy_pmap import train as legacy
     from nnx_sharded import sharding
     from nnx_sharded import train as sharded
@@ -170,7 +171,7 @@ def pmap_params(legacy, setup, batch_KxG: dict, rng, calls: int) -> dict:
     """The same calls on the pmap path, each blocked on: the reference parameters."""
     import numpy as np
 
-    from equivalence.core.port import convert
+    from equivalence.core.state import convert
 
     for _ in range(calls):
         _, args = setup.call_args(rng, batch_KxG)

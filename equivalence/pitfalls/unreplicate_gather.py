@@ -16,8 +16,9 @@ from collections.abc import Callable
 import jax
 
 from equivalence.core import harness
-from equivalence.core.port import convert, workloads
+from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
+from equivalence.core.state import convert
 from equivalence.pitfalls.base import CaseResult, max_abs_diff
 from legacy_pmap import train as legacy
 

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from equivalence.core.port import convert, workloads
+from equivalence.core.port import workloads
+from equivalence.core.state import convert
 from equivalence.pitfalls.base import DAMAGE, CaseResult, max_abs_diff, within_tol, yes
 from legacy_pmap import losses as legacy_losses
 

@@ -3,7 +3,7 @@ call (``loop.FusedLoop``) and a loop port's step form (``loop.StepLoop``). ``of(
 a port; everything the suite asks of a port's kind (its setups, its twin's, its pre-flight, how it is
 described, what its first step shows) is asked of that object, so no other room asks the port's class.
 
-May import: ``port``, ``run``, ``preflight``, ``verdict`` (it builds what they run; they are handed it).
+May import: every room below it but ``judge`` and ``reference`` (it builds what they run; they are handed it).
 """
 
 from equivalence.core.kinds.loop import FusedLoop, StepLoop

@@ -8,14 +8,15 @@ from typing import Any
 import jax
 from flax import nnx
 
-from equivalence.core.port import new_side, states
 from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.port.kind import Form, Setup
 from equivalence.core.port.ports import LoopPort
 from equivalence.core.preflight import groups, steps, trace
-from equivalence.core.run import adapters, draws, loop_side, nudge, setups, sides, step_side
+from equivalence.core.rng import draws
+from equivalence.core.run import adapters, loop_side, nudge, setups, sides, step_side
 from equivalence.core.run.inputs import Inputs
-from equivalence.core.verdict import legacy_twin
+from equivalence.core.state import new_side, states
+from equivalence.core.twins import legacy_twin
 from legacy_pmap import train as legacy
 from nnx_sharded import sharding
 

@@ -6,14 +6,16 @@ from typing import Any
 
 from flax import nnx
 
+from equivalence.core.locate import first_step
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Form, Setup
 from equivalence.core.port.ports import ModelPort
 from equivalence.core.preflight import trace
+from equivalence.core.record import intercept
 from equivalence.core.run import facts, model_side, nudge, sides
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.run.model_side import TwinKind
-from equivalence.core.verdict import first_step, intercept, legacy_twin
+from equivalence.core.twins import legacy_twin
 from legacy_pmap import losses as legacy_losses
 from legacy_pmap import train as legacy
 from nnx_sharded import train as sharded

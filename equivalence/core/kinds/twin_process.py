@@ -15,9 +15,9 @@ import jax
 from equivalence.core import kinds
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
-from equivalence.core.run import draws
+from equivalence.core.rng import draws
 from equivalence.core.run.inputs import Inputs
-from equivalence.core.verdict import twin
+from equivalence.core.twins import twin
 
 
 def child(spec: str, n: int, ask: str, answer: str) -> None:

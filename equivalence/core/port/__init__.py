@@ -1,5 +1,7 @@
-"""The port API and reading states: what a port is, its fields checked, the two sides' names
-paired, and both frameworks' states in one neutral form.
+"""The public surface: what a port is (``ports``), its fields checked (``port_fields``), its kind and step form
+decided once (``kind``, ``step_forms``), the two sides' names paired (``naming``), the typed flags (``config``),
+the built-in workloads, loading a port by name, whose an exception is (``blame``), and what a check keeps across
+checks let go when the port's code changes (``freshness``).
 
-May import: nothing else of ``core`` (``equivalence.distributed``'s helpers, the two implementations).
+May import: ``state`` (``equivalence.distributed``'s helpers, the two implementations).
 """

@@ -13,9 +13,9 @@ from equivalence.core.port import installed
 RNG_MODES = ('per-device', 'global')
 STRATEGIES = ('dp', 'fsdp', 'tp', 'fsdp-tp', 'shard_map')  # nnx_sharded.sharding.STRATEGIES, without importing JAX
 NNX_FORMS = ('split', 'graph')
-VERDICTS = ('measured', 'strict', 'screen')  # equivalence.core.verdict.judge: what the verdict measures
-PRECISIONS = ('auto', 'highest', 'default')  # equivalence.core.run.precision: matrix products' precision
-TWINS = ('program', 'devices')  # equivalence.core.verdict.twin: what measures the floor
+VERDICTS = ('measured', 'strict', 'screen')  # equivalence.core.judge.judge: what the verdict measures
+PRECISIONS = ('auto', 'highest', 'default')  # equivalence.core.measure.precision: matrix products' precision
+TWINS = ('program', 'devices')  # equivalence.core.twins.twin: what measures the floor
 SEED_LIMIT = 2**32  # np.random.default_rng takes any seed >= 0, jax.random.PRNGKey keeps only 32 bits
 MAX_EXAMPLES = 2**22  # examples generated on the host for one run (steps x global batch): ~0.7 GB for mlp
 MAX_PERTURB = 1e3  # a deliberate mismatch needs 1e-3; a 1001x learning rate is far past any use

@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from equivalence.core.port.config import ConfigError
-from equivalence.core.port.paths import key_name, rename_path  # noqa: F401 -- rename_path: part of this API
+from equivalence.core.state.paths import key_name, rename_path  # noqa: F401 -- rename_path: part of this API
 
 STRUCTURE = 'structure'
 COLLECTIONS = {nnx.Param: 'params', nnx.BatchStat: 'batch_stats'}  # NNX Variable type -> linen collection

@@ -39,7 +39,7 @@ class ModelPort:
     ``noise`` draws the random numbers a loss consumes outside the model (the suite calls it
     per device or once for the global batch, as ``--rng`` says, and gives both losses the
     same numbers); Dropout layers *inside* the models need nothing: the suite draws their
-    masks the same way on both sides (``equivalence.core.run.randomness``).
+    masks the same way on both sides (``equivalence.core.rng.randomness``).
     """
 
     name: str
@@ -78,7 +78,7 @@ class LoopPort:
 
     The suite initialises ``legacy_model`` once; ``legacy_state`` builds your pmap train state from
     those variables. The new side is your train state and your step, in any of the forms real code
-    has (``equivalence.core.port.new_side``): the NNX objects ``(model, optimizer)``; a flax ``TrainState``
+    has (``equivalence.core.state.new_side``): the NNX objects ``(model, optimizer)``; a flax ``TrainState``
     holding ``graphdef`` and an ``nnx.State`` of parameters (functional NNX under ``jax.jit``); or a
     plain pytree of linen parameters and optax state (linen under ``jax.jit``). With ``nnx_model``
     the suite copies linen's weights into it (through ``names``) and ``new_state`` builds your train

@@ -44,7 +44,7 @@ def wide_tx(lr_scale: float = 1.0) -> optax.GradientTransformation:
     1.0e-5 / 9.9e-6 (seed 0); the twin run (NNX on 1 device, same keys) differs from the checked
     NNX run by 3.2e-6 / 5.5e-6 / 7.1e-6 on the same leaves: reduction order, not a slip. cnn: up
     to 1.9e-5 under tp (hidden/kernel), twin 1.4e-5. The verdict holds each leaf to its measured
-    floor (``equivalence.core.verdict.rule``), and every strategy matches at D=8 (wide seeds 0, 1;
+    floor (``equivalence.core.compare.rule``), and every strategy matches at D=8 (wide seeds 0, 1;
     cnn seeds 0, 3 and --rng global seed 3), so wide keeps the setting real code uses. cnn keeps
     eps 1e-5: with 1e-8 and per-device keys seed 5 at D=8 under dp and fsdp was a false MISMATCH,
     the pmap side's own chaos, which no legacy twin could measure while it drew other masks on

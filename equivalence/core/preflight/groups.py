@@ -4,11 +4,12 @@ from typing import Any
 
 import jax
 
-from equivalence.core.port import convert, naming, new_side
+from equivalence.core.port import naming
 from equivalence.core.port.ports import LoopPort, Port
 from equivalence.core.preflight.errors import HOST_ONLY, fail, raised
 from equivalence.core.preflight.shapes import check_shapes
 from equivalence.core.preflight.trace import as_traced
+from equivalence.core.state import convert, new_side
 
 
 def check_groups(

@@ -24,7 +24,8 @@ from equivalence.core.preflight import device_keys
 from equivalence.core.preflight.errors import HOST_ONLY, blamed, fail, kind
 from equivalence.core.preflight.groups import check_new_groups
 from equivalence.core.preflight.trace import as_traced, legacy_state, nnx_train_state, pair, same_nnx_state
-from equivalence.core.run import adapters, randomness
+from equivalence.core.rng import randomness
+from equivalence.core.run import adapters
 from equivalence.distributed import rows
 
 SDS = jax.ShapeDtypeStruct

@@ -7,12 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from equivalence.core.port import new_side
 from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.port.ports import LoopPort, ModelPort, Port
 from equivalence.core.preflight import device_keys
 from equivalence.core.preflight.errors import HOST_ONLY, blamed, fail, kind
-from equivalence.core.run import adapters, facts, randomness, setups
+from equivalence.core.rng import randomness
+from equivalence.core.run import adapters, facts, setups
+from equivalence.core.state import new_side
 from equivalence.distributed import rows
 from legacy_pmap import train as legacy
 from nnx_sharded import train as sharded

@@ -1,4 +1,5 @@
-"""The report: text, JSON, plots, and writing them where the user asked.
+"""The report: every sentence said of a verdict (``words``), text and JSON (``render``), plots, and writing
+them where the user asked (``output``).
 
-May import: ``port``, ``run``, ``verdict``.
+May import: every room but ``kinds``.
 """

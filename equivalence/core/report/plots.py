@@ -11,8 +11,8 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from equivalence.core.compare.location import STAGES
 from equivalence.core.report.output import atomic_write
-from equivalence.core.verdict.location import STAGES
 
 FILES = ('losses.png', 'divergence.png', 'location.png')  # location.png: when the verdict looked for where they part
 

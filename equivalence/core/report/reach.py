@@ -2,8 +2,8 @@
 and NOT VERIFIED where a trend below the floors is too thin to decide (``thin``). The values are the verdict's
 (``verdict.systematic``)."""
 
-from equivalence.core.verdict.findings import Thin
-from equivalence.core.verdict.systematic import Sensitivity
+from equivalence.core.compare.findings import Thin
+from equivalence.core.trend.systematic import Sensitivity
 
 
 def sensitivity(s: Sensitivity | None) -> str:

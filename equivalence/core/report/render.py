@@ -4,10 +4,10 @@ import platform
 
 import numpy as np
 
+from equivalence.core.compare.outcome import Outcome
+from equivalence.core.judge.judge import RunResult
+from equivalence.core.measure import clock, peaks
 from equivalence.core.report import reach, words
-from equivalence.core.run import clock, peaks
-from equivalence.core.verdict.judge import RunResult
-from equivalence.core.verdict.outcome import Outcome
 
 GROUPS = ('params', 'opt_state', 'ema', 'model_state', 'losses')
 

@@ -3,12 +3,9 @@
 for the text and for the JSON's ``verdict`` fields alike.
 """
 
-from equivalence.core.report import reach
-from equivalence.core.run import footprint
-from equivalence.core.verdict import rule
-from equivalence.core.verdict import twin as twins
-from equivalence.core.verdict.compare import LeafDiff
-from equivalence.core.verdict.findings import (
+from equivalence.core.compare import rule
+from equivalence.core.compare.compare import LeafDiff
+from equivalence.core.compare.findings import (
     Diagnosis,
     Excess,
     Finding,
@@ -29,7 +26,10 @@ from equivalence.core.verdict.findings import (
     Unmeasured,
     Unrun,
 )
-from equivalence.core.verdict.rule import NOT_VERIFIED_SHARE, TWIN_ULPS, Verdict
+from equivalence.core.compare.rule import NOT_VERIFIED_SHARE, TWIN_ULPS, Verdict
+from equivalence.core.measure import footprint
+from equivalence.core.report import reach
+from equivalence.core.twins import twin as twins
 
 SHOWN = 3  # leaves named per group and side; the rest counted
 

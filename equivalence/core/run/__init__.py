@@ -1,4 +1,8 @@
-"""Running the two paths: each side's setup and compiled call, real step forms, the randomness bridge.
+"""The two sides built and run: the inputs made once (``inputs``), what is read of the NNX model without
+allocating it (``facts``), each side's setup (``setups``, and one file per kind's sides: ``model_side``,
+``loop_side``, ``step_side`` over ``adapters``, which reads real step forms), each side run call by call
+(``sides``), the twin of the run's own program (``nudge``), a check that would not fit refused (``fits``), a new
+side pinned to its own mesh (``pinned``).
 
-May import: ``port``.
+May import: ``state``, ``port``, ``rng``, ``measure``, ``record``.
 """

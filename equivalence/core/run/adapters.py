@@ -30,12 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from equivalence.core.port import convert, step_forms
+from equivalence.core.port import step_forms
 from equivalence.core.port.config import ConfigError, RunConfig
-from equivalence.core.port.line import Line
 from equivalence.core.port.port_fields import pmapped
 from equivalence.core.port.ports import LoopPort
-from equivalence.core.port.states import Skip, Uncompared
+from equivalence.core.state import convert
+from equivalence.core.state.line import Line
+from equivalence.core.state.states import Skip, Uncompared
 from legacy_pmap import train as legacy
 
 LOOPS = ('steps', 'scan')

@@ -17,9 +17,9 @@ import jax
 import numpy as np
 from flax import nnx
 
+from equivalence.core.measure import peaks
 from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.port.kind import Kind
-from equivalence.core.run import peaks
 
 ENV = 'EQUIVALENCE_DEVICE_BYTES'  # a device's bytes where its backend says none (the CPU's): a budget of one's own
 

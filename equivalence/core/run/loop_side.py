@@ -9,12 +9,13 @@ from typing import Any
 
 import jax
 
-from equivalence.core.port import states
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort
-from equivalence.core.run import adapters, randomness
+from equivalence.core.rng import randomness
+from equivalence.core.run import adapters
 from equivalence.core.run.facts import model_holding
 from equivalence.core.run.setups import LegacySetup, LoopNewSetup, nnx_mesh, twin_placed_inputs
+from equivalence.core.state import states
 from equivalence.distributed import rows
 from legacy_pmap import train as legacy
 from nnx_sharded import sharding

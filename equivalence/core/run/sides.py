@@ -11,11 +11,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from equivalence.core.port import convert
+from equivalence.core.measure import clock, footprint
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
-from equivalence.core.run import clock, footprint, pruned
+from equivalence.core.record import pruned
 from equivalence.core.run.inputs import Inputs
+from equivalence.core.state import convert
 
 
 @dataclasses.dataclass

@@ -14,11 +14,15 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from equivalence.core.port import new_side, states, step_forms
+from equivalence.core.port import step_forms
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.ports import LoopPort
-from equivalence.core.run import adapters, pruned, randomness, setups
+from equivalence.core.record import pruned
+from equivalence.core.rng import randomness
+from equivalence.core.run import adapters, setups
 from equivalence.core.run.adapters import legacy_program, new_step_call, read_output, replica_outputs
+from equivalence.core.run.pinned import pinned_to_its_mesh
+from equivalence.core.state import new_side, states
 from equivalence.distributed import rows
 from legacy_pmap import train as legacy
 from nnx_sharded import sharding
@@ -99,7 +103,7 @@ class StepNewSetup(setups.LoopNewSetup):
 
     def call(self, args: tuple) -> np.ndarray:
         with randomness.bridged(self.config.rng_mode):
-            with setups.pinned_to_its_mesh(self.port, self.mesh):
+            with pinned_to_its_mesh(self.port, self.mesh):
                 out_K = self._fused(*args) if self.port.new_step is None else self._steps(*args)
         losses_K, metrics = read_output(self.port, jax.tree.map(np.asarray, out_K))
         self.metrics.append(metrics)

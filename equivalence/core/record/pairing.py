@@ -1,0 +1,92 @@
+"""The recorded first-step calls of the two sides paired, and their values set side by side.
+
+``intercept`` records every module call of the first step on each side and on the twin; this pairs
+a linen call with the NNX call that computes the same thing, through the port's ``names``: a linen
+module with the NNX module that holds what it holds (``check_names``' leaf mapping, read upwards);
+one without variables by the same renaming of its path; a Dropout by its place among the Dropout
+calls, which is how the randomness bridge keys its masks. ``trees`` lays the paired values out as
+three neutral trees (legacy, NNX, twin) that the verdict's rule compares leaf by leaf (``locate``);
+``recorded_grads`` reads a model port's first gradient as its optimizer was given it.
+"""
+
+import contextlib
+
+import numpy as np
+
+from equivalence.core.record import intercept
+from equivalence.core.record.intercept import GRADS, NOT_MODULES, Record
+
+
+def _renamed(path: str, names) -> str:
+    """A module path without variables, renamed as the port renames variable paths."""
+    if isinstance(names, dict):
+        for old in sorted(names, key=len, reverse=True):
+            if path == old or path.startswith(old + '/'):
+                return names[old] + path[len(old) :]
+    elif callable(names):
+        with contextlib.suppress(Exception):
+            return str(names(path))
+    return path
+
+
+def _module_target(path: str, mapping: dict[str, str], names) -> str | None:
+    """The NNX module that holds what linen module ``path`` holds; None when that is not one module."""
+    depth = len(path.split('/')) if path else 0
+    found = set()
+    for leaf, new in mapping.items():
+        if path and not leaf.startswith(path + '/'):
+            continue
+        below, parts = leaf.count('/') + 1 - depth, new.split('/')
+        found.add('/'.join(parts[: len(parts) - below]) if len(parts) >= below else None)
+    if not found:
+        return _renamed(path, names)
+    return found.pop() if len(found) == 1 else None
+
+
+def pairs(legacy: dict[str, Record], nnx_: dict[str, Record], mapping: dict[str, str], names) -> dict[str, str]:
+    """``{linen label: NNX label}`` of the module calls both sides made (``path`` or ``path#n`` for
+    the (n+1)-th call); Dropouts no renaming pairs, by their order among the Dropout calls."""
+    out = {}
+    for label in legacy:
+        if label in NOT_MODULES:
+            continue
+        path, _, n = label.partition('#')
+        target = _module_target(path, mapping, names)
+        other = target if not n else f'{target}#{n}'
+        if target is not None and other in nnx_:
+            out[label] = other
+    by_order = lambda side: sorted((lab for lab, r in side.items() if 'Dropout' in r.cls), key=lambda x: side[x].order)  # noqa: E731
+    taken = set(out.values())
+    for a, b in zip(by_order(legacy), by_order(nnx_), strict=False):
+        if a not in out and b not in taken:
+            out[a] = b
+    return out
+
+
+def trees(raw: dict, paired: dict[str, str]) -> tuple[dict, dict, dict]:
+    """The legacy, NNX and twin values of every paired call, keyed ``<nnx label>/in|out/<i>``: inputs and
+    outputs as far as both sides passed arrays. An output one side alone gives is no difference: a linen
+    block that returns ``(x, x)`` against its NNX port's ``x`` (google-research/vdm's ``ResnetBlock``, tried
+    blind) parted with '-' figures and failed a correct port; what a caller reads of it, it reads as an input."""
+    out = ({}, {}, {})
+    for old, new in paired.items():
+        a, b, t = raw['legacy'][old], raw['new'][new], raw.get('twin', {}).get(new)
+        for which, tag in ((0, 'in'), (1, 'out')):
+            n_a, n_b = len(a.values[0][which]), len(b.values[0][which])
+            n_t = len(t.values[0][which]) if t is not None else 0
+            for i in range(min(n_a, n_b)):
+                key, like = f'{new}/{tag}/{i}', b.values[0][which][i]
+                out[0][key], out[1][key] = intercept.value(a, i, which, like), like
+                if i < n_t:
+                    out[2][key] = t.values[0][which][i]
+    return out
+
+
+def recorded_grads(raw: dict, side: str, mapping: dict[str, str]) -> dict[str, np.ndarray]:
+    """A model port's first gradient as its optimizer was given it (the pmap side's after its pmean,
+    from device 0), by NNX parameter path; {} when not observed (a loop port)."""
+    record = raw.get(side, {}).get(GRADS)
+    if record is None:
+        return {}
+    names = [mapping.get(n, n) for n in record.names] if side == 'legacy' else list(record.names)
+    return dict(zip(names, record.values[min(record.values)][1], strict=True))
