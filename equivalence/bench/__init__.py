@@ -36,8 +36,9 @@ def run(wl, config, repeats: int, compile_repeats: int, strategy_configs=()):
     progress = measure.Progress(f'{config.workload} D={config.devices} K={config.steps_per_call}')
     machine = measure.machine()
     progress('building variants')
-    feed = variants.Feed(prepared.kind, prepared.inputs, config, pool_steps(config))
-    built, not_built = prepared.kind.asked(plan.Plan(wl, config, feed, K_SCALING, tuple(strategy_configs)))
+    feed = variants.Feed(prepared.kind, prepared.inputs, config.run, pool_steps(config))
+    asked = plan.Plan(wl, config.run, feed, K_SCALING, tuple(c.run for c in strategy_configs))
+    built, not_built = prepared.kind.asked(asked)
     compiles = {}
     for v in built:
         progress(f'compile x{compile_repeats}: {v.label}')

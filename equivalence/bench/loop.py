@@ -20,7 +20,7 @@ import jax
 from flax import nnx
 
 from equivalence.bench.variants import Feed, Variant, _config, _nnx_chain, _nnx_place
-from equivalence.core.port.config import RunConfig
+from equivalence.core.port.plan import Run
 from equivalence.core.port.ports import LoopPort
 from equivalence.core.rng import randomness
 from equivalence.core.run import setups
@@ -59,7 +59,7 @@ def _pure_call(setup: setups.LoopNewSetup, plain_dict: bool) -> tuple[Callable, 
     return jax.jit(pure, donate_argnums=0, out_shardings=(shardings, None)), state
 
 
-def form_variant(port: LoopPort, config: RunConfig, feed: Feed, k: int, name: str) -> Variant:
+def form_variant(port: LoopPort, config: Run, feed: Feed, k: int, name: str) -> Variant:
     """One derived form of the port's call at K, with its own state, inputs and key chain."""
     label, plain_dict = FORMS[name]
     holder = {}
@@ -84,7 +84,7 @@ def form_variant(port: LoopPort, config: RunConfig, feed: Feed, k: int, name: st
     return Variant(name, label, k, place, call, fresh_lowered)
 
 
-def derive(port: LoopPort, config: RunConfig, feed: Feed) -> Derived:
+def derive(port: LoopPort, config: Run, feed: Feed) -> Derived:
     """Both forms at the configured K; a form whose call cannot be traced over split state is
     left out, with the reason (the port's call may hold host-side work that ``jax.jit`` refuses)."""
     out = Derived([], [NOT_DERIVED])

@@ -5,14 +5,14 @@ with the forms of its call the suite can derive beside them (``loop_port``)."""
 import dataclasses
 
 from equivalence.bench import loop, variants
-from equivalence.core.port.config import RunConfig
+from equivalence.core.port.plan import Run
 from equivalence.core.port.ports import Port
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
     port: Port
-    config: RunConfig
+    config: Run
     feed: variants.Feed
     k_scaling: int
     strategy_configs: tuple = ()

@@ -15,7 +15,7 @@ from equivalence.core.port.config import RunConfig
 
 @dataclasses.dataclass
 class BenchResult:
-    config: RunConfig
+    config: RunConfig  # the command's flags
     repeats: int
     machine: dict
     variants: list[Variant]

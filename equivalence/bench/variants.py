@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
+from equivalence.core.port.plan import Run
 from equivalence.core.port.ports import LoopPort
 from equivalence.core.port.ports import ModelPort as Workload
 from equivalence.core.port.workloads import WORKLOADS
@@ -54,7 +55,7 @@ class Feed:
     variant sees the same first steps whatever its K.
     """
 
-    def __init__(self, kind: Kind, inputs: Inputs, config: RunConfig, pool_steps: int):
+    def __init__(self, kind: Kind, inputs: Inputs, config: Run, pool_steps: int):
         """``kind`` and ``inputs``: the harness's preparation (``harness.prepare``: the linen variables, the
         names paired once, the key chain); ``kind`` builds each side's setups."""
         data = kind.port.make_data(np.random.default_rng(config.seed), pool_steps, config.batch_size)
@@ -86,11 +87,11 @@ class _Chain:
         return out
 
 
-def _config(config: RunConfig, k: int) -> RunConfig:
+def _config(config: Run, k: int) -> Run:
     return dataclasses.replace(config, steps_per_call=k, calls=1)
 
 
-def legacy_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: str, label: str) -> Variant:
+def legacy_variant(wl: Workload, config: Run, feed: Feed, k: int, name: str, label: str) -> Variant:
     """``jax.pmap(partial(lax.scan, step))``: inputs placed as pmap's own outputs are, one row per
     device (of this process: with several, each passes its own devices' rows)."""
     cfg = _config(config, k)
@@ -196,7 +197,7 @@ JITS = {'shipped': lambda setup, wl: setup.fused, 'bare': bare_jit, 'first': fir
 JITS |= {'transposed': transposed_jit}
 
 
-def nnx_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: str, label: str, jit: str = 'shipped'):
+def nnx_variant(wl: Workload, config: Run, feed: Feed, k: int, name: str, label: str, jit: str = 'shipped'):
     """The shipped call (the kind's ``new_setup``), or the same step under another ``jax.jit`` (see ``JITS``)."""
 
     def build(kk: int) -> tuple[setups.NnxSetup, Callable]:
@@ -219,7 +220,7 @@ def nnx_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: str, 
     return Variant(name, label, k, place, call, fresh_lowered)
 
 
-def graph_variant(wl: Workload, config: RunConfig, feed: Feed, k: int, name: str, label: str, cached: bool = False):
+def graph_variant(wl: Workload, config: Run, feed: Feed, k: int, name: str, label: str, cached: bool = False):
     """``--nnx-form graph``: ``train.make_graph_call``'s ``nnx.jit(nnx.scan)`` over the TrainState
     object, called with the object; with ``cached``, through ``nnx.cached_partial``."""
 
@@ -249,7 +250,7 @@ def strategy_variants(wl: Workload, feed: Feed, configs: list[RunConfig]) -> lis
     return out
 
 
-def loop_variant(port: LoopPort, config: RunConfig, feed: Feed, k: int, name: str, label: str) -> Variant:
+def loop_variant(port: LoopPort, config: Run, feed: Feed, k: int, name: str, label: str) -> Variant:
     """A loop port's own NNX call over its own train state."""
     setup = feed.kind.new_setup(_config(config, k), feed.inputs)
     place = _nnx_place(setup, _nnx_chain(feed, setup, k))
@@ -284,7 +285,7 @@ def state_arrays(train_state: Any) -> list[jax.Array]:
     return [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
 
 
-def build_loop(port: LoopPort, config: RunConfig, feed: Feed, k_scaling: int) -> list[Variant]:
+def build_loop(port: LoopPort, config: Run, feed: Feed, k_scaling: int) -> list[Variant]:
     """A loop port: its pmap step and its NNX call, fused at K, one step per call, and at ``k_scaling``."""
     ks = sorted({config.steps_per_call, 1, k_scaling}, key=lambda k: (k != config.steps_per_call, k))
     variants = []
@@ -298,7 +299,7 @@ def build_loop(port: LoopPort, config: RunConfig, feed: Feed, k_scaling: int) ->
 SUITES_OWN = ('jit_bare', 'nnx_first', 'nnx_transposed', 'nnx_cached')  # the suite's own history and probes
 
 
-def build_model(wl: Workload, config: RunConfig, feed: Feed, k_scaling: int, strategy_configs=()) -> list[Variant]:
+def build_model(wl: Workload, config: Run, feed: Feed, k_scaling: int, strategy_configs=()) -> list[Variant]:
     """A model port: the fused variants at K, then one step per call, then both paths at ``k_scaling``, then
     the shipped call under each of ``strategy_configs`` (the default variants are data parallel). The
     suite's own variants (``SUITES_OWN``: its NNX call as first shipped, bare and reordered jits, the

@@ -4,7 +4,8 @@ import argparse
 import dataclasses
 import os
 
-from equivalence.core.port.config import ConfigError, RunConfig
+from equivalence.core.port.config import ConfigError
+from equivalence.core.port.plan import Run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,17 +23,17 @@ class CheckpointOptions:
     def saves(self) -> bool:
         return self.resume_at is not None or self.directory is not None
 
-    def save_every(self, config: RunConfig) -> int:
+    def save_every(self, config: Run) -> int:
         """Calls between two legacy saves."""
         if self.every is not None:
             return self.every
         return self.resume_at // config.steps_per_call if self.resume_at else 1
 
-    def calls_to_run(self, config: RunConfig) -> int:
+    def calls_to_run(self, config: Run) -> int:
         """Compiled calls of both paths together: NNX starts at the checkpoint."""
         return 2 * config.calls - (self.resume_at or 0) // config.steps_per_call
 
-    def check(self, config: RunConfig, several: bool = False) -> None:
+    def check(self, config: Run, several: bool = False) -> None:
         """Bad flags -> ``ConfigError`` (one line, exit 2), before any work. ``several``: the run
         has several processes, which must save into one folder that every one of them sees."""
         if several and self.resume_at is not None and self.directory is None:
@@ -52,7 +53,7 @@ class CheckpointOptions:
             _check_directory(self.directory)
 
 
-def _check_resume_at(n: int, config: RunConfig, every: int) -> None:
+def _check_resume_at(n: int, config: Run, every: int) -> None:
     k, steps = config.steps_per_call, config.steps
     if n < 1 or n % k or n >= steps:
         valid = [str(s) for s in range(k, steps, k)]

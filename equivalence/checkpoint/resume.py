@@ -24,6 +24,7 @@ from equivalence.checkpoint.options import CheckpointOptions
 from equivalence.core import harness
 from equivalence.core.harness import Prepared, Resume
 from equivalence.core.port.config import ConfigError, RunConfig
+from equivalence.core.port.plan import Run
 from equivalence.core.port.ports import Port
 from equivalence.core.run import adapters, sides
 from legacy_pmap import checkpoints as legacy_checkpoints
@@ -32,12 +33,12 @@ from nnx_sharded import checkpoints as nnx_checkpoints
 RECORDED = ('seed', 'batch_size', 'rng_mode', 'steps_per_call')  # what the data and key streams depend on
 
 
-def record(config: RunConfig) -> dict:
+def record(config: Run) -> dict:
     """What a checkpoint records beside the step so that a resumed run draws the same data and keys."""
     return {'workload': config.workload, 'devices': config.devices, **{k: getattr(config, k) for k in RECORDED}}
 
 
-def check_record(meta: dict, config: RunConfig) -> None:
+def check_record(meta: dict, config: Run) -> None:
     """A run resumed with other data or keys than the checkpoint's would not continue its streams."""
     for key in RECORDED:
         if key in meta and meta[key] != getattr(config, key):
@@ -49,7 +50,7 @@ def check_record(meta: dict, config: RunConfig) -> None:
         )
 
 
-def saver(package, state_of: Callable, directory: str, config: RunConfig, every: int, **keep) -> Callable:
+def saver(package, state_of: Callable, directory: str, config: Run, every: int, **keep) -> Callable:
     """A harness ``after_call`` hook that saves every ``every`` calls through ``package``'s
     ``checkpoints`` module, as a training loop does."""
     manager = package.make_manager(directory, **keep)
@@ -62,18 +63,18 @@ def saver(package, state_of: Callable, directory: str, config: RunConfig, every:
     return after_call
 
 
-def legacy_saver(directory: str, config: RunConfig, every: int, keep: int | None = None, preserve=()) -> Callable:
+def legacy_saver(directory: str, config: Run, every: int, keep: int | None = None, preserve=()) -> Callable:
     """Saves the replicated state the pmap loop carries (``save`` unreplicates it)."""
     return saver(legacy_checkpoints, lambda setup: setup.pstate, directory, config, every, keep=keep, preserve=preserve)
 
 
-def nnx_saver(directory: str, config: RunConfig, every: int, keep: int | None = None, preserve=()) -> Callable:
+def nnx_saver(directory: str, config: Run, every: int, keep: int | None = None, preserve=()) -> Callable:
     """Saves the NNX train state the setup trains, as its sharded arrays."""
     state_of = lambda setup: nnx_checkpoints.state_dict(layout.view(setup))  # noqa: E731
     return saver(nnx_checkpoints, state_of, directory, config, every, keep=keep, preserve=preserve)
 
 
-def restorer(directory: str, config: RunConfig, step: int | None = None, chain=None) -> Callable[[Any], jax.Array]:
+def restorer(directory: str, config: Run, step: int | None = None, chain=None) -> Callable[[Any], jax.Array]:
     """A harness ``restore`` hook: the NNX checkpoint read straight onto the setup's mesh and
     loaded into its train state; returns the key chain (``chain()`` when the checkpoint was
     migrated from a team's own, which records none). The target carries the placement the
@@ -120,7 +121,7 @@ class Checkpoints:
     @contextlib.contextmanager
     def session(self, prepared: Prepared) -> Iterator['Session']:
         with _root(self.options.directory) as root:  # the twins restore from it while the verdict runs
-            yield Session(self, prepared.config, root)
+            yield Session(self, prepared.run, root)
 
 
 @dataclasses.dataclass
@@ -128,7 +129,7 @@ class Session:
     """One check's checkpoints: where they are, the legacy saver, the migration and the resume."""
 
     checkpoints: Checkpoints
-    config: RunConfig
+    config: Run
     root: str
     notes: list = dataclasses.field(default_factory=list)
 
@@ -157,7 +158,7 @@ class Session:
         return Resume(n, nnx_config, restore, (note,))
 
 
-def key_chain(prepared: Prepared, config: RunConfig, step: int):
+def key_chain(prepared: Prepared, config: Run, step: int):
     """The host key chain at ``step``, recomputed from the seed as the setups draw it: for a checkpoint
     that records none (a team's own)."""
     draws = prepared.kind.key_draws_per_call(config)

@@ -21,6 +21,7 @@ from equivalence.core.measure import clock, precision
 from equivalence.core.port import freshness, port_fields
 from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.port.kind import Kind
+from equivalence.core.port.plan import Plan, Run
 from equivalence.core.port.ports import Port
 from equivalence.core.reference import reference, referenced
 from equivalence.core.rng import randomness
@@ -45,33 +46,41 @@ def validate(port: Port, config: RunConfig, recording: bool = False) -> None:
         raise ConfigError(f'port {port.name!r}: {recorded[0]}=RECORDED, its pmap side read from a reference: {how}')
     if config.rng_mode not in port.rng_modes:
         raise ConfigError(f'--rng {config.rng_mode}: port {port.name!r} supports {", ".join(port.rng_modes)}')
-    kinds.of(port).validate(config)
+    kinds.of(port).validate(Plan.of(config).run)
     if config.strategy == 'shard_map' and has_batch_stats(port):
         raise ConfigError('--strategy shard_map: the model has BatchNorm, whose statistics would be per device here')
 
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:
-    """A port ready to run: its kind, the config (validated), and the inputs made once."""
+    """A port ready to run: its kind, the plan resolved from its validated config, and the inputs made once."""
 
     kind: Kind
-    config: RunConfig
+    plan: Plan
     inputs: Inputs
+
+    @property
+    def run(self) -> Run:
+        return self.plan.run
 
 
 def prepare(port: Port, config: RunConfig, n_steps: int | None = None) -> Prepared:
     """The port traced abstractly (``preflight``: a mistake in it is exit 2, before training; it pairs the
     two sides' names, once), then its inputs made. ``config`` must have passed ``validate``. ``n_steps``:
     the steps the pre-flight asks ``make_data`` for (bench's pool)."""
+    return _prepare(port, Plan.of(config), n_steps)
+
+
+def _prepare(port: Port, plan: Plan, n_steps: int | None = None) -> Prepared:
     freshness.starting(port)  # what earlier checks kept goes where the port's code changed since
-    kind = kinds.of(port)
-    if config.reference is not None:
-        return _from_reference(kind, config)
+    kind, run = kinds.of(port), plan.run
+    if plan.reference is not None:
+        return _from_reference(kind, plan)
     with clock.stage("initial variables: linen's initialisation traced, compiled on a thread"):
-        started, compiling = _init_aside(port, config)
+        started, compiling = _init_aside(port, run)
     with clock.stage('pre-flight (the port traced abstractly)'):
         try:
-            mapping = preflight.check(kind, config, n_steps)
+            mapping = preflight.check(kind, run, n_steps)
         except Exception:
             if compiling is not None:
                 compiling.result()  # no compile left running while the port's mistake is said
@@ -80,21 +89,21 @@ def prepare(port: Port, config: RunConfig, n_steps: int | None = None) -> Prepar
     with clock.stage('inputs (data, keys, initial variables)'):
         if compiling is not None:
             compiling.result()
-        return Prepared(kind, config, made.make(port, config, mapping, started))
+        return Prepared(kind, plan, made.make(port, run, mapping, started))
 
 
-def _from_reference(kind: Kind, config: RunConfig) -> Prepared:
-    """A port whose pmap side is read from ``config.reference`` (``verdict.referenced``): its inputs are the
+def _from_reference(kind: Kind, plan: Plan) -> Prepared:
+    """A port whose pmap side is read from ``plan.reference`` (``reference.referenced``): its inputs are the
     recorded ones, its names paired with the new side's (``naming.PortError``, exit 2, where they do not pair),
     nothing of the pmap code run or imported. A reference that does not fit is exit 2 before any training."""
-    with clock.stage(f'reference {config.reference} read, every array checked against its sha256'):
-        held, recorded = referenced.read(config.reference, kind, config)
+    with clock.stage(f'reference {plan.reference} read, every array checked against its sha256'):
+        held, recorded = referenced.read(plan.reference, kind, plan.run)
         mapping = name_mapping(kind.port, held['variables'])
     with clock.stage('pre-flight (the new side traced abstractly)'):
-        preflight.check_new(kind, config, held['variables'], held['calls'][0], mapping)
+        preflight.check_new(kind, plan.run, held['variables'], held['calls'][0], mapping)
     recorded = dataclasses.replace(recorded.named(mapping), gone=port_fields.recorded_fields(kind.port))
     inputs = Inputs(held['variables'], held['calls'], held['rng'], mapping, recorded=recorded)
-    return Prepared(kind, config, inputs)
+    return Prepared(kind, plan, inputs)
 
 
 def record(port: Port, config: RunConfig, path: str, say: clock.Say | None = None) -> dict:
@@ -104,21 +113,21 @@ def record(port: Port, config: RunConfig, path: str, say: clock.Say | None = Non
     if jax.process_count() > 1:
         raise ConfigError('a reference is recorded in one process: its pmap side spans the devices this process sees')
     freshness.starting(port)
-    kind = kinds.of(port)
+    kind, run = kinds.of(port), Plan.of(config).run
     with clock.measuring(say) as measured:
         with clock.stage('pre-flight (the pmap side traced abstractly)'):
-            preflight.check_legacy(kind, config)  # its mistakes are exit 2 here, as run's are, before training
-        with precision.computing_at(config.precision):
+            preflight.check_legacy(kind, run)  # its mistakes are exit 2 here, as run's are, before training
+        with precision.computing_at(run.precision):
             with clock.stage('inputs (data, keys, initial variables)'):
-                inputs = made.unpaired(port, config)
+                inputs = made.unpaired(port, run)
             with clock.stage(f'legacy side: {kind.programs()[0]}, {len(inputs.calls)} calls, then its first steps '
                              'recorded module by module'):  # fmt: skip
-                tree = referenced.record(kind, config, inputs)
-            reference.save(path, config, port.name, tree)
+                tree = referenced.record(kind, run, inputs)
+            reference.save(path, run, port.name, tree)
     return {'timing': measured.summary(), 'losses': tree['legacy'].losses}
 
 
-def _init_aside(port: Port, config: RunConfig) -> tuple:
+def _init_aside(port: Port, config: Run) -> tuple:
     """``(made.start's, its linen initialisation compiling on a thread)`` while the pre-flight runs; ``(None,
     None)`` where the port cannot start so (the pre-flight then says why, and the inputs start afresh)."""
     try:
@@ -134,7 +143,7 @@ class Resume:
     """The new side resumed from a checkpoint of the legacy run (``Checkpoints.resume``)."""
 
     step: int  # the step it resumes from: it trains the calls after it
-    config: RunConfig  # its config (its device count may be another)
+    config: Run  # its run (its device count may be another)
     restore: Callable[[Any], jax.Array]  # loads the checkpoint into a setup, returns the key chain
     notes: tuple[str, ...] = ()
 
@@ -164,46 +173,67 @@ def run(port: Port, config: RunConfig, progress: Progress | None = None, diagnos
     is neither diagnosed nor located (a run whose match alone is read, as the masked-loss hint's on 1
     device); its outcome is a diagnosed run's (no floor: NOT VERIFIED where nothing floor-free explains it).
     ``checkpoints``: legacy saves, and the new side resumed from one (``Checkpoints``). ``say``: told each
-    stage as it begins and ends (``clock.Lines``); every stage is measured (``RunResult.timing``)."""
+    stage as it begins and ends (``clock.Lines``); every stage is measured (``RunResult.timing``). The config is
+    resolved once into a ``Plan``; each stage below is handed its part."""
+    plan = Plan.of(config)
+    again = _Again(port, config)  # the hint and the default-precision gap run the check again, whole
     with clock.measuring(say) as measured:
-        with precision.computing_at(config.precision):
-            result = _run(port, config, progress or silent, diagnose, checkpoints)
-        result.device = precision.Device.here(config.devices, config.precision)
-        at_highest = config.precision == 'auto' and result.device.precision == 'highest'
-        if config.default_gap and diagnose and at_highest and not config.reference:  # asked: both sides again
-            result.device = dataclasses.replace(result.device, default_gap=_default_gap(port, config) or {})
+        with precision.computing_at(plan.run.precision):
+            result = _run(port, plan, progress or silent, diagnose, checkpoints, again)
+        result.config, result.device = config, precision.Device.here(plan.run.devices, plan.run.precision)
+        at_highest = plan.run.precision == 'auto' and result.device.precision == 'highest'
+        if plan.default_gap and diagnose and at_highest and not plan.reference:  # asked: both sides again
+            result.device = dataclasses.replace(result.device, default_gap=again.default_gap() or {})
     result.timing = measured.summary()
     return result
 
 
-def _default_gap(port: Port, config: RunConfig) -> dict | None:
-    """How far apart the two sides end at the backend's default precision (``precision.gap``), run again bare:
-    what the check at ``highest`` did not judge. None where they cannot run so (the verdict stands)."""
-    default = dataclasses.replace(config, precision='default')
-    try:
-        with clock.stage("both sides again at the backend's default precision (said, not judged)"):
-            prepared = prepare(port, default)
-            old, new = both_sides(prepared.kind, default, prepared.inputs)
-    except Exception:  # noqa: BLE001 -- a figure beside the verdict, never an error in place of it
-        return None
-    return precision.gap(old, new)
+@dataclasses.dataclass(frozen=True)
+class _Again:
+    """The check run again, from its whole config: on one device (the masked-loss hint), and at the backend's
+    default precision (``--default-gap``)."""
+
+    port: Port
+    config: RunConfig
+
+    def matches_on_one(self) -> bool:
+        """Whether the same run matches on one device (data parallel, one process): the masked-loss hint's test."""
+        if jax.process_count() != 1 or self.config.strategy != 'dp':
+            return False
+        try:
+            with clock.stage('hint: the same run on 1 device'):
+                on_one = dataclasses.replace(self.config, devices=1)
+                return run(self.port, on_one, diagnose=False).outcome is Outcome.MATCH
+        except ConfigError:
+            return False
+
+    def default_gap(self) -> dict | None:
+        """How far apart the two sides end at the backend's default precision (``precision.gap``), run again
+        bare: what the check at ``highest`` did not judge. None where they cannot run so (the verdict stands)."""
+        default = dataclasses.replace(self.config, precision='default')
+        try:
+            with clock.stage("both sides again at the backend's default precision (said, not judged)"):
+                prepared = prepare(self.port, default)
+                old, new = both_sides(prepared.kind, prepared.run, prepared.inputs)
+        except Exception:  # noqa: BLE001 -- a figure beside the verdict, never an error in place of it
+            return None
+        return precision.gap(old, new)
 
 
-def _run(port: Port, config: RunConfig, progress: Progress, diagnose: bool, checkpoints) -> RunResult:
-    prepared = prepare(port, config)
-    kind, inputs = prepared.kind, prepared.inputs
+def _run(port: Port, plan: Plan, progress: Progress, diagnose: bool, checkpoints, again: _Again) -> RunResult:
+    prepared = _prepare(port, plan)
+    kind, run, inputs = prepared.kind, plan.run, prepared.inputs
     resumed = False
     if inputs.recorded is not None:
         return _against_reference(prepared, progress, diagnose)
-    fits.check(kind, config, inputs.variables)  # both train states on one device: refused before training
+    fits.check(kind, run, inputs.variables)  # both train states on one device: refused before training
     if checkpoints is None:
-        old, new = both_sides(kind, config, inputs, progress)
-        result = judgement(kind, config, old, new, inputs, diagnose=diagnose)
+        old, new = both_sides(kind, run, inputs, progress)
+        result = judgement(kind, plan, old, new, inputs, diagnose=diagnose)
     else:
         result, resumed = _with_checkpoints(prepared, progress, diagnose, checkpoints)
     if diagnose and not resumed:  # the hint runs both sides again on 1 device: part of a MISMATCH's diagnosis
-        on_one = lambda: _matches_on_one(port, config)  # noqa: E731
-        result.notes += hints.masked_loss(config.devices, inputs.calls, result.outcome, on_one)
+        result.notes += hints.masked_loss(run.devices, inputs.calls, result.outcome, again.matches_on_one)
     return result
 
 
@@ -211,15 +241,15 @@ def _against_reference(prepared: Prepared, progress: Progress, diagnose: bool) -
     """The new side alone, judged against the pmap side a reference holds. Its random numbers are drawn as
     the recorded run drew them: JAX's threefry splits and draws other bits for the same key since jax 0.5
     (``jax_threefry_partitionable``), so the recorded setting is the check's, and said where it is not today's."""
-    kind, config, inputs = prepared.kind, prepared.config, prepared.inputs
+    kind, plan, inputs = prepared.kind, prepared.plan, prepared.inputs
     recorded = inputs.recorded
-    fits.check(kind, config, inputs.variables, sides=1)
+    fits.check(kind, plan.run, inputs.variables, sides=1)
     partitionable = recorded.environment.get('threefry_partitionable', jax.config.jax_threefry_partitionable)
     with jax.threefry_partitionable(bool(partitionable)):
         with clock.stage(f'new side: {kind.programs()[1]}, {len(inputs.calls)} calls (compiled, run)'):
-            new = run_new(kind, config, inputs, progress)
-        result = judgement(kind, config, recorded.legacy, new, inputs, diagnose=diagnose)
-    result.notes.append(f'the pmap side read from the reference {config.reference}, recorded on '
+            new = run_new(kind, plan.run, inputs, progress)
+        result = judgement(kind, plan, recorded.legacy, new, inputs, diagnose=diagnose)
+    result.notes.append(f'the pmap side read from the reference {plan.reference}, recorded on '
                         f'{referenced.where_recorded(recorded.environment)}')  # fmt: skip
     if bool(partitionable) != bool(jax.config.jax_threefry_partitionable):
         result.notes.append(f'keys drawn as the reference drew them: jax_threefry_partitionable={bool(partitionable)} '
@@ -230,8 +260,8 @@ def _against_reference(prepared: Prepared, progress: Progress, diagnose: bool) -
 def _with_checkpoints(prepared: Prepared, progress: Progress, diagnose: bool, checkpoints) -> tuple[RunResult, bool]:
     """``(the result, whether the new side resumed)``: one side after the other, the legacy run saving after
     its calls, the new side resumed from one of them where asked."""
-    kind, config, inputs = prepared.kind, prepared.config, prepared.inputs
-    legacy_program, new_program = kind.programs()
+    kind, plan, inputs = prepared.kind, prepared.plan, prepared.inputs
+    config, legacy_program, new_program = plan.run, *kind.programs()
     with checkpoints.session(prepared) as saving:
         with clock.stage(f'legacy side: {legacy_program}, {len(inputs.calls)} calls (compiled, run)'):
             old = run_legacy(kind, config, inputs, progress, saving.after_legacy_call)
@@ -239,13 +269,13 @@ def _with_checkpoints(prepared: Prepared, progress: Progress, diagnose: bool, ch
         if resume is None:
             with clock.stage(f'new side: {new_program}, {len(inputs.calls)} calls (compiled, run)'):
                 new = run_new(kind, config, inputs, progress)
-            result = judgement(kind, config, old, new, inputs, diagnose=diagnose)
+            result = judgement(kind, plan, old, new, inputs, diagnose=diagnose)
         else:
             resumed = resumed_inputs(inputs, resume, config.steps_per_call)
             with clock.stage(f'new side: {new_program}, resumed at step {resume.step} (compiled, run)'):
                 new = run_new(kind, resume.config, resumed, progress)
-            result = judgement(kind, resume.config, old, new, resumed, resume.step, diagnose)
-            result.config = config
+            resumed_plan = dataclasses.replace(plan, run=resume.config)
+            result = judgement(kind, resumed_plan, old, new, resumed, resume.step, diagnose)
         result.notes += [*saving.notes, *(resume.notes if resume else ())]
     return result, resume is not None
 
@@ -259,29 +289,20 @@ def resumed_inputs(inputs: Inputs, resume: Resume, k: int) -> Inputs:
                                first_call=first)  # fmt: skip
 
 
-def judgement(kind: Kind, config: RunConfig, old: PathResult, new: PathResult, inputs: Inputs, resumed_at: int = 0,
+def judgement(kind: Kind, plan: Plan, old: PathResult, new: PathResult, inputs: Inputs, resumed_at: int = 0,
               diagnose: bool = True) -> RunResult:  # fmt: skip
-    """The two runs compared and judged (``verdict.judge``); a new side resumed at ``resumed_at`` is
-    compared with the legacy run's losses, metrics and parameters after that step."""
+    """The two runs compared and judged (``judge.judge``, handed the run and the judging parts of the plan); a
+    new side resumed at ``resumed_at`` is compared with the legacy run's losses, metrics and parameters after
+    that step. Its ``config`` is the plan's run until ``run`` gives it the whole config."""
     if resumed_at:
-        old = old.after(resumed_at, config.steps_per_call)
-    runs = Runs(kind, config, inputs)  # what the verdict asks to be run beyond the two runs
+        old = old.after(resumed_at, plan.run.steps_per_call)
+    runs = Runs(kind, plan.run, inputs)  # what the verdict asks to be run beyond the two runs
     with clock.stage('verdict'):
-        result = judged(kind, config, old, new, inputs, runs, diagnose)
-    result.programs, result.new_side, result.keys = kind.programs(), kind.new_side(), kind.keys(config)
+        report, verdict, notes = judged(kind, plan, old, new, inputs, runs, diagnose)
+    result = RunResult(plan.run, old, new, report, notes=notes, verdict=verdict)
+    result.programs, result.new_side, result.keys = kind.programs(), kind.new_side(), kind.keys(plan.run)
     result.resumed_at = resumed_at
     return result
-
-
-def _matches_on_one(port: Port, config: RunConfig) -> bool:
-    """Whether the same run matches on one device (data parallel, one process): the masked-loss hint's test."""
-    if jax.process_count() != 1 or config.strategy != 'dp':
-        return False
-    try:
-        with clock.stage('hint: the same run on 1 device'):
-            return run(port, dataclasses.replace(config, devices=1), diagnose=False).outcome is Outcome.MATCH
-    except ConfigError:
-        return False
 
 
 def check(port: Port, diagnose: bool = True, **flags) -> RunResult:

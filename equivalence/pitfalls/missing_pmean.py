@@ -13,6 +13,7 @@ import optax
 from equivalence.core import harness
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
+from equivalence.core.port.plan import Run
 from equivalence.core.port.ports import ModelPort
 from equivalence.core.run import setups, sides
 from equivalence.core.run.inputs import make_inputs
@@ -48,7 +49,7 @@ def step_without_pmean(model, per_example_loss, tx: optax.GradientTransformation
     return step
 
 
-def run_wrong(wl: ModelPort, config: RunConfig, variables: dict, calls: list[dict], rng):
+def run_wrong(wl: ModelPort, config: Run, variables: dict, calls: list[dict], rng):
     """score_sde's loop over the calls, with the wrong step; returns the replicated state."""
     tx = wl.make_tx(1.0)
     devices = jax.devices()[: config.devices]

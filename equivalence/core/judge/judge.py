@@ -51,6 +51,7 @@ from equivalence.core.locate.first_step import Recorder
 from equivalence.core.measure import clock
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
+from equivalence.core.port.plan import Plan
 from equivalence.core.rng import randomness
 from equivalence.core.run import nudge, sides
 from equivalence.core.run.inputs import Inputs
@@ -61,26 +62,28 @@ from equivalence.core.twins import fresh, legacy_twin, twin, unverified
 from equivalence.core.twins.unverified import start_params
 
 
-def judge(kind: Kind, config: RunConfig, old, new, inputs: Inputs, tree, runs: Runs, diagnose: bool = True):
+def judge(kind: Kind, plan: Plan, old, new, inputs: Inputs, tree, runs: Runs, diagnose: bool = True):
     """``(the report every leaf is judged by, the verdict)``; ``tree(path)`` is what of a path's result is
-    compared (``compared``); ``runs``: what runs the twins and probes the policy asks for (``Runs``);
+    compared (``compared``); ``plan``: its run and judging parts; ``runs``: what runs the twins and probes the policy
+    asks for (``Runs``);
     ``diagnose=False``: a MISMATCH is neither diagnosed nor located."""
     trees = lambda path, first=None: {**tree(path), **(first or {})}  # noqa: E731
     screen = compare.compare(trees(old), trees(new), kind.port.tolerance)
     done: list = [found.Screen(screen.match)]
-    local, cannot = len(jax.local_devices()), fresh.why_not(config, inputs.restore is not None)
+    run, judging = plan.run, plan.judging
+    local, cannot = len(jax.local_devices()), fresh.why_not(run, inputs.restore is not None)
     counts = tuple(
-        n for n in twin.twin_kinds(config, local if cannot else max(local, 2))
-        if twin.devices_of(n, config) <= local or not cannot
+        n for n in twin.twin_kinds(run, judging.twin, local if cannot else max(local, 2))
+        if twin.devices_of(n, run) <= local or not cannot
     )  # fmt: skip
-    if not counts or (config.verdict == 'screen' and screen.match):
+    if not counts or (judging.verdict == 'screen' and screen.match):
         none = NoTwin(NoTwin.Why.NO_MESH, cannot) if not counts else NoTwin(NoTwin.Why.SCREEN_PASSED)
-        report, judged = finish(kind, config, screen, old, new, inputs, done + [none], none, runs, None, diagnose)
+        report, judged = finish(kind, plan, screen, old, new, inputs, done + [none], none, runs, None, diagnose)
         return report, unverified.unmeasured(report, judged) if not counts else judged  # --verdict screen: the user's
     measured = runs.twins(new, counts)
     if not measured.twins:
         why = NoTwin(NoTwin.Why.TWIN, measured.why[0])
-        report, judged = finish(kind, config, screen, old, new, inputs, done + [why], why, runs, None, diagnose,
+        report, judged = finish(kind, plan, screen, old, new, inputs, done + [why], why, runs, None, diagnose,
                                 measured.errors)  # fmt: skip
         return report, unverified.unmeasured(report, judged)
     twins = measured.twins
@@ -95,7 +98,7 @@ def judge(kind: Kind, config: RunConfig, old, new, inputs: Inputs, tree, runs: R
     memory = {'run': new.memory, 'twins': {twin.label(k): tw.memory for k, tw in twins.items()}}
     done += [on, found.Memory(memory['run'], memory['twins'])]
     done += [NoTwin(NoTwin.Why.TWIN, reason) for reason in measured.why]  # those not run, or refused
-    recorder = runs.recorder(first_step.here(next(iter(twins)), config, measured.fresh))
+    recorder = runs.recorder(first_step.here(next(iter(twins)), run, measured.fresh))
     grads, errors = None, measured.errors
     if legacy_twin.wanted(report, old, new):
         grads, other, lines, raised = legacy_floor(kind, old, new, inputs, twins, runs, recorder)
@@ -107,15 +110,15 @@ def judge(kind: Kind, config: RunConfig, old, new, inputs: Inputs, tree, runs: R
             )
         if grads is not None:
             report = dataclasses.replace(report, leaves=[*report.leaves, *grads.leaves])
-    reading = trends(old, new, twins, inputs, report, start, config.steps_per_call)
+    reading = trends(old, new, twins, inputs, report, start, run.steps_per_call)
     if reading.decisive:  # a difference that grows every call as a slip in the update does, below the floors
         report = dataclasses.replace(report, leaves=[*report.leaves, *systematic.leaves(reading)])
-    report, judged = finish(kind, config, report, old, new, inputs, done, on, runs, recorder, diagnose, errors, grads,
+    report, judged = finish(kind, plan, report, old, new, inputs, done, on, runs, recorder, diagnose, errors, grads,
                             reading)  # fmt: skip
     judged = unverified.unverified(kind.port, inputs, report, judged)
     judged = unverified.thin(judged, reading)
     if judged.match:
-        steps = len(old.params_per_call) * config.steps_per_call
+        steps = len(old.params_per_call) * run.steps_per_call
         judged = dataclasses.replace(judged, sensitivity=systematic.sensitivity(report, old.params_per_call, start,
                                                                                  steps))  # fmt: skip
     return report, dataclasses.replace(judged, memory=memory)
@@ -159,7 +162,7 @@ def legacy_floor(kind: Kind, old, new, inputs: Inputs, twins: dict, runs: Runs, 
     return grads, other, [*done, said], raised
 
 
-def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twin_record, runs: Runs, recorder,
+def finish(kind: Kind, plan: Plan, report, old, new, inputs: Inputs, done: list, twin_record, runs: Runs, recorder,
            diagnose: bool,
            errors: tuple = (), grads=None, reading=None) -> tuple[compare.Report, Verdict]:  # fmt: skip
     """Gradients (strict, or to diagnose; ``grads`` if already probed), the diagnosis on MISMATCH, and
@@ -170,7 +173,8 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
     # on MISMATCH the gradients are probed to diagnose; with no floor, diagnosed or not, they decide the outcome
     # (differing gradients are math, a MISMATCH; agreeing ones leave it UNMEASURED, NOT VERIFIED)
     asked = not report.match and (diagnose or report.floor is None)
-    if grads is None and probe is not None and (config.verdict == 'strict' or asked):
+    judging = plan.judging
+    if grads is None and probe is not None and (judging.verdict == 'strict' or asked):
         if unrecorded:
             done = [*done, found.NotRun(Probe.GRADS, unrecorded)]
         else:
@@ -186,10 +190,10 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
         frozenset(leaf.path for leaf in noisy if leaf.group == 'params'),
         failed=frozenset(leaf.group for leaf in report.leaves if not leaf.ok),
     )
-    if hidden.needed(report, seen) and config.verdict != 'screen':
+    if hidden.needed(report, seen) and judging.verdict != 'screen':
         # a MATCH these leaves leave unverified where the hold cannot run (several processes, resumed) or was
         # not asked for (``locate=False``, ``diagnose=False``: the library's), said so
-        skipped = unrecorded or ('locate=False' if config.locate is False else '' if diagnose else 'diagnose=False')
+        skipped = unrecorded or ('locate=False' if judging.locate is False else '' if diagnose else 'diagnose=False')
         if skipped:
             done = [*done, found.NotRun(Probe.HELD, skipped)]
         else:
@@ -198,9 +202,9 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
             report, done = dataclasses.replace(report, leaves=[*report.leaves, *extra]), [*done, said]
             seen = dataclasses.replace(seen, failed=seen.failed | {leaf.group for leaf in extra})
     outcome = Outcome.MATCH if report.match else Outcome.MISMATCH  # NOT VERIFIED: ``unverified``, after
-    judged = Verdict(outcome, config.verdict, tuple(done), twin=twin_record, noise_dominated=noisy, errors=errors)
+    judged = Verdict(outcome, judging.verdict, tuple(done), twin=twin_record, noise_dominated=noisy, errors=errors)
     if report.match:
-        return report, locate.attach(judged, kind, config, inputs, recorder, seen)  # only when --locate asks
+        return report, locate.attach(judged, kind, plan, inputs, recorder, seen)  # only when --locate asks
     nonfinite = rule.nonfinite(
         {'legacy': old.losses, 'new': new.losses},
         {'legacy': old.final, 'new': new.final},
@@ -227,7 +231,7 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
     mismatch = dataclasses.replace(judged, done=tuple(done), diagnosis=diagnosed)
     data_step = nonfinite.data_step if nonfinite is not None else None
     seen = dataclasses.replace(seen, nonfinite=nonfinite, data_step=data_step)
-    located = locate.attach(mismatch, kind, config, inputs, recorder, seen)
+    located = locate.attach(mismatch, kind, plan, inputs, recorder, seen)
     if reading is not None and reading.decisive and getattr(located.location, 'kind', None) in UNPLACED:
         ranks = frozenset(np.ndim(a) for a in (old.params_per_call or [{}])[-1].values())
         located = dataclasses.replace(located, location=systematic.location(reading, ranks))
@@ -271,14 +275,14 @@ class RunResult:
         return [max(float(np.abs(a[k] - b[k]).max()) for k in a) for a, b in pairs]
 
 
-def judged(kind: Kind, config: RunConfig, old: PathResult, new: PathResult, inputs: Inputs, runs: Runs,
-           diagnose: bool = True) -> RunResult:  # fmt: skip
-    """The two runs judged against their measured noise floor (``judge``), the twins and probes run by
-    ``runs``; ``diagnose``: False where only the match is read (no diagnosis nor location on MISMATCH). Its
-    notes: what was left out of the comparison (``compared``)."""
+def judged(kind: Kind, plan: Plan, old: PathResult, new: PathResult, inputs: Inputs, runs: Runs,
+           diagnose: bool = True) -> tuple[compare.Report, Verdict, list[str]]:  # fmt: skip
+    """``(the report, the verdict, its notes)``: the two runs judged against their measured noise floor (``judge``),
+    the twins and probes run by ``runs``; ``diagnose``: False where only the match is read (no diagnosis nor location
+    on MISMATCH). Its notes: what was left out of the comparison (``compared``)."""
     tree, notes = compared(kind, old, new)
-    report, verdict = judge(kind, config, old, new, inputs, tree, runs, diagnose)
-    return RunResult(config, old, new, report, notes=notes, verdict=verdict)
+    report, verdict = judge(kind, plan, old, new, inputs, tree, runs, diagnose)
+    return report, verdict, notes
 
 
 def compared(kind: Kind, old: PathResult, new: PathResult) -> tuple[Callable[[PathResult], convert.Neutral], list[str]]:

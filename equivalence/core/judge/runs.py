@@ -9,8 +9,8 @@ import functools
 
 from equivalence.core.locate import first_step
 from equivalence.core.locate.first_step import Recorder
-from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
+from equivalence.core.port.plan import Run
 from equivalence.core.run import facts
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.twins import legacy_twin, twin
@@ -21,7 +21,7 @@ class Runs:
     """The runs a verdict asks for, on the check's ``kind``, ``config`` and ``inputs``."""
 
     kind: Kind
-    config: RunConfig
+    config: Run
     inputs: Inputs
 
     def twins(self, new, counts: tuple) -> twin.Measured:

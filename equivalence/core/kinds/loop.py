@@ -8,8 +8,9 @@ from typing import Any
 import jax
 from flax import nnx
 
-from equivalence.core.port.config import ConfigError, RunConfig
+from equivalence.core.port.config import ConfigError
 from equivalence.core.port.kind import Form, Setup
+from equivalence.core.port.plan import Run
 from equivalence.core.port.ports import LoopPort
 from equivalence.core.preflight import groups, steps, trace
 from equivalence.core.rng import draws
@@ -51,7 +52,7 @@ class Loop:
         ``asker.loop_port()``, its own pmap step and new call."""
         return asker.loop_port()
 
-    def validate(self, config: RunConfig) -> None:
+    def validate(self, config: Run) -> None:
         if (config.strategy, config.nnx_form) != ('dp', 'split'):
             raise ConfigError("--strategy and --nnx-form place the suite's NNX loop; a loop port brings its own")
         if config.perturb:
@@ -75,7 +76,7 @@ class Loop:
     def loss_names(self) -> tuple[str, str]:
         return "the pmap step's loss", "the new step's loss"
 
-    def keys(self, config: RunConfig) -> str:
+    def keys(self, config: Run) -> str:
         """How its steps get their keys, for the report's header: ``--rng``'s mode, or, for a step that takes
         none (``step_form='state'``), that it keeps its own in its train state."""
         if self.port.step_form == 'state':
@@ -87,7 +88,7 @@ class Loop:
         under ``jax.jit`` (its new state built from linen's variables)."""
         return 'NNX' if self.port.nnx_model is not None else 'linen under jax.jit'
 
-    def legacy_twin(self, config: RunConfig, n: int, inputs: Inputs) -> tuple[Any, bool]:
+    def legacy_twin(self, config: Run, n: int, inputs: Inputs) -> tuple[Any, bool]:
         """``(its pmap step run on n devices, False)``: the step draws as its own code says, with the keys the
         suite hands it (its legacy twin is judged by its losses)."""
         return sides.run_legacy(self, legacy_twin.on(config, n), inputs), False
@@ -117,17 +118,17 @@ class FusedLoop(Loop):
         """The mesh the first-step recording gathers each value of a new side onto: its own."""
         return setup.mesh
 
-    def preflight(self, config: RunConfig, variables: dict, batch_KxG: Any, mapping: dict) -> None:
+    def preflight(self, config: Run, variables: dict, batch_KxG: Any, mapping: dict) -> None:
         old_state = trace.trace_legacy_loop(self.port, config, variables, batch_KxG)
         new_state = trace.trace_nnx_loop(self.port, config, batch_KxG, variables)
         groups.check_groups(self.port, old_state, new_state, variables, mapping)
 
-    def legacy_preflight(self, config: RunConfig, variables: dict, batch_KxG: Any) -> None:
+    def legacy_preflight(self, config: Run, variables: dict, batch_KxG: Any) -> None:
         """The pmap side's half of ``preflight``: all a recording traces (it never builds the new side)."""
         old_state = trace.trace_legacy_loop(self.port, config, variables, batch_KxG)
         groups.check_legacy_groups(self.port, old_state, variables)
 
-    def new_preflight(self, config: RunConfig, variables: dict, batch_KxG: Any, mapping: dict) -> None:
+    def new_preflight(self, config: Run, variables: dict, batch_KxG: Any, mapping: dict) -> None:
         """The new side's half of ``preflight``: all a check against a reference traces."""
         new_state = trace.trace_nnx_loop(self.port, config, batch_KxG, variables)
         groups.check_new_state_groups(self.port, new_state, variables, mapping)
@@ -136,13 +137,13 @@ class FusedLoop(Loop):
         old_state, new_state = trace.legacy_state(self.port, variables), trace.nnx_train_state(self.port, variables)
         groups.check_groups(self.port, old_state, new_state, variables, mapping)
 
-    def legacy_setup(self, config: RunConfig, inputs: Inputs) -> Setup:
+    def legacy_setup(self, config: Run, inputs: Inputs) -> Setup:
         return loop_side.legacy_setup(self.port, config, inputs.variables)
 
-    def new_setup(self, config: RunConfig, inputs: Inputs) -> Setup:
+    def new_setup(self, config: Run, inputs: Inputs) -> Setup:
         return loop_side.new_setup(self.port, config, inputs.variables, inputs.mapping)
 
-    def twin_setup(self, config: RunConfig, inputs: Inputs, twin, lr_scale: float | None = None) -> Setup:
+    def twin_setup(self, config: Run, inputs: Inputs, twin, lr_scale: float | None = None) -> Setup:
         if isinstance(twin, nudge.Nudged):  # the run's own side, from its inputs nudged
             return self.new_setup(config, nudge.inputs(inputs, twin))
         return loop_side.twin_setup(self.port, config, inputs.variables, inputs.mapping, twin)
@@ -153,7 +154,7 @@ class FusedLoop(Loop):
     def programs(self) -> tuple[str, str]:
         return 'pmap(scan)', 'NNX sharded scan' if self.port.nnx_model is not None else 'sharded scan (linen, jax.jit)'
 
-    def key_draws_per_call(self, config: RunConfig) -> int:
+    def key_draws_per_call(self, config: Run) -> int:
         return 1
 
     def one_program_each(self, command: str) -> None:
@@ -170,16 +171,16 @@ class StepLoop(Loop):
     def recording_mesh(self, setup: Setup) -> None:
         """None: the team's own programs, a value is recorded where it is."""
 
-    def preflight(self, config: RunConfig, variables: dict, batch_KxG: Any, mapping: dict) -> None:
+    def preflight(self, config: Run, variables: dict, batch_KxG: Any, mapping: dict) -> None:
         old_state, new_state = steps.trace_steps(self.port, config, variables, batch_KxG, mapping)
         groups.check_groups(self.port, old_state, new_state, variables, mapping, states.legacy_groups)
 
-    def legacy_preflight(self, config: RunConfig, variables: dict, batch_KxG: Any) -> None:
+    def legacy_preflight(self, config: Run, variables: dict, batch_KxG: Any) -> None:
         """The pmap side's half of ``preflight``: all a recording traces (it never builds the new side)."""
         old_state = steps.trace_legacy_step(self.port, config, variables, batch_KxG)
         groups.check_legacy_groups(self.port, old_state, variables, states.legacy_groups)
 
-    def new_preflight(self, config: RunConfig, variables: dict, batch_KxG: Any, mapping: dict) -> None:
+    def new_preflight(self, config: Run, variables: dict, batch_KxG: Any, mapping: dict) -> None:
         """The new side's half of ``preflight``: all a check against a reference traces."""
         new_state = steps.trace_new_steps(self.port, config, batch_KxG, variables, mapping)
         groups.check_new_state_groups(self.port, new_state, variables, mapping)
@@ -187,14 +188,14 @@ class StepLoop(Loop):
     def check_states(self, variables: dict, mapping: dict) -> None:
         """Nothing beyond the data and names: its states are checked when its steps are traced."""
 
-    def legacy_setup(self, config: RunConfig, inputs: Inputs) -> Setup:
+    def legacy_setup(self, config: Run, inputs: Inputs) -> Setup:
         return step_side.legacy_setup(self.port, config, inputs.variables)
 
-    def new_setup(self, config: RunConfig, inputs: Inputs) -> Setup:
+    def new_setup(self, config: Run, inputs: Inputs) -> Setup:
         source = loop_side.new_source(self.port, inputs.variables, inputs.mapping)
         return step_side.new_setup(self.port, config, source, setups.nnx_mesh(config))
 
-    def twin_setup(self, config: RunConfig, inputs: Inputs, twin, lr_scale: float | None = None) -> Setup:
+    def twin_setup(self, config: Run, inputs: Inputs, twin, lr_scale: float | None = None) -> Setup:
         if isinstance(twin, nudge.Nudged):  # the run's own side, from its inputs nudged
             return self.new_setup(config, nudge.inputs(inputs, twin))
         mesh = sharding.make_mesh(twin, devices=jax.local_devices())  # this process's own: no collective
@@ -207,7 +208,7 @@ class StepLoop(Loop):
     def programs(self) -> tuple[str, str]:
         return adapters.programs(self.port)
 
-    def key_draws_per_call(self, config: RunConfig) -> int:
+    def key_draws_per_call(self, config: Run) -> int:
         return adapters.key_draws_per_call(self.port, config)
 
     def one_program_each(self, command: str) -> None:

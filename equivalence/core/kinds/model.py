@@ -7,8 +7,8 @@ from typing import Any
 from flax import nnx
 
 from equivalence.core.locate import first_step
-from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Form, Setup
+from equivalence.core.port.plan import Run
 from equivalence.core.port.ports import ModelPort
 from equivalence.core.preflight import trace
 from equivalence.core.record import intercept
@@ -30,36 +30,36 @@ class Model:
     form = Form.MODEL
     axis_name = legacy.AXIS
 
-    def validate(self, config: RunConfig) -> None:
+    def validate(self, config: Run) -> None:
         """Every flag applies to the suite's own loops."""
 
-    def preflight(self, config: RunConfig, variables: dict, batch_KxG: Any, mapping: dict) -> None:
+    def preflight(self, config: Run, variables: dict, batch_KxG: Any, mapping: dict) -> None:
         trace.trace_legacy_model(self.port, config, variables, batch_KxG)
         trace.trace_nnx_model(self.port, config, batch_KxG)
 
-    def legacy_preflight(self, config: RunConfig, variables: dict, batch_KxG: Any) -> None:
+    def legacy_preflight(self, config: Run, variables: dict, batch_KxG: Any) -> None:
         """The pmap side's half of ``preflight``: all a recording traces (it never builds the new side)."""
         trace.trace_legacy_model(self.port, config, variables, batch_KxG)
 
-    def new_preflight(self, config: RunConfig, variables: dict, batch_KxG: Any, mapping: dict) -> None:
+    def new_preflight(self, config: Run, variables: dict, batch_KxG: Any, mapping: dict) -> None:
         """The new side's half of ``preflight``: all a check against a reference traces."""
         trace.trace_nnx_model(self.port, config, batch_KxG)
 
     def check_states(self, variables: dict, mapping: dict) -> None:
         """Both train states are the suite's: nothing of the port's to check."""
 
-    def legacy_setup(self, config: RunConfig, inputs: Inputs) -> Setup:
+    def legacy_setup(self, config: Run, inputs: Inputs) -> Setup:
         return model_side.legacy_setup(self.port, config, inputs.variables)
 
-    def new_setup(self, config: RunConfig, inputs: Inputs) -> Setup:
+    def new_setup(self, config: Run, inputs: Inputs) -> Setup:
         return model_side.new_setup(self.port, config, inputs.variables, inputs.mapping)
 
-    def twin_setup(self, config: RunConfig, inputs: Inputs, twin: TwinKind, lr_scale: float | None = None) -> Setup:
+    def twin_setup(self, config: Run, inputs: Inputs, twin: TwinKind, lr_scale: float | None = None) -> Setup:
         if isinstance(twin, nudge.Nudged):  # the run's own side, from its inputs nudged
             return self.new_setup(config, nudge.inputs(inputs, twin))
         return model_side.twin_setup(self.port, config, inputs.variables, inputs.mapping, twin, lr_scale)
 
-    def new_ahead(self) -> Callable[[RunConfig, Inputs], Setup]:
+    def new_ahead(self) -> Callable[[Run, Inputs], Setup]:
         """What builds the new side before the legacy side runs, so that it compiles on a thread too: the
         new side's program is the suite's own."""
         return self.new_setup
@@ -109,7 +109,7 @@ class Model:
     def programs(self) -> tuple[str, str]:
         return 'pmap(scan)', 'NNX sharded scan'
 
-    def keys(self, config: RunConfig) -> str:
+    def keys(self, config: Run) -> str:
         """How its steps get their keys, for the report's header: ``--rng``'s mode."""
         return config.rng_mode
 
@@ -120,7 +120,7 @@ class Model:
     def loss_names(self) -> tuple[str, str]:
         return tuple(getattr(f, '__qualname__', repr(f)) for f in (self.port.legacy_loss, self.port.nnx_loss))
 
-    def legacy_twin(self, config: RunConfig, n: int, inputs: Inputs) -> tuple[Any, bool]:
+    def legacy_twin(self, config: Run, n: int, inputs: Inputs) -> tuple[Any, bool]:
         """``(the pmap side run on n devices, whether it drew with the run's D key rows)``: where its step
         consumes random numbers in per-device mode, each example gets the numbers it got in the run
         (``legacy_twin.with_rows``), whatever the count."""
@@ -140,7 +140,7 @@ class Model:
         """The same port, its losses and optimizer recording what they compute (``intercept``)."""
         return Model(intercept.recording_port(self.port))
 
-    def key_draws_per_call(self, config: RunConfig) -> int:
+    def key_draws_per_call(self, config: Run) -> int:
         return 1
 
     def one_program_each(self, command: str) -> None:

@@ -26,7 +26,7 @@ def child(spec: str, n: int, ask: str, answer: str) -> None:
         raise RuntimeError(f'the fresh process sees {len(jax.devices())} devices, not {n}')
     with open(ask, 'rb') as f:
         request = pickle.load(f)
-    kind, config = kinds.of(workloads.get(spec)), RunConfig(**request['config'])
+    kind, config = kinds.of(workloads.get(spec)), RunConfig(**request['config']).run  # validated, then its run
     rng = jax.numpy.asarray(request['rng'])
     inputs = Inputs(request['variables'], request['calls'], rng, request['mapping'])
     drawn = draws.FirstCall() if request['draws'] else None

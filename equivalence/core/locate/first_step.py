@@ -12,8 +12,8 @@ import numpy as np
 from equivalence.core.compare import compare, rule
 from equivalence.core.compare.rule import MEASURED_FLOOR
 from equivalence.core.locate import recorded_run
-from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
+from equivalence.core.port.plan import Run
 from equivalence.core.record.pairing import recorded_grads
 from equivalence.core.rng import randomness
 from equivalence.core.run import sides
@@ -21,7 +21,7 @@ from equivalence.core.run.inputs import Inputs
 from equivalence.core.twins import probe, twin
 
 
-def here(n_twin: twin.TwinKind | None, config: RunConfig, fresh: tuple = ()) -> twin.TwinKind | None:
+def here(n_twin: twin.TwinKind | None, config: Run, fresh: tuple = ()) -> twin.TwinKind | None:
     """The twin the first steps run in this process: None where it ran in a fresh process (``fresh``:
     it needs more devices than this process sees, or it raised here, as code pinned to a mesh of its
     own does), or needs more devices than this process sees."""
@@ -37,7 +37,7 @@ class Recorder:
     then held to 8 float32 spacings)."""
 
     kind: Kind
-    config: RunConfig
+    config: Run
     inputs: Inputs
     twin: twin.TwinKind | None
 
@@ -99,7 +99,7 @@ def grads_report(recorder: Recorder) -> compare.Report:
     return compare.compare_to_floor(ref, other, floor, MEASURED_FLOOR)
 
 
-def deterministic_rerun_matches(kind: Kind, config: RunConfig, inputs: Inputs, report: compare.Report) -> bool:
+def deterministic_rerun_matches(kind: Kind, config: Run, inputs: Inputs, report: compare.Report) -> bool:
     """The first call again, both sides, every bridged Dropout off: do the first losses now agree?
 
     A user's own jitted step (a loop port) keeps its traces across calls, and the bridge acts

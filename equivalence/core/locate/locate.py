@@ -39,8 +39,8 @@ from equivalence.core.compare.rule import MEASURED_FLOOR
 from equivalence.core.locate import averages, collectives, forward, slots, stages, upgrade
 from equivalence.core.locate.first_step import Recorder
 from equivalence.core.measure import clock
-from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
+from equivalence.core.port.plan import Plan, Run
 from equivalence.core.record.intercept import NOT_MODULES
 from equivalence.core.record.pairing import pairs
 from equivalence.core.run.inputs import Inputs
@@ -203,9 +203,7 @@ class Seen:
     data_step: int | None = None  # the first step whose batch holds NaN or Inf
 
 
-def locate(
-    port_kind: Kind, config: RunConfig, inputs: Inputs, recorder: Recorder, seen: Seen | None = None
-) -> Location:
+def locate(port_kind: Kind, config: Run, inputs: Inputs, recorder: Recorder, seen: Seen | None = None) -> Location:
     """Where the first step parts (``inputs``: the checked runs' inputs; ``recorder``: their first step,
     recorded once, shared with the gradient probe; ``seen``: what the verdict measured). Where
     nothing parts on step 1, the checked runs' first steps (up to ``MAX_STEPS``) are recorded again, the
@@ -298,11 +296,12 @@ def _first_update_is_0(results: dict, variables: dict, mapping: dict[str, str]) 
     return all(np.array_equal(after[k], start[k]) for k in after if k in start)
 
 
-def attach(verdict, port_kind: Kind, config: RunConfig, inputs: Inputs, recorder: Recorder, seen: Seen | None = None):
-    """``verdict`` (``rule.Verdict``) with its ``location``: on MISMATCH, or on MATCH when
-    ``config.locate`` asks (never when it is False); where it cannot run (several processes, after
-    --resume-at) or raises, the location says so and the verdict stands."""
-    if config.locate is False or (verdict.match and not config.locate):
+def attach(verdict, port_kind: Kind, plan: Plan, inputs: Inputs, recorder: Recorder, seen: Seen | None = None):
+    """``verdict`` (``rule.Verdict``) with its ``location``: on MISMATCH, or on MATCH when ``plan.judging.locate``
+    asks (never when it is False); where it cannot run (several processes, after --resume-at) or raises, the
+    location says so and the verdict stands."""
+    asked, config = plan.judging.locate, plan.run
+    if asked is False or (verdict.match and not asked):
         return verdict
     cannot = inputs.first_steps_unrecorded()
     if cannot:

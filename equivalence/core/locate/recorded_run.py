@@ -9,8 +9,8 @@ import functools
 import jax
 from flax import nnx
 
-from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
+from equivalence.core.port.plan import Run
 from equivalence.core.record import pruned
 from equivalence.core.record.intercept import (
     _RECORDINGS,
@@ -52,7 +52,7 @@ class Reuse:
         return setup
 
 
-def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, n_twin: twin.TwinKind | None, steps: int = 1,
+def first_steps(kind: Kind, config: Run, inputs: Inputs, n_twin: twin.TwinKind | None, steps: int = 1,
                 forward: bool = False, reuse: Reuse | None = None, only_legacy: bool = False):  # fmt: skip
     """``({side: PathResult after ``steps`` steps}, {side: {label: Record}})``: the first ``steps``
     steps of each side (legacy, nnx, and twin when ``n_twin``: a count, or a sharded run's

@@ -9,6 +9,7 @@ import dataclasses
 import math
 
 from equivalence.core.port import installed
+from equivalence.core.port.plan import Judging, Run, part
 
 RNG_MODES = ('per-device', 'global')
 STRATEGIES = ('dp', 'fsdp', 'tp', 'fsdp-tp', 'shard_map')  # nnx_sharded.sharding.STRATEGIES, without importing JAX
@@ -100,6 +101,16 @@ class RunConfig:
     @property
     def steps(self) -> int:
         return self.steps_per_call * self.calls
+
+    @property
+    def run(self) -> Run:
+        """What the two sides need of this check (``plan.Run``): the part every side's room is handed."""
+        return part(Run, self)
+
+    @property
+    def judging(self) -> Judging:
+        """What the verdict measures beyond the two runs (``plan.Judging``)."""
+        return part(Judging, self)
 
 
 def check_count(flag: str, value: int, maximum: int | None = None) -> None:

@@ -28,8 +28,8 @@ import jax
 import numpy as np
 
 from equivalence.core.port import blame
-from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
+from equivalence.core.port.plan import Run
 from equivalence.core.preflight.data import abstract_variables, check_names, make_data
 from equivalence.core.preflight.errors import PreflightError, blamed, line
 from equivalence.core.run import facts
@@ -37,7 +37,7 @@ from equivalence.core.run import facts
 __all__ = ['PreflightError', 'blamed', 'check', 'check_legacy', 'check_new', 'check_states', 'line']
 
 
-def check(kind: Kind, config: RunConfig, n_steps: int | None = None) -> dict[str, str]:
+def check(kind: Kind, config: Run, n_steps: int | None = None) -> dict[str, str]:
     """Everything a run of ``kind``'s port under ``config`` will trace, traced abstractly; raises
     ``PreflightError`` (exit 2) on the first mistake. ``n_steps``: the steps ``make_data`` is
     asked for (default the run's, ``config.steps``). What is traced is the kind's (``kind.preflight``).
@@ -52,7 +52,7 @@ def check(kind: Kind, config: RunConfig, n_steps: int | None = None) -> dict[str
     return mapping
 
 
-def check_legacy(kind: Kind, config: RunConfig) -> None:
+def check_legacy(kind: Kind, config: Run) -> None:
     """The pmap side's half of ``check``, all that ``record`` can trace (where the pmap code runs, the new side
     need not import): ``make_data``, the linen init, the legacy step or losses, the legacy train state's groups.
     The port's facts are read from its linen model (``facts.linen_alone``), as the recording reads them."""
@@ -64,7 +64,7 @@ def check_legacy(kind: Kind, config: RunConfig) -> None:
         kind.legacy_preflight(config, variables, _one_call(data, config))
 
 
-def check_new(kind: Kind, config: RunConfig, variables: dict, batch_KxG: Any, mapping: dict) -> None:
+def check_new(kind: Kind, config: Run, variables: dict, batch_KxG: Any, mapping: dict) -> None:
     """The new side's half of ``check``, against the pmap side a reference holds: its ``variables`` and one
     call's batch (concrete or abstract), its names already paired (``mapping``)."""
     blame.set_port(kind.port)
@@ -72,7 +72,7 @@ def check_new(kind: Kind, config: RunConfig, variables: dict, batch_KxG: Any, ma
     kind.new_preflight(config, shapes(variables), shapes(batch_KxG), mapping)
 
 
-def _one_call(data: Any, config: RunConfig) -> Any:
+def _one_call(data: Any, config: Run) -> Any:
     """One call's batch ``[K, G, ...]`` of ``data`` ``[n_steps, G, ...]``, shapes only."""
     return jax.tree.map(lambda v: jax.ShapeDtypeStruct((config.steps_per_call, *v.shape[1:]), v.dtype), data)
 

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 from jax.extend import core as jax_core
 
-from equivalence.core.port.config import RunConfig
+from equivalence.core.port.plan import Run
 from equivalence.core.port.ports import LoopPort
 from equivalence.core.preflight.errors import fail
 from equivalence.core.run import adapters
@@ -27,7 +27,7 @@ UNDER_VMAP = frozenset({'axis_index', 'iota'})
 
 
 def refuse_global(
-    port: LoopPort, config: RunConfig, state: Any, batch: Any, key: Any, devices: int, vmapped: Any = None
+    port: LoopPort, config: Run, state: Any, batch: Any, key: Any, devices: int, vmapped: Any = None
 ) -> None:
     """``PreflightError`` where ``config`` asks for global keys and the port's pmap step (one replica's
     ``state``, ``batch`` and ``key``, shapes only) draws from a key that its device index reaches. ``vmapped``:

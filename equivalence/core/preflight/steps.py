@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from equivalence.core.port import step_forms
-from equivalence.core.port.config import RunConfig
+from equivalence.core.port.plan import Run
 from equivalence.core.port.ports import LoopPort
 from equivalence.core.preflight import device_keys
 from equivalence.core.preflight.errors import HOST_ONLY, blamed, fail, kind
@@ -31,14 +31,14 @@ from equivalence.distributed import rows
 SDS = jax.ShapeDtypeStruct
 
 
-def trace_steps(port: LoopPort, config: RunConfig, variables: dict, batch_KxG: Any, mapping: dict) -> tuple:
+def trace_steps(port: LoopPort, config: Run, variables: dict, batch_KxG: Any, mapping: dict) -> tuple:
     """Both sides' steps, traced on abstract inputs of the run's shapes; ``PreflightError`` (exit 2)
     naming the field on the first mistake. Returns both abstract train states ``(legacy, new)``, built once."""
     state = trace_legacy_step(port, config, variables, batch_KxG)
     return state, trace_new_steps(port, config, batch_KxG, variables, mapping)
 
 
-def trace_new_steps(port: LoopPort, config: RunConfig, batch_KxG: Any, variables: dict, mapping: dict) -> Any:
+def trace_new_steps(port: LoopPort, config: Run, batch_KxG: Any, variables: dict, mapping: dict) -> Any:
     """The new side's half of ``trace_steps`` (a check against a reference runs it alone); its abstract train state."""
     ts = nnx_train_state(port, variables)
     trace_nnx_side(port, config, batch_KxG, ts)
@@ -46,7 +46,7 @@ def trace_new_steps(port: LoopPort, config: RunConfig, batch_KxG: Any, variables
     return ts
 
 
-def trace_legacy_step(port: LoopPort, config: RunConfig, variables: dict, batch_KxG: Any) -> Any:
+def trace_legacy_step(port: LoopPort, config: Run, variables: dict, batch_KxG: Any) -> Any:
     """One step of the legacy side under a vmap standing for its pmap, traced; its abstract train state
     (one replica)."""
     d, n = config.devices, len(rows.positions(config.devices))
@@ -78,7 +78,7 @@ def trace_legacy_step(port: LoopPort, config: RunConfig, variables: dict, batch_
     return state
 
 
-def trace_nnx_side(port: LoopPort, config: RunConfig, batch_KxG: Any, ts: Any) -> None:
+def trace_nnx_side(port: LoopPort, config: Run, batch_KxG: Any, ts: Any) -> None:
     """One step (or fused call) of the new side over ``ts``, the abstract train state ``nnx_train_state`` built."""
     state, rebuild = as_traced(ts)  # a pytree train state as it is: its leaves keep their real types
     d, k, mode = config.devices, config.steps_per_call, config.rng_mode

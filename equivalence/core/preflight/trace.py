@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from equivalence.core.port.config import ConfigError, RunConfig
+from equivalence.core.port.config import ConfigError
+from equivalence.core.port.plan import Run
 from equivalence.core.port.ports import LoopPort, ModelPort, Port
 from equivalence.core.preflight import device_keys
 from equivalence.core.preflight.errors import HOST_ONLY, blamed, fail, kind
@@ -45,7 +46,7 @@ def make_tx(port: Port) -> Any:
     return tx
 
 
-def trace_legacy_loop(port: LoopPort, config: RunConfig, variables: dict, batch_KxG: Any) -> Any:
+def trace_legacy_loop(port: LoopPort, config: Run, variables: dict, batch_KxG: Any) -> Any:
     """A loop port's step under the suite's pmap(scan) (``loop_side.legacy_setup``), traced once."""
     state = legacy_state(port, variables)
     trace_legacy(port, config, state, adapters.legacy_step(port), port.axis_name, 'legacy_step', batch_KxG)
@@ -54,7 +55,7 @@ def trace_legacy_loop(port: LoopPort, config: RunConfig, variables: dict, batch_
     return state
 
 
-def trace_legacy_model(port: ModelPort, config: RunConfig, variables: dict, batch_KxG: Any) -> Any:
+def trace_legacy_model(port: ModelPort, config: Run, variables: dict, batch_KxG: Any) -> Any:
     """The suite's pmap(scan) step over a model port's loss (``model_side.legacy_setup``), traced once."""
     state = model_legacy_state(port, variables)
     tx, b = make_tx(port), config.batch_size // config.devices
@@ -64,7 +65,7 @@ def trace_legacy_model(port: ModelPort, config: RunConfig, variables: dict, batc
     return trace_legacy(port, config, state, step, legacy.AXIS, 'legacy_loss', batch_KxG)
 
 
-def trace_legacy(port: Port, config: RunConfig, state: Any, step, axis: str, field: str, batch_KxG: Any) -> Any:
+def trace_legacy(port: Port, config: Run, state: Any, step, axis: str, field: str, batch_KxG: Any) -> Any:
     """``step`` under pmap(scan), traced once on abstract keys, ``state`` (one replica) and batch."""
     d, k = config.devices, config.steps_per_call
     n = len(rows.positions(d))  # pmap takes this process's rows: all D in one process
@@ -115,12 +116,12 @@ def _check_per_example(port: Port, field: str, losses: Any, b: int, part: str) -
         )
 
 
-def abstract_keys(config: RunConfig) -> jax.ShapeDtypeStruct:
+def abstract_keys(config: Run) -> jax.ShapeDtypeStruct:
     """One call's keys, shapes only: ``[D, 2]`` per device, or one global key."""
     return jax.ShapeDtypeStruct((config.devices, 2) if config.rng_mode == 'per-device' else (2,), np.uint32)
 
 
-def trace_nnx_model(port: ModelPort, config: RunConfig, batch_KxG: Any) -> Any:
+def trace_nnx_model(port: ModelPort, config: Run, batch_KxG: Any) -> Any:
     """The NNX call of ``model_side.new_setup`` in split form, traced once; the abstract train state."""
     mode, keys = config.rng_mode, abstract_keys(config)
     tx = make_tx(port)
@@ -178,7 +179,7 @@ def as_traced(ts: Any) -> tuple[Any, Any]:
     return state, lambda state: nnx.merge(graphdef, state)
 
 
-def trace_nnx_loop(port: LoopPort, config: RunConfig, batch_KxG: Any, variables: dict) -> Any:
+def trace_nnx_loop(port: LoopPort, config: Run, batch_KxG: Any, variables: dict) -> Any:
     """A loop port's ``new_call`` over its abstract new train state, traced once; that train state."""
     keys = abstract_keys(config)
     ts = nnx_train_state(port, variables)

@@ -28,7 +28,8 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from equivalence.core.port.config import ConfigError, RunConfig
+from equivalence.core.port.config import ConfigError
+from equivalence.core.port.plan import Run
 
 FORMAT = 'equivalence-reference'
 VERSION = 1
@@ -171,7 +172,7 @@ class Reference:
         return BadReference(f'reference {self.path}: its manifest does not read as a recording ({type(error).__name__}'
                             f' {error}): edited or damaged since it was recorded, record it again')  # fmt: skip
 
-    def fits(self, config: RunConfig, port_name: str) -> None:
+    def fits(self, config: Run, port_name: str) -> None:
         """``BadReference`` naming the first thing this run does not share with the recorded one."""
         given = {**{k: getattr(config, k) for k in FITTED}, 'workload': port_name}
         for name in FITTED:
@@ -186,7 +187,7 @@ class Reference:
                                    f'the check with {flag} {recorded}, or record a reference for this run')  # fmt: skip
 
 
-def save(path: str, config: RunConfig, port_name: str, tree: Any) -> None:
+def save(path: str, config: Run, port_name: str, tree: Any) -> None:
     """Write ``tree`` as a reference at ``path``, atomically (a temporary file renamed into place)."""
     arrays: list = []
     structure = encode(tree, arrays)

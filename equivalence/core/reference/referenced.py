@@ -18,8 +18,8 @@ import jax
 from equivalence.core.locate import recorded_run
 from equivalence.core.locate.locate import MAX_STEPS
 from equivalence.core.port import blame
-from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
+from equivalence.core.port.plan import Run
 from equivalence.core.record.recorded import Record
 from equivalence.core.reference import reference
 from equivalence.core.run import facts, sides
@@ -99,7 +99,7 @@ def _renamed(result: PathResult, mapping: dict[str, str]) -> PathResult:
     )
 
 
-def _twin(kind: Kind, config: RunConfig, inputs: Inputs) -> dict:
+def _twin(kind: Kind, config: Run, inputs: Inputs) -> dict:
     """The legacy twin's run, recorded where a check would run it: what ``legacy_twin.run`` reads."""
     n = legacy_twin.count(config)
     if n is None or config.calls < 2:
@@ -111,14 +111,14 @@ def _twin(kind: Kind, config: RunConfig, inputs: Inputs) -> dict:
         return {'devices': n, 'result': None, 'error': f'{type(e).__name__}: {blame.first_line(e)}'}
 
 
-def record(kind: Kind, config: RunConfig, inputs: Inputs) -> dict:
+def record(kind: Kind, config: Run, inputs: Inputs) -> dict:
     """What a reference holds of this run's pmap side (``inputs``: unpaired, ``mapping`` empty): the legacy run,
     then its first steps recorded, each as the check's location would ask for them."""
     with facts.linen_alone(kind.port, inputs.calls[0]) as dropout:
         return _record(kind, config, inputs) | {'dropout': dropout}
 
 
-def _record(kind: Kind, config: RunConfig, inputs: Inputs) -> dict:
+def _record(kind: Kind, config: Run, inputs: Inputs) -> dict:
     legacy = dataclasses.replace(sides.run_legacy(kind, config, inputs), raw=None)
     total = sum(jax.tree.leaves(call)[0].shape[0] for call in inputs.calls)
     first = []
@@ -131,7 +131,7 @@ def _record(kind: Kind, config: RunConfig, inputs: Inputs) -> dict:
             'output_layer': last}  # fmt: skip
 
 
-def read(path: str, kind: Kind, config: RunConfig) -> tuple[dict, Recorded]:
+def read(path: str, kind: Kind, config: Run) -> tuple[dict, Recorded]:
     """``(the inputs' fields: variables, calls, rng; the pmap side, in linen's names)`` of the reference at
     ``path``, refused (``reference.BadReference``, exit 2) where it is damaged or does not fit this run."""
     held = reference.load(path)

@@ -31,7 +31,8 @@ import numpy as np
 from flax import nnx
 
 from equivalence.core.port import step_forms
-from equivalence.core.port.config import ConfigError, RunConfig
+from equivalence.core.port.config import ConfigError
+from equivalence.core.port.plan import Run
 from equivalence.core.port.port_fields import pmapped
 from equivalence.core.port.ports import LoopPort
 from equivalence.core.state import convert
@@ -136,12 +137,12 @@ def replica_outputs(out_nxK: Any) -> tuple[Any, list[str]]:
 # -- keys --------------------------------------------------------------------------------------
 
 
-def key_draws_per_call(port: LoopPort, config: RunConfig) -> int:
+def key_draws_per_call(port: LoopPort, config: Run) -> int:
     """How many times one call of a step form draws from the host key chain (``chain_at``)."""
     return step_forms.of(port).key_draws_per_call(config.steps_per_call)
 
 
-def chain_at(draws_per_call: int, config: RunConfig, rng: jax.Array, calls: int) -> jax.Array:
+def chain_at(draws_per_call: int, config: Run, rng: jax.Array, calls: int) -> jax.Array:
     """The host key chain after ``calls`` calls of ``draws_per_call`` draws each, drawn as the setups draw
     it: for a checkpoint that holds none (a team's own), so that the resumed run continues the keys of
     the uninterrupted one."""

@@ -18,8 +18,9 @@ import numpy as np
 from flax import nnx
 
 from equivalence.core.measure import peaks
-from equivalence.core.port.config import ConfigError, RunConfig
+from equivalence.core.port.config import ConfigError
 from equivalence.core.port.kind import Kind
+from equivalence.core.port.plan import Run
 
 ENV = 'EQUIVALENCE_DEVICE_BYTES'  # a device's bytes where its backend says none (the CPU's): a budget of one's own
 
@@ -48,7 +49,7 @@ def state_bytes(kind: Kind, variables: dict) -> int | None:
         return None
 
 
-def check(kind: Kind, config: RunConfig, variables: dict, sides: int = 2) -> None:
+def check(kind: Kind, config: Run, variables: dict, sides: int = 2) -> None:
     """``ConfigError`` (exit 2) where ``sides`` train states (2: a check; 1: a check against a reference, a
     recording) do not fit on one device; nothing where the device's bytes are not known."""
     held = limit()

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from equivalence.core.port import freshness
-from equivalence.core.port.config import RunConfig
+from equivalence.core.port.plan import Run
 from equivalence.core.port.ports import Port, init_inputs
 from equivalence.core.run.facts import name_mapping
 from equivalence.core.run.setups import input_rows
@@ -55,7 +55,7 @@ class Inputs:
         return 'several processes' if jax.process_count() > 1 else ''
 
 
-def make(port: Port, config: RunConfig, mapping: dict | None = None, started: 'Start | None' = None) -> Inputs:
+def make(port: Port, config: Run, mapping: dict | None = None, started: 'Start | None' = None) -> Inputs:
     """The inputs of a run of ``port`` under ``config``: ``make_inputs``, the names paired once
     (``mapping``, when the pre-flight has paired them already), every row of each call where this
     process reads only some. ``started``: ``start``'s, made already (its init compiled meanwhile)."""
@@ -65,7 +65,7 @@ def make(port: Port, config: RunConfig, mapping: dict | None = None, started: 'S
     return Inputs(variables, calls, rng, mapping, whole)
 
 
-def unpaired(port: Port, config: RunConfig) -> Inputs:
+def unpaired(port: Port, config: Run) -> Inputs:
     """The inputs ``make`` makes, in one process, with nothing of the new side asked: linen's variables from
     the same key, every row of each call, the same key chain; no names paired (a reference's recording)."""
     calls = global_calls(port, config)
@@ -89,7 +89,7 @@ class Start:
         return self.init.lower(self.init_rng)
 
 
-def start(port: Port, config: RunConfig) -> Start:
+def start(port: Port, config: Run) -> Start:
     whole = global_calls(port, config)
     rng, init_rng = jax.random.split(jax.random.PRNGKey(config.seed))
     example = jax.tree.map(lambda v: v[0, :1], whole[0])
@@ -146,20 +146,20 @@ def _leaf_key(x: Any) -> tuple:
     raise TypeError(f'no stable key for {type(x).__name__}')
 
 
-def make_inputs(port: Port, config: RunConfig, started: Start | None = None) -> tuple[dict, list, jax.Array]:
+def make_inputs(port: Port, config: Run, started: Start | None = None) -> tuple[dict, list, jax.Array]:
     """Linen variables, the data of each call (pytrees of ``[K, G, ...]``; with several processes,
     only this process's rows ``[K, G*n/D, ...]``), and the training key. ``started``: ``start``'s."""
     s = started or start(port, config)
     return dict(s.init(s.init_rng)), local_calls(s.whole, config), s.rng
 
 
-def local_calls(whole: list, config: RunConfig) -> list:
+def local_calls(whole: list, config: Run) -> list:
     """This process's rows of each call (``input_rows``), ``[K, G*n/D, ...]``; all of them with one process."""
     held = input_rows(config)
     return [rows.local_batch(batch_KxG, config.devices, held) for batch_KxG in whole]
 
 
-def global_calls(port: Port, config: RunConfig) -> list:
+def global_calls(port: Port, config: Run) -> list:
     """Every call's whole batch, ``[K, G, ...]``, in every process: what ``make_inputs`` splits
     between processes, and what a run on this process's devices alone (the twin across processes)
     is fed. ``make_data`` is seeded, so each process draws the same rows."""

@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 
-from equivalence.core.port.config import RunConfig
+from equivalence.core.port.plan import Run
 from equivalence.core.port.ports import LoopPort
 from equivalence.core.rng import randomness
 from equivalence.core.run import adapters
@@ -21,7 +21,7 @@ from legacy_pmap import train as legacy
 from nnx_sharded import sharding
 
 
-def legacy_setup(port: LoopPort, config: RunConfig, variables: dict) -> LegacySetup:
+def legacy_setup(port: LoopPort, config: Run, variables: dict) -> LegacySetup:
     """The team's step under the suite's pmap(scan) over the first D devices, its state replicated."""
     devices, local = jax.devices()[: config.devices], rows.local_devices(config.devices)
     pstate = legacy.replicate(port.legacy_state(variables), local, port.axis_name)
@@ -43,7 +43,7 @@ def new_train_state(port: LoopPort, variables: dict, mapping: dict, mesh) -> Any
     return sharding.place_objects(port.new_state(new_source(port, variables, mapping)), mesh)
 
 
-def new_setup(port: LoopPort, config: RunConfig, variables: dict, mapping: dict) -> LoopNewSetup:
+def new_setup(port: LoopPort, config: Run, variables: dict, mapping: dict) -> LoopNewSetup:
     mesh = nnx_mesh(config)
     return LoopNewSetup(port, new_train_state(port, variables, mapping, mesh), mesh, config)
 
@@ -56,7 +56,7 @@ class TwinLoopSetup(LoopNewSetup):
         return twin_placed_inputs(self, rng, batch_KxG)
 
 
-def twin_setup(port: LoopPort, config: RunConfig, variables: dict, mapping: dict, n: int) -> TwinLoopSetup:
+def twin_setup(port: LoopPort, config: Run, variables: dict, mapping: dict, n: int) -> TwinLoopSetup:
     """The run's own new side on a 1-D data mesh of this process's first ``n`` devices (no collective)."""
     mesh = sharding.make_mesh(n, devices=jax.local_devices())
     return TwinLoopSetup(port, new_train_state(port, variables, mapping, mesh), mesh, config)

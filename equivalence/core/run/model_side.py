@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from equivalence.core.port.config import RunConfig
+from equivalence.core.port.plan import Run
 from equivalence.core.port.ports import ModelPort
 from equivalence.core.run.facts import model_holding, uses_dropout
 from equivalence.core.run.nudge import Nudged
@@ -32,7 +32,7 @@ from nnx_sharded import shard_map, sharding
 from nnx_sharded import train as sharded
 
 
-def legacy_setup(port: ModelPort, config: RunConfig, variables: dict) -> LegacySetup:
+def legacy_setup(port: ModelPort, config: Run, variables: dict) -> LegacySetup:
     """pmap spans the first D devices of every process; each process replicates onto its own."""
     devices, local = jax.devices()[: config.devices], rows.local_devices(config.devices)
     tx = port.make_tx(1.0)
@@ -57,7 +57,7 @@ def model_state(port: ModelPort, variables: dict, mapping: dict, mesh, lr_scale:
     return graphdef, state, sharding.state_shardings(graphdef, state, mesh), decisions
 
 
-def new_setup(port: ModelPort, config: RunConfig, variables: dict, mapping: dict) -> NnxSetup | NnxGraphSetup:
+def new_setup(port: ModelPort, config: Run, variables: dict, mapping: dict) -> NnxSetup | NnxGraphSetup:
     """The NNX side placed by ``config.strategy`` (``nnx_sharded/sharding.py``), in ``config.nnx_form``.
 
     The step is the same for every strategy: only the annotations on the parameters change.
@@ -137,7 +137,7 @@ def reordered_loss(loss, rows: np.ndarray):
     return loss_of_rows
 
 
-def reordered_setup(port: ModelPort, config: RunConfig, variables: dict, mapping: dict, kind: Reordered, scale):
+def reordered_setup(port: ModelPort, config: Run, variables: dict, mapping: dict, kind: Reordered, scale):
     """The NNX side on the checked run's devices placed by ``kind.strategy``, its batch rows interleaved."""
     if kind.strategy != config.strategy:  # another placement of the same devices, its default mesh
         config = dataclasses.replace(config, strategy=kind.strategy, mesh=None)
@@ -150,7 +150,7 @@ def reordered_setup(port: ModelPort, config: RunConfig, variables: dict, mapping
     return ReorderedSetup(fused, graphdef, sharding.place_state(state, shardings), mesh, config, rows=rows_)
 
 
-def twin_setup(port: ModelPort, config: RunConfig, variables: dict, mapping: dict, twin: TwinKind, lr_scale=None):
+def twin_setup(port: ModelPort, config: Run, variables: dict, mapping: dict, twin: TwinKind, lr_scale=None):
     """The NNX side on a 1-D data mesh of ``twin`` devices (or ``Reordered``: on the run's own), with the
     checked run's config (and so its keys and ``--perturb``). ``lr_scale`` replaces ``1 + perturb``:
     tests only, a twin whose math differs, which the verdict must refuse."""

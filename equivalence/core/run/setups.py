@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from equivalence.core.measure import footprint
-from equivalence.core.port.config import RunConfig
+from equivalence.core.port.plan import Run
 from equivalence.core.port.ports import LoopPort, ModelPort
 from equivalence.core.record import pruned
 from equivalence.core.rng import randomness
@@ -41,7 +41,7 @@ def port_noise(port: ModelPort, dropout: bool) -> Callable:
     return noise
 
 
-def legacy_loss(port: ModelPort, config: RunConfig) -> Callable:
+def legacy_loss(port: ModelPort, config: Run) -> Callable:
     """The port's linen loss, with its Dropout layers bridged and its return normalised."""
 
     def loss(model, params, model_state, batch, noise):
@@ -52,7 +52,7 @@ def legacy_loss(port: ModelPort, config: RunConfig) -> Callable:
     return loss
 
 
-def nnx_loss(port: ModelPort, config: RunConfig) -> Callable:
+def nnx_loss(port: ModelPort, config: Run) -> Callable:
     def loss(model, batch, noise):
         with randomness.bridged(config.rng_mode, None, noise.get('dropout')):
             return port.nnx_loss(model, batch, noise['port'])
@@ -60,7 +60,7 @@ def nnx_loss(port: ModelPort, config: RunConfig) -> Callable:
     return loss
 
 
-def nnx_step(port: ModelPort, graphdef, config: RunConfig) -> Callable:
+def nnx_step(port: ModelPort, graphdef, config: Run) -> Callable:
     """The NNX scan body for a model port (also what bench and explain rebuild under other ``jit``s)."""
     noise = port_noise(port, uses_dropout(port))
     return sharded.make_step_fn(graphdef, nnx_loss(port, config), noise, port.ema_rate, config.rng_mode)
@@ -72,7 +72,7 @@ class LegacySetup:
 
     p_train_step: Callable  # jax.pmap(partial(lax.scan, step)), called ((keys_D, pstate), batch_DxK)
     pstate: Any  # replicated train state, leading axis D
-    config: RunConfig
+    config: Run
     groups: Callable = convert.legacy_groups  # one replica of the state -> {group: tree}
     context: Callable = contextlib.nullcontext  # entered around each call (a loop port's Dropout bridge)
     ready: Any = dataclasses.field(default=None, init=False)  # pruned.Program of forward's call (sides.prefetch)
@@ -135,7 +135,7 @@ class NnxSetup:
     graphdef: Any
     state: Any  # the TrainState's arrays, a plain dict (nnx.to_pure_dict), placed on the mesh
     mesh: Any
-    config: RunConfig
+    config: Run
     decisions: list = dataclasses.field(default_factory=list)  # sharding.Decision per parameter
 
     model = property(lambda self: nnx.merge(self.graphdef, self.state).model)
@@ -180,7 +180,7 @@ class NnxGraphSetup:
     fused: Callable  # train.make_graph_call: (ts, keys, batch_KxG) -> (keys, loss_K), ts updated in place
     ts: Any  # nnx_sharded.train.TrainState, its arrays placed on the mesh
     mesh: Any
-    config: RunConfig
+    config: Run
     decisions: list = dataclasses.field(default_factory=list)
 
     def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
@@ -223,7 +223,7 @@ class LoopNewSetup:
     port: LoopPort
     train_state: Any  # whatever port.new_state returned, placed on the mesh
     mesh: Any
-    config: RunConfig
+    config: Run
 
     def call_args(self, rng, batch_KxG) -> tuple[jax.Array, tuple]:
         return placed_inputs(self, rng, batch_KxG)
@@ -284,11 +284,11 @@ class LoopNewSetup:
             return self.port.new_call(train_state, keys, batch_KxG)
 
 
-def nnx_mesh(config: RunConfig):
+def nnx_mesh(config: Run):
     return sharding.make_mesh(config.devices, sharding.mesh_shape(config.strategy, config.devices, config.mesh_axes))
 
 
-def batch_rows(batch_KxR: Any, config: RunConfig) -> rows.Rows:
+def batch_rows(batch_KxR: Any, config: Run) -> rows.Rows:
     """The rows of the global batch that ``batch_KxR`` holds: all of them when it holds G (a
     global batch, as the twin is given), else those this process reads (``input_rows``)."""
     r, g = jax.tree.leaves(batch_KxR)[0].shape[1], config.batch_size
@@ -296,7 +296,7 @@ def batch_rows(batch_KxR: Any, config: RunConfig) -> rows.Rows:
 
 
 @functools.cache
-def input_rows(config: RunConfig) -> rows.Rows:
+def input_rows(config: Run) -> rows.Rows:
     """The rows of the global batch this process reads: those its pmap devices take, and those its
     devices hold of the NNX batch (all of them where the batch is copied over a ``model`` axis); one process: all."""
     g = config.batch_size  # one process, no mesh built: a reference's recorder (the pmap side alone) reads it too

@@ -12,8 +12,8 @@ import jax
 import numpy as np
 
 from equivalence.core.measure import clock, footprint
-from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
+from equivalence.core.port.plan import Run
 from equivalence.core.record import pruned
 from equivalence.core.run.inputs import Inputs
 from equivalence.core.state import convert
@@ -105,7 +105,7 @@ def _forward_lowered(setup, args: tuple) -> list:
         return [setup.ready.lower(args)]
 
 
-def run_legacy(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, after_call=None,
+def run_legacy(kind: Kind, config: Run, inputs: Inputs, progress=silent, after_call=None,
                before_call=None, setup=None, forward: bool = False) -> PathResult:  # fmt: skip
     """The pmap path; its leaves are named as the NNX side names them (``inputs.mapping``). ``setup``: built
     already (``prefetch``), else here. ``forward``: ``run_calls``'."""
@@ -123,7 +123,7 @@ def run_legacy(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, a
     return result
 
 
-def run_new(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, after_call=None,
+def run_new(kind: Kind, config: Run, inputs: Inputs, progress=silent, after_call=None,
             before_call=None, setup=None, forward: bool = False) -> PathResult:  # fmt: skip
     """The sharded path. With ``inputs.restore(setup) -> rng`` (``--resume-at``) a checkpoint is loaded
     into the setup, which returns its key chain: ``inputs.calls`` are then the ones after the checkpoint.
@@ -145,7 +145,7 @@ def run_new(kind: Kind, config: RunConfig, inputs: Inputs, progress=silent, afte
     return result
 
 
-def both_sides(kind: Kind, config: RunConfig, inputs: Inputs, progress: Progress = silent) -> tuple:
+def both_sides(kind: Kind, config: Run, inputs: Inputs, progress: Progress = silent) -> tuple:
     """``(legacy, new)`` ``PathResult``s, each program compiled once, while the other side works (``prefetch``):
     the pmap side's program compiles on a thread while the new side's are traced, compiled and run (a
     team's own new call compiles its programs as it runs), or, where the new side's program is the suite's

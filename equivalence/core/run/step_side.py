@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from equivalence.core.port import step_forms
-from equivalence.core.port.config import RunConfig
+from equivalence.core.port.plan import Run
 from equivalence.core.port.ports import LoopPort
 from equivalence.core.record import pruned
 from equivalence.core.rng import randomness
@@ -66,7 +66,7 @@ class StepLegacySetup(setups.LegacySetup):
         return read_output(self.port, replica_outputs(out_nxK)[0])[0]
 
 
-def legacy_setup(port: LoopPort, config: RunConfig, variables: dict) -> StepLegacySetup:
+def legacy_setup(port: LoopPort, config: Run, variables: dict) -> StepLegacySetup:
     devices, local = jax.devices()[: config.devices], rows.local_devices(config.devices)
     pstate = legacy.replicate(port.legacy_state(variables), local, port.axis_name)
     context = lambda: randomness.bridged(config.rng_mode, port.axis_name)  # noqa: E731
@@ -148,6 +148,6 @@ class StepNewSetup(setups.LoopNewSetup):
         return jax.jit(pure, keep_unused=True), state
 
 
-def new_setup(port: LoopPort, config: RunConfig, source: Any, mesh) -> StepNewSetup:
+def new_setup(port: LoopPort, config: Run, source: Any, mesh) -> StepNewSetup:
     """``source``: what ``new_state`` takes (``loop_side.new_source``: the NNX model, or linen's variables)."""
     return StepNewSetup(port, sharding.place_objects(port.new_state(source), mesh), mesh, config)

@@ -23,6 +23,7 @@ from equivalence.core.compare.rule import MEASURED_FLOOR
 from equivalence.core.port import blame
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
+from equivalence.core.port.plan import Run
 from equivalence.core.port.ports import ModelPort
 from equivalence.core.run import setups, sides
 from equivalence.core.run.facts import uses_dropout
@@ -49,7 +50,7 @@ def wanted(report: compare.Report, old, new) -> bool:
 NOT_RUN = LegacyTwin.Ran.NOT_RUN
 
 
-def run(kind: Kind, config: RunConfig, old, new, twins: dict, inputs: Inputs):
+def run(kind: Kind, config: Run, old, new, twins: dict, inputs: Inputs):
     """``(the legacy twin's PathResult or None, what was done (``findings.LegacyTwin``), what it raised)``: the
     pmap side again on another device count, with the same data and keys: what reordering its own sums does to
     it. The NNX twins cannot see chaos that lives on the legacy side (cnn, global keys, seed 4: legacy on 8
@@ -96,7 +97,7 @@ def run(kind: Kind, config: RunConfig, old, new, twins: dict, inputs: Inputs):
     return other, LegacyTwin(LegacyTwin.Ran.MEASURED, n, rows=config.devices if by_rows else None), ()
 
 
-def count(config: RunConfig) -> int | None:
+def count(config: Run) -> int | None:
     """The device count the legacy twin runs on (the first NNX twin's: 1, or 2 on D = 1); None: none fits."""
     counts = twin.twin_counts(config, len(jax.devices()))
     return counts[0] if counts else None
@@ -139,12 +140,12 @@ class RowsSetup(setups.LegacySetup):
         return rng, ((jnp.broadcast_to(keys_D, (n, *keys_D.shape)), self.pstate), batch_nxK)
 
 
-def on(config: RunConfig, n: int) -> RunConfig:
+def on(config: Run, n: int) -> RunConfig:
     """The legacy twin's config: the run's on ``n`` devices, data parallel."""
     return dataclasses.replace(config, devices=n, strategy='dp', mesh=None, nnx_form='split')
 
 
-def with_rows(port: ModelPort, config: RunConfig, n: int, inputs: Inputs) -> sides.PathResult:
+def with_rows(port: ModelPort, config: Run, n: int, inputs: Inputs) -> sides.PathResult:
     """The legacy twin on ``n`` devices of a per-device run of ``config``, drawing with the run's D key rows:
     its ``PathResult``, leaves named as the NNX side names them."""
     on_n = on(config, n)

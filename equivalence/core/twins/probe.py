@@ -21,6 +21,7 @@ from flax import nnx
 
 from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind
+from equivalence.core.port.plan import Run
 from equivalence.core.port.ports import ModelPort
 from equivalence.core.run import facts, setups
 from equivalence.core.run.inputs import Inputs
@@ -45,7 +46,7 @@ def first_batch(batch_KxG):
     return jax.tree.map(lambda v: v[:1], batch_KxG)
 
 
-def legacy_first_step(port: ModelPort, config: RunConfig, variables: dict, batch_KxG, rng, mapping) -> FirstStep:
+def legacy_first_step(port: ModelPort, config: Run, variables: dict, batch_KxG, rng, mapping) -> FirstStep:
     """The pmap step's first step (``legacy_pmap.train.make_step_fn``), its gradient kept."""
     tx, mode = port.make_tx(1.0), config.rng_mode
     noise_fn, loss = setups.port_noise(port, facts.uses_dropout(port)), setups.legacy_loss(port, config)
@@ -94,14 +95,14 @@ def nnx_first_step(setup: setups.NnxSetup, port: ModelPort, batch_KxG, rng) -> F
     return FirstStep(float(value), convert.flatten(grads), convert.flatten(params))
 
 
-def probe_config(config: RunConfig) -> RunConfig:
+def probe_config(config: Run) -> RunConfig:
     """The checked run's placement, in the split form (the graph form computes the same); shard_map's
     per-device program is probed as the global one it must equal."""
     strategy = 'dp' if config.strategy == 'shard_map' else config.strategy
     return dataclasses.replace(config, nnx_form='split', strategy=strategy)
 
 
-def first_steps(kind: Kind, config: RunConfig, inputs: Inputs, twin_setup=None) -> dict:
+def first_steps(kind: Kind, config: Run, inputs: Inputs, twin_setup=None) -> dict:
     """``{'legacy', 'new', 'twin'}`` -> ``FirstStep`` of a model port (``kinds.model.Model``); ``twin_setup``
     is a fresh twin (``kind.twin_setup``); without one, 'twin' is the NNX side's own step (a floor of 0:
     only the ulp minimum applies)."""

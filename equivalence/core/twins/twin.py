@@ -48,8 +48,8 @@ from equivalence.core.compare import compare, rule
 from equivalence.core.compare.findings import Refusal, TwinRefused, Unrun
 from equivalence.core.measure import clock, footprint
 from equivalence.core.port import blame
-from equivalence.core.port.config import RunConfig
 from equivalence.core.port.kind import Kind as PortKind
+from equivalence.core.port.plan import Run
 from equivalence.core.rng import draws
 from equivalence.core.run import nudge, sides
 from equivalence.core.run.inputs import Inputs
@@ -59,7 +59,7 @@ from equivalence.core.twins import fresh
 from equivalence.distributed import gather
 
 
-def twin_counts(config: RunConfig, available: int) -> tuple[int, ...]:
+def twin_counts(config: Run, available: int) -> tuple[int, ...]:
     """The twins' device counts for a run on D devices: 1, and D as well for a sharded strategy;
     on D = 1, 2 if there are 2 and the batch splits; () when none fits."""
     if config.devices > 1:
@@ -79,16 +79,17 @@ FIT = 1.1  # a sharded run's twin may hold at most this many times the run's byt
 TWINS = 2  # a sharded run's twins: each leaf the larger of their floors
 
 
-def must_fit(config: RunConfig) -> bool:
+def must_fit(config: Run) -> bool:
     """Whether the twins are a sharded strategy's candidates, each held to fit (fsdp, tp, fsdp-tp on
     D > 1, in one process: across processes each runs its twin on its own devices, ``twin_counts``)."""
     return config.devices > 1 and config.strategy in CANDIDATES and jax.process_count() == 1
 
 
-def twin_kinds(config: RunConfig, available: int) -> tuple[TwinKind, ...]:
-    """The twins of a run: the run's own program from nudged inputs (``--twin program``, ``nudge``; one process), else a
-    sharded strategy's ``CANDIDATES`` (the judge runs the first ``TWINS`` that fit), otherwise ``twin_counts``."""
-    if config.twin == 'program' and jax.process_count() == 1:
+def twin_kinds(config: Run, chosen: str, available: int) -> tuple[TwinKind, ...]:
+    """The twins of a run: the run's own program from nudged inputs (``chosen``, ``--twin``, is 'program'; ``nudge``;
+    one process), else a sharded strategy's ``CANDIDATES`` (the judge runs the first ``TWINS`` that fit), otherwise
+    ``twin_counts``."""
+    if chosen == 'program' and jax.process_count() == 1:
         return DRAWS  # several processes: each runs a device-count twin on its own devices, with no collective,
         # so that one process's failure is every process's (``gather.together``), with none left waiting in it
     if must_fit(config):
@@ -96,7 +97,7 @@ def twin_kinds(config: RunConfig, available: int) -> tuple[TwinKind, ...]:
     return twin_counts(config, available)
 
 
-def devices_of(kind: TwinKind, config: RunConfig) -> int:
+def devices_of(kind: TwinKind, config: Run) -> int:
     """The devices a twin needs beyond the run's own: 0 for the run's own program."""
     if isinstance(kind, Nudged):
         return 0
@@ -141,7 +142,7 @@ def farthest(nnx: compare.Neutral, twins: list[compare.Neutral]) -> compare.Neut
 
 def run_twin(
     kind: PortKind,
-    config: RunConfig,
+    config: Run,
     inputs: Inputs,
     n_twin: TwinKind,
     lr_scale=None,
@@ -206,7 +207,7 @@ class TwinNotRun(Exception):
         self.unrun, self.errors = unrun, errors
 
 
-def measure(kind: PortKind, config: RunConfig, new, inputs: Inputs, counts: tuple) -> Measured:
+def measure(kind: PortKind, config: Run, new, inputs: Inputs, counts: tuple) -> Measured:
     """Each twin (up to ``TWINS``) that ran and computed what NNX computes, its losses and (a loop
     port's) random draws, and why each other did not run or was refused."""
     twins, why, fresh_ones, errors, drawn_by_run = {}, [], [], [], []
@@ -249,7 +250,7 @@ def measure(kind: PortKind, config: RunConfig, new, inputs: Inputs, counts: tupl
     return Measured(twins, kept, tuple(fresh_ones), tuple(errors))
 
 
-def own_program(kind: PortKind, config: RunConfig, new, inputs: Inputs, n: Nudged) -> tuple:
+def own_program(kind: PortKind, config: Run, new, inputs: Inputs, n: Nudged) -> tuple:
     """``(the PathResult of the run's own program from inputs nudged by ``n``, or None; why it measures
     nothing, or '')``: the same program, devices, keys and rows, so only a non-finite loss refuses it (its
     first losses move with its inputs: no loss is held to the run's within spacings)."""
@@ -265,7 +266,7 @@ def own_program(kind: PortKind, config: RunConfig, new, inputs: Inputs, n: Nudge
     return tw, ''
 
 
-def one_twin(kind: PortKind, config: RunConfig, inputs: Inputs, n, fit: dict | None = None, built=None):
+def one_twin(kind: PortKind, config: Run, inputs: Inputs, n, fit: dict | None = None, built=None):
     """``(the twin's PathResult, its first call's draws or None, whether it ran in a fresh process, what
     it raised here first)``: in this process when its devices suffice and the code runs there, else in a
     fresh process that sees ``n`` devices (code pinned to a mesh of its own, built from ``jax.devices()``);
@@ -315,7 +316,7 @@ def draws_recorder(kind: PortKind) -> draws.FirstCall | None:
     return kind.draws_recorder() if jax.process_count() == 1 else None
 
 
-def run_draws(kind: PortKind, config: RunConfig, inputs: Inputs) -> draws.Draws:
+def run_draws(kind: PortKind, config: Run, inputs: Inputs) -> draws.Draws:
     """What the NNX run's first call draws: a fresh setup of it (restored from the checkpoint after
     ``--resume-at``), its first call run again while recording (``draws.first_call``)."""
     setup = kind.new_setup(config, inputs)
