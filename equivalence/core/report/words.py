@@ -58,7 +58,13 @@ PROBES = {Probe.GRADS: 'first-step gradients', Probe.LEGACY_TWIN: 'legacy twin',
 
 def lines(v: Verdict) -> list[str]:
     """What the verdict measured, its noise-dominated leaves, why NOT VERIFIED, the diagnosis, where it parts."""
-    out = [f'verdict: {v.mode}; ' + '; '.join(done(v))]
+    return [f'verdict: {v.mode}; ' + '; '.join(done(v)), *found(v)]
+
+
+def found(v: Verdict) -> list[str]:
+    """What the verdict found, without how it measured: its noise-dominated leaves, why NOT VERIFIED, the
+    diagnosis, a MATCH's reach, where the sides part (the pytest plugin's failure shows these)."""
+    out = []
     for leaf in v.noise_dominated:
         out.append(
             f'NOISE-DOMINATED {leaf.name}: {whose(leaf)}twin moves it by {leaf.floor:.2e} '
