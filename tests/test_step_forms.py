@@ -296,6 +296,29 @@ def test_a_pmapped_scan_is_run_as_the_step_it_wraps():
     assert (wrapped.step, wrapped.scanned, wrapped.axis_name) == ('carry_step', True, 'batch'), wrapped
 
 
+def keyed_step(state, batch, rng):
+    """Upstream's ``(state, batch, rng)`` step, its key required."""
+    return train_step(state, batch, rng)
+
+
+def test_a_pmapped_keyed_step_without_step_form_is_told_the_step_form_that_runs_it():
+    """``jax.pmap(step(state, batch, rng))`` handed over with no ``step_form`` was told to pass ``__wrapped__``
+    called as the carry form, which it is not: the line names ``step_form='state_rng'``, and with it the port
+    builds, passes the pre-flight and runs the step it wraps (the positive control)."""
+    from equivalence.core import preflight
+    from equivalence.core.port.config import RunConfig
+
+    p_train_step = jax.pmap(keyed_step, axis_name=AXIS)
+    with pytest.raises(ConfigError) as e:
+        LoopPort(**BASE, legacy_step=p_train_step, loss='loss', new_call=nnx_carry_call)  # no step_form
+    line = str(e.value)
+    assert 'legacy_step (test_step_forms.py:' in line and "is keyed_step(state, batch, rng), already jax.pmap'd" in line
+    assert "give step_form='state_rng'" in line and '__wrapped__' not in line and '\n' not in line, line
+    port = LoopPort(**BASE, legacy_step=p_train_step, step_form='state_rng', loss='loss', new_step=nnx_train_step)
+    preflight.check(kinds.of(port), RunConfig(workload=port.name, devices=2, batch_size=8, rng_mode='global', **QUICK))
+    assert adapters.legacy_step(port) is keyed_step
+
+
 def test_a_step_that_takes_its_key_first_is_called_so():
     """google-research/vdm's ``train_step(self, base_rng, state, batch)``, bound: ``rng_arg`` naming the first
     parameter calls it ``legacy_step(rng, state, batch)`` (by keyword the state landed on the key: a port

@@ -33,7 +33,7 @@ from flax import nnx
 from equivalence.core.port import convert, step_forms
 from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.port.line import Line
-from equivalence.core.port.port_fields import pmapped
+from equivalence.core.port.pmaps import pmapped
 from equivalence.core.port.ports import LoopPort
 from equivalence.core.port.states import Skip, Uncompared
 from legacy_pmap import train as legacy
