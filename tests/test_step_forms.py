@@ -319,6 +319,29 @@ def test_a_pmapped_keyed_step_without_step_form_is_told_the_step_form_that_runs_
     assert adapters.legacy_step(port) is keyed_step
 
 
+def variables_state(variables):
+    """``TrainState.create(params=variables)``: linen's whole variables, ``{'params': ...}``, as params."""
+    return KeyedState.create(apply_fn=LinenMLP().apply, params=variables, tx=tx())
+
+
+def variables_step(state, batch):
+    """Upstream's step over such a state: ``apply_fn(state.params, ...)``; the momentum holds ``{'params': ...}``."""
+    loss_fn = lambda v: jnp.mean((state.apply_fn(v, batch['x'], train=False) - batch['y']) ** 2)  # noqa: E731
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=jax.lax.pmean(grads, AXIS)), {'loss': jax.lax.pmean(loss, AXIS)}
+
+
+def test_a_state_whose_params_are_linens_whole_variables_is_read_as_its_parameters():
+    """The pre-flight refused it ('params' holds ``params/Dense_0/kernel``...), and its optimizer state's slots held
+    a ``params`` level the new side's do not: both are read without that level, and the port matches."""
+    port = LoopPort(**{**BASE, 'legacy_state': variables_state}, legacy_step=variables_step, step_form='state',
+                    loss='loss', new_step=nnx_train_step)  # fmt: skip
+    result = harness.check(port, devices=2, verdict='screen', **QUICK)
+    assert result.report.match, [leaf for leaf in result.report.leaves if not leaf.ok]
+    names = {leaf.name for leaf in result.report.leaves}
+    assert {'params/Dense_0/kernel', 'opt_state/0/trace/Dense_0/kernel'} <= names, names
+
+
 def test_a_step_that_takes_its_key_first_is_called_so():
     """google-research/vdm's ``train_step(self, base_rng, state, batch)``, bound: ``rng_arg`` naming the first
     parameter calls it ``legacy_step(rng, state, batch)`` (by keyword the state landed on the key: a port
@@ -447,6 +470,12 @@ def _adapter_of_a_pmapped_step(state, batch):
             "legacy_groups gives step as a dict with keys ['count']; expected the step group as {'step': counter}",
         ),
         (
+            dict(legacy_groups=lambda s: {'params': {'params': s.params}, 'opt_state': s.opt_state}),
+            "legacy_groups 'params' holds 4 leaves, not the model's 4 parameters (missing ['Dense_0/bias', "
+            "'Dense_0/kernel'], unexpected ['params/Dense_0/bias', 'params/Dense_0/kernel']); fix: give "
+            "legacy_groups= whose 'params' is the model's parameters by module",
+        ),
+        (
             dict(legacy_groups=lambda s: {'params': s.params, 'model_state': {'Dense_0': {'mean': s.step}}}),
             "legacy_groups gives model_state as a dict with keys ['Dense_0']; expected linen's collections by name",
         ),
@@ -468,6 +497,7 @@ def _adapter_of_a_pmapped_step(state, batch):
         'nnx bare step',
         'legacy bare step',
         'legacy step key',
+        'legacy params',
         'legacy model_state',
         'dict without params',
     ],
