@@ -61,9 +61,10 @@ def check(port: LoopPort) -> None:
 def one_program_each(port: LoopPort, command: str) -> None:
     """explain and bench read one compiled call per side: a step run once per step has none (exit 2)."""
     if legacy_loop(port) == 'steps' or port.new_step is not None:
+        cost = '; bench --cost times a check of it as it is' if command == 'bench' else ''
         raise ConfigError(
             f'{command} reads one compiled call per side; port {port.name!r} runs its step once per step: '
-            "give it legacy_loop='scan' and new_call= (K steps in one call) to use it here"
+            f"give it legacy_loop='scan' and new_call= (K steps in one call) to use it here{cost}"
         )
 
 
