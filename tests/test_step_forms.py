@@ -342,6 +342,38 @@ def test_a_state_whose_params_are_linens_whole_variables_is_read_as_its_paramete
     assert {'params/Dense_0/kernel', 'opt_state/0/trace/Dense_0/kernel'} <= names, names
 
 
+def _upstream_train_step(state, batch, rng, train_frac):
+    """An upstream step taking ``train_frac`` (its loss weighed by it), returning its key as NeRF steps do."""
+    return (*train_step(state, batch, rng, 1 - train_frac), jax.random.split(rng)[0])
+
+
+@nnx.jit
+def _nnx_train_step(model, optimizer, batch, rng, train_frac):
+    return nnx_step_plain((model, optimizer), batch, rng, 1 - train_frac)
+
+
+def _guide_block(marker: str) -> str:
+    """The Python block of docs/port.md that follows ``marker``."""
+    with open(os.path.join(ROOT, 'docs', 'port.md')) as f:
+        return f.read().split(marker, 1)[1].split('```python\n', 1)[1].split('```', 1)[0]
+
+
+def test_the_guides_step_number_from_the_state_runs_and_its_slip_is_caught():
+    """docs/port.md's wrapper of an upstream step that takes ``train_frac`` (the step number) as an argument: each
+    side reads it from its train state's counter, and the port matches; the same port with ``train_frac`` a
+    constant on the new side, as a port without the step number had to write it, does not (the control)."""
+    names = {'jnp': jnp, 'upstream_train_step': _upstream_train_step, 'nnx_train_step': _nnx_train_step}
+    exec(_guide_block('<!-- tested: tests/test_step_forms.py -->'), names)
+    names['MAX_STEPS'] = 4  # train_frac 0, 1/4, 1/2, 3/4 over the check's 4 steps
+    port = LoopPort(**BASE, legacy_step=names['legacy_step'], step_form='state_rng', loss='loss',
+                    new_step=names['new_step'])  # fmt: skip
+    assert harness.check(port, devices=2, verdict='screen', **QUICK).report.match
+    constant = dataclasses.replace(
+        port, new_step=lambda ts, batch, rng: (ts, names['nnx_train_step'](*ts, batch, rng, 0.0))
+    )
+    assert not harness.check(constant, devices=2, verdict='screen', **QUICK).report.match
+
+
 def test_a_step_that_takes_its_key_first_is_called_so():
     """google-research/vdm's ``train_step(self, base_rng, state, batch)``, bound: ``rng_arg`` naming the first
     parameter calls it ``legacy_step(rng, state, batch)`` (by keyword the state landed on the key: a port
