@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import os
 import re
+import types
 
 import flax.linen as nn
 import jax
@@ -477,6 +478,15 @@ def _adapter_of_a_pmapped_step(state, batch):
     return state, metrics
 
 
+upstream = types.ModuleType('upstream_train')  # upstream's training module, its pmapped step an attribute
+upstream.p_train_step = P_TRAIN_STEP
+
+
+def _adapter_of_a_pmapped_attribute(state, batch):
+    """The same, calling it through its module (``old_train.pmapped_train_step(...)``)."""
+    return upstream.p_train_step(state, batch)
+
+
 @pytest.mark.parametrize(
     'fields, line',
     [
@@ -484,6 +494,10 @@ def _adapter_of_a_pmapped_step(state, batch):
         (
             dict(legacy_step=_adapter_of_a_pmapped_step),
             "legacy_step calls P_TRAIN_STEP, a jax.pmap'd function (test_step_forms.py:",
+        ),
+        (
+            dict(legacy_step=_adapter_of_a_pmapped_attribute),
+            "legacy_step calls upstream.p_train_step, a jax.pmap'd function (test_step_forms.py:",
         ),
         (dict(legacy_step=_other_axis), 'legacy_step raised NameError'),
         (dict(loss='los'), "loss 'los' is not in what legacy_step returns (metrics ['denominator', 'loss', 'mae'])"),
@@ -522,6 +536,7 @@ def _adapter_of_a_pmapped_step(state, batch):
     ids=[
         'no metrics',
         'pmapped inside',
+        'pmapped inside, by attribute',
         'axis name',
         'loss key',
         'loss shape',
@@ -549,7 +564,8 @@ def test_a_mistake_in_a_real_step_is_one_line_before_any_training(fields, line, 
     text = str(e.value)
     assert line in text and '\n' not in text, text
     if 'pmap' in line:  # what to call instead
-        assert 'call the function it wraps, P_TRAIN_STEP.__wrapped__' in text, text
+        called = line.split(' calls ', 1)[1].split(',', 1)[0]
+        assert f'fix: call the function it wraps, {called}.__wrapped__, or give {called} itself' in text, text
     if 'NameError' in line:  # JAX's own words, then the user's frame, then the fix that fits the port
         assert 'unbound axis name: devices' in text and 'at test_step_forms.py:' in text, text
         assert "fix: the port declares axis_name='batch'" in text, text
