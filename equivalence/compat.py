@@ -1,15 +1,17 @@
 """What the recorder needs of a JAX older than the suite's (``python -m equivalence.record`` where the pmap
 code ran: jax 0.4.x with the flax linen of its time, docs/reference.md), given where that JAX lacks it.
 
-The pmap side's modules import four names that jax 0.4.38 does not have; ``install`` gives each where it is
-missing, and does nothing on the JAX the suite pins (each is there):
+The pmap side's modules import five names that jax 0.4.38 and flax 0.10.2 do not have; ``install`` gives each
+where it is missing, and does nothing on the JAX the suite pins (each is there):
 
 - ``jax.make_user_context`` (a value that keys JAX's trace cache: ``draws``, ``masks``, ``intercept``): here a
   context whose every change outside a trace clears JAX's caches, so that no trace made under one value is
   taken under another (slower, the same traces);
 - ``jax.extend.core.get_opaque_trace_state``: JAX's own, from ``jax._src.core``, where 0.4.38 keeps it;
 - ``jax.sharding.AxisType`` and ``jax.typeof``: read by the new side alone (an explicit mesh's axes), which the
-  recorder never runs; an enum of the three axis types and JAX's abstract value stand in.
+  recorder never runs; an enum of the three axis types and JAX's abstract value stand in;
+- ``flax.nnx.Pytree``: what ``read_groups`` (which a port's ``legacy_groups`` may start from) asks a train state
+  to hold for NNX objects; flax 0.10 calls it ``nnx.Object``.
 
 The device count: 0.4.38 reads no ``JAX_NUM_CPU_DEVICES``, only XLA's flag (``devices.simulate_cpu_devices``).
 """
@@ -23,7 +25,8 @@ version = installed.version  # ``package``'s installed version as numbers, read 
 
 
 # the names ``install`` gives where JAX lacks them: code the recorder runs may use these on any JAX
-GIVEN = ('jax.make_user_context', 'jax.extend.core.get_opaque_trace_state', 'jax.sharding.AxisType', 'jax.typeof')
+GIVEN = ('jax.make_user_context', 'jax.extend.core.get_opaque_trace_state', 'jax.sharding.AxisType', 'jax.typeof',
+         'flax.nnx.Pytree')  # fmt: skip
 
 
 class _UserContext:
@@ -77,4 +80,8 @@ def install() -> list[str]:
         jax.sharding.AxisType, given = _AxisType, [*given, 'jax.sharding.AxisType']
     if not hasattr(jax, 'typeof'):
         jax.typeof, given = jax.core.get_aval, [*given, 'jax.typeof']
+    from flax import nnx
+
+    if not hasattr(nnx, 'Pytree'):
+        nnx.Pytree, given = nnx.Object, [*given, 'flax.nnx.Pytree']
     return given

@@ -59,7 +59,8 @@ def require_devices(n: int) -> None:
 class PortMismatch(AssertionError):
     """``assert_port_matches`` found the sides apart (MISMATCH or NOT VERIFIED): an ``AssertionError``,
     as numpy.testing's and chex's assertions fail, so ``pytest.raises(AssertionError)`` catches it.
-    ``report``: the text shown (the header, the worst leaves, the verdict); ``result``: the ``RunResult``."""
+    ``report``: the text shown (the header, the diagnosis and ``where:``, the worst leaves, the verdict);
+    ``result``: the ``RunResult``."""
 
     def __init__(self, report: str, result):
         super().__init__(report)
@@ -109,8 +110,7 @@ def assert_port_matches(port, devices: int, steps_per_call: int | None = None, c
     finally:  # hundreds of checks in one session: their programs go before the map limit (as the corpus's)
         _devices.release_compiled_programs(RELEASE_AT)
     if result.outcome is not Outcome.MATCH:
-        report = '\n'.join([render.header(result, 'cpu'), *render.leaf_table(result), render.verdict(result)])
-        raise PortMismatch(report, result)
+        raise PortMismatch(render.failure(result, 'cpu'), result)
     return result
 
 

@@ -181,3 +181,28 @@ def test_a_cost_repeat_that_fails_hands_back_why_as_a_json_record(tmp_path, monk
     with pytest.raises(cost.RepeatFailed) as failed:
         cost.one(cost.Subject('bare', 'the bare runs', 'bare', 'no_such_module:PORT', config))
     assert failed.value.port and 'no_such_module' in str(failed.value)
+
+
+def test_a_port_whose_step_runs_once_per_step_is_refused_by_the_timing_and_costed_by_cost():
+    """docs/port.md said ``bench`` refuses such a port, yet ``bench --cost`` checks one. The side-by-side timing
+    refuses it, naming ``--cost``; the bare runs that only ``--cost`` times run it (a check of it runs as ``run``
+    runs it); and the guide says both."""
+    from conftest import import_example
+
+    from equivalence.bench import cost_process
+    from equivalence.core import kinds
+    from equivalence.core.port.config import ConfigError
+
+    (example,) = import_example('linen_jit_port', 'my_port')
+    port = example.PORT  # linen under jax.jit, its step called once per step on both sides
+    with pytest.raises(ConfigError) as refused:
+        kinds.of(port).one_program_each('bench')
+    assert str(refused.value).endswith("new_call= (K steps in one call) to use it here; bench --cost times a check "
+                                       'of it as it is'), refused.value  # fmt: skip
+    n = len(jax.devices())  # its step is pinned to a mesh of every device this process sees
+    config = RunConfig(workload=port.name, devices=n, steps_per_call=2, calls=1, batch_size=2 * n, rng_mode='global')
+    bare = cost_process.bare(port, config)
+    assert [len(bare['losses'][side]) for side in ('legacy', 'new')] == [2, 2], bare['losses']
+    with open(os.path.join(ROOT, 'docs', 'port.md')) as f:
+        guide = ' '.join(f.read().split())
+    assert '`bench --cost`, which times a whole check against the two bare runs, takes such a port as it is' in guide

@@ -12,8 +12,11 @@ import tempfile
 import time
 
 import hostile_ports
+import jax
+import optax
 import pytest
 from conftest import message_lines, run_module
+from flax import traverse_util
 
 from equivalence.core.run import setups
 
@@ -140,6 +143,35 @@ def test_a_pmapped_step_handed_over_is_one_line_saying_so_and_what_to_pass():
     config = RunConfig(workload=port.name, devices=2, batch_size=8, steps_per_call=2, calls=2,
                        rng_mode=port.rng_modes[0])  # fmt: skip
     preflight.check(kinds.of(port), config)
+
+
+def _decay_mask_of_linen_dicts(params):  # written for linen's params dict, as linen-era code writes it
+    flat = traverse_util.flatten_dict(params)
+    return traverse_util.unflatten_dict({path: path[-1] != 'bias' for path in flat})
+
+
+def _decay_mask_of_any_tree(params):  # the same mask, as the line's fix says: read from each leaf's path
+    return jax.tree_util.tree_map_with_path(lambda path, _: 'bias' not in jax.tree_util.keystr(path), params)
+
+
+def test_a_make_tx_whose_mask_reads_linen_dicts_is_blamed_with_what_the_nnx_side_hands_it():
+    """A model port's ``make_tx`` serves both sides; its weight-decay mask, written for linen's params dict, fails
+    on the ``nnx.State`` that ``nnx.Optimizer`` hands it. The line blamed ``nnx_model``; it names ``make_tx``, the
+    mask's frame, why and the fix, and the mask written as the fix says passes (the positive control)."""
+    from equivalence.core import kinds, preflight
+    from equivalence.core.port.config import RunConfig
+
+    def port(mask):
+        return hostile_ports.model(make_tx=lambda scale: optax.adamw(3e-3 * scale, weight_decay=1e-4, mask=mask))
+
+    config = RunConfig(workload='mlp-port', devices=2, batch_size=8, steps_per_call=1, calls=1)
+    with pytest.raises(preflight.PreflightError) as e:
+        preflight.check(kinds.of(port(_decay_mask_of_linen_dicts)), config)
+    line = str(e.value)
+    assert line.startswith("port 'mlp-port': make_tx raised AssertionError: ") and '\n' not in line, line
+    assert 'in _decay_mask_of_linen_dicts, when nnx.Optimizer initialised it on the NNX side' in line, line
+    assert "(an nnx.State, not linen's params dict); fix: " in line and 'tree_map_with_path' in line, line
+    preflight.check(kinds.of(port(_decay_mask_of_any_tree)), config)
 
 
 def test_a_name_that_is_not_a_port_is_the_users_mistake_named_with_its_line():

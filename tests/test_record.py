@@ -77,11 +77,14 @@ def test_too_few_devices_says_how_this_jax_simulates_more(jax_version, setting, 
 
 
 GUARDED_RECORD = """
-import sys
+import dataclasses, sys
 import old_jax_guard
 old_jax_guard.install()
-from equivalence import record
-sys.exit(record.main(['--workload', 'my_port:LOOP', '--devices', '2', '--steps-per-call', '2', '--calls', '2',
+import my_port
+from equivalence import read_groups, record
+# its legacy_groups built on the suite's read_groups, as docs/port.md suggests for new_groups=
+LOOP = dataclasses.replace(my_port.LOOP, legacy_groups=lambda state: {**read_groups(state)})
+sys.exit(record.main(['--workload', '__main__:LOOP', '--devices', '2', '--steps-per-call', '2', '--calls', '2',
                       '--out', sys.argv[1]]))
 """
 
@@ -89,8 +92,9 @@ sys.exit(record.main(['--workload', 'my_port:LOOP', '--devices', '2', '--steps-p
 def test_the_recorder_uses_no_name_the_classic_pmaps_jax_lacks(tmp_path):
     """The recording path, run with every public name jax 0.4.38, flax 0.10.2 and optax 0.2.4 lack hidden from
     this repository's code (``old_jax_guard``, from the names read off that environment: ``old_jax_names``): the
-    docs' own example, with Dropout and global keys, records. It was exit 3 on jax 0.4.38 (``jax.lax.axis_size``,
-    issue 60); with that name back in the pmap side's draws, this fails."""
+    docs' own example, with Dropout and global keys, its ``legacy_groups`` built on ``read_groups``, records. It
+    was exit 3 on jax 0.4.38 (``jax.lax.axis_size``, issue 60), and exit 2 on flax 0.10.2 through ``read_groups``
+    (``nnx.Pytree``); with either name back in what the recorder runs, this fails."""
     out = tmp_path / 'loop.npz'
     env = {**os.environ, 'PYTHONPATH': os.pathsep.join([os.path.join(ROOT, 'examples', 'mlp_port'),
                                                         os.path.join(ROOT, 'tests'), ROOT])}  # fmt: skip

@@ -28,10 +28,10 @@ from equivalence.core.compare.outcome import Outcome
 from equivalence.core.port import port_fields, workloads
 from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.reference import reference
-from equivalence.core.report import render
+from equivalence.core.report import render, words
 from equivalence.core.run import fits
 from equivalence.core.run import inputs as made
-from equivalence.testing import PortInputError, assert_port_matches
+from equivalence.testing import PortInputError, PortMismatch, assert_port_matches
 from nnx_sharded import losses as nnx_losses
 
 DATA = os.path.join(ROOT, 'tests', 'data')
@@ -51,7 +51,11 @@ def test_a_reference_recorded_on_the_classic_pmap_checks_the_port_on_todays_jax(
     assert reference.load(path).environment['versions']['jax'] == '0.4.38'
     # the plugin as docs/reference.md writes it: K, C, the batch, the seed and the keys read from the reference
     assert assert_port_matches(port, devices=2, reference=path).outcome is Outcome.MATCH
-    slip = harness.check(port, reference=path, batch_size=8, perturb=1e-3, **FLAGS)
+    with pytest.raises(PortMismatch) as failed:  # the plugin's failure says what the report says
+        assert_port_matches(port, reference=path, batch_size=8, perturb=1e-3, **FLAGS)
+    slip = failed.value.result
+    assert slip.verdict.location.line() in failed.value.report.splitlines()
+    assert f'diagnosis ({slip.verdict.kind}): {words.diagnosis(slip.verdict.diagnosis)}' in failed.value.report
     both = harness.check(port, batch_size=8, perturb=1e-3, **FLAGS)  # the control: today's pmap beside it
     assert slip.outcome is both.outcome is Outcome.MISMATCH
     assert slip.verdict.location.kind == both.verdict.location.kind != 'unlocated'

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import os
 import re
+import types
 
 import flax.linen as nn
 import jax
@@ -296,6 +297,84 @@ def test_a_pmapped_scan_is_run_as_the_step_it_wraps():
     assert (wrapped.step, wrapped.scanned, wrapped.axis_name) == ('carry_step', True, 'batch'), wrapped
 
 
+def keyed_step(state, batch, rng):
+    """Upstream's ``(state, batch, rng)`` step, its key required."""
+    return train_step(state, batch, rng)
+
+
+def test_a_pmapped_keyed_step_without_step_form_is_told_the_step_form_that_runs_it():
+    """``jax.pmap(step(state, batch, rng))`` handed over with no ``step_form`` was told to pass ``__wrapped__``
+    called as the carry form, which it is not: the line names ``step_form='state_rng'``, and with it the port
+    builds, passes the pre-flight and runs the step it wraps (the positive control)."""
+    from equivalence.core import preflight
+    from equivalence.core.port.config import RunConfig
+
+    p_train_step = jax.pmap(keyed_step, axis_name=AXIS)
+    with pytest.raises(ConfigError) as e:
+        LoopPort(**BASE, legacy_step=p_train_step, loss='loss', new_call=nnx_carry_call)  # no step_form
+    line = str(e.value)
+    assert 'legacy_step (test_step_forms.py:' in line and "is keyed_step(state, batch, rng), already jax.pmap'd" in line
+    assert "give step_form='state_rng'" in line and '__wrapped__' not in line and '\n' not in line, line
+    port = LoopPort(**BASE, legacy_step=p_train_step, step_form='state_rng', loss='loss', new_step=nnx_train_step)
+    preflight.check(kinds.of(port), RunConfig(workload=port.name, devices=2, batch_size=8, rng_mode='global', **QUICK))
+    assert adapters.legacy_step(port) is keyed_step
+
+
+def variables_state(variables):
+    """``TrainState.create(params=variables)``: linen's whole variables, ``{'params': ...}``, as params."""
+    return KeyedState.create(apply_fn=LinenMLP().apply, params=variables, tx=tx())
+
+
+def variables_step(state, batch):
+    """Upstream's step over such a state: ``apply_fn(state.params, ...)``; the momentum holds ``{'params': ...}``."""
+    loss_fn = lambda v: jnp.mean((state.apply_fn(v, batch['x'], train=False) - batch['y']) ** 2)  # noqa: E731
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=jax.lax.pmean(grads, AXIS)), {'loss': jax.lax.pmean(loss, AXIS)}
+
+
+def test_a_state_whose_params_are_linens_whole_variables_is_read_as_its_parameters():
+    """The pre-flight refused it ('params' holds ``params/Dense_0/kernel``...), and its optimizer state's slots held
+    a ``params`` level the new side's do not: both are read without that level, and the port matches."""
+    port = LoopPort(**{**BASE, 'legacy_state': variables_state}, legacy_step=variables_step, step_form='state',
+                    loss='loss', new_step=nnx_train_step)  # fmt: skip
+    result = harness.check(port, devices=2, verdict='screen', **QUICK)
+    assert result.report.match, [leaf for leaf in result.report.leaves if not leaf.ok]
+    names = {leaf.name for leaf in result.report.leaves}
+    assert {'params/Dense_0/kernel', 'opt_state/0/trace/Dense_0/kernel'} <= names, names
+
+
+def _upstream_train_step(state, batch, rng, train_frac):
+    """An upstream step taking ``train_frac`` (its loss weighed by it), returning its key as NeRF steps do."""
+    return (*train_step(state, batch, rng, 1 - train_frac), jax.random.split(rng)[0])
+
+
+@nnx.jit
+def _nnx_train_step(model, optimizer, batch, rng, train_frac):
+    return nnx_step_plain((model, optimizer), batch, rng, 1 - train_frac)
+
+
+def _guide_block(marker: str) -> str:
+    """The Python block of docs/port.md that follows ``marker``."""
+    with open(os.path.join(ROOT, 'docs', 'port.md')) as f:
+        return f.read().split(marker, 1)[1].split('```python\n', 1)[1].split('```', 1)[0]
+
+
+def test_the_guides_step_number_from_the_state_runs_and_its_slip_is_caught():
+    """docs/port.md's wrapper of an upstream step that takes ``train_frac`` (the step number) as an argument: each
+    side reads it from its train state's counter, and the port matches; the same port with ``train_frac`` a
+    constant on the new side, as a port without the step number had to write it, does not (the control)."""
+    names = {'jnp': jnp, 'upstream_train_step': _upstream_train_step, 'nnx_train_step': _nnx_train_step}
+    exec(_guide_block('<!-- tested: tests/test_step_forms.py -->'), names)
+    names['MAX_STEPS'] = 4  # train_frac 0, 1/4, 1/2, 3/4 over the check's 4 steps
+    port = LoopPort(**BASE, legacy_step=names['legacy_step'], step_form='state_rng', loss='loss',
+                    new_step=names['new_step'])  # fmt: skip
+    assert harness.check(port, devices=2, verdict='screen', **QUICK).report.match
+    constant = dataclasses.replace(
+        port, new_step=lambda ts, batch, rng: (ts, names['nnx_train_step'](*ts, batch, rng, 0.0))
+    )
+    assert not harness.check(constant, devices=2, verdict='screen', **QUICK).report.match
+
+
 def test_a_step_that_takes_its_key_first_is_called_so():
     """google-research/vdm's ``train_step(self, base_rng, state, batch)``, bound: ``rng_arg`` naming the first
     parameter calls it ``legacy_step(rng, state, batch)`` (by keyword the state landed on the key: a port
@@ -399,6 +478,15 @@ def _adapter_of_a_pmapped_step(state, batch):
     return state, metrics
 
 
+upstream = types.ModuleType('upstream_train')  # upstream's training module, its pmapped step an attribute
+upstream.p_train_step = P_TRAIN_STEP
+
+
+def _adapter_of_a_pmapped_attribute(state, batch):
+    """The same, calling it through its module (``old_train.pmapped_train_step(...)``)."""
+    return upstream.p_train_step(state, batch)
+
+
 @pytest.mark.parametrize(
     'fields, line',
     [
@@ -406,6 +494,10 @@ def _adapter_of_a_pmapped_step(state, batch):
         (
             dict(legacy_step=_adapter_of_a_pmapped_step),
             "legacy_step calls P_TRAIN_STEP, a jax.pmap'd function (test_step_forms.py:",
+        ),
+        (
+            dict(legacy_step=_adapter_of_a_pmapped_attribute),
+            "legacy_step calls upstream.p_train_step, a jax.pmap'd function (test_step_forms.py:",
         ),
         (dict(legacy_step=_other_axis), 'legacy_step raised NameError'),
         (dict(loss='los'), "loss 'los' is not in what legacy_step returns (metrics ['denominator', 'loss', 'mae'])"),
@@ -424,6 +516,12 @@ def _adapter_of_a_pmapped_step(state, batch):
             "legacy_groups gives step as a dict with keys ['count']; expected the step group as {'step': counter}",
         ),
         (
+            dict(legacy_groups=lambda s: {'params': {'params': s.params}, 'opt_state': s.opt_state}),
+            "legacy_groups 'params' holds 4 leaves, not the model's 4 parameters (missing ['Dense_0/bias', "
+            "'Dense_0/kernel'], unexpected ['params/Dense_0/bias', 'params/Dense_0/kernel']); fix: give "
+            "legacy_groups= whose 'params' is the model's parameters by module",
+        ),
+        (
             dict(legacy_groups=lambda s: {'params': s.params, 'model_state': {'Dense_0': {'mean': s.step}}}),
             "legacy_groups gives model_state as a dict with keys ['Dense_0']; expected linen's collections by name",
         ),
@@ -438,6 +536,7 @@ def _adapter_of_a_pmapped_step(state, batch):
     ids=[
         'no metrics',
         'pmapped inside',
+        'pmapped inside, by attribute',
         'axis name',
         'loss key',
         'loss shape',
@@ -445,6 +544,7 @@ def _adapter_of_a_pmapped_step(state, batch):
         'nnx bare step',
         'legacy bare step',
         'legacy step key',
+        'legacy params',
         'legacy model_state',
         'dict without params',
     ],
@@ -464,7 +564,8 @@ def test_a_mistake_in_a_real_step_is_one_line_before_any_training(fields, line, 
     text = str(e.value)
     assert line in text and '\n' not in text, text
     if 'pmap' in line:  # what to call instead
-        assert 'call the function it wraps, P_TRAIN_STEP.__wrapped__' in text, text
+        called = line.split(' calls ', 1)[1].split(',', 1)[0]
+        assert f'fix: call the function it wraps, {called}.__wrapped__, or give {called} itself' in text, text
     if 'NameError' in line:  # JAX's own words, then the user's frame, then the fix that fits the port
         assert 'unbound axis name: devices' in text and 'at test_step_forms.py:' in text, text
         assert "fix: the port declares axis_name='batch'" in text, text

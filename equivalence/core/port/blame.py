@@ -105,7 +105,8 @@ def innermost_user(error: BaseException) -> Frame | None:
 
 def named_in_innermost_user(error: BaseException) -> dict[str, Any]:
     """The values the innermost user frame names (its locals, free variables and the globals its code
-    reads), by name: what it was calling when it raised."""
+    reads), by name, and the attributes its code reads off them, by dotted name (``old_train.p_train_step``,
+    two levels deep; read statically, no property run): what it was calling when it raised."""
     tb, found = error.__traceback__, None
     while tb is not None:
         f = tb.tb_frame
@@ -116,7 +117,16 @@ def named_in_innermost_user(error: BaseException) -> dict[str, Any]:
         return {}
     code, local = found.f_code, found.f_locals
     names = (*code.co_names, *code.co_freevars, *code.co_varnames)
-    return {n: local[n] if n in local else found.f_globals[n] for n in names if n in local or n in found.f_globals}
+    named = {n: local[n] if n in local else found.f_globals[n] for n in names if n in local or n in found.f_globals}
+    level = named
+    for _ in range(2):  # the attributes its code reads off them, then theirs
+        level = {f'{name}.{attr}': held for name, value in level.items() for attr in code.co_names
+                 if (held := inspect.getattr_static(value, attr, _MISSING)) is not _MISSING}  # fmt: skip
+        named = {**named, **level}
+    return named
+
+
+_MISSING = object()
 
 
 def _codes(fn: Any) -> list[Any]:

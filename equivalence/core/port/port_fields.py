@@ -8,11 +8,11 @@ callable returns is the pre-flight's business (``equivalence.core.preflight``).
 
 import functools
 import inspect
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from equivalence.core.port.config import RNG_MODES, ConfigError
+from equivalence.core.port.pmaps import pmapped
 
 # field -> (positional arguments the suite passes, what it is called as); '?' marks an optional field
 CALLS = {
@@ -154,26 +154,6 @@ def _step_call(port: Any) -> tuple[int, str]:
     return 2, 'legacy_step((rng, state), batch)'
 
 
-@functools.cache
-def _pmap_code() -> Any:
-    """The code object of every function ``jax.pmap`` returns (jax >= 0.8 builds it in Python)."""
-    import jax
-
-    return getattr(jax.pmap(lambda x: x), '__code__', None)
-
-
-def pmapped(fn: Any) -> Any | None:
-    """What ``jax.pmap`` wrapped, if ``fn`` is a pmapped function (teams hand over ``p_train_step``), else
-    None. jax 0.10's pmap is a plain function, one code object for all, keeping the original as
-    ``__wrapped__``; older JAX's a ``PmapFunction``. No JAX imported where none is: nothing can be pmapped."""
-    if 'jax' not in sys.modules or not callable(fn):
-        return None
-    code = getattr(fn, '__code__', None)
-    if (code is None or code is not _pmap_code()) and type(fn).__name__ != 'PmapFunction':
-        return None
-    return getattr(fn, '__wrapped__', None)
-
-
 def check_pmapped_step(port: Any) -> None:
     """A ``legacy_step`` already ``jax.pmap``'d that the suite cannot run as the step it wraps: bound by
     ``functools.partial`` (AlgoPerf's update function with its static workload and optimizer bound; inside the
@@ -185,13 +165,19 @@ def check_pmapped_step(port: Any) -> None:
     if inner is None:
         return
     n, form = _step_call(port)
-    if bound is None:
-        try:
-            _signature(step).bind(*range(n))
-            return  # run as the step it wraps
-        except (TypeError, ValueError):
-            pass
     name = getattr(inner, '__qualname__', None) or type(inner).__name__
+    if bound is None and _binds(step, n):
+        return  # run as the step it wraps
+    if (
+        bound is None and getattr(port, 'step_form', 'carry') != 'state_rng' and _binds(step, 3)
+    ):  # p_train_step(s, b, rng)
+        raise _error(
+            port,
+            'legacy_step',
+            f"{_where(inner)}is {name}{_signature(step)}, already jax.pmap'd, and step_form "
+            f"{getattr(port, 'step_form', 'carry')!r} calls it as {form}: give step_form='state_rng' (and rng_arg= "
+            'its key if not third); the suite runs the step it wraps',
+        )
     given, instead = (
         (f'functools.partial({name}, ...)', f'functools.partial({name}.__wrapped__, <the same arguments>)')
         if bound is not None
@@ -204,6 +190,14 @@ def check_pmapped_step(port: Any) -> None:
         f'the step it wraps, {instead} called as {form}, with axis_name={getattr(port, "axis_name", "batch")!r} '
         'the axis its pmean names',
     )
+
+
+def _binds(fn: Callable, n: int) -> bool:
+    try:
+        _signature(fn).bind(*range(n))
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _error(port: Any, field: str, text: str) -> ConfigError:

@@ -30,7 +30,7 @@ import numpy as np
 from equivalence.core.port import blame
 from equivalence.core.port.kind import Kind
 from equivalence.core.port.plan import Run
-from equivalence.core.preflight.data import abstract_variables, check_names, make_data
+from equivalence.core.preflight.data import abstract_variables, check_names, check_recordable, make_data
 from equivalence.core.preflight.errors import PreflightError, blamed, line
 from equivalence.core.run import facts
 
@@ -59,6 +59,7 @@ def check_legacy(kind: Kind, config: Run) -> None:
     port = kind.port
     blame.set_port(port)
     data = make_data(port, config.seed, config.steps, config.batch_size, f'--calls x --steps-per-call = {config.steps}')
+    check_recordable(port, data)  # its batches, as the reference will hold them
     variables = abstract_variables(port, data)
     with facts.linen_alone(port, data):
         kind.legacy_preflight(config, variables, _one_call(data, config))

@@ -11,7 +11,7 @@ import numpy as np
 from equivalence.core.port.naming import PortError
 from equivalence.core.port.ports import Port
 from equivalence.core.preflight.errors import PreflightError, blamed, fail, kind
-from equivalence.core.run import facts
+from equivalence.core.run import encoding, facts
 
 
 def check_names(port: Port, variables: dict) -> dict:
@@ -42,6 +42,23 @@ def make_data(port: Port, seed: int, n_steps: int, batch: int, steps_text: str) 
     for path, leaf in flat:
         check_leaf(port, jax.tree_util.keystr(path) or 'its result', leaf, (n_steps, batch), steps_text, flat)
     return data
+
+
+def check_recordable(port: Port, data: Any) -> None:
+    """``make_data``'s batches as a reference holds them and a check reads them back (``run.encoding``): one that
+    cannot be is refused before ``record`` trains."""
+    arrays: list = []
+    try:
+        encoding.decode(encoding.encode(data, arrays), dict(enumerate(arrays)), {})
+    except encoding.Unheld as e:
+        held = f'{e.held.__module__}.{e.held.__qualname__}'
+        raise fail(port, 'make_data', f'returns batches holding a {held}, a pytree of its own flatten functions, '
+                   'which a reference cannot hold: make it a dataclass (jax.tree_util.register_dataclass, '
+                   'flax.struct.dataclass) or a NamedTuple, or return dicts') from None  # fmt: skip
+    except encoding.Unreadable as e:  # a class a check cannot find by its module and name
+        raise fail(
+            port, 'make_data', f'returns batches that a check could not read back from a reference: it {e}'
+        ) from None
 
 
 def check_leaf(port: Port, name: str, leaf: Any, expected: tuple[int, int], steps_text: str, flat: list) -> None:

@@ -39,6 +39,15 @@ SUITE_AXIS = (
 )
 
 
+# A model port's make_tx serves both sides: nnx.Optimizer initialises it on the NNX parameters (an nnx.State,
+# each leaf's path ending in '.value'), where the pmap side hands it linen's params dict.
+NNX_PARAMS = (
+    "when nnx.Optimizer initialised it on the NNX side's parameters (an nnx.State, not linen's params dict); fix: "
+    'write what it calls on the parameters (a weight-decay mask) for any pytree, with jax.tree.map or '
+    'jax.tree_util.tree_map_with_path, not dict keys or flax.traverse_util'
+)
+
+
 # What code that runs eagerly on the host (np.asarray of a result, a Python branch on a value) raises
 # when traced: such a callable cannot be checked abstractly, so the pre-flight leaves it to the run.
 HOST_ONLY = (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError)
@@ -53,17 +62,18 @@ class PreflightError(PortError):
         self.whole = whole
 
 
-def raised(port: Port, field: str, error: BaseException, expected: str = '') -> PreflightError:
+def raised(port: Port, field: str, error: BaseException, expected: str = '', fix: str = '') -> PreflightError:
     """``PreflightError`` of ``line``, with the whole text of ``error`` when the line shortened it."""
-    return PreflightError(line(port, field, error, expected), blame.whole_text(error) if blame.elided(error) else '')
+    whole = blame.whole_text(error) if blame.elided(error) else ''
+    return PreflightError(line(port, field, error, expected, fix), whole)
 
 
 def fail(port: Port, field: str, text: str) -> PreflightError:
     return PreflightError(f'port {port.name!r}: {field} {text}')
 
 
-def line(port: Port, field: str, error: BaseException, expected: str = '') -> str:
-    """The one line for an exception raised while tracing ``field``."""
+def line(port: Port, field: str, error: BaseException, expected: str = '', fix: str = '') -> str:
+    """The one line for an exception raised while tracing ``field``; ``fix``: what to do, where no pattern says."""
     field = blame.port_field(error, port) or field
     frame = blame.innermost_user(error)
     where = f' at {frame.where}' if frame else ''
@@ -78,13 +88,13 @@ def line(port: Port, field: str, error: BaseException, expected: str = '') -> st
     text = f'port {port.name!r}: {field} raised {blame.first_line(error)}{where}'
     expected = expected or EXPECTED.get(field, '')
     text += f'; expected {expected}' if expected else ''
-    for pattern, fix in FIXES:
+    for pattern, known in FIXES:
         m = pattern.search(str(error))
         if m and pattern is FIXES[0][0] and port.axis_name is None:  # a model port: the suite's pmap axis
-            fix = SUITE_AXIS
+            known = SUITE_AXIS
         if m:
-            return text + '; fix: ' + fix.format(*m.groups(), axis=port.axis_name or legacy.AXIS)
-    return text
+            return text + '; fix: ' + known.format(*m.groups(), axis=port.axis_name or legacy.AXIS)
+    return f'{text}, {fix}' if fix else text
 
 
 def pmapped_inside(error: BaseException) -> str:
@@ -93,14 +103,14 @@ def pmapped_inside(error: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def blamed(port: Port, field: str, expected: str = '') -> Iterator[None]:
+def blamed(port: Port, field: str, expected: str = '', fix: str = '') -> Iterator[None]:
     """Whatever the port's code raises inside -> ``PreflightError`` naming ``field``."""
     try:
         yield
     except ConfigError:  # already one line: a name mapping, a Dropout the bridge refuses, a check below
         raise
     except Exception as e:  # noqa: BLE001 -- the user's code failed while traced: say where, in one line
-        raise raised(port, field, e, expected) from None
+        raise raised(port, field, e, expected, fix) from None
 
 
 def kind(value: Any) -> str:

@@ -165,9 +165,11 @@ def _check_params(port: Port, field: str, groups: Any, expected: set[str]) -> No
     paths = {'/'.join(convert.key_name(k) for k in path) for path, _ in flat}
     if paths != expected:
         missing, extra = sorted(expected - paths), sorted(paths - expected)
+        reader = field if field.endswith('_groups') else field.replace('_state', '_groups')
         raise fail(
             port,
             field,
             f"'params' holds {len(paths)} leaves, not the model's {len(expected)} parameters "
-            f'(missing {missing[:2]}, unexpected {extra[:2]})',
+            f"(missing {missing[:2]}, unexpected {extra[:2]}); fix: give {reader}= whose 'params' is the model's "
+            'parameters by module',
         )

@@ -11,7 +11,7 @@ from equivalence.core.port.config import ConfigError
 from equivalence.core.port.plan import Run
 from equivalence.core.port.ports import LoopPort, ModelPort, Port
 from equivalence.core.preflight import device_keys
-from equivalence.core.preflight.errors import HOST_ONLY, blamed, fail, kind
+from equivalence.core.preflight.errors import HOST_ONLY, NNX_PARAMS, blamed, fail, kind
 from equivalence.core.rng import randomness
 from equivalence.core.run import adapters, facts, setups
 from equivalence.core.state import new_side
@@ -126,7 +126,9 @@ def trace_nnx_model(port: ModelPort, config: Run, batch_KxG: Any) -> Any:
     mode, keys = config.rng_mode, abstract_keys(config)
     tx = make_tx(port)
     with blamed(port, 'nnx_model', 'nnx_model(rngs) -> nnx.Module'):
-        ts = nnx.eval_shape(lambda: sharded.TrainState(port.nnx_model(nnx.Rngs(0)), tx, port.ema_rate))
+        model = nnx.eval_shape(lambda: port.nnx_model(nnx.Rngs(0)))
+    with blamed(port, 'make_tx', fix=NNX_PARAMS):  # its optimizer initialised on the NNX parameters
+        ts = nnx.eval_shape(lambda m: sharded.TrainState(m, tx, port.ema_rate), model)
     graphdef, state = nnx.split(ts)
     loss = checked_loss(port, 'nnx_loss', setups.nnx_loss(port, config), config.batch_size, with_state=False)
     step = sharded.make_step_fn(graphdef, loss, setups.port_noise(port, facts.uses_dropout(port)), port.ema_rate, mode)

@@ -3,7 +3,7 @@ read by every later check in place of running it (``run --reference FILE``).
 
 One ``.npz`` file (numpy's own zip of ``.npy`` arrays, which every numpy since 1.x reads without pickle):
 every array of the recording by a number, and one entry ``manifest``, a JSON text holding the recording's
-structure (``encode``), what the run was (its ``RunConfig`` fields that decide what it computed: ``FITTED``),
+structure (``encoding.encode``), what the run was (its ``RunConfig`` fields that decide what it computed: ``FITTED``),
 where it ran (``environment``) and a sha256 of every array. Not Orbax: a team records in the environment its
 pmap code ran in (jax 0.4, flax of its time), where the Orbax of today is not installed; ``.npz`` needs numpy
 alone, and a file is one thing to keep beside the port's tests.
@@ -25,11 +25,11 @@ import zlib
 from typing import Any
 
 import jax
-import ml_dtypes
 import numpy as np
 
 from equivalence.core.port.config import ConfigError
 from equivalence.core.port.plan import Run
+from equivalence.core.run.encoding import Unreadable, decode, encode
 
 FORMAT = 'equivalence-reference'
 VERSION = 1
@@ -41,74 +41,6 @@ FLAGS = {'steps_per_call': '--steps-per-call', 'batch_size': '--batch-size', 'rn
 
 class BadReference(ConfigError):
     """A reference that cannot be read, is damaged, or does not fit the run: exit 2, before any training."""
-
-
-# -- the structure of a recording, as JSON beside its arrays ----------------------------------------------------
-
-
-def encode(tree: Any, arrays: list) -> Any:
-    """``tree`` as a JSON value, each array appended to ``arrays`` and named by its index. Keeps what the
-    verdict reads apart: a tuple from a list, a set, a dict of any keys (a device index), a typed key (its key
-    data and implementation), a named tuple or dataclass by its class name and fields."""
-    if tree is None or isinstance(tree, bool | str) or type(tree) in (int, float):
-        return tree
-    if isinstance(tree, jax.Array) and jax.dtypes.issubdtype(tree.dtype, jax.dtypes.prng_key):
-        arrays.append(np.asarray(jax.random.key_data(tree)))
-        return {'key': len(arrays) - 1, 'impl': str(jax.random.key_impl(tree))}
-    if isinstance(tree, np.ndarray | np.generic | jax.Array | int | float):
-        a = np.asarray(tree)
-        if a.dtype.kind == 'V' and a.dtype.names is None:  # bfloat16 and the other ml_dtypes: .npy keeps no name
-            arrays.append(a.view(f'u{a.dtype.itemsize}'))  # their bits, as unsigned integers of their width
-            return {'array': len(arrays) - 1, 'dtype': a.dtype.name}
-        arrays.append(a)
-        return {'array': len(arrays) - 1}
-    if isinstance(tree, tuple) and hasattr(tree, '_fields'):
-        return {'record': type(tree).__name__, 'fields': {k: encode(v, arrays) for k, v in tree._asdict().items()}}
-    if dataclasses.is_dataclass(tree):
-        fields = {f.name: encode(getattr(tree, f.name), arrays) for f in dataclasses.fields(tree)}
-        return {'record': type(tree).__name__, 'fields': fields}
-    if isinstance(tree, tuple):
-        return {'tuple': [encode(v, arrays) for v in tree]}
-    if isinstance(tree, list):
-        return [encode(v, arrays) for v in tree]
-    if isinstance(tree, set | frozenset):
-        return {type(tree).__name__: [encode(v, arrays) for v in sorted(tree, key=repr)]}
-    if hasattr(tree, 'items'):  # a dict, a FrozenDict, an nnx.State read as pure
-        return {'dict': [[encode(k, arrays), encode(v, arrays)] for k, v in tree.items()]}
-    raise TypeError(f'a reference cannot hold {type(tree).__name__}')
-
-
-def decode(node: Any, arrays: dict, types: dict[str, type]) -> Any:
-    """``encode``'s inverse; ``types``: the named tuples and dataclasses it may hold, by class name."""
-    if node is None or isinstance(node, bool | int | float | str):
-        return node
-    if isinstance(node, list):
-        return [decode(v, arrays, types) for v in node]
-    if 'array' in node:
-        a = arrays[node['array']]
-        return a.view(getattr(ml_dtypes, node['dtype'])) if 'dtype' in node else a
-    if 'key' in node:
-        return jax.random.wrap_key_data(arrays[node['key']], impl=node['impl'])
-    if 'record' in node:
-        cls = types.get(node['record'])
-        if cls is None:
-            raise BadReference(f'reference: holds a {node["record"]}, which this suite does not read')
-        return cls(**{k: decode(v, arrays, types) for k, v in node['fields'].items()})
-    if 'tuple' in node:
-        return tuple(decode(v, arrays, types) for v in node['tuple'])
-    if 'set' in node or 'frozenset' in node:
-        kind, items = next(iter(node.items()))
-        return (set if kind == 'set' else frozenset)(_hashable(decode(v, arrays, types)) for v in items)
-    return {_hashable(decode(k, arrays, types)): decode(v, arrays, types) for k, v in node['dict']}
-
-
-def _hashable(x: Any) -> Any:
-    """A 0-d array where a set or a key held a number (``encode`` keeps numbers as arrays): the number."""
-    if isinstance(x, np.ndarray) and x.ndim == 0:
-        return x.item()
-    if isinstance(x, tuple):
-        return tuple(_hashable(v) for v in x)
-    return x
 
 
 def digest(a: np.ndarray) -> str:
@@ -162,8 +94,8 @@ class Reference:
         """The recording, decoded; ``BadReference`` where its structure does not (an edited manifest)."""
         try:
             return decode(self.structure, self.arrays, types)
-        except BadReference:
-            raise
+        except Unreadable as e:  # a record of a class this process has not imported
+            raise BadReference(f'reference {self.path}: {e}') from None
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
             raise self.edited(e) from None
 

@@ -148,6 +148,13 @@ def verdict_lines(result: RunResult) -> list[str]:
     return [*words.lines(result.verdict), ''] if result.verdict is not None else []
 
 
+def failure(result: RunResult, backend: str) -> str:
+    """The pytest plugin's failure: the header, what the verdict found (diagnosis, ``where:``), the worst
+    leaves, the verdict."""
+    found = words.found(result.verdict) if result.verdict is not None else []
+    return '\n'.join([header(result, backend), *found, *leaf_table(result), verdict(result)])
+
+
 def verdict_json(result: RunResult) -> dict | None:
     v = result.verdict
     if v is None:

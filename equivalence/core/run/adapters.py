@@ -33,7 +33,7 @@ from flax import nnx
 from equivalence.core.port import step_forms
 from equivalence.core.port.config import ConfigError
 from equivalence.core.port.plan import Run
-from equivalence.core.port.port_fields import pmapped
+from equivalence.core.port.pmaps import pmapped
 from equivalence.core.port.ports import LoopPort
 from equivalence.core.state import convert
 from equivalence.core.state.line import Line
@@ -63,9 +63,10 @@ def check(port: LoopPort) -> None:
 def one_program_each(port: LoopPort, command: str) -> None:
     """explain and bench read one compiled call per side: a step run once per step has none (exit 2)."""
     if legacy_loop(port) == 'steps' or port.new_step is not None:
+        cost = '; bench --cost times a check of it as it is' if command == 'bench' else ''
         raise ConfigError(
             f'{command} reads one compiled call per side; port {port.name!r} runs its step once per step: '
-            "give it legacy_loop='scan' and new_call= (K steps in one call) to use it here"
+            f"give it legacy_loop='scan' and new_call= (K steps in one call) to use it here{cost}"
         )
 
 

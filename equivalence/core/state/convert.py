@@ -80,13 +80,27 @@ def legacy_groups(state) -> dict[str, Any]:
     model_state = field('model_state')
     if model_state is None and field('batch_stats') is not None:
         model_state = {'batch_stats': get('batch_stats')}
-    return {
+    return as_parameters({
         'params': get('params'),
         'opt_state': get('opt_state'),
         'ema': field('params_ema', 'ema_params', 'ema'),
         'model_state': model_state,
         'step': {'step': get('step')} if get('step') is not None else None,
-    }
+    })  # fmt: skip
+
+
+def as_parameters(groups: dict[str, Any]) -> dict[str, Any]:
+    """``groups`` read from a state whose ``params`` is linen's whole variables, ``{'params': ...}`` (its only
+    key: ``TrainState.create(params=variables)``), with that level taken off its parameters, its EMA and its
+    optimizer state, where Adam's ``mu`` and ``nu`` hold it too; any other groups as they are."""
+    if not _wrapped(groups.get('params')):
+        return groups
+    unwrap = lambda tree: jax.tree.map(lambda x: x['params'] if _wrapped(x) else x, tree, is_leaf=_wrapped)  # noqa: E731
+    return {**groups, **{g: unwrap(groups[g]) for g in ('params', 'ema', 'opt_state') if groups.get(g) is not None}}
+
+
+def _wrapped(tree: Any) -> bool:
+    return isinstance(tree, Mapping) and list(tree) == ['params'] and isinstance(tree['params'], Mapping)
 
 
 def groups_to_neutral(groups: dict[str, Any]) -> Neutral:

@@ -91,13 +91,13 @@ def read_groups(train_state: Any) -> dict[str, Any]:
     if model_state is None and get('batch_stats') is not None:
         model_state = {'batch_stats': named['batch_stats']}
     step = counter(named)
-    return plain({
+    return convert.as_parameters(plain({
         'params': named['params'],
         'opt_state': named.get('opt_state'),
         'ema': get('params_ema', 'ema_params', 'ema'),
         'model_state': model_state,
         'step': None if step is None else {'step': step[1]},
-    })  # fmt: skip
+    }))  # fmt: skip
 
 
 def counter(named: dict[str, Any]) -> tuple[str, Any] | None:

@@ -62,7 +62,7 @@ def legacy_groups(state: Any) -> dict[str, Any]:
     if isinstance(state, tuple | list) and not hasattr(state, '_fields'):
         if len(state) != 2:
             raise TypeError(f'a tuple train state is (params, opt_state); got {len(state)} items: give legacy_groups=')
-        return {'params': state[0], 'opt_state': state[1], 'step': None}
+        return convert.as_parameters({'params': state[0], 'opt_state': state[1], 'step': None})
     return convert.legacy_groups(state)
 
 
