@@ -104,8 +104,8 @@ def _teams(module: types.ModuleType) -> bool:
     return bool(file) and not os.path.realpath(file).startswith(_libraries())
 
 
-def _state(namespace: dict, depth: int = 2) -> tuple:
-    return tuple(sorted(((k, _value(v, depth)) for k, v in namespace.items() if not k.startswith('__')), key=_first))
+def _state(namespace: dict) -> tuple:
+    return tuple(sorted(((k, _value(v, 2)) for k, v in namespace.items() if not k.startswith('__')), key=_first))
 
 
 def _first(item: tuple) -> str:
@@ -129,20 +129,33 @@ class _Same:
 
 
 def _value(v: Any, depth: int) -> Any:
-    """What a change to ``v`` changes: a scalar's value, a container's elements (a few levels, its first
-    ``_WIDTH``), an object's identity (a monkeypatched or reloaded function or class is another object), and
-    the attributes of an object of a team's class (a config whose field was set)."""
+    """What a change to ``v`` (a module's attribute) changes: a scalar's value; an object's identity (a
+    monkeypatched or reloaded function, class or table is another object); the scalars a container holds, a few
+    levels down (a config dict whose value was set), and those a dataclass of the team's holds (a config whose field
+    was set). Not the other objects a container holds, nor what other objects hold: a module's cache of programs
+    or results, or its counters, fill as checks run, which is no change to the code."""
     if isinstance(v, _SCALARS):
         return (type(v).__name__, v)
-    if depth and isinstance(v, list | tuple | set | frozenset):
-        items = sorted(v, key=repr) if isinstance(v, set | frozenset) else v
-        return (type(v).__name__, tuple(_value(x, depth - 1) for x in list(items)[:_WIDTH]), len(v))
-    if depth and isinstance(v, dict):
-        items = list(v.items())[:_WIDTH]
-        return ('dict', tuple((repr(k), _value(x, depth - 1)) for k, x in items), len(v))
-    if depth and not isinstance(v, type | types.ModuleType) and hasattr(v, '__dict__') and _teams_class(v):
-        return (_Same(v), _state(vars(v), depth - 1))
+    if isinstance(v, list | tuple | set | frozenset | dict):
+        return (_Same(v), _scalars(v, depth))
+    if dataclasses.is_dataclass(v) and not isinstance(v, type) and _teams_class(v):  # a config of the team's
+        return (_Same(v), _scalars(vars(v), depth))
     return _Same(v)
+
+
+def _scalars(v: Any, depth: int) -> tuple:
+    """The scalars in the container ``v`` (its first ``_WIDTH`` elements), and in those it holds ``depth`` deep."""
+    if isinstance(v, dict):
+        items = [(repr(k), x) for k, x in list(v.items())[:_WIDTH]]
+    else:
+        items = list(enumerate(sorted(v, key=repr) if isinstance(v, set | frozenset) else list(v)[:_WIDTH]))
+    out = []
+    for k, x in items:
+        if isinstance(x, _SCALARS):
+            out.append((k, type(x).__name__, x))
+        elif depth and isinstance(x, list | tuple | set | frozenset | dict):
+            out.append((k, _scalars(x, depth - 1)))
+    return tuple(out)
 
 
 def _teams_class(v: Any) -> bool:
