@@ -666,3 +666,36 @@ def test_the_guide_maps_a_steps_signature_to_the_fields_of_each_form():
     rows = [row[2:].split(' | ') for row in section.splitlines() if row.startswith('| `')]
     assert {re.match(r"`'(\w+)'`", row[1]).group(1) for row in rows} >= set(step_forms.FORMS)
     assert ['`train_step(state, batch, rng) -> (state, metrics)`', "`'state_rng'`"] in [row[:2] for row in rows]
+
+
+def test_a_loss_named_in_upstreams_own_metrics_class_is_read():
+    """A step returning its metrics as upstream's own class (a ``flax.struct`` dataclass, as a NeRF codebase's
+    ``Stats``, or a NamedTuple): ``loss='loss'`` reads that field, at the pre-flight and in the run; a name it lacks
+    lists the fields. Before, only a dict's key was read: 'is not in what legacy_step returns (a Stats)'."""
+    import typing
+
+    import flax
+    import numpy as np
+
+    from equivalence.core.preflight import PreflightError
+    from equivalence.core.preflight import steps as preflight_steps
+
+    @flax.struct.dataclass
+    class Stats:
+        loss: jax.Array
+        psnr: jax.Array
+
+    class Tupled(typing.NamedTuple):
+        loss: jax.Array
+        psnr: jax.Array
+
+    for cls in (Stats, Tupled):
+        out_K = cls(loss=np.arange(2, dtype=np.float32), psnr=np.ones(2, np.float32))
+        port = LoopPort(**BASE, legacy_step=train_step, step_form='state', loss='loss', new_step=nnx_train_step)
+        preflight_steps.check_loss(port, 'legacy_step', out_K, 2)
+        losses, metrics = adapters.read_output(port, out_K)
+        assert losses.tolist() == [0.0, 1.0] and set(metrics) == {'loss', 'psnr'}, metrics
+        wrong = dataclasses.replace(port, loss='los')
+        with pytest.raises(PreflightError) as refused:
+            preflight_steps.check_loss(wrong, 'legacy_step', out_K, 2)
+        assert "metrics ['loss', 'psnr']" in str(refused.value)

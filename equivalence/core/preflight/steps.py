@@ -121,15 +121,18 @@ def _new_step_form(port: LoopPort) -> str:
 def check_loss(port: LoopPort, field: str, out_K: Any, k: int) -> None:
     """The step's output ``[K, ...]`` read by ``port.loss`` as the run reads it: one loss per step."""
     if port.loss is None:
-        if isinstance(out_K, dict):  # a metrics dict, its loss one of its keys
-            raise fail(port, field, f'returns metrics {sorted(out_K)}, and the port gives no loss=: name the one that '
-                                    "is the loss (loss='loss'), or give a function of them")  # fmt: skip
+        if adapters.metric_names(out_K) is not None:  # metrics (a dict, a metrics class): its loss is one
+            names = adapters.metric_names(out_K)
+            raise fail(port, field, f'returns metrics {names}, and the port gives no loss=: name the one that is '
+                                    "the loss (loss='loss'), or give a function of them")  # fmt: skip
         losses = out_K
     elif isinstance(port.loss, str):
-        if not isinstance(out_K, dict) or port.loss not in out_K:
-            given = f'metrics {sorted(out_K)}' if isinstance(out_K, dict) else kind(out_K)
-            raise fail(port, 'loss', f'{port.loss!r} is not in what {field} returns ({given}): name one of them')
-        losses = out_K[port.loss]
+        names = adapters.metric_names(out_K)
+        if names is None or port.loss not in names:
+            given = f'metrics {names}' if names is not None else kind(out_K)
+            raise fail(port, 'loss', f'{port.loss!r} is not in what {field} returns ({given}): name one of them, '
+                                     'or give a function of them (loss=lambda metrics: ...)')  # fmt: skip
+        losses = adapters.named_metric(out_K, port.loss)
     else:
         with blamed(port, 'loss', 'loss(metrics_K) -> losses_K'):
             try:

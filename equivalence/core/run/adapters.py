@@ -21,6 +21,7 @@ function, applied to host arrays of K steps). Every metric is compared too, in i
 not the global value on the pmap side: it is listed as not compared, with that reason.
 """
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -114,10 +115,26 @@ def read_output(port: LoopPort, out_K: Any) -> tuple[np.ndarray, dict[str, np.nd
         return np.asarray(out_K, np.float32).reshape(-1), {}
     metrics = convert.flatten(out_K)
     try:
-        loss = out_K[port.loss] if isinstance(port.loss, str) else port.loss(out_K)
+        loss = named_metric(out_K, port.loss) if isinstance(port.loss, str) else port.loss(out_K)
     except Exception as e:  # noqa: BLE001 -- the user's reader failed on the user's metrics: one line, exit 2
         raise ConfigError(f'port {port.name!r}: loss={port.loss!r} on metrics {sorted(metrics)}: {e!r}') from None
     return np.asarray(loss, np.float32).reshape(-1), metrics
+
+
+def metric_names(out: Any) -> list[str] | None:
+    """The names a step's metrics hold: a dict's keys, or the fields of upstream's own metrics class (a
+    ``flax.struct`` dataclass, a NamedTuple); None for anything else."""
+    if isinstance(out, dict):
+        return sorted(out)
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return [f.name for f in dataclasses.fields(out)]
+    fields = getattr(type(out), '_fields', None)
+    return list(fields) if isinstance(fields, tuple) else None
+
+
+def named_metric(out: Any, name: str) -> Any:
+    """The metric ``name`` (``LoopPort.loss``) of a step's metrics: a dict's key or a metrics class's field."""
+    return out[name] if isinstance(out, dict) else getattr(out, name)
 
 
 def _host_rows(x: jax.Array) -> np.ndarray:
