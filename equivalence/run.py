@@ -69,6 +69,13 @@ def parse(argv: list[str] | None):
         'side (the pmap code need not be importable; docs/reference.md); --devices, --steps-per-call, --calls, '
         '--batch-size, --seed and --rng not given are the ones it was recorded with',
     )
+    parser.add_argument(
+        '--verbose',
+        '-v',
+        action='store_true',
+        help='the whole report: every leaf beside its floor, each twin and probe, each figure behind where:, every '
+        'stage (the default prints the first screen: the outcome, what differs, where, how sure, the cost)',
+    )
     cli.add_output_flags(parser, 'write a machine-readable report', plot=True)
     distributed.add_flags(parser)
     checkpoint_options.add_flags(parser)
@@ -121,7 +128,7 @@ def work(validated) -> int:
         result = harness.run(wl, config, progress=tick, say=say)
     if bar is not None:
         bar.close()
-    print(render.text(result, jax.default_backend()))
+    print(render.text(result, jax.default_backend(), verbose=args.verbose))
     if not distributed.reports():  # several processes: process 0 writes the files
         return result.outcome.exit_code
     if args.json is not None:

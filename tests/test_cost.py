@@ -29,7 +29,7 @@ def _check(tmp_path, cache, json_name: str) -> tuple[subprocess.CompletedProcess
     env.pop('JAX_COMPILATION_CACHE_DIR', None)
     out = tmp_path / json_name
     argv = ['--workload', 'stub_port:PORT', '--devices', '2', '--calls', '2', '--steps-per-call', '2', '--locate',
-            '--json', out]  # fmt: skip
+            '--verbose', '--json', out]  # fmt: skip
     proc = subprocess.run([sys.executable, '-m', 'equivalence.run', *map(str, argv)], capture_output=True, text=True,
                           env=env, cwd=tmp_path, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

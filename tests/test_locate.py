@@ -451,7 +451,7 @@ def test_a_batchnorm_momentum_is_its_statistics_located_through_the_verdict(tmp_
     assert (loc.kind, loc.legacy, loc.new) == ('statistics', 'BatchNorm_0', 'norm'), loc.line()
     assert loc.reading['momentum'] == pytest.approx((0.9, 0.1), abs=5e-5), loc.line()  # each side's, implied
     agree(loc)
-    text = render.text(result, 'cpu').splitlines()
+    text = render.text(result, 'cpu', verbose=True).splitlines()
     assert text[text.index(f'diagnosis (state): {words.diagnosis(result.verdict.diagnosis)}') + 1].startswith(
         'where: statistics at BatchNorm_0 ↔ norm: '
     )

@@ -78,7 +78,7 @@ def test_a_port_whose_two_sides_do_not_fit_together_is_refused_before_training_a
         harness.check(port, batch_size=8, **FLAGS)
     alone = harness.check(port, reference=path, batch_size=8, **FLAGS)
     assert alone.outcome is Outcome.MATCH and alone.timing['memory']['host_peak_bytes'] > 0
-    assert 'memory: host peak' in render.text(alone, 'cpu')
+    assert 'memory: host peak' in render.text(alone, 'cpu', verbose=True)
     monkeypatch.setenv(fits.ENV, str(one // 2))  # not even once: said so
     with pytest.raises(ConfigError, match='does not fit on this device at all'):
         harness.check(port, reference=path, batch_size=8, **FLAGS)

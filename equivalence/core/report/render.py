@@ -7,7 +7,7 @@ import numpy as np
 from equivalence.core.compare.outcome import Outcome
 from equivalence.core.judge.judge import RunResult
 from equivalence.core.measure import clock, peaks
-from equivalence.core.report import reach, words
+from equivalence.core.report import reach, screen, words
 
 GROUPS = ('params', 'opt_state', 'ema', 'model_state', 'losses')
 
@@ -15,9 +15,9 @@ GROUPS = ('params', 'opt_state', 'ema', 'model_state', 'losses')
 def header(result: RunResult, backend: str) -> str:
     c = result.config
     return (
-        f'{c.workload}: legacy {result.programs[0]} vs {result.programs[1]} on {c.devices} {backend} device(s), '
-        f'{c.steps_per_call} steps/call x {c.calls} calls = {c.steps} steps, '
-        f'global batch {c.batch_size} ({c.per_device_batch}/device), rng {result.keys or c.rng_mode}, seed {c.seed}'
+        f'{c.workload}: {result.programs[0]} vs {result.programs[1]} on {c.devices} {backend} device(s), '
+        f'{c.steps} steps ({c.steps_per_call}/call x {c.calls} calls), '
+        f'batch {c.batch_size} ({c.per_device_batch}/device), rng {result.keys or c.rng_mode}, seed {c.seed}'
         + (f', perturb {c.perturb:g}' if c.perturb else '')
         + (f', nnx-form {c.nnx_form}' if c.nnx_form != 'split' else '')
         + device_text(result.device)
@@ -173,7 +173,11 @@ def verdict_json(result: RunResult) -> dict | None:
             'disagree': words.disagree(v)}  # fmt: skip
 
 
-def text(result: RunResult, backend: str) -> str:
+def text(result: RunResult, backend: str, verbose: bool = False) -> str:
+    """The report: its first screen (``screen``), or with ``verbose`` every leaf, figure and stage."""
+    if not verbose:
+        return '\n'.join([header(result, backend), *screen.notes(result), '', *placement_lines(result),
+                          *loss_table(result), '', *accuracy_line(result), *screen.lines(result)])  # fmt: skip
     return '\n'.join(
         [
             header(result, backend),
