@@ -162,7 +162,8 @@ def verdict_json(result: RunResult) -> dict | None:
             'errors': list(v.errors), 'not_verified': words.unverified(v.unverified),
             'hidden_by_noise': v.hidden_by_noise, 'memory': v.memory,
             'sensitivity': reach.sensitivity_json(v.sensitivity),
-            'location': v.location.to_json() if v.location is not None else None}  # fmt: skip
+            'location': v.location.to_json() if v.location is not None else None,
+            'where_disagrees': v.location is not None and v.location.disagrees(v.kind)}  # fmt: skip
 
 
 def text(result: RunResult, backend: str) -> str:

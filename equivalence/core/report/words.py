@@ -68,7 +68,16 @@ def lines(v: Verdict) -> list[str]:
     out += [f'not verified: {unverified(v.unverified)}{hides}'] if v.unverified is not None else []
     out += [f'diagnosis ({v.kind}): {diagnosis(v.diagnosis)}'] if v.diagnosis is not None else []
     out += [said] if v.match and (said := reach.sensitivity(v.sensitivity)) else []
-    return out + (v.location.lines() if v.location is not None else [])
+    out += v.location.lines() if v.location is not None else []
+    return out + ([f'  {disagreement(v)}'] if v.location is not None and v.location.disagrees(v.kind) else [])
+
+
+def disagreement(v: Verdict) -> str:
+    """The line under ``where:`` where the diagnosis is of another kind than the place (``Location.disagrees``)."""
+    return (
+        f'the diagnosis ({v.kind}) and where: ({v.location.kind}) disagree: where: holds the first step to its '
+        'floors, the diagnosis reads the leaves after training'
+    )
 
 
 def whose(leaf: LeafDiff) -> str:

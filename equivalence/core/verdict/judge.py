@@ -234,7 +234,8 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
     data_step = nonfinite.data_step if nonfinite is not None else None
     seen = dataclasses.replace(seen, nonfinite=nonfinite, data_step=data_step)
     located = locate.attach(mismatch, kind, config, inputs, recorder, seen)
-    if reading is not None and reading.decisive and getattr(located.location, 'kind', None) in UNPLACED:
+    parts = bool(rule.failed(report, 'first_step'))
+    if reading is not None and reading.decisive and systematic.may_place(located.location, parts):
         ranks = frozenset(np.ndim(a) for a in (old.params_per_call or [{}])[-1].values())
         located = dataclasses.replace(located, location=systematic.location(reading, ranks))
     stage = Where(located.location.kind).stage if located.location is not None else None
@@ -242,9 +243,6 @@ def finish(kind: Kind, config, report, old, new, inputs: Inputs, done: list, twi
         reading = rule.diagnose(report, nonfinite, rerun, grads is not None, no_floor, placed=stage)
         located = dataclasses.replace(located, diagnosis=reading)
     return report, located
-
-
-UNPLACED = (Where.NONE, Where.UNLOCATED)  # a first step that places nothing: a decisive trend places the update
 
 
 @dataclasses.dataclass
