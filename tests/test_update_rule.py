@@ -148,6 +148,7 @@ def test_a_clip_by_value_beside_a_clip_by_norm_is_read_from_the_elements_it_hold
     rng = np.random.default_rng(1)
     g = {'a': rng.normal(size=200), 'b': rng.normal(size=50)}
     normed = {k: v * 0.01 for k, v in g.items()}  # every element scaled, as a clip by norm does
+    g['a'][0], normed['a'][0] = 2.0, 0.5  # at the clip's magnitude on both sides: clipped, and parting nowhere
     found = clipping.by_value([(normed[k], np.clip(g[k], -0.5, 0.5), 1e-9) for k in g])
     assert found is not None and found[:2] == ('new', 0.5) and 0 < found[2] < found[3], found
     noisy = {k: v + 0.3 * rng.normal(size=v.shape) for k, v in g.items()}

@@ -102,18 +102,20 @@ def _norms(leaves: dict, groups: dict[str, list[str]], factors: tuple) -> Subtre
 
 def by_value(leaves: list[tuple[np.ndarray, np.ndarray, float]]) -> tuple[str, float, int, int] | None:
     """``(side, magnitude, elements clipped, elements that part)`` where three or more of the elements that part
-    hold one magnitude on one side, the largest there, and every other element that parts is one factor of the
-    other side's in its leaf (a clip by norm that differs too, or none); None otherwise."""
+    hold one magnitude on one side, the largest there, and every element not at that magnitude is one factor of the
+    other side's in its leaf (a clip by norm that differs too, or none); None otherwise. An element at that
+    magnitude on both sides (the other side's clip by norm left it there) is clipped too, and parts nowhere."""
     parts = [(a, b, lim, np.abs(b - a) > lim) for a, b, lim in leaves]
     apart = sum(int(m.sum()) for *_, m in parts)
     for side, i in (('pmap', 0), ('new', 1)):
         top = max((float(np.abs((a, b)[i][m]).max(initial=0.0)) for a, b, _, m in parts), default=0.0)
         if top <= 0:
             continue
-        held = [m & (np.abs((a, b)[i]) >= top * (1 - SATURATED)) for a, b, _, m in parts]
-        if sum(int(h.sum()) for h in held) < 3:
+        held = [np.abs((a, b)[i]) >= top * (1 - SATURATED) for a, b, _, _ in parts]  # parting there or not
+        clipped = sum(int((h & m).sum()) for h, (*_, m) in zip(held, parts, strict=True))
+        if clipped < 3:
             continue
         rest = [(a[~h], b[~h], lim) for (a, b, lim, _), h in zip(parts, held, strict=True)]
         if all(fits(a, b, lim, _factor(a, b) or 1.0) for a, b, lim in rest):
-            return side, top, sum(int(h.sum()) for h in held), apart
+            return side, top, clipped, apart
     return None
