@@ -173,3 +173,17 @@ def test_why_a_twin_did_not_run():
     )
     too_big = words.reason(Unrun(8, ratio=1.46))
     assert too_big == "not run on 8 device(s): it would hold 1.46x the run's bytes per device"
+
+
+def test_a_diagnosis_that_disagrees_with_where_is_said_under_it():
+    from equivalence.core.compare.location import Location
+
+    module = Location('module', 'LayerNorm_0', 'norm', 'it computes something else')
+    said = words.lines(Verdict(Outcome.MISMATCH, 'measured', diagnosis=Diagnosis(Finding.RANDOMNESS, (LOSS,)),
+                               location=module))  # fmt: skip
+    assert said[-2].startswith('where: module at LayerNorm_0') and said[-1] == (
+        '  the diagnosis (randomness) and where: (module) disagree: where: holds the first step to its floors, the '
+        'diagnosis reads the leaves after training'
+    )
+    agreeing = Verdict(Outcome.MISMATCH, 'measured', diagnosis=Diagnosis(Finding.MATH, (LOSS,)), location=module)
+    assert words.lines(agreeing)[-1].startswith('where: module')  # the control: no such line

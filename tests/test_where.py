@@ -314,12 +314,9 @@ def test_the_diagnosis_never_contradicts_where_and_says_so_where_it_would():
     assert verdict.diagnose(early, None, True, True, place='randomness').kind is Finding.RANDOMNESS
     for computed in ('module', 'between', 'loss', 'backward'):
         assert verdict.diagnose(early, None, True, True, place=computed).kind is Finding.MATH
-    assert verdict.disagrees(Finding.MATH, 'update') and verdict.disagrees(Finding.RANDOMNESS, 'module')
-    assert not verdict.disagrees(Finding.MATH, 'module') and not verdict.disagrees(Finding.MATH, 'unlocated')
-    assert not verdict.disagrees(Finding.UPDATE, 'update') and not verdict.disagrees(Finding.NON_FINITE, 'module')
     update = locate.Location('update', 'the update rule', 'the update rule', 'steps 0 x the pmap side')
     said = verdict.Verdict(Outcome.MISMATCH, 'measured', diagnosis=verdict.diagnose(early, None, None, True),
                            location=update)  # fmt: skip
-    assert words.disagree(said) and words.DISAGREE in words.lines(said)
+    assert words.disagree(said) and f'  {words.disagreement(said)}' in words.lines(said)
     agreed = dataclasses.replace(said, location=locate.Location('module', 'Dense_0', 'fc1', 'computes else'))
-    assert not words.disagree(agreed) and words.DISAGREE not in words.lines(agreed)
+    assert not words.disagree(agreed) and f'  {words.disagreement(agreed)}' not in words.lines(agreed)

@@ -78,6 +78,22 @@ class Unplaced(enum.StrEnum):
     LATER = 'later'  # a MISMATCH whose recorded steps all agree: it parts later, or adds up below each step's floor
 
 
+# The diagnoses (``findings.Finding``, by value) each kind of place is consistent with; a diagnosis of another kind
+# disagrees with it, and the report says so under ``where:``. A non-finite, bookkeeping or unmeasured diagnosis, and
+# no place, agree with anything.
+AGREES = {
+    Where.MODULE: ('math',),
+    Where.BETWEEN: ('math',),
+    Where.RANDOMNESS: ('randomness', 'math'),
+    Where.LOSS: ('math',),
+    Where.BACKWARD: ('math',),
+    Where.STATISTICS: ('state', 'math'),
+    Where.UPDATE: ('update', 'optimizer'),
+    Where.EMA: ('ema',),
+    Where.COLLECTIVE: ('math', 'update', 'optimizer'),
+}
+ANY_PLACE = ('non-finite', 'bookkeeping', 'unmeasured')
+
 # The stages of one step, in the order it runs them: what the location picture draws, the one that parts marked.
 STAGES = ('forward', 'loss', 'backward', 'collective', 'statistics', 'update', 'ema')
 
@@ -109,6 +125,11 @@ class Location:
         """The same location naming no place: its figures now ``figures``, and ``why`` none is named."""
         return dataclasses.replace(self, kind=Where.UNLOCATED, legacy='', new='', figures=figures, first=None,
                                    settings=(), why=why)  # fmt: skip
+
+    def disagrees(self, finding: str) -> bool:
+        """Whether the verdict's diagnosis ``finding`` (a ``findings.Finding``, '' none) is of another kind than this
+        place (``AGREES``): a randomness diagnosis beside a module that computes something else."""
+        return bool(finding) and finding not in ANY_PLACE and finding not in AGREES.get(self.kind, (finding,))
 
     @property
     def reading(self) -> dict[str, Any]:

@@ -204,20 +204,6 @@ EARLIER = ('forward', 'loss', 'backward', 'statistics')  # stages of a place fou
 # Where-kinds (``location.Where``'s values) of a place that computing parts at, not drawing: the first step's
 # records hold both sides' random draws equal, so a module there that computes otherwise is no randomness.
 COMPUTED = ('module', 'between', 'loss', 'backward', 'statistics')
-# The places each diagnosis may meet in ``where:``; a place of another kind contradicts it (``disagrees``).
-PLACES = {
-    Finding.MATH: (*COMPUTED, 'collective'),
-    Finding.RANDOMNESS: ('randomness',),
-    Finding.UPDATE: ('update', 'collective'),
-    Finding.OPTIMIZER: ('update', 'collective'),
-    Finding.STATE: ('statistics', 'collective'),
-    Finding.EMA: ('ema',),
-}
-
-
-def disagrees(kind: Finding | str, where: str | None) -> bool:
-    """Whether ``where:``'s place (a ``Where`` value) contradicts the diagnosis ``kind``: the report says so."""
-    return where not in (None, 'none', 'unlocated') and kind in PLACES and where not in PLACES[kind]
 
 
 def diagnose(

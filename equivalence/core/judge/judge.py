@@ -232,7 +232,8 @@ def finish(kind: Kind, plan: Plan, report, old, new, inputs: Inputs, done: list,
     data_step = nonfinite.data_step if nonfinite is not None else None
     seen = dataclasses.replace(seen, nonfinite=nonfinite, data_step=data_step)
     located = locate.attach(mismatch, kind, plan, inputs, recorder, seen)
-    if reading is not None and reading.decisive and getattr(located.location, 'kind', None) in UNPLACED:
+    parts = bool(rule.failed(report, 'first_step'))
+    if reading is not None and reading.decisive and systematic.may_place(located.location, parts):
         ranks = frozenset(np.ndim(a) for a in (old.params_per_call or [{}])[-1].values())
         located = dataclasses.replace(located, location=systematic.location(reading, ranks))
     place = Where(located.location.kind) if located.location is not None else None
@@ -244,9 +245,6 @@ def finish(kind: Kind, plan: Plan, report, old, new, inputs: Inputs, done: list,
         reading = rule.diagnose(report, nonfinite, rerun, grads is not None, no_floor, placed=stage, place=place)
         located = dataclasses.replace(located, diagnosis=reading)
     return report, located
-
-
-UNPLACED = (Where.NONE, Where.UNLOCATED)  # a first step that places nothing: a decisive trend places the update
 
 
 @dataclasses.dataclass

@@ -20,6 +20,7 @@ import dataclasses
 import numpy as np
 
 from equivalence.core.compare.location import read
+from equivalence.core.locate import clipping
 
 NESTEROV_B1 = 0.9  # Adam's default b1
 EXPLAINED = 0.9  # r² a form must reach to be named
@@ -149,7 +150,8 @@ class Moments:
     text: str
     uneven: bool = False  # the slots part by no factor at all: the gradients themselves differ
     proportional: float | None = None  # uneven, their difference that multiple of the parameters (an L2 term, a decay)
-    clipped: bool = False  # uneven, one side's parting elements all of one magnitude: an element-wise gradient clip
+    clipped: bool = False  # uneven, one side's parting elements clipped to one magnitude: an element-wise gradient clip
+    subtrees: clipping.Subtrees | None = None  # one factor per sub-tree (a clip by norm per sub-tree on one side)
     read: tuple = ()  # the sentence's numbers, as values by name (``location.read``): what ``Location.read`` takes
 
     def values(self) -> dict:
@@ -158,7 +160,8 @@ class Moments:
         ``ratio`` (5th, 95th percentile), ``zeros`` (leaves that part where the pmap side's are 0), ``proportional``
         (the slots' difference over the parameter), ``r2`` and ``l2`` (the gradients' difference over the parameter:
         an L2 term's 2 x coefficient, if b1 is 0.9 for ``mu``), ``clip`` (the side, ``pmap`` or ``new``, and the
-        magnitude)."""
+        magnitude), ``subtrees`` (each sub-tree's factor), ``clip_norm`` (the side that clips per sub-tree, the slot's
+        norm there, the other side's global norm)."""
         return dict(self.read)
 
 
@@ -203,10 +206,7 @@ def moments(
             False, None, worst, f"the pmap side's {slot} is 0 everywhere, the NNX side's is not: no factor relates them"
         )
     c, _ = fit(b_all, a_all)  # one factor through 0, over every element
-
-    def fits(a, b, lim, c):
-        return np.max(np.abs(b - c * a), initial=0) <= lim * max(1.0, abs(c))
-
+    fits = clipping.fits
     if all(fits(a, b, lim, c) for a, b, lim in leaves.values()):
         return Moments(
             True,
@@ -224,6 +224,9 @@ def moments(
     lo, hi = _ratios(*(np.concatenate([leaves[k][i] for k in apart]) for i in (0, 1)), max(leaves[k][2] for k in apart))
     per_leaf = {k: fit(b, a)[0] if a @ a > 0 else 1.0 for k, (a, b, _) in leaves.items()}
     if all(fits(a, b, lim, per_leaf[k]) for k, (a, b, lim) in leaves.items()):
+        grouped = clipping.subtrees(leaves) if slot in ('mu', 'trace') else None
+        if grouped is not None:
+            return _subtrees(slot, worst, grouped)
         cs = [per_leaf[k] for k, (a, _, _) in leaves.items() if a @ a > 0]
         return Moments(
             False,
@@ -243,15 +246,17 @@ def moments(
     )
     text = f'the {what} part unevenly ({ratio}; most over its floor: {worst}): '
     spread = read(ratio=(lo, hi)) if np.isfinite(lo) and np.isfinite(hi) else read(zeros=len(apart))
-    held = _saturated([leaves[k] for k in apart])
-    if held is not None and slot in ('mu', 'trace'):
-        side, top = held
+    held = clipping.by_value([leaves[k] for k in apart]) if slot in ('mu', 'trace') else None
+    if held is not None:
+        side, top, n, of = held
+        every = 'every element that parts holds' if n == of else f'{n} of the {of} elements that part hold'
+        rest = '' if n == of else ', the others one factor of the other side a leaf (a clip by norm that differs too)'
         return Moments(
             False, None, worst,
-            text + f"every element that parts holds one magnitude on the {side} side ({top:.6g}): the gradients are "
-            f"clipped element-wise there ({'(1 - b1) x ' if slot == 'mu' else ''}the clip value; optax.clip), with "
-            'another value or none on the other side',
-            uneven=True, clipped=True, read=spread + read(clip=(side, top)),
+            text + f"{every} one magnitude on the {side} side ({top:.6g}){rest}: the gradients are clipped "
+            f"element-wise there ({'(1 - b1) x ' if slot == 'mu' else ''}the clip value; optax.clip), with another "
+            'value or none on the other side',
+            uneven=True, clipped=True, read=spread + read(clip=(side, top), clipped=(n, of)),
         )  # fmt: skip
     parted = [k for k in leaves if over[k] > 1 and p0 is not None and k in p0]
     if slot in ('mu', 'trace') and parted:
@@ -280,20 +285,6 @@ def moments(
     return Moments(False, None, worst, text, uneven=True, read=spread)
 
 
-SATURATED = 1e-5  # relative spread of one magnitude: a clip's value, held by every element it clipped
-
-
-def _saturated(leaves: list) -> tuple[str, float] | None:
-    """``(side, magnitude)`` where every element that parts over its allowed difference holds one magnitude
-    on one side (at least 3 of them): what a clip by value leaves; None otherwise."""
-    parts = [(a, b, np.abs(b - a) > lim) for a, b, lim in leaves]
-    for side, i in (('pmap', 0), ('new', 1)):
-        held = np.abs(np.concatenate([(a, b)[i][m] for a, b, m in parts]))
-        if held.size >= 3 and held.max() > 0 and held.max() - held.min() <= SATURATED * held.max():
-            return side, float(held.max())
-    return None
-
-
 def _factor(slot: str, c: float) -> str:
     if slot == 'mu':
         return (
@@ -309,3 +300,30 @@ def _factor(slot: str, c: float) -> str:
         'every gradient is scaled by it (a clip by global norm, a loss scale or reduction); '
         "SGD's momentum does not show in its first trace, which is the gradient"
     )
+
+
+def _subtrees(slot: str, worst: str, found: clipping.Subtrees) -> Moments:
+    """One factor per sub-tree: gradients clipped by norm per sub-tree on one side (the side that holds one norm in
+    each sub-tree it clipped) and by the global norm, or not at all, on the other; where neither side holds one norm
+    a sub-tree, a scale per sub-tree of another kind gives the same (a loss weight on a term that alone reaches a
+    sub-tree, an optimizer setting per sub-tree)."""
+    shown = ', '.join(f'{name} {c:.4g}' for name, c in found.factors)
+    text = f'the {slot} slots part by one factor per sub-tree, the same over its leaves (new / pmap: {shown}): '
+    if found.clipped is None:
+        text += ('gradients clipped by norm per sub-tree on one side, by the global norm or not at all on the other, '
+                 'a loss weight on a term that alone reaches a sub-tree, or an optimizer setting per sub-tree; '
+                 'neither side holds one norm in each sub-tree, and the numbers do not tell which')  # fmt: skip
+    else:
+        other = 'new' if found.clipped == 'pmap' else 'pmap'
+        to = f', to {found.norm / (1 - NESTEROV_B1):.3g} if b1 is {NESTEROV_B1}' if slot == 'mu' else ''
+        text += (f"the {found.clipped} side's hold one norm in each sub-tree it clipped, {found.norm:.3g} (its "
+                 f"gradients clipped by norm per sub-tree{to}); the {other} side's ")  # fmt: skip
+        if found.other_per_subtree:
+            text += f'hold one norm a sub-tree too, {found.other:.3g}: clipped per sub-tree, to another norm'
+        elif found.global_same:
+            text += 'global norm is that norm: clipped by the global norm there'
+        else:
+            text += f'global norm is {found.other:.3g}: not clipped to that norm there (no clip, or another value)'
+    clip = (found.clipped, found.norm, found.other) if found.clipped else None
+    return Moments(False, None, worst, text, subtrees=found,
+                   read=read(subtrees=tuple(c for _, c in found.factors), clip_norm=clip))  # fmt: skip

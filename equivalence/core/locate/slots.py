@@ -9,6 +9,7 @@ from equivalence.core.compare.location import Location, Unplaced, read, sci
 from equivalence.core.locate import implied
 from equivalence.core.locate.stages import Step
 
+CLIPPING = 'the gradient clipping'  # the place of a clip that differs: between the gradients and the optimizer
 FIRST = ('mu', 'trace')  # a first moment's slot: Adam's (1 - b1) g, SGD momentum's g, after one step from 0
 
 
@@ -37,10 +38,11 @@ def update(step: Step) -> Location | None:
             'the first step cannot tell apart',
             why=Unplaced.LOSS_OR_DECAY, read=read(slot=uneven[0]) + uneven[1].read,
         )  # fmt: skip
-    if uneven is not None and uneven[1].clipped:
+    clip = uneven is not None and (uneven[1].clipped or (uneven[1].subtrees and uneven[1].subtrees.clipped))
+    if clip:  # clipped by value, or by norm per sub-tree on one side: what the optimizer is given, not the gradients
         slot, m = uneven
         return Location(
-            'update', f'opt_state {slot}', f'opt_state {slot}',
+            'update', CLIPPING, CLIPPING,
             f'the forward pass, the loss and the statistics agree, {grads}; {m.text}', read=read(slot=slot) + m.read,
         )  # fmt: skip
     if uneven is not None and not uneven[1].uneven:  # one factor a leaf: two places give these numbers

@@ -179,12 +179,62 @@ def loss(step: Step) -> Location | None:
     leaf = worst([leaf for leaf in held(*trees).values() if not leaf.ok])
     if leaf is None:
         return _output_grad(step)
+    parted = terms(step)
+    if parted is not None:
+        return _term_location(step, *parted, leaf)
     return _loss_location(
         step,
         f'the {leaf.path} loss is {sci(leaf.max_abs)} apart (allowed {sci(leaf.limit)}): '
         'the loss function differs (label smoothing, weights, reduction, masking)',
         read(parts='loss', leaf=leaf.path, apart=leaf.max_abs, allowed=leaf.limit),
     )
+
+
+TERMS_SUM = 1e-5  # relative: the reported terms of a loss add up to it, up to the rounding of their sum
+
+
+def terms(step: Step) -> tuple[list[compare.LeafDiff], list[str]] | None:
+    """``(the terms that part, held to their floors; the terms that agree)`` where the step reports its loss term by
+    term among its metrics (scalars beside each other whose sum, on the pmap side, is the loss it reports: a NeRF's
+    ``losses/data``, ``losses/interlevel``, ``losses/distortion``) and some, not all, of them part on the judged step;
+    None otherwise. A loss weight that differs shows in its own term alone (a distortion weight slipped: that term
+    90% apart, the others equal)."""
+    sides = [step.results.get(s) or step.results['new'] for s in ('legacy', 'new', 'twin')]
+    last = [{p: np.asarray(a)[-1] for p, a in r.metrics.items() if np.size(a) == len(r.losses)} for r in sides]
+    loss = float(sides[0].losses[-1])
+    groups: dict[str, list[str]] = {}
+    for path, value in last[0].items():  # the loss itself, reported as a metric too, is no term of it
+        if path in last[1] and path in last[2] and np.float32(value) != np.float32(loss):
+            groups.setdefault(path.rpartition('/')[0], []).append(path)
+    for group in groups.values():
+        total = sum(float(last[0][p]) for p in group)
+        if len(group) < 2 or abs(total - loss) > TERMS_SUM * max(abs(loss), compare.spacing32(1.0)):
+            continue
+        judged = held(*({p: np.float32(values[p]) for p in group} for values in last))
+        parted = sorted((judged[p] for p in group if not judged[p].ok), key=lambda leaf: -leaf.max_abs)
+        if 0 < len(parted) < len(group):
+            return parted, [p for p in group if judged[p].ok]
+    return None
+
+
+def _term_location(step: Step, parted: list, agreed: list[str], loss: compare.LeafDiff) -> Location:
+    """A ``loss`` location at the terms of the loss that part, the others agreeing."""
+    names = step.port_kind.loss_names()
+    shown, top, others = ' and '.join(leaf.path for leaf in parted), parted[0], ' and '.join(agreed)
+    apart = f'{sci(top.max_abs)} apart (allowed {sci(top.limit)})'
+    if len(parted) == 1:
+        said = f'the loss term {shown} is {apart} while {others} {"agrees" if len(agreed) == 1 else "agree"}: that term'
+        said += ' differs (its weight, or how it is computed)'
+    else:
+        said = (
+            f'the loss terms {shown} part ({top.path} {apart}) while {others} '
+            f'{"agrees" if len(agreed) == 1 else "agree"}: they differ (their weights, or how they are computed)'
+        )
+    figures = f'{said}; the {loss.path} loss is {sci(loss.max_abs)} apart'
+    values = read(parts='loss term', terms=tuple(leaf.path for leaf in parted), agreed_terms=tuple(agreed),
+                  leaf=top.path, apart=top.max_abs, allowed=top.limit)  # fmt: skip
+    found = _loss_location(step, figures, values)
+    return dataclasses.replace(found, legacy=f'{names[0]} term {shown}', new=f'{names[1]} term {shown}')
 
 
 def _loss_location(step: Step, figures: str, values: tuple) -> Location:

@@ -170,7 +170,7 @@ def verdict_json(result: RunResult) -> dict | None:
             'hidden_by_noise': v.hidden_by_noise, 'memory': v.memory,
             'sensitivity': reach.sensitivity_json(v.sensitivity),
             'location': v.location.to_json() if v.location is not None else None,
-            'disagree': words.disagree(v)}  # fmt: skip
+            'where_disagrees': v.location is not None and v.location.disagrees(v.kind)}  # fmt: skip
 
 
 def text(result: RunResult, backend: str, verbose: bool = False) -> str:

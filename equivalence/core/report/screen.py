@@ -94,7 +94,11 @@ def where(result: RunResult) -> list[str]:
     said = PLACES.get(str(loc.kind), '{at}').format(at=at)
     settings = ', '.join(f'{name} {a} ↔ {b}' for name, a, b in loc.settings[:2])
     reading = loc.reading
-    if settings:
+    if reading.get('parts') == 'loss term':
+        said = f'the loss term {", ".join(reading["terms"])}: it parts, the other terms agree (its weight?)'
+    elif 'clipping' in loc.legacy:
+        said = f'{loc.legacy}: {loc.figures.split(";")[0]}'
+    elif settings:
         said += f'; settings differ: {settings}'
     elif reading.get('update_factor') is not None:
         said += f'; it steps {reading["update_factor"]:.6g}x the pmap side'

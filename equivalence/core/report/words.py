@@ -3,7 +3,6 @@
 for the text and for the JSON's ``verdict`` fields alike.
 """
 
-from equivalence.core.compare import rule
 from equivalence.core.compare.compare import LeafDiff
 from equivalence.core.compare.findings import (
     Diagnosis,
@@ -57,16 +56,20 @@ def found(v: Verdict) -> list[str]:
     out += [f'diagnosis ({v.kind}): {diagnosis(v.diagnosis)}'] if v.diagnosis is not None else []
     out += [said] if v.match and (said := reach.sensitivity(v.sensitivity)) else []
     out += v.location.lines() if v.location is not None else []
-    return out + ([DISAGREE] if disagree(v) else [])
-
-
-# The diagnosis reads the leaves after training; where: holds each call of the first step to its own floor.
-DISAGREE = '  note: the diagnosis and where: disagree; where: holds the first step to its own floors: trust it'
+    return out + ([f'  {disagreement(v)}'] if disagree(v) else [])
 
 
 def disagree(v: Verdict) -> bool:
-    """Whether the verdict's diagnosis and its ``where:`` place contradict each other (``rule.disagrees``)."""
-    return v.diagnosis is not None and v.location is not None and rule.disagrees(v.kind, v.location.kind)
+    """Whether the verdict's diagnosis and its ``where:`` place are of different kinds (``Location.disagrees``)."""
+    return v.location is not None and v.location.disagrees(v.kind)
+
+
+def disagreement(v: Verdict) -> str:
+    """The line under ``where:`` where the diagnosis is of another kind than the place (``Location.disagrees``)."""
+    return (
+        f'the diagnosis ({v.kind}) and where: ({v.location.kind}) disagree: where: holds the first step to its '
+        'floors, the diagnosis reads the leaves after training'
+    )
 
 
 def whose(leaf: LeafDiff) -> str:

@@ -26,7 +26,7 @@ import numpy as np
 
 from equivalence.core.compare import compare
 from equivalence.core.compare.compare import LeafDiff
-from equivalence.core.compare.location import Location
+from equivalence.core.compare.location import Location, Unplaced, Where
 from equivalence.core.compare.location import read as located
 
 BY = ('parameter', 'update')  # what a leaf's change in the difference is regressed on
@@ -146,6 +146,24 @@ def leaves(reading: Reading) -> list[LeafDiff]:
     ]  # fmt: skip
 
 
+# Where the first step was held and nothing before its update parted: nothing on the steps recorded (``LATER``), a
+# later step parting only from parameters within their floors (``STARTS_APART``), or, against a reference of
+# another JAX, nothing against the pmap code run here (``UPGRADE``). Any other reason for no place is a first step
+# that parts earlier, or whose forward pass, loss or gradients were not seen to agree.
+AGREED_BEFORE = (Unplaced.LATER, Unplaced.STARTS_APART, Unplaced.UPGRADE)
+
+
+def may_place(found: Location | None, first_step_parts: bool) -> bool:
+    """Whether a decisive trend may name the update rule, given the first step's location ``found`` and whether
+    the verdict's own first-step leaves part (its loss, its gradients where probed): only where the forward pass,
+    the loss and the gradients the optimizer is given agree on the first step. A relu for a softplus in a NeRF's
+    density, its first loss apart (diagnosed math) and its module inputs not comparable, was read as 'the new side
+    steps 0 x the pmap side': the relu had left some leaves no gradient, and so no step."""
+    if found is None or first_step_parts:
+        return False
+    return found.kind == Where.NONE or found.why in AGREED_BEFORE
+
+
 def location(reading: Reading, tested_ndims: frozenset) -> Location:
     """Where a decisive trend puts the sides' parting: the update rule, with what its factor implies.
     ``tested_ndims``: the ranks of the leaves the reading could judge (a trend on the 1-D ones alone, where
@@ -163,17 +181,41 @@ def location(reading: Reading, tested_ndims: frozenset) -> Location:
         implies = (f'the new side decays its parameters {more}, by {abs(top.factor):.2e} x the parameter a step: a '
                    'decoupled weight decay that differs (learning rate x weight decay), '
                    + ('a weight-decay mask that differs' if only else 'or an L2 term under SGD'))  # fmt: skip
-    else:
+    elif not uneven(same):
         implies = (
             f'the new side steps {1 + top.factor:.6g} x the pmap side: a learning rate or schedule value that '
-            "differs by that factor, a gradient scale under SGD, or an adaptive optimizer's eps, whose effect "
-            'is such a factor where the second moment is small (a blind port of Hugging Face code, issue 60)'
+            "differs by that factor, a gradient scale or clip under SGD, or an adaptive optimizer's eps, whose effect "
+            'is such a factor where the second moment is small'
+        )
+    else:  # clipping makes the factor differ from leaf to leaf: a learning rate does not
+        lo, hi = min(1 + t.factor for t in same), max(1 + t.factor for t in same)
+        implies = (
+            f'the new side steps {lo:.6g} to {hi:.6g} x the pmap side, a factor that differs from leaf to leaf: not '
+            'one learning rate or schedule value; a gradient clipping that differs (by norm per sub-tree on one '
+            "side and by the global norm or none on the other, or by value), an adaptive optimizer's eps, whose "
+            'effect is such a factor where the second moment is small, or a rate per parameter'
         )
     figures = (f'every call, the difference grows in proportion to the {top.by} on {on} ({told}), below one '
                f"step's floor: {implies}")  # fmt: skip
+    spread = (min(t.factor for t in same), max(t.factor for t in same)) if top.by == 'update' and uneven(same) else None
     values = located(step=reading.steps, by=top.by, leaf=top.leaf, r2=top.r2, factor=top.factor, leaves=len(same),
-                     one_d_only=only, twin_r2=twins, spacings=top.spacings)  # fmt: skip
+                     one_d_only=only, twin_r2=twins, spacings=top.spacings, factors=spread)  # fmt: skip
     return Location('update', 'the update rule', 'the update rule', figures, read=values)
+
+
+UNEVEN = 2.0  # the largest of the leaves' per-step factors over the smallest: one factor would not spread so
+
+
+def uneven(trends: list[Trend]) -> bool:
+    """Whether the trends' per-step factors differ from leaf to leaf (signs apart, or more than ``UNEVEN`` times),
+    as a clip makes them: one learning rate moves every leaf by one factor."""
+    factors = [t.factor for t in trends]
+    if len(factors) < 2:
+        return False
+    if min(factors) < 0 < max(factors):
+        return True
+    small, large = sorted(abs(f) for f in (min(factors), max(factors)))
+    return large > UNEVEN * small
 
 
 @dataclasses.dataclass(frozen=True)
