@@ -37,6 +37,10 @@ def test_match_exits_0_on_8_simulated_devices_and_writes_json_and_plots(tmp_path
     report = json.loads(out.read_text())
     assert report['match'] is True and report['workload'] == 'mlp'
     assert report['devices'] == 8 and report['steps'] == 20
+    with open(os.path.join(os.path.dirname(__file__), '..', 'docs', 'json.md')) as f:  # its reference names every key
+        guide = f.read()
+    keys = [*report, *report['verdict'], *report['timing']]
+    assert [key for key in keys if f'`{key}`' not in guide] == []
     assert len(report['losses']['legacy']) == len(report['losses']['new']) == 20
     assert set(report['max_abs_diff']) >= {'params', 'opt_state', 'losses'}
     assert all(isinstance(v, float) for v in report['max_abs_diff'].values())
