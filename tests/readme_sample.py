@@ -92,7 +92,7 @@ def assert_sample(args: str, stdout: str) -> None:
     block, report = samples()[args], report_lines(stdout)
     regenerate = 'python tests/readme_sample.py --write'
     assert fits(block, report), (
-        f'README.md\'s sample report of `{COMMAND} {args}` is not what it prints: '
+        f"README.md's sample report of `{COMMAND} {args}` is not what it prints: "
         f'{first_difference(block, report)}; if the report changed on purpose: {regenerate}\n' + '\n'.join(report)
     )
 
