@@ -60,3 +60,17 @@ def test_the_measures_see_what_they_measure():
     assert long_sentences(' '.join(['word'] * 46) + '. Short one.') and not long_sentences('Short. Two words.')
     assert long_sentences('```\n' + ' '.join(['code'] * 50) + '\n```\n') == []
     assert history('measured on 2026-12-06 (issue 59)') == ['2026-12-06', 'issue 59']
+
+
+def test_the_sample_comparison_masks_figures_and_holds_words_and_order():
+    """The README's sample blocks are compared with real runs in ``test_cli``; here the comparison itself, on the
+    README's own MISMATCH block taken as a report: other figures fit, other words or another order do not."""
+    from readme_sample import fits, samples
+
+    block = samples()['--perturb 1e-4']
+    figures = [line.translate(str.maketrans('0123456789', '7301942865')) for line in block]
+    assert fits(block, block) and fits(block, figures)
+    where = next(i for i, line in enumerate(block) if line.startswith('where:'))
+    swapped = [*block[: where - 1], block[where], block[where - 1], *block[where + 1 :]]
+    reworded = [line.replace('diagnosis', 'finding') for line in block]
+    assert not fits(block, swapped) and not fits(block, reworded) and not fits(block, block[:-1])
