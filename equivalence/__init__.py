@@ -12,7 +12,7 @@ request simulated devices first):
   runs, the local launcher of ``--processes N``, each process's rows, reading state back.
 - ``cli``, ``devices``: what every command shares (flags, one-line errors, exit codes, devices).
 
-The public API, for checking your own port (``README.md``, "Check your own port", and ``docs/port.md``):
+The public API, for checking your own port (``docs/tutorial.md`` and ``docs/port.md``):
 ``ModelPort``, ``LoopPort``, ``check``, ``read_groups`` (``from equivalence import ModelPort``); and the
 pytest plugin ``equivalence.testing``. They load on first use, so that importing this
 package still imports no JAX.

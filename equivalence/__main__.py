@@ -15,23 +15,32 @@ COMMANDS = (
     ('equivalence.checkpoint verify NNX_DIR', 'every file and leaf of a migrated checkpoint against its sha256'),
     ('equivalence.corpus', "the verdict's own test: correct ill-conditioned ports and slips, a confusion matrix"),
 )
-GUIDES = (
-    ('docs/port.md', 'check your own port: ModelPort, LoopPort, names, randomness, the pytest plugin'),
-    ('docs/ladder.md', 'the migration as rungs: pmap linen -> jit linen -> NNX, each checked the same way'),
-    ('docs/verdict.md', 'what MATCH proves, the tolerance and why, run flags, the JSON report'),
-    ('docs/commands.md', 'what every command shares: validation, exit codes 0 to 5 and 130, reports'),
-    ('docs/reference.md', 'record once, check forever: the pmap side recorded, checked after its code is gone'),
-    ('docs/accelerators.md', 'on one TPU chip or GPU: the floor, the precision, every command, measured'),
-    ('docs/strategies.md', 'FSDP, TP, 2-D meshes and shard_map, each checked against pmap'),
-    ('docs/cluster.md', 'several processes and clusters: --processes, SLURM, timeouts'),
-    ('docs/checkpoints.md', 'legacy saves, migrate, restoring onto a mesh, run --resume-at'),
-    ('docs/explain.md', 'what each path compiles to, the plots, the two steps side by side'),
-    ('docs/performance.md', 'bench, with the benchmark tables, their date and machine'),
-    ('docs/pitfalls.md', 'eleven porting traps, measured'),
-    ('docs/workloads.md', 'the built-in workloads'),
-    ('docs/randomness.md', 'the two --rng modes'),
-    ('docs/layout.md', 'how the repository is laid out'),
-    ('docs/versions.md', 'versions, and why pmap is the legacy path'),
+GUIDES = (  # README.md first; then the docs by kind: tutorial, how-to, reference, explanation, contributors
+    ('docs/tutorial.md', 'tutorial: port a first model, from a pmap loop to a MATCH and a planted MISMATCH'),
+    ('docs/ci.md', 'how-to: check the port from your tests and CI (the pytest plugin)'),
+    ('docs/record.md', 'how-to: record the pmap side once, check the port against it after its code is gone'),
+    ('docs/checkpoints.md', 'how-to: legacy saves, migrate, restoring onto a mesh, run --resume-at'),
+    ('docs/cluster.md', 'how-to: several processes and clusters: --processes, SLURM, timeouts'),
+    ('docs/accelerators.md', 'how-to: check on one TPU chip or GPU: the floor, the precision, every command'),
+    ('docs/strategies.md', 'how-to: FSDP, TP, 2-D meshes and shard_map, each checked against pmap'),
+    ('docs/ladder.md', 'how-to: migrate in rungs, pmap linen -> jit linen -> NNX, each checked the same way'),
+    ('docs/fast.md', "how-to: make the NNX port as fast as its pmap loop (bench's advice)"),
+    ('docs/explain.md', 'how-to: see what XLA compiled for each side, the plots, the two steps side by side'),
+    ('docs/commands.md', 'reference: the commands and their flags, exit codes, reports, the compilation cache'),
+    ('docs/json.md', "reference: the JSON report's keys"),
+    ('docs/port.md', "reference: the port's fields, step forms, train states, names, the pre-flight"),
+    ('docs/randomness.md', 'reference: the two --rng modes and the Dropout bridge'),
+    ('docs/workloads.md', 'reference: the built-in workloads'),
+    ('docs/examples.md', 'reference: the example ports, and three at the sizes teams train'),
+    ('docs/pitfalls.md', 'reference: eleven porting traps, measured'),
+    ('docs/versions.md', 'reference: versions, and why pmap is the legacy path'),
+    ('docs/verdict.md', 'explanation: what MATCH proves, the measured floor, NOT VERIFIED'),
+    ('docs/where.md', 'explanation: where: the sides part, and its limits'),
+    ('docs/below-the-floor.md', "explanation: differences below one step's floor, and what a MATCH could miss"),
+    ('docs/trials.md', 'explanation: the corpus and the real codebases the verdict was tried on'),
+    ('docs/development.md', "contributors: the tests, their budget, the README's sample reports"),
+    ('docs/layout.md', 'contributors: how the repository is laid out'),
+    ('docs/performance.md', 'contributors: the measured figures, each with its command'),
 )
 EXIT_CODES = (  # every command's --help lists the ones it can give
     ('0', 'MATCH (run); done (the other commands)'),
@@ -52,7 +61,7 @@ def text() -> str:
     lines += ['', USAGE, '', 'exit codes:']
     lines += [f'  {code}  {what}' for code, what in EXIT_CODES]
     lines += ['', 'guides (in the repository; README.md first):']
-    lines += [f'  {path:<20}  {what}' for path, what in GUIDES]
+    lines += [f'  {path:<24}  {what}' for path, what in GUIDES]
     return '\n'.join(lines)
 
 

@@ -262,7 +262,7 @@ def too_old(command: str) -> None:
         install = f"pip install -e '{suite_root()}[check]'"  # this suite, from its checkout: on no registry
         fail(f'{command} needs jax 0.10 (this environment has jax {jax_version}): record the pmap side here with '
              f'python -m equivalence.record, and check it in an environment where {install} (this suite, from its '
-             'checkout) has put the versions it was tried on (docs/reference.md)')  # fmt: skip
+             'checkout) has put the versions it was tried on (docs/record.md)')  # fmt: skip
 
 
 def suite_root() -> str:

@@ -1,5 +1,5 @@
 """What the recorder needs of a JAX older than the suite's (``python -m equivalence.record`` where the pmap
-code ran: jax 0.4.x with the flax linen of its time, docs/reference.md), given where that JAX lacks it.
+code ran: jax 0.4.x with the flax linen of its time, docs/record.md), given where that JAX lacks it.
 
 The pmap side's modules import five names that jax 0.4.38 and flax 0.10.2 do not have; ``install`` gives each
 where it is missing, and does nothing on the JAX the suite pins (each is there):

@@ -45,7 +45,7 @@ def simulate_cpu_devices(n: int = SIMULATED_CPU_DEVICES) -> None:
         return
     if 'jax' not in sys.modules:
         os.environ['JAX_NUM_CPU_DEVICES'] = str(n)
-        if compat.version() < (0, 5):  # jax 0.4 (the recorder's, docs/reference.md) reads XLA's flag alone
+        if compat.version() < (0, 5):  # jax 0.4 (the recorder's, docs/record.md) reads XLA's flag alone
             os.environ['XLA_FLAGS'] = f'{os.environ.get("XLA_FLAGS", "")} --xla_force_host_platform_device_count={n}'
         return
     import jax

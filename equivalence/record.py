@@ -1,6 +1,6 @@
 """``python -m equivalence.record``: the pmap side of a check, run once and written to a reference file that
 ``python -m equivalence.run --reference FILE`` checks the new side against, anywhere, after the pmap code is gone
-(docs/reference.md). Exit 0 when written; 2 on bad input (an existing file is replaced only with --overwrite)."""
+(docs/record.md). Exit 0 when written; 2 on bad input (an existing file is replaced only with --overwrite)."""
 
 import shlex
 import sys

@@ -66,7 +66,7 @@ def parse(argv: list[str] | None):
         default=None,
         metavar='FILE',
         help='read the pmap side from FILE, recorded once by python -m equivalence.record, and run only the new '
-        'side (the pmap code need not be importable; docs/reference.md); --devices, --steps-per-call, --calls, '
+        'side (the pmap code need not be importable; docs/record.md); --devices, --steps-per-call, --calls, '
         '--batch-size, --seed and --rng not given are the ones it was recorded with',
     )
     parser.add_argument(

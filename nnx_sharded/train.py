@@ -8,7 +8,7 @@ Mirrors ``legacy_pmap/train.py`` function by function. Differences, each on purp
   ``nnx.split`` returns: ``jit`` flattens a dict in C++, while ``nnx.State`` is a Python
   pytree whose flatten and unflatten cost host time on every call (0.1 to 0.5 ms of
   dispatch per call with 8 simulated devices, measured with ``python -m equivalence.bench``;
-  see docs/performance.md).
+  see docs/fast.md).
 - The fused call is ``jax.jit`` of a ``lax.scan`` of the step over that split state, not
   ``nnx.jit(nnx.scan)``: graph-mode ``nnx.jit`` walks the object graph on every call
   (host time the pmap path never pays), and with plain pytrees the shardings and the
@@ -25,7 +25,7 @@ Mirrors ``legacy_pmap/train.py`` function by function. Differences, each on purp
   scan: one all-reduce of K numbers per call, where pmap's ``pmean(loss)`` adds one
   operand to the all-reduce of every step. On CPU each all-reduce operand is one
   rendezvous of all devices, the most expensive op of a step with 8 simulated devices
-  (measured with ``python -m equivalence.bench``; see docs/performance.md).
+  (measured with ``python -m equivalence.bench``; see docs/fast.md).
 """
 
 from collections.abc import Callable
@@ -155,7 +155,7 @@ def make_graph_call(update: Callable) -> Callable:
     TrainState *object*: ``fused(ts, keys, batch_KxG) -> (keys, loss_K)``, ``ts`` updated in place.
 
     Same arithmetic as ``make_fused_call``; what differs is host work: ``nnx.jit`` walks the
-    object graph on every call (see the module docstring and docs/performance.md).
+    object graph on every call (see the module docstring and docs/fast.md).
     """
 
     @nnx.jit(donate_argnums=0)

@@ -29,7 +29,7 @@ if SESSION_TMP_ENV not in os.environ:
 os.environ[said.EVENTS_ENV] = os.path.join(tempfile.gettempdir(), f'equivalence-stages-{os.getpid()}.jsonl')
 
 # The tests' programs are compiled the way that compiles fastest while keeping what the tests are
-# about, the float32 sums of the pmap and jit programs that differ (docs/performance.md):
+# about, the float32 sums of the pmap and jit programs that differ (docs/development.md):
 # - XLA's backend (LLVM) optimisation level 1, not 3: about 1.7 times faster (a Transformer's train
 #   step 3.9 -> 2.1 s). Level 0 makes the built-in workloads' two sides' sums equal, so it is used only
 #   where the figures are not what a test is about, or stay: the processes a few tests start

@@ -1,6 +1,6 @@
 """One linen network and its NNX port in the forms real ports take, for the recording's tests
 (``test_recording.py``): called plainly; its forward pass vmapped over each device's rows
-(``nnx.vmap``, as docs/port.md shows for per-device keys); its block under ``nnx.remat``; its blocks
+(``nnx.vmap``, as docs/randomness.md shows for per-device keys); its block under ``nnx.remat``; its blocks
 stacked and run by ``nnx.scan`` (linen's ``nn.scan`` on the pmap side); and the linen network itself
 wrapped by ``nnx.bridge.ToNNX``. Each form is a correct port; ``SLIPS`` plant one LayerNorm epsilon. The
 linen block returns ``(h, h)``, its NNX port ``h``: an output one side alone gives is no difference.
@@ -81,7 +81,7 @@ def squared(out, y):
 
 def per_device_rows(model, x):
     """The forward pass vmapped over each device's rows, ``[D, B / D, ...]``, as a port with per-device
-    keys writes it (docs/port.md)."""
+    keys writes it (docs/randomness.md)."""
     rows = x.reshape(DEVICES, -1, *x.shape[1:])
     return nnx.vmap(lambda m, r: m(r), in_axes=(None, 0))(model, rows).reshape(x.shape[0], -1)
 

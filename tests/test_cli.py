@@ -11,6 +11,7 @@ import tempfile
 
 import pytest
 from conftest import assert_one_line_error, run_module
+from readme_sample import assert_sample
 
 from equivalence import cli
 from equivalence.core.compare import compare
@@ -26,15 +27,21 @@ def equivalence_run(*args: str, env: dict | None = None) -> subprocess.Completed
 
 
 def test_match_exits_0_on_8_simulated_devices_and_writes_json_and_plots(tmp_path):
+    """The default run, as the README shows it (its sample report is this run's, figures masked)."""
     out, figures = tmp_path / 'report.json', tmp_path / 'figures'
-    proc = equivalence_run(*QUICK, '--json', str(out), '--plot', str(figures))
+    proc = equivalence_run('--json', str(out), '--plot', str(figures))
     assert proc.returncode == 0, proc.stderr
     assert 'compiled calls' not in proc.stderr  # no progress bar when stderr is not a terminal
     assert 'on 8 cpu device(s)' in proc.stdout and 'MATCH' in proc.stdout
+    assert_sample('', proc.stdout)
     report = json.loads(out.read_text())
     assert report['match'] is True and report['workload'] == 'mlp'
-    assert report['devices'] == 8 and report['steps'] == 4
-    assert len(report['losses']['legacy']) == len(report['losses']['new']) == 4
+    assert report['devices'] == 8 and report['steps'] == 20
+    with open(os.path.join(os.path.dirname(__file__), '..', 'docs', 'json.md')) as f:  # its reference names every key
+        guide = f.read()
+    keys = [*report, *report['verdict'], *report['timing']]
+    assert [key for key in keys if f'`{key}`' not in guide] == []
+    assert len(report['losses']['legacy']) == len(report['losses']['new']) == 20
     assert set(report['max_abs_diff']) >= {'params', 'opt_state', 'losses'}
     assert all(isinstance(v, float) for v in report['max_abs_diff'].values())
     tol = compare.FLOAT32_REDUCTION_ORDER  # the fixed screen's, as it is
@@ -49,11 +56,12 @@ def test_match_exits_0_on_8_simulated_devices_and_writes_json_and_plots(tmp_path
 
 
 def test_perturbed_learning_rate_exits_1(tmp_path):
-    """The negative control of the run above, and mlp's of ``test_equivalence``: a 0.1% learning-rate
-    change on the NNX side is caught in the parameters and the losses."""
+    """The negative control of the run above, and mlp's of ``test_equivalence``: a 0.01% learning-rate
+    change on the NNX side is caught in the parameters and the losses (the README's sample MISMATCH)."""
     out = tmp_path / 'report.json'
-    proc = equivalence_run(*QUICK, '--perturb', '1e-3', '--json', str(out))
+    proc = equivalence_run('--perturb', '1e-4', '--json', str(out))
     assert proc.returncode == 1, proc.stderr
+    assert_sample('--perturb 1e-4', proc.stdout)
     report = json.loads(out.read_text())
     assert report['match'] is False and report['outcome'] == Outcome.MISMATCH.label
     assert {'params', 'losses'} <= {leaf['name'].split('/')[0] for leaf in report['leaves'] if not leaf['ok']}

@@ -6,7 +6,7 @@ slip as ``state`` is ``test_locate``'s, through the whole check (its kind, and w
 that BatchNorm).
 
 Correct ports must MATCH and slips MISMATCH, naming the slip's kind. The whole corpus, at 1, 2,
-4 and 8 devices and over seeds, is ``python -m equivalence.corpus`` (docs/verdict.md has its
+4 and 8 devices and over seeds, is ``python -m equivalence.corpus`` (docs/trials.md has its
 last measured confusion matrix).
 """
 

@@ -16,7 +16,7 @@ its MATCH and the same Adam b2 slip, are ``test_new_sides``' ``functional-nnx``)
 ``jax.jit`` pinned to a mesh built at import, its floor from a twin in a fresh process, MATCH and slip);
 ``gpt2_port`` (a GPT-2 language model's pmap step against its NNX port: its MATCH at D = 1, 2, 4, 8 and its two
 slips, each a check of 1 to 2 minutes here, are its own ``test_port.py``'s). The examples' real sizes
-(``docs/workloads.md``, real sizes) are not traced here: about 20 s each."""
+(``docs/examples.md``, real sizes) are not traced here: about 20 s each."""
 
 import os
 import shutil

@@ -160,7 +160,7 @@ RAW_KEYS, TYPED_KEYS = jax.random.split(jax.random.PRNGKey(0), 2), jax.random.sp
 
 @pytest.mark.parametrize('keys', [RAW_KEYS, TYPED_KEYS], ids=['[D, 2] raw', '[D] typed'])
 def test_no_nnx_layer_takes_per_device_keys_whatever_the_reseed_policy(keys):
-    """What docs/port.md says: ``nnx.reseed``'s ``policy`` reshapes a stream's *own* key; the key it is
+    """What docs/randomness.md says: ``nnx.reseed``'s ``policy`` reshapes a stream's *own* key; the key it is
     given must be one key, so per-device keys raise whatever the policy. So do NNX attention and Dropout."""
     model = nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEATURES, qkv_features=8, dropout_rate=0.3,
                                    decode=False, deterministic=False, rngs=nnx.Rngs(0, dropout=1))  # fmt: skip
@@ -231,7 +231,7 @@ def attention_step(carry, batch):
 
 
 def device_rows(model: NnxAttention, x_G: jax.Array, keys_D: jax.Array) -> jax.Array:
-    """The working path of docs/port.md: the forward pass on each device's rows of the global batch
+    """The working path of docs/randomness.md: the forward pass on each device's rows of the global batch
     (``[D, G/D, ...]``), vmapped, each row with its device's key: the masks pmap drew, in one program."""
     d = keys_D.shape[0]
     forward = nnx.vmap(lambda m, x, key: m(x, rngs=nnx.Rngs(dropout=key)), in_axes=(None, 0, 0))

@@ -1,9 +1,9 @@
 """A reference: the pmap side recorded once where it ran, the port checked against it ever after
-(``python -m equivalence.record``, ``run --reference``; docs/reference.md). ``mlp_tpu_v5e.npz`` was recorded on
+(``python -m equivalence.record``, ``run --reference``; docs/record.md). ``mlp_tpu_v5e.npz`` was recorded on
 a TPU v5e chip (jax 0.10.2, D = 1): a CPU check refuses it.
 
 ``tests/data/*_jax0.4.38.npz`` were recorded on jax 0.4.38, flax 0.10.2, optax 0.2.4 (the classic pmap, before
-jax 0.8 built it on jit and shard_map), CPU, with the command docs/reference.md gives; checking one here costs a
+jax 0.8 built it on jit and shard_map), CPU, with the command docs/record.md gives; checking one here costs a
 few seconds, where making its environment would cost minutes.
 """
 
@@ -49,7 +49,7 @@ def test_a_reference_recorded_on_the_classic_pmap_checks_the_port_on_todays_jax(
     require_devices(2)
     port, path = workloads.WORKLOADS['mlp'], classic('mlp')
     assert reference.load(path).environment['versions']['jax'] == '0.4.38'
-    # the plugin as docs/reference.md writes it: K, C, the batch, the seed and the keys read from the reference
+    # the plugin as docs/ci.md writes it: K, C, the batch, the seed and the keys read from the reference
     assert assert_port_matches(port, devices=2, reference=path).outcome is Outcome.MATCH
     with pytest.raises(PortMismatch) as failed:  # the plugin's failure says what the report says
         assert_port_matches(port, reference=path, batch_size=8, perturb=1e-3, **FLAGS)
@@ -392,19 +392,19 @@ def test_on_an_old_jax_only_the_recorder_runs(monkeypatch, capsys):
 
 
 def test_the_guide_names_every_field_a_port_gives_as_recorded():
-    """docs/reference.md said 'give every field of the pmap side as RECORDED' and named none (issue 60): it names
-    each field ``RECORDED`` stands for (``port_fields.LEGACY``)."""
-    with open(os.path.join(ROOT, 'docs', 'reference.md')) as f:
+    """docs/record.md said 'give every field of the pmap side as RECORDED' and named none: it names each field
+    ``RECORDED`` stands for (``port_fields.LEGACY``)."""
+    with open(os.path.join(ROOT, 'docs', 'record.md')) as f:
         section = f.read().split('## After the pmap code is gone', 1)[1].split('\n## ', 1)[0]
     assert [field for field in port_fields.LEGACY if f'`{field}`' not in section] == []
 
 
-def test_the_readme_says_where_where_names_no_module_beside_its_claim_that_it_does():
-    """Only docs/reference.md said that against an old JAX's reference, its pmap code gone, no place in what the
-    step computes is named (issue 60): the README's paragraph that shows ``where:`` naming a module says it."""
-    with open(os.path.join(ROOT, 'README.md')) as f:
+def test_the_guide_says_where_where_names_no_module_beside_its_claim_that_it_does():
+    """Only the reference's guide said that against an old JAX's reference, its pmap code gone, no place in what
+    the step computes is named: the paragraph of docs/where.md that shows ``where:`` naming a module says it."""
+    with open(os.path.join(ROOT, 'docs', 'where.md')) as f:
         paragraph = next(p for p in f.read().split('\n\n') if '`where: module at' in p)
-    assert 'is not named' in paragraph and '(docs/reference.md#what-the-jax-upgrade-changed)' in paragraph
+    assert 'is not named' in paragraph and '(record.md#what-the-jax-upgrade-changed)' in paragraph
 
 
 def test_a_bfloat16_leaf_is_kept_with_its_type_and_its_bits(tmp_path):

@@ -9,7 +9,7 @@ import dataclasses
 
 from equivalence.bench.result import BenchResult
 
-GUIDE = 'docs/performance.md'
+GUIDE = 'docs/fast.md'
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,7 @@ gradients ``pmean``'d by hand; AdamW (b2 0.95, weight decay 0.1) masked off the 
 LayerNorm scales as ``run_clm_flax``'s ``decay_mask_fn``, after gradient clipping at global norm 1,
 on a linear warmup and linear decay. The step's dropout key is handed in by the host loop, a fresh
 one every step (``run_clm_flax`` keeps it in its ``TrainState`` and splits it in the step, one key
-per device: a global-batch port cannot draw those masks, docs/port.md, randomness).
+per device: a global-batch port cannot draw those masks, docs/randomness.md).
 
 Its sizes are the model's fields, as GPT-2's config names them (``vocab_size``, ``n_positions``,
 ``n_embd``, ``n_layer``, ``n_head``): the defaults are shrunk to a 100-token vocabulary, 2 layers of

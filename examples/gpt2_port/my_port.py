@@ -23,7 +23,7 @@ the first 256). Its batch of 8 sequences is 2,048 tokens, and the logits alone o
 
 python -m equivalence.run --workload my_port:LOOP_124M --devices 1 --steps-per-call 2 --calls 1 --batch-size 2
 
-on a 2-core CPU: 6 minutes, 17.5 GB of memory at the peak (docs/workloads.md, real sizes).
+on a 2-core CPU: 6 minutes, 17.5 GB of memory at the peak (docs/examples.md, real sizes).
 """
 
 import dataclasses

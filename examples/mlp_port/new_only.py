@@ -5,7 +5,7 @@ python -m equivalence.run --workload new_only:LOOP --devices 2 --reference loop.
 python -m equivalence.run --workload new_only:LOOP_EPSILON_SLIP --devices 2 --reference loop.npz         # exit 1
 
 Every field of the pmap side is ``RECORDED``: the check never calls it, so nothing here imports the pmap code
-(docs/reference.md).
+(docs/record.md).
 """
 
 import dataclasses

@@ -13,7 +13,7 @@ model, ``nnx.Optimizer(model, tx, wrt=nnx.Param)``, an EMA, K steps fused by ``n
 - ``nnx_code.py``: the NNX UNet (its attributes named, ``NAMES``), one optax chain (clipping, Adam,
   the warmup as a schedule of optax's count), the EMA a copy of the model, and ``train_calls``: K
   steps in one ``nnx.jit(nnx.scan)`` that keeps score_sde's per-device keys, each device's rows of
-  the global batch drawn from that device's key (vmapped, as docs/port.md shows).
+  the global batch drawn from that device's key (vmapped, as docs/randomness.md shows).
 
 The port is about 30 lines: ``legacy_step`` is ``p_train_step`` itself (the suite runs the step it wraps
 under its own pmap), ``rng_modes=('per-device',)`` hands both sides the same ``[D, 2]`` keys, and

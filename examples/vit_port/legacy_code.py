@@ -11,7 +11,7 @@ it trains on a CPU in seconds; ``my_port.py`` sets ViT-S and ViT-B depth and wid
 One line differs from such code as found: it binds the dropout key to the device
 (``fold_in(rng, lax.axis_index('batch'))``), so its masks depend on the device count and no
 global-batch port can draw them; the team dropped the line before porting (both sides draw from
-the key they are given: docs/port.md, randomness).
+the key they are given: docs/randomness.md).
 """
 
 import flax.linen as nn

@@ -133,7 +133,7 @@ class Location:
 
     @property
     def reading(self) -> dict[str, Any]:
-        """What the figures say, as values by name (docs/verdict.md lists the names): ``apart`` and ``allowed``
+        """What the figures say, as values by name (docs/json.md lists the names): ``apart`` and ``allowed``
         at the place, ``factor``, ``b1``, ``step`` ... ; what a program reads in place of the figures' words."""
         return dict(self.read)
 

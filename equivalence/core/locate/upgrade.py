@@ -2,7 +2,7 @@
 
 XLA's elementwise functions round otherwise from one version to the next: the sine and cosine of
 score_sde's time embedding, arguments up to 999, are up to 125 float32 spacings apart between jax 0.4.38
-and 0.10.2 (docs/reference.md). No floor measured on one version covers that, so against such a reference a
+and 0.10.2 (docs/record.md). No floor measured on one version covers that, so against such a reference a
 place in what the step computes (a module, the code between modules, the loss, the backward pass, the
 statistics) is no evidence, nor is a first step left unlocated for a reason rounding alone can give
 (``ROUNDED``: score_sde's sine parts example by example). The update, the EMA and the pmap step's

@@ -187,7 +187,7 @@ def _load(spec: str) -> Port:
     if isinstance(port, type):  # a model (or any class) named where the port belongs: calling it is no answer
         raise ConfigError(
             f'--workload {spec!r} is a class{_kind(port)}, not a port: name a ModelPort or LoopPort '
-            'built around it, or a function of no arguments returning one (docs/port.md)'
+            'built around it, or a function of no arguments returning one (docs/commands.md#your-port-as-modulename)'
         )
     if callable(port) and not isinstance(port, Port):
         try:

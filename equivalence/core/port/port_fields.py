@@ -40,7 +40,7 @@ LEGACY = ('legacy_model', 'make_data', 'init_args', 'init_kwargs', 'legacy_loss'
 
 class _Recorded:
     """``RECORDED``: a pmap-side field of a port whose pmap side is read from a reference (``run --reference``,
-    docs/reference.md), so that the pmap code need not be importable; called, it says so."""
+    docs/record.md), so that the pmap code need not be importable; called, it says so."""
 
     def __repr__(self) -> str:
         return 'RECORDED'

@@ -63,7 +63,7 @@ def unbatched(arrays: list) -> tuple[list, list, Any]:
     """``(values, levels, trace)``: what ``vmap`` tracers hold, whole, with each one's batch axis per vmap
     (outermost first: ``(axis or None, size)``), and the trace above every vmap, where one callback gets
     the whole batch. Under ``vmap`` (``nnx.vmap``: the forward pass vmapped over each device's rows, as
-    docs/port.md shows; ``jax.vmap(jax.value_and_grad(...))``: each replica's gradient) a callback is
+    docs/randomness.md shows; ``jax.vmap(jax.value_and_grad(...))``: each replica's gradient) a callback is
     otherwise unrolled into one per element, in no fixed order, and the elements could not be put back
     together. Without vmap: ``(arrays, [() ...], None)``. Each value is followed down through every tracer
     that wraps a value of the trace below it (``inner``), whatever the order in which ``vmap``, ``grad``,

@@ -141,7 +141,7 @@ def read(path: str, kind: Kind, config: Run) -> tuple[dict, Recorded]:
         raise reference.BadReference(
             f'reference {path}: recorded on {recorded}, this check runs on {here}, which rounds float32 otherwise '
             f'(a correct mlp recorded on a TPU is 5 leaves past its floor here): check on {recorded}, or record '
-            f'on {here} (docs/reference.md)'
+            f'on {here} (docs/record.md)'
         )
     content, handed = held.content(TYPES), kind.handed_dropout_keys()  # None: the port's own step hands them
     try:

@@ -9,7 +9,7 @@ both: a leaf's ``r²`` over ``N`` values is then ``Beta(1/2, (N - 1)/2)``, and `
 reaching it. The twins' own changes (``twin - new``, the run's own program from inputs one spacing off) are read
 the same way: a structure they share is the port's own dynamics, not a slip.
 
-Measured (docs/verdict.md, "differences below one step's floor"; K = C = 2): 80 correct runs (mlp, wide, score,
+Measured (docs/below-the-floor.md; K = C = 2): 80 correct runs (mlp, wide, score,
 cnn at D = 1, 2, 4, 8 and two seeds; the corpus's correct ports at D = 1, 2, 8; the eight examples at D = 1, 2, 4),
 every leaf of at least 16 values that is not noise-dominated, each of its twins' r² under half its own: no trend
 decisive or suggestive (the largest r² 0.71, on 16 values, its twin's 0.47). Of 34 slip runs, the 17 in the update
