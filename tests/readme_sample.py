@@ -97,6 +97,36 @@ def assert_sample(args: str, stdout: str) -> None:
     )
 
 
+SCREEN = (20, 100, 160)  # from the verdict: line to the end, at most 20 lines of at most 100 characters; any line 160
+# The JSON's keys two levels deep as the report had them before its first screen was made: it may add keys, never drop
+JSON_KEYS = {
+    '': ['batch_size', 'calls', 'device', 'devices', 'eval_accuracy', 'leaves', 'losses', 'match', 'max_abs_diff',
+         'mesh', 'new_side', 'nnx_form', 'notes', 'outcome', 'param_divergence_per_call', 'perturb', 'placed_by',
+         'placement', 'resumed_at', 'rng_mode', 'seed', 'steps', 'steps_per_call', 'strategy', 'timing', 'tolerance',
+         'verdict', 'versions', 'workload'],
+    'losses': ['legacy', 'new'], 'eval_accuracy': ['legacy', 'new'], 'tolerance': ['atol', 'reason', 'rtol'],
+    'max_abs_diff': ['ema', 'losses', 'model_state', 'opt_state', 'params'],
+    'verdict': ['diagnosis', 'done', 'errors', 'floor_rule', 'hidden_by_noise', 'kind', 'location', 'memory', 'mode',
+                'noise_dominated', 'not_verified', 'sensitivity', 'twin'],
+    'timing': ['cached', 'compile_s', 'compiled_again', 'memory', 'programs', 'stages', 'wall_s'],
+    'device': ['backend', 'count', 'default_gap', 'default_rounding', 'kind', 'precision'],
+    'versions': ['flax', 'jax', 'jaxlib', 'numpy', 'optax', 'python'],
+}  # fmt: skip
+
+
+def assert_first_screen(stdout: str, report: dict) -> None:
+    """The default report's first screen fits (``SCREEN``), and its JSON keeps every key it had (``JSON_KEYS``)."""
+    lines = report_lines(stdout)
+    at = max(i for i, line in enumerate(lines) if line.startswith('verdict: '))
+    screen, most, longest = SCREEN
+    assert len(lines) - at <= screen and all(len(x) <= most for x in lines[at:]), lines[at:]
+    assert all(len(x) <= longest for x in lines), max(lines, key=len)
+    missing = [
+        f'{g}/{k}' if g else k for g, keys in JSON_KEYS.items() for k in keys if k not in (report[g] if g else report)
+    ]
+    assert missing == [], missing
+
+
 def shortened(report: list[str]) -> list[str]:
     """A report as the README shows it: the loss table's first rows and its last, each leaf table's first rows."""
     out, i = [], 0

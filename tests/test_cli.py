@@ -11,7 +11,7 @@ import tempfile
 
 import pytest
 from conftest import assert_one_line_error, run_module
-from readme_sample import assert_sample
+from readme_sample import assert_first_screen, assert_sample
 
 from equivalence import cli
 from equivalence.core.compare import compare
@@ -34,6 +34,7 @@ def test_match_exits_0_on_8_simulated_devices_and_writes_json_and_plots(tmp_path
     assert 'compiled calls' not in proc.stderr  # no progress bar when stderr is not a terminal
     assert 'on 8 cpu device(s)' in proc.stdout and 'MATCH' in proc.stdout
     assert_sample('', proc.stdout)
+    assert_first_screen(proc.stdout, json.loads(out.read_text()))
     report = json.loads(out.read_text())
     assert report['match'] is True and report['workload'] == 'mlp'
     assert report['devices'] == 8 and report['steps'] == 20
@@ -62,6 +63,7 @@ def test_perturbed_learning_rate_exits_1(tmp_path):
     proc = equivalence_run('--perturb', '1e-4', '--json', str(out))
     assert proc.returncode == 1, proc.stderr
     assert_sample('--perturb 1e-4', proc.stdout)
+    assert_first_screen(proc.stdout, json.loads(out.read_text()))
     report = json.loads(out.read_text())
     assert report['match'] is False and report['outcome'] == Outcome.MISMATCH.label
     assert {'params', 'losses'} <= {leaf['name'].split('/')[0] for leaf in report['leaves'] if not leaf['ok']}
