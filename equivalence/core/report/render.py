@@ -15,7 +15,7 @@ GROUPS = ('params', 'opt_state', 'ema', 'model_state', 'losses')
 def header(result: RunResult, backend: str) -> str:
     c = result.config
     return (
-        f'{c.workload}: {result.programs[0]} vs {result.programs[1]} on {c.devices} {backend} device(s), '
+        f'{c.workload}: legacy {result.programs[0]} vs {result.programs[1]} on {c.devices} {backend} device(s), '
         f'{c.steps} steps ({c.steps_per_call}/call x {c.calls} calls), '
         f'batch {c.batch_size} ({c.per_device_batch}/device), rng {result.keys or c.rng_mode}, seed {c.seed}'
         + (f', perturb {c.perturb:g}' if c.perturb else '')
