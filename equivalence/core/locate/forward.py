@@ -71,11 +71,13 @@ def _fed(step: Step, i: int, m: Module) -> Location:
     before = step.modules[i - 1] if i else None
     rows = by_example(step, m)
     if rows is not None:
-        agree, n = rows
+        agree, n, moved = rows
+        said = (f"each device's rows of its {n} examples are, whole, a device's rows of the other side ({agree} "
+                'in their place)' if moved else f'{agree} of its {n} examples agree')  # fmt: skip
         return Location(
             'unlocated', '', '',
             f'not located: everything before agrees; the input of {m.legacy} is {sci(m.input_diff)} apart (allowed '
-            f'{sci(m.input_allowed)}), but {agree} of its {n} examples agree: it parts example by example, as where '
+            f'{sci(m.input_allowed)}), but {said}: it parts example by example, as where '
             "the examples are laid out over the devices otherwise (which device's rows and keys each example gets) "
             'or where code treats examples apart (a mask), which the first step cannot tell apart',
             why=Unplaced.BY_EXAMPLE,
@@ -96,17 +98,20 @@ def _fed(step: Step, i: int, m: Module) -> Location:
     )
 
 
-def by_example(step: Step, m: Module) -> tuple[int, int] | None:
-    """``(examples that agree, examples)`` of the input of ``m`` that parts most, where some of its examples
-    (its leading axis) agree within what it is allowed and others part; None otherwise. A code path that
-    differs changes every example it computes (google-research/vdm's Fourier features: 0 of 8 agree); the
+def by_example(step: Step, m: Module) -> tuple[int, int, bool] | None:
+    """``(examples that agree, examples, whether each device's rows are another device's)`` of the input of ``m``
+    that parts most, where some of its examples (its leading axis) agree within what it is allowed and others
+    part, or where every device's rows are, whole, another device's (``_elsewhere``); None otherwise. A code path
+    that differs changes every example it computes (google-research/vdm's Fourier features: 0 of 8 agree); the
     examples laid out over the devices otherwise (device d given examples d, d + D, ...: tried blind, it was
-    'between at dense1 → conv_in') leave the ones that keep their place (2 of 8)."""
+    'between at dense1 → conv_in') leave the ones that keep their place (2 of 8); a new step's loop over the
+    groups of rows in another order than the devices' leaves none in place."""
     label = '' if m.legacy == ROOT else m.legacy
     if label not in step.paired or m.input_allowed is None:
         return None
     ref, other, _ = pairing.trees(step.raw, {label: step.paired[label]})
     per_device = step.raw['legacy'][label].values[0][0]  # device 0's inputs on the pmap side: its rows
+    devices = len(step.raw['legacy'][label].values)
     found = []
     for i, key in ((int(k.rpartition('/')[2]), k) for k in other if '/in/' in k and k in ref):
         a, b = (np.asarray(x, np.float64) for x in (ref[key], other[key]))
@@ -116,11 +121,23 @@ def by_example(step: Step, m: Module) -> tuple[int, int] | None:
             a, b = (x.reshape(-1, *x.shape[2:]) for x in (a, b))  # [D, B / D, ...] (a vmapped forward): by example
         apart = np.abs(a - b).reshape(a.shape[0], -1).max(axis=1, initial=0.0)
         if apart.max() > m.input_allowed:
-            found.append((float(apart.max()), int((apart <= m.input_allowed).sum()), a.shape[0]))
+            moved = _elsewhere(a, b, devices, m.input_allowed)
+            found.append((float(apart.max()), int((apart <= m.input_allowed).sum()), a.shape[0], moved))
     if not found:
         return None
-    _, agree, n = max(found)
-    return (agree, n) if 0 < agree < n else None
+    _, agree, n, moved = max(found)
+    return (agree, n, moved) if 0 < agree < n or (moved and agree < n) else None
+
+
+def _elsewhere(a: np.ndarray, b: np.ndarray, devices: int, allowed: float) -> bool:
+    """Whether each device's rows of ``b`` are, within ``allowed``, some device's rows of ``a``: the same examples
+    laid out over the devices in another order (a new step's loop over the groups of rows in another order than
+    the devices'), where no example need agree in its place."""
+    if devices < 2 or a.shape[0] % devices:
+        return False
+    a_, b_ = (x.reshape(devices, -1) for x in (a, b))
+    apart = np.abs(b_[:, None, :] - a_[None, :, :]).max(axis=2, initial=0.0)  # [b's device, a's device]
+    return bool((apart <= allowed).any(axis=1).all())
 
 
 def differing(step: Step, m: Module) -> tuple[tuple[str, object, object], ...]:

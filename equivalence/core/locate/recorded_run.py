@@ -112,7 +112,8 @@ def first_steps(kind: Kind, config: Run, inputs: Inputs, n_twin: twin.TwinKind |
                 jax.effects_barrier()
                 s.side = None
                 draws.into([])  # what the next side's building draws is not its step's
-                s.raw[side] = host(s.raw.get(side, {}))
+                # the new side's module called once for each device's rows (a Python loop over them): one call
+                s.raw[side] = host(s.raw.get(side, {}), 1 if side == 'legacy' else config.devices)
                 results[side].draws = draws.own(draws.Draws(s.draws.get(side, [])))
     finally:
         if compiling is not None:

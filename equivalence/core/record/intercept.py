@@ -132,24 +132,49 @@ def first_rows(a: Any, per_device: int, keep: int = ROWS) -> Any:
     return a[:keep] if np.ndim(a) and np.shape(a)[0] == per_device else a
 
 
-def sampled(arrays: list, levels: list, side: str | None) -> list:
-    """Each value of a call cut to the first ``ROWS`` examples of each device's rows, where its leading axis is
-    the batch (``_SESSION.rows``): the pmap side's per-device value ``[B / D, ...]`` to its first rows, the new
-    side's global one ``[G, ...]`` to the same examples (device d's first rows, in device order), so that
-    ``recorded.value`` joins both into the same examples. A ViT-B at batch 64 sent about 13 GB through the host
-    on a TPU chip, 270 of its check's 559 s (issue 59): what the first step computes module by module is judged
-    on 8 examples a device, each value of them whole. A value vmapped over (``levels``) is kept whole."""
+def sampled(arrays: list, levels: list, side: str | None) -> tuple[list, list, tuple]:
+    """``(values, levels, groups)``: each value of a call cut to the first ``ROWS`` examples of each device's rows,
+    where an axis of it is the batch (``_SESSION.rows``), so that ``recorded.value`` joins both sides' into the same
+    examples: the pmap side's per-device value ``[B / D, ...]`` to its first rows; the new side's global one
+    ``[G, ...]`` to the same examples (device d's first rows, in device order), one laid out over the D groups of
+    rows ``[D, B / D, ...]`` (``nnx.vmap`` over each device's rows, as docs/port.md shows) to each group's first
+    rows, and one group's ``[B / D, ...]`` (a Python loop over the groups) to its first rows, flagged in ``groups``
+    (``recorded.host`` joins the D calls of a module called once a group). A value vmapped over (``levels``) is
+    cut with its batch axes first (``recorded.batch_axes_first``), its levels said so; one a vmap does not map is
+    kept whole. A ViT-B at batch 64 sent about 13 GB through the host on a TPU chip, 270 of its check's 559 s:
+    what the first step computes module by module is judged on 8 examples a device, each value of them whole."""
     if _SESSION.rows is None:
-        return arrays
+        return arrays, levels, tuple(False for _ in arrays)
     keep, devices, batch = _SESSION.rows
+    keep = min(keep, batch // devices)
+    out = [_rows_of(a, lv, side != 'legacy', keep, devices, batch) for a, lv in zip(arrays, levels, strict=True)]
+    return [a for a, _, _ in out], [lv for _, lv, _ in out], tuple(g for _, _, g in out)
+
+
+def _rows_of(a: Any, levels: tuple, new: bool, keep: int, devices: int, batch: int) -> tuple[Any, tuple, bool]:
+    """One value as ``sampled`` keeps it: ``(value, its levels, whether it holds one group's rows)``."""
     per_device = batch // devices
-    if keep >= per_device:
-        return arrays
-    pairs = zip(arrays, levels, strict=True)
-    if side == 'legacy':
-        return [a if lv else first_rows(a, per_device, keep) for a, lv in pairs]
-    rows = np.concatenate([np.arange(keep) + d * per_device for d in range(devices)])
-    return [a[rows] if not lv and a.ndim and a.shape[0] == batch else a for a, lv in pairs]
+    if any(axis is None for axis, _ in levels) or not np.ndim(a):
+        return a, levels, False
+    for k, (axis, _) in enumerate(levels):  # each vmap's axis in front, outermost first
+        a = jax.numpy.moveaxis(a, k + axis, k)
+    levels = tuple((0, size) for _, size in levels)
+    shape = np.shape(a)
+    if not new:
+        return (a[:keep], _resized(levels, 0, keep), False) if shape[0] == per_device else (a, levels, False)
+    if shape[:2] == (devices, per_device):  # [D, B / D, ...], vmapped over the groups or not: each group's
+        return a[:, :keep], _resized(levels, 1, keep), False
+    if shape[0] == batch:  # device d's first rows, in device order
+        a = a.reshape(devices, per_device, *shape[1:])[:, :keep].reshape(devices * keep, *shape[1:])
+        return a, _resized(levels, 0, devices * keep), False
+    if shape[0] == per_device and devices > 1:  # one group's rows
+        return a[:keep], _resized(levels, 0, keep), True
+    return a, levels, False
+
+
+def _resized(levels: tuple, axis: int, size: int) -> tuple:
+    """``levels`` (batch axes first) with the one at ``axis``, where it is a vmap's, now ``size`` long."""
+    return tuple((0, size) if k == axis else level for k, level in enumerate(levels))
 
 
 def _emit(label: str, cls: str, inputs: Any, outputs: Any, names: tuple | None = None, module: Any = None) -> None:
@@ -163,9 +188,7 @@ def _emit(label: str, cls: str, inputs: Any, outputs: Any, names: tuple | None =
         device = 0
     said = settings(module) if module is not None else ()
     values, levels, above = unbatched([*ins, *outs])
-    n_in = len(ins)
-    layout = (tuple(levels[:n_in]), tuple(levels[n_in:]))
-    store = functools.partial(_store, label, cls, s.order, names, said, layout)
+    n_in, groups = len(ins), ()
     from jax._src import core
 
     with core.set_current_trace(above) if above is not None else contextlib.nullcontext():
@@ -173,7 +196,9 @@ def _emit(label: str, cls: str, inputs: Any, outputs: Any, names: tuple | None =
         if s.mesh is not None:  # gathered here: a callback on a sharded value would make XLA do it, loudly
             values = [_whole(a, s.mesh) for a in values]
         if label != GRADS and not isinstance(module, STATISTICS):  # a gradient is no example's; a batch's
-            values = sampled(values, levels, s.side)  # statistics read from a BatchNorm's input need every row
+            values, levels, groups = sampled(values, levels, s.side)  # statistics need every row of its input
+        layout = (tuple(levels[:n_in]), tuple(levels[n_in:]), groups[:n_in], groups[n_in:])
+        store = functools.partial(_store, label, cls, s.order, names, said, layout)
         jax.debug.callback(store, device, values[:n_in], values[n_in:])
 
 

@@ -23,17 +23,22 @@ class Record(NamedTuple):
     calls: int = 1  # how often it was called in the step on one device (a scan's iterations): values the first
 
 
-def host(raw: dict) -> dict[str, Record]:
+def host(raw: dict, groups: int = 1) -> dict[str, Record]:
     """Every kept value read onto the host, keyed by device index: of several steps, the last; of a
     module called several times in a step on a device (each iteration of ``nn.scan`` / ``nnx.scan``, a
     forward pass recomputed by ``remat``), its first call, which nothing of the step's own calls fed
     (``Record.calls`` counts them); a value recorded under ``vmap`` with its batch axes in front,
-    outermost first (``unbatched``)."""
+    outermost first (``unbatched``); a module called once for each of the ``groups`` groups of rows (a new
+    step's Python loop over pmap's devices' rows), its calls joined into one (``joined``). A call on one group's
+    rows recorded several times a step under one label is left out: a transform traced apart (``nnx.scan``'s
+    body) inside a vmap over the groups, whose callback JAX unrolls over them, or inside a loop over them, calls
+    back once a group in no fixed order, and which group's rows a value holds is not known (the modules it
+    feeds are compared still; left in, its rows were compared with nothing, and the modules after it unseen)."""
 
     def read(arrays, layouts):
         return [batch_axes_first(np.asarray(a), levels) for a, levels in zip(arrays, layouts, strict=True)]
 
-    out = {}
+    out, rows = {}, {}
     for label, (cls, order, names, values, settings) in raw.items():
         last = max(call for call, *_ in values)
         first: dict = {}
@@ -43,9 +48,41 @@ def host(raw: dict) -> dict[str, Record]:
                 d = int(np.asarray(d))
                 counts[d] = counts.get(d, 0) + 1
                 first.setdefault(d, (read(i, lay[0]), read(o, lay[1])))
+                rows.setdefault(label, tuple(lay[2:4]))
                 order = traced  # when it finished in the step's own trace
+        if groups > 1 and any(sum(rows[label], ())) and counts.get(0, 0) > 1:
+            continue
         out[label] = Record(cls, order, names, first, settings, max(counts.values()))
+    return joined(out, rows, groups)
+
+
+def joined(records: dict[str, Record], rows: dict[str, tuple], groups: int) -> dict[str, Record]:
+    """A module called once for each group of rows, every call on one group's rows (``rows[label]``: ``(which
+    of its values are one group's rows,)``, ``intercept.sampled``), as the calls ``path``, ``path#1`` ...
+    ``path#(groups - 1)`` of a Python loop over the groups, in order: one record under ``path``, each value the
+    groups' rows joined in the loop's order (group d: pmap device d's rows, as ``x.reshape(D, -1, ...)`` makes
+    them), any other value the first call's. A module called another number of times is left as it is: its
+    one group's rows cannot be compared with every device's, and are never paired with them."""
+    calls: dict[str, list] = {}
+    for label in records:
+        path, _, n = label.partition('#')
+        calls.setdefault(path, []).append((int(n or 0), label))
+    out = dict(records)
+    for path, found in calls.items():
+        labels = [label for _, label in sorted(found)]
+        if groups < 2 or len(labels) != groups or not all(any(sum(rows.get(x, ()), ())) for x in labels):
+            continue
+        parts, flags = [records[label] for label in labels], rows[labels[0]]
+        ins, outs = ([_joined([p.values[0][which][i] for p in parts], flags[which][i])
+                      for i in range(len(parts[0].values[0][which]))] for which in (0, 1))  # fmt: skip
+        for label in labels[1:]:
+            del out[label]
+        out[path] = parts[0]._replace(values={0: (ins, outs)})
     return out
+
+
+def _joined(values: list, rows: bool) -> np.ndarray:
+    return np.concatenate(values) if rows and all(v.shape == values[0].shape for v in values) else values[0]
 
 
 def batch_axes_first(x: np.ndarray, levels: tuple) -> np.ndarray:
@@ -193,14 +230,18 @@ def copy_path(module: nnx.Module, modules: list, active: set, paths: dict) -> st
     """The path of the module that ``module`` is a copy of, inside an NNX transform (``nnx.remat`` and
     ``nnx.scan`` call their function on modules merged anew): the one module of the outermost call's
     graph of its class whose variables have its shapes (a scanned stack's: with the stack's leading
-    axis); None where none or several do (not recorded, rather than recorded as another's). Its own
-    submodules are named under it (in ``paths``). ``modules``: (path, module) of the outermost call's graph;
-    ``active``: the modules whose call is running."""
+    axis), and where several do, the one of them under the innermost module whose call is running (each of a
+    NeRF's two MLPs scanning its own stack of layers of one shape); None where none or several do (not recorded,
+    rather than recorded as another's). Its own submodules are named under it (in ``paths``). ``modules``:
+    (path, module) of the outermost call's graph; ``active``: the modules whose call is running."""
     want = shapes(module)
     found = [
         (p, m) for p, m in modules
         if type(m) is type(module) and stacked_or_same(shapes(m), want) and id(m) not in active
     ]  # fmt: skip
+    if len(found) > 1:  # alike (two MLPs' stacked layers): the one under the module whose call made the copy
+        caller = max((paths[i] for i in active if i in paths), key=len, default='')
+        found = [(p, m) for p, m in found if caller and p.startswith(caller + '/')]
     if len(found) != 1:
         return None
     path = found[0][0]
