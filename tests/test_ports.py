@@ -301,3 +301,22 @@ def test_built_in_workloads_are_model_ports():
 
     assert all(isinstance(wl, ModelPort) for wl in workloads.WORKLOADS.values())
     assert workloads.get('my_port:MODEL') is my_port.MODEL
+
+
+def test_a_one_key_loop_handed_per_device_keys_is_told_the_fix():
+    """A new side that takes one key a call, checked with per-device keys (the port left ``rng_modes`` at its
+    default, per-device first): the pre-flight's line names the fix, ``rng_modes=('global',)`` or the per-device
+    recipe, not JAX's 'split accepts a single key' alone."""
+    from equivalence.core.port.config import RunConfig
+    from equivalence.core.preflight import PreflightError
+
+    require_devices(2)
+    port = dataclasses.replace(my_port.LOOP, name='one-key', rng_modes=('per-device', 'global'))
+    config = RunConfig(workload=port.name, devices=2, steps_per_call=2, calls=1, batch_size=8)
+    with pytest.raises(PreflightError) as refused:
+        harness.prepare(port, config)
+    assert 'new_call raised ValueError: split accepts a single key' in str(refused.value)
+    assert (
+        "fix: the step takes one key and was handed per-device keys ([2, 2]): give the port rng_modes=('global',)"
+        in str(refused.value)
+    )

@@ -263,7 +263,7 @@ def test_a_flax_train_state_lists_what_it_does_not_compare(results):
     # The report's header says how each side ran, not the suite's own pmap(scan) loop.
     assert ': legacy pmap(step) x K vs NNX ' in render.header(results['key in state'], 'cpu')
     fused = results['state_rng, scan, fused nnx']
-    assert ': legacy pmap(scan) vs NNX sharded scan on 2 ' in render.header(fused, 'cpu')
+    assert ': legacy pmap(scan) vs NNX new_call on 2 ' in render.header(fused, 'cpu')
     for form in NO_COUNTER:
         assert ('step', Skip.NO_STEP) in skipped(results[form].notes), results[form].notes
     # A metric the step does not pmean differs between devices: named, not compared as if global.

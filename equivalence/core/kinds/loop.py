@@ -152,7 +152,7 @@ class FusedLoop(Loop):
         return adapters.wrapped_notes(self.port)
 
     def programs(self) -> tuple[str, str]:
-        return 'pmap(scan)', 'NNX sharded scan' if self.port.nnx_model is not None else 'sharded scan (linen, jax.jit)'
+        return 'pmap(scan)', 'NNX new_call' if self.port.nnx_model is not None else 'new_call (linen, jax.jit)'
 
     def key_draws_per_call(self, config: Run) -> int:
         return 1

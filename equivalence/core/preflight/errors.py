@@ -28,6 +28,11 @@ FIXES = (  # (pattern in the error, fix); {axis} is the port's axis_name
     (re.compile(r'should match the mesh passed to shard_map'), 'give the step itself: the suite pmaps it'),
     (re.compile(r'carry'), 'return the carry ((rng, state)) with the structure, shapes and dtypes it came in with'),
     (re.compile(r"no attribute '(params|opt_state|step)'"), 'give the port legacy_groups='),
+    (  # one key a call, handed --rng per-device's [D, 2]: the port's first rng mode is per-device
+        re.compile(r'(?:split|fold_in) accepts a single key, but was given a key array of shape \((\d+), 2\)'),
+        "the step takes one key and was handed per-device keys ([{0}, 2]): give the port rng_modes=('global',), "
+        'or split the keys per device as docs/randomness.md#per-device-keys-and-nnx-layers shows',
+    ),
 )
 
 

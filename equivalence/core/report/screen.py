@@ -44,6 +44,16 @@ PLACES = {
 }
 
 
+# What an update that parts implies, by what its size reads as (``implied``'s ``update``).
+UPDATES = {
+    'step factor': 'a learning rate, a schedule value (a warmup, a decay) or a gradient scale',
+    'nesterov': 'Nesterov momentum on one side',
+    'decay': 'a decoupled weight decay that differs',
+    'masked decay': "a weight decay's mask that differs",
+    'eps': "an adaptive optimizer's eps",
+}
+
+
 def lines(result: RunResult) -> list[str]:
     """From ``verdict:`` to the end of the first screen."""
     out = [*verdict(result), *diagnosis(result), *where(result), *sure(result), *cost(result)]
@@ -101,16 +111,20 @@ def where(result: RunResult) -> list[str]:
     elif settings:
         said += f'; settings differ: {settings}'
     elif reading.get('update_factor') is not None:
-        said += f'; it steps {reading["update_factor"]:.6g}x the pmap side'
+        cause = UPDATES.get(reading.get('update'))
+        said += f'; it steps {reading["update_factor"]:.6g}x the pmap side' + (f': {cause}' if cause else '')
+    elif reading.get('update') in UPDATES:
+        said += f': {UPDATES[reading["update"]]}'
     elif reading.get('by') in ('update', 'parameter') and reading.get('r2') is not None:
         cause = 'a learning rate or schedule' if reading['by'] == 'update' else 'a weight decay or its mask'
         said += f'; each call the difference grows with the {reading["by"]} (r² {reading["r2"]:.2f}): {cause}'
     elif reading.get('apart') is not None and reading.get('allowed') is not None:
         said += f' ({reading["apart"]:.1e} apart, allowed {reading["allowed"]:.1e})'
-    return [
-        f'where: {said}',
-        *(['  note: the diagnosis and where: disagree; trust where:'] if words.disagree(v) else []),
-    ]
+    if reading.get('step', 1) > 1:  # a later step: the first moved nothing (a warmup from 0) or agreed
+        zero = "; step 1's update is 0, as warmup gives" if reading.get('first_update_zero') else ''
+        said = f'on step {reading["step"]} (nothing parts before it{zero}): {said}'
+    note = ['  note: the diagnosis and where: disagree; trust where:'] if words.disagree(v) else []
+    return [f'where: {said}', *note]
 
 
 def sure(result: RunResult) -> list[str]:

@@ -72,10 +72,10 @@ def one_program_each(port: LoopPort, command: str) -> None:
 
 
 def programs(port: LoopPort) -> tuple[str, str]:
-    """How each side's K steps ran, for the report's header: ``('pmap(step) x K', 'NNX sharded scan')``;
-    a new side with no NNX model (linen under ``jax.jit``) is not called NNX."""
+    """How each side's K steps ran, for the report's header: ``('pmap(step) x K', 'NNX new_call')``, the port's
+    own call named as its field; a new side with no NNX model (linen under ``jax.jit``) is not called NNX."""
     legacy_run = 'pmap(step) x K' if legacy_loop(port) == 'steps' else 'pmap(scan)'
-    new_run = 'new_step x K' if port.new_step is not None else 'sharded scan'
+    new_run = 'new_step x K' if port.new_step is not None else 'new_call'
     return legacy_run, f'NNX {new_run}' if port.nnx_model is not None else f'{new_run} (linen, jax.jit)'
 
 
