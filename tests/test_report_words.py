@@ -187,3 +187,26 @@ def test_a_diagnosis_that_disagrees_with_where_is_said_under_it():
     )
     agreeing = Verdict(Outcome.MISMATCH, 'measured', diagnosis=Diagnosis(Finding.MATH, (LOSS,)), location=module)
     assert words.lines(agreeing)[-1].startswith('where: module')  # the control: no such line
+
+
+def test_the_first_screen_says_the_place_its_step_and_cause_in_lines_of_100():
+    """The short where: of a warmup's slip keeps the step it parts on and what the update's size implies; a loss
+    term's place names the term; each line is at most ``screen.WIDTH`` characters, wrapped, not cut."""
+    import types
+
+    from equivalence.core.compare.location import Location, read
+    from equivalence.core.report import screen
+
+    def said(location: Location) -> list[str]:
+        v = Verdict(Outcome.MISMATCH, 'measured', location=location)
+        return [x for line in screen.where(types.SimpleNamespace(verdict=v)) for x in screen.fit(line)]
+
+    warmup = Location('update', 'the update rule', 'the update rule', '', read=read(
+        step=2, exact=True, first_update_zero=True, update='step factor', update_factor=0.8))  # fmt: skip
+    lines = said(warmup)
+    assert lines[0].startswith("where: on step 2 (nothing parts before it; step 1's update is 0, as warmup gives)")
+    assert 'a learning rate, a schedule value' in ' '.join(x.strip() for x in lines)
+    assert all(len(x) <= screen.WIDTH for x in lines)
+    term = Location('loss', 'loss term losses/distortion', 'loss term losses/distortion', '',
+                    read=read(parts='loss term', terms=('losses/distortion',)))  # fmt: skip
+    assert said(term)[0].startswith('where: the loss term losses/distortion: it parts, the other terms agree')

@@ -120,9 +120,10 @@ def where(result: RunResult) -> list[str]:
         said += f'; each call the difference grows with the {reading["by"]} (r² {reading["r2"]:.2f}): {cause}'
     elif reading.get('apart') is not None and reading.get('allowed') is not None:
         said += f' ({reading["apart"]:.1e} apart, allowed {reading["allowed"]:.1e})'
-    if reading.get('step', 1) > 1:  # a later step: the first moved nothing (a warmup from 0) or agreed
+    if 'exact' in reading and reading.get('step', 1) > 1:  # a later step: the first moved nothing (a warmup) or agreed
         zero = "; step 1's update is 0, as warmup gives" if reading.get('first_update_zero') else ''
-        said = f'on step {reading["step"]} (nothing parts before it{zero}): {said}'
+        before = 'nothing parts before it' if reading['exact'] else 'nothing parted on steps 1 and 2'
+        said = f'on step {reading["step"]} ({before}{zero}): {said}'
     note = ['  note: the diagnosis and where: disagree; trust where:'] if words.disagree(v) else []
     return [f'where: {said}', *note]
 
