@@ -53,6 +53,7 @@ class _Session:
         self.order = 0
         self.call = 0  # the recorded run's calls so far (one step each): a value is kept with its call
         self.paths: dict[int, str] = {}  # NNX: id(module) -> its path under the outermost module called
+        self.copies: list = []  # NNX: the copies ``paths`` names, held so that no later object takes their id
         self.modules: list = []  # NNX: (path, module) of the outermost call's graph
         self.active: set[int] = set()  # NNX: modules whose __call__ is running
         self.linen_active: set[int] = set()  # linen: the same
@@ -254,10 +255,13 @@ def _nnx_call(method: Callable) -> Callable:
             return method(self, *args, **kwargs)
         if not s.active:  # the outermost call: every module under it by path
             s.modules = [('/'.join(map(str, p)), m) for p, m in nnx.iter_graph(self) if isinstance(m, nnx.Module)]
-            s.paths = {id(m): p for p, m in s.modules}
+            s.paths, s.copies = {id(m): p for p, m in s.modules}, []
         path = s.paths.get(id(self))
         if path is None and s.active:  # a copy an NNX transform made (nnx.remat, nnx.scan): its original's
             path = copy_path(self, s.modules, s.active, s.paths)
+            # held while the outermost call runs: a copy freed, its id taken by the next copy (the other MLP's
+            # stack), would name that one as this one (a correct port's scanned layers not paired, in a long run)
+            s.copies.extend(m for _, m in nnx.iter_graph(self) if isinstance(m, nnx.Module))
         if path is None:
             return method(self, *args, **kwargs)
         s.active.add(id(self))
