@@ -312,6 +312,10 @@ def test_a_swapped_activation_is_the_code_between_two_agreeing_modules():
     assert (loc.kind, loc.legacy, loc.new) == ('between', 'LayerNorm_0 → Dropout_0', 'norm → drop'), loc.line()
     m = first(loc)
     assert not m.input_ok and loc.modules[loc.first - 1].legacy == 'LayerNorm_0'
+    # the call before, by the order the calls finished: no data flow is claimed (google/mipnerf's level 1, tried
+    # blind, was said fed by 'the code after' its rgb head, where its density head feeds it)
+    assert (loc.reading['before'], loc.reading['call']) == ('LayerNorm_0', 'Dropout_0'), loc.reading
+    assert 'the code between LayerNorm_0 (the call before) and Dropout_0 differs' in loc.figures, loc.figures
 
 
 def test_an_activation_after_a_linen_self_attention_with_dropout_is_located_after_it():

@@ -7,6 +7,7 @@ corpus marks 'placed' placed. Any change to the recording (what rows it keeps, h
 Below it, the rows kept on each side, without running JAX programs."""
 
 import functools
+import types
 
 import location_corpus_ports as cp
 import numpy as np
@@ -14,8 +15,11 @@ import pytest
 from conftest import require_devices
 
 from equivalence.core import harness
-from equivalence.core.record import intercept, recorded
+from equivalence.core.compare import location
+from equivalence.core.locate import stages
+from equivalence.core.record import intercept, pairing, recorded
 from equivalence.core.record.recorded import Record
+from equivalence.core.report import screen
 
 
 @functools.cache
@@ -134,3 +138,59 @@ def test_one_groups_rows_recorded_in_no_known_order_are_left_out():
     raw = {'layers': ('Dense', 1, None, [entry(True), entry(True)], ()), 'head': ('Dense', 2, None, [entry(True)], ())}
     assert list(recorded.host(raw, 2)) == ['head']
     assert list(recorded.host({'layers': ('Dense', 1, None, [entry(False), entry(False)], ())}, 1)) == ['layers']
+
+
+def test_a_linen_module_pairs_with_the_nnx_module_that_holds_exactly_what_it_holds():
+    """``pairing.pairs``: an NNX port that keeps its layers in a list (``mlp/layers/0``, one level deeper than
+    linen's ``MLP_0/Dense_0``, beside ``mlp/density``; google/mipnerf's, tried blind) pairs linen's MLP with its MLP
+    and the model with the model, each call in turn; a module holding one other is not its child. The controls: an
+    NNX side with no module for the MLP (its layers at the top) leaves it unpaired, as does one whose module holds a
+    layer the linen module does not."""
+
+    def paired(mapping: dict, legacy: list, new: list) -> dict:
+        record = lambda cls: Record(cls, 0, None, {})  # noqa: E731
+        return pairing.pairs({label: record('Dense') for label in legacy}, {label: record('Linear') for label in new},
+                             mapping, None)  # fmt: skip
+
+    deeper = {'MLP_0/Dense_0/kernel': 'mlp/layers/0/kernel', 'MLP_0/Dense_4/kernel': 'mlp/density/kernel'}
+    found = paired(deeper, ['MLP_0/Dense_0', 'MLP_0/Dense_4', 'MLP_0', 'MLP_0#1', ''],
+                   ['mlp/layers/0', 'mlp/density', 'mlp', 'mlp#1', ''])  # fmt: skip
+    assert found == {'MLP_0/Dense_0': 'mlp/layers/0', 'MLP_0/Dense_4': 'mlp/density', 'MLP_0': 'mlp',
+                     'MLP_0#1': 'mlp#1', '': ''}  # fmt: skip
+    nested = {f'Block_0/{k}': f'block/{v}' for k, v in deeper.items()}
+    assert paired(nested, ['Block_0/MLP_0', 'Block_0'], ['block/mlp', 'block']) == {
+        'Block_0/MLP_0': 'block/mlp', 'Block_0': 'block'}  # fmt: skip
+    flat = {'MLP_0/Dense_0/kernel': 'layers/0/kernel', 'MLP_0/Dense_4/kernel': 'density/kernel'}
+    assert 'MLP_0' not in paired(flat, ['MLP_0', ''], ['layers/0', 'density', ''])  # not the model
+    more = {**deeper, 'Head_0/Dense_0/kernel': 'mlp/head/kernel'}  # NNX's mlp holds linen's head too
+    assert 'MLP_0' not in paired(more, ['MLP_0', 'Head_0', ''], ['mlp', 'mlp/head', ''])
+
+
+def test_the_loss_is_no_place_while_the_models_output_was_not_compared():
+    """Every module call compared agrees and the loss parts: the loss is the place only where the model's own
+    output agrees too; the outermost call recorded and not paired leaves the model's code after its last compared
+    call unseen (google/mipnerf's rgb padding, tried blind, its model unpaired, was placed at the loss)."""
+    dense = location.Module('MLP_0/Dense_0', 'mlp/layers/0', 'Dense', 0.0, 1e-6, True, 0.0, 1e-6, 1e-7, True)
+    results = {side: types.SimpleNamespace(losses=np.float32([x]), metrics={})
+               for side, x in (('legacy', 1.0), ('new', 1.1), ('twin', 1.1))}  # fmt: skip
+    raw = {'legacy': {'': None, 'MLP_0/Dense_0': None}, 'new': {'': None, 'mlp/layers/0': None}}
+    kind = types.SimpleNamespace(loss_names=lambda: ("the pmap step's loss", "the new step's loss"))
+
+    def loss(modules: list) -> location.Location:
+        return stages.loss(stages.Step(kind, results, raw, {}, {}, modules, {'MLP_0/Dense_0': 'mlp/layers/0'}))
+
+    unseen = loss([dense])
+    assert unseen.why is location.Unplaced.OUTPUT_UNCOMPARED and unseen.reading['apart'] > 0, unseen.line()
+    root = location.Module(location.ROOT, location.ROOT, 'Model', 0.0, 1e-6, True, 0.0, 1e-6, 1e-7, True)
+    assert loss([dense, root]).kind == 'loss'  # the control: the model's output compared, and agreeing
+
+
+def test_the_first_screen_names_each_place_by_the_order_of_the_calls_not_a_data_flow():
+    """The first screen's ``where:`` for the corpus's places: the code between two calls is named by their order
+    (no data flow is observed: google/mipnerf's level 1 is fed by level 0's density head, the call before it is the
+    rgb head); the model's own code after its submodules, by what agrees; the step's own draws once."""
+    said = lambda structure, name: screen.where(checked(structure, name))[0]  # noqa: E731
+    assert said('vmap', 'relu-density').startswith('where: the code inside prop_mlp: its inputs and its submodule')
+    assert said('vmap', 'near-plane').startswith('where: the code before prop_mlp/Dense_0, the first call, from the')
+    assert said('loop', 'rgb-padding').startswith('where: the code inside (the model): its inputs and its submodule')
+    assert said('vmap', 'key-folded').startswith("where: the step's own random draws: ")

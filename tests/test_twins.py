@@ -10,6 +10,7 @@ is the run's own program (``run/nudge.py``; ``tests/test_one_chip.py``), which n
 
 import dataclasses
 import json
+import types
 
 import jax
 import numpy as np
@@ -21,7 +22,16 @@ from noisy_ports import PER_DEVICE, QUICK, nnx_step
 from equivalence.core import harness, kinds
 from equivalence.core.compare import compare
 from equivalence.core.compare import rule as verdict
-from equivalence.core.compare.findings import Finding, Memory, NoTwin, Refusal, TwinRefused, Twins, Unmeasured
+from equivalence.core.compare.findings import (
+    Finding,
+    LegacyTwin,
+    Memory,
+    NoTwin,
+    Refusal,
+    TwinRefused,
+    Twins,
+    Unmeasured,
+)
 from equivalence.core.compare.outcome import Outcome
 from equivalence.core.port import loading, workloads
 from equivalence.core.port.config import RunConfig
@@ -185,3 +195,27 @@ def test_a_fresh_process_that_fails_says_why_in_a_json_record_not_a_line_read_ba
     assert fresh.failure(said, proc) == f'FileNotFoundError: {ended["message"]}'
     died = subprocess.CompletedProcess(command, -9, '', 'Fatal Python error: Aborted\n')
     assert fresh.failure(str(tmp_path / 'none.json'), died) == 'Fatal Python error: Aborted'
+
+
+def test_a_loop_ports_legacy_twin_that_its_per_device_keys_part_is_said_as_expected():
+    """A loop port's own step, on another device count, is handed that count's keys, not the run's per-device keys:
+    where it draws from its device's key it computes another run, which is expected, and said so as information
+    (google/mipnerf's step at D = 4 read 'refused: ... 93295 float32 spacings ... it does not compute the same
+    thing'). The controls: global keys, or a twin handed the run's key rows, refused, say it plainly. No JAX runs."""
+    params = [{'w': np.ones(3, np.float32)}]
+    old = types.SimpleNamespace(params_per_call=params, final={}, start=params[0], losses=np.float32([0.376, 0.35]))
+    twins = {1: types.SimpleNamespace(params_per_call=params)}
+    other = types.SimpleNamespace(params_per_call=params, losses=np.float32([0.379, 0.36]))
+
+    def ran(rng_mode: str, by_rows: bool = False):
+        kind = types.SimpleNamespace(legacy_twin=lambda config, n, inputs: (other, by_rows))
+        config = types.SimpleNamespace(devices=4, strategy='dp', calls=2, rng_mode=rng_mode)
+        return legacy_twin.run(kind, config, old, old, twins, types.SimpleNamespace(recorded=None))[1]
+
+    expected = ran('per-device')
+    assert expected.ran is LegacyTwin.Ran.REFUSED and expected.keys_of == 4, expected
+    said = words.legacy_twin(expected)
+    assert said.startswith('legacy twin on 1 device(s) not used as a floor, as expected: with per-device keys')
+    assert 'refused' not in said and "its loss at step 1 0.379000008, the run's 0.375999987" in said, said
+    for plain in (ran('global'), ran('per-device', by_rows=True)):
+        assert plain.keys_of is None and words.legacy_twin(plain).startswith('legacy twin on 1 device(s) refused')

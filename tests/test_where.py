@@ -320,3 +320,23 @@ def test_the_diagnosis_never_contradicts_where_and_says_so_where_it_would():
     assert words.disagree(said) and f'  {words.disagreement(said)}' in words.lines(said)
     agreed = dataclasses.replace(said, location=locate.Location('module', 'Dense_0', 'fc1', 'computes else'))
     assert not words.disagree(agreed) and f'  {words.disagreement(agreed)}' not in words.lines(agreed)
+
+
+def test_a_difference_in_a_reported_metric_alone_is_said_so_and_placed_nowhere():
+    """Only a metric the steps report parts (google/mipnerf's port, tried blind, computed its clipped gradient norm as
+    ``min(norm, max_norm)`` where upstream takes the norm of the clipped gradients: 9 float32 spacings at D = 4, no
+    twin moves a clamped value), every parameter, slot and loss within its floor: the diagnosis says a reported
+    metric differs, not 'the update differs', and ``where:`` names no stage, recording nothing. The controls: a
+    parameter apart as well is the update; a MISMATCH with no group named is located as before."""
+    ref, new = ({'params': {'w': np.ones(3, np.float32)}, 'metrics': {'clipped': np.float32(x)}} for x in (0.05, 0.06))
+    only = compare.compare_to_floor(ref, new, new, verdict.MEASURED_FLOOR)  # the twin at the new side: a floor of 0
+    diagnosed = verdict.diagnose(only, None, None, False)
+    assert diagnosed.kind is Finding.METRICS and [leaf.name for leaf in diagnosed.leaves] == ['metrics/clipped']
+    assert words.diagnosis(diagnosed).startswith('the losses, parameters and optimizer state agree within their')
+    also = {**new, 'params': {'w': np.full(3, 2.0, np.float32)}}
+    assert verdict.diagnose(compare.compare_to_floor(ref, also, also, verdict.MEASURED_FLOOR), None, None,
+                            False).kind is Finding.UPDATE  # fmt: skip
+    nothing_recorded = types.SimpleNamespace()  # the locator returns before it reads the recording
+    found = locate.locate(None, None, types.SimpleNamespace(mapping={}), nothing_recorded,
+                          locate.Seen(failed=frozenset({'metrics'})))  # fmt: skip
+    assert found.why is Unplaced.METRICS_ONLY and found.kind == 'unlocated', found.line()

@@ -21,6 +21,7 @@ class Finding(enum.StrEnum):
     RANDOMNESS = 'randomness'
     STATE = 'state'
     EMA = 'ema'
+    METRICS = 'metrics'  # only metrics the steps report differ: the training agrees
     OPTIMIZER = 'optimizer'
     UPDATE = 'update'
     UNMEASURED = 'unmeasured'
@@ -158,6 +159,9 @@ class LegacyTwin:
     why: object = ''  # NOT_RUN: a ``Skip``, an ``Excess`` (NNX off early) or why not here; RAISED: its first
     # line; REFUSED: a ``Refusal``
     rows: int | None = None  # it drew with the run's per-device keys, this many rows
+    # REFUSED where the run's keys are per device and the twin is not handed them (a loop port's own step): the
+    # run's device count. Expected, not a fault: a step that draws from its device's key draws otherwise there.
+    keys_of: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

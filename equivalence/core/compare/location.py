@@ -76,6 +76,8 @@ class Unplaced(enum.StrEnum):
     ACROSS_VERSIONS = 'across versions'  # a reference of another JAX, and no pmap code here to place it against
     UPGRADE = 'upgrade'  # a reference of another JAX; against the pmap code run here, nothing parts
     LATER = 'later'  # a MISMATCH whose recorded steps all agree: it parts later, or adds up below each step's floor
+    OUTPUT_UNCOMPARED = 'output uncompared'  # the loss parts, and the model's outermost call was not compared
+    METRICS_ONLY = 'metrics only'  # only metrics the steps report part: the training agrees
 
 
 # The diagnoses (``findings.Finding``, by value) each kind of place is consistent with; a diagnosis of another kind

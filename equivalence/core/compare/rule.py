@@ -236,6 +236,8 @@ def diagnose(
         return Diagnosis(Finding.STATE, later, sided)
     if all(leaf.group == 'ema' for leaf in later):
         return Diagnosis(Finding.EMA, later, sided)
+    if all(leaf.group == 'metrics' for leaf in later):  # the losses, parameters and optimizer state agree
+        return Diagnosis(Finding.METRICS, later, sided)
     if placed in EARLIER:  # what the final leaves show grew from a place the first step's records found
         return Diagnosis(Finding.MATH, later, sided, grads_checked=grads_checked, placed=placed)
     return Diagnosis(Finding.OPTIMIZER if grads_checked else Finding.UPDATE, later, sided, grads_checked=grads_checked)

@@ -47,6 +47,7 @@ from equivalence.core.run.inputs import Inputs
 from equivalence.core.state import states
 
 WARMUP = 'the first update is 0'  # what a 'none' at step 1 says under a warmup from 0
+METRICS_ONLY = 'not located: only metrics the steps report part, the training agrees: a step computes them otherwise'
 
 
 TRAINING = ('forward', 'loss', 'backward', 'update')  # stages that say the training itself differs
@@ -216,6 +217,8 @@ def locate(port_kind: Kind, config: Run, inputs: Inputs, recorder: Recorder, see
         return Location('unlocated', '', '', f'not located: the batch of step {seen.data_step} holds NaN or Inf, on '
                         'both sides; what each side makes of it is the non-finite line above',
                         why=Unplaced.DATA_NOT_FINITE)  # fmt: skip
+    if seen.failed and seen.failed <= {'metrics'}:  # nothing the training holds parts: no step to record
+        return Location('unlocated', '', '', METRICS_ONLY, why=Unplaced.METRICS_ONLY)
     apart = not_reproduced(recorder.runs[0], seen)
     if apart:
         return Location('unlocated', '', '', f'not located: {apart}', why=Unplaced.NOT_REPRODUCED)

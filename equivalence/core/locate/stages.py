@@ -10,7 +10,7 @@ import dataclasses
 import numpy as np
 
 from equivalence.core.compare import compare
-from equivalence.core.compare.location import ROOT, Location, Module, over, read, sci
+from equivalence.core.compare.location import ROOT, Location, Module, Unplaced, over, read, sci
 from equivalence.core.compare.rule import MEASURED_FLOOR
 from equivalence.core.port.kind import Kind
 from equivalence.core.record import intercept, pairing
@@ -238,8 +238,19 @@ def _term_location(step: Step, parted: list, agreed: list[str], loss: compare.Le
 
 
 def _loss_location(step: Step, figures: str, values: tuple) -> Location:
-    """A ``loss`` location: the two sides' loss functions, and whether the model's output agrees first."""
+    """A ``loss`` location: the two sides' loss functions, and whether the model's output agrees first. Not
+    located where the pmap side's outermost module call was recorded and not compared (not paired): the model's
+    own code after its last compared call is then unseen, and the loss is no better a place than it (google/mipnerf's
+    rgb padding, tried blind, its model unpaired, was 'loss')."""
     root = next((m for m in step.modules if m.legacy == ROOT), None)
+    if root is None and '' in step.raw.get('legacy', {}):
+        return Location(
+            'unlocated', '', '',
+            "not located: every module call compared agrees and the loss parts, but the model's output was not "
+            'compared (its outermost call is not paired with a new one): the model\'s own code after its last compared '
+            'call may be where they part as well as the loss',
+            why=Unplaced.OUTPUT_UNCOMPARED, read=values,
+        )  # fmt: skip
     model = f"the model's output agrees ({sci(root.output_diff)} apart); " if root is not None else ''
     names = step.port_kind.loss_names()
     output = read(output_apart=root.output_diff) if root is not None else ()

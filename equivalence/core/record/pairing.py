@@ -10,6 +10,7 @@ three neutral trees (legacy, NNX, twin) that the verdict's rule compares leaf by
 """
 
 import contextlib
+import os
 
 import numpy as np
 
@@ -30,17 +31,31 @@ def _renamed(path: str, names) -> str:
 
 
 def _module_target(path: str, mapping: dict[str, str], names) -> str | None:
-    """The NNX module that holds what linen module ``path`` holds; None when that is not one module."""
+    """The NNX module that holds what linen module ``path`` holds; None when no one module holds exactly that.
+
+    Each of its leaves' NNX paths cut at ``path``'s depth names a candidate; where they differ (an NNX port keeps
+    its layers in a list, ``mlp/layers/0``, one level deeper than linen's ``MLP_0/Dense_0``, beside
+    ``mlp/density``), the module is their common ancestor, provided it holds no leaf that ``path`` does not
+    (google/mipnerf's MLP and model, tried blind, were never paired, so the model's output was never compared)."""
     depth = len(path.split('/')) if path else 0
-    found = set()
+    found, news = set(), set()
     for leaf, new in mapping.items():
         if path and not leaf.startswith(path + '/'):
             continue
         below, parts = leaf.count('/') + 1 - depth, new.split('/')
         found.add('/'.join(parts[: len(parts) - below]) if len(parts) >= below else None)
+        news.add(new)
     if not found:
         return _renamed(path, names)
-    return found.pop() if len(found) == 1 else None
+    if len(found) == 1:
+        return found.pop()
+    if None in found:
+        return None
+    common = '/'.join(os.path.commonprefix([candidate.split('/') for candidate in found]))
+    if path and not common:  # the NNX root holds what the linen root holds; a submodule is not the model
+        return None
+    held = {new for new in mapping.values() if not common or new.startswith(common + '/')}
+    return common if held == news else None
 
 
 def pairs(legacy: dict[str, Record], nnx_: dict[str, Record], mapping: dict[str, str], names) -> dict[str, str]:

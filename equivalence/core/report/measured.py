@@ -127,6 +127,13 @@ def refusal(r: Refusal) -> str:
     return r.detail  # DRAWS: the run room's words on the draws
 
 
+def parted(r: Refusal) -> str:
+    """What a twin refused for what it computes computed otherwise: its loss, or a parameter after the first call."""
+    if r.why is Refusal.Why.SPACINGS:
+        return f"its loss at step {r.step} {r.twin:.9g}, the run's {r.run:.9g}"
+    return f'after the first call, {excess(r.excess)}'
+
+
 def excess(e: Excess) -> str:
     return f'params/{e.path} {e.spread:.2e} from the legacy run (allowed {e.limit:.2e})'
 
@@ -142,6 +149,13 @@ def legacy_twin(record: LegacyTwin) -> str:
         return f'legacy twin not run: {SKIPS.get(record.why, record.why)}'
     if record.ran is ran.RAISED:
         return f'{on} not run: it raised {record.why}'
+    expected = (Refusal.Why.SPACINGS, Refusal.Why.EARLY)  # what it computes, not a NaN
+    if record.ran is ran.REFUSED and record.keys_of is not None and getattr(record.why, 'why', None) in expected:
+        return (
+            f'{on} not used as a floor, as expected: with per-device keys the pmap step there is handed '
+            f"{record.devices} key(s), not the run's {record.keys_of}, and a step that draws from its device's key "
+            f"computes another run there ({parted(record.why)}); the run's own twins measure the floor"
+        )
     if record.ran is ran.REFUSED:
         return f'{on} {refusal(record.why) if isinstance(record.why, Refusal) else record.why}'
     keys = f", drawing with the run's {record.rows} per-device keys" if record.rows else ''

@@ -24,6 +24,7 @@ DIAGNOSES = {
     Finding.UPDATE: "the update: the first step's loss agrees, the state after training does not",
     Finding.STATE: 'running statistics: only the model state differs',
     Finding.EMA: 'the EMA: only the averaged parameters differ',
+    Finding.METRICS: 'a reported metric: the training agrees, a metric the steps report does not',
     Finding.NON_FINITE: 'NaN or Inf: a side computed a value that is not finite',
     Finding.BOOKKEEPING: 'bookkeeping: leaves on one side only, nothing numeric differs',
     Finding.UNMEASURED: 'no floor was measured to tell noise from a slip',
@@ -32,9 +33,9 @@ DIAGNOSES = {
 # Where the first step parts, as a short cause, by the location's kind; {at} is its place on both sides.
 PLACES = {
     'module': '{at} computes something else: its inputs agree, its output does not',
-    'between': 'the code before {at}: the call before agrees, its input does not',
+    'between': 'the code before {at}: the calls before agree, its input does not',
     'randomness': '{at} draws other random numbers',
-    'loss': "the loss: the model's output agrees, the loss does not",
+    'loss': 'the loss: every module call compared agrees, the loss does not',
     'backward': 'the backward pass: the loss agrees, the gradients do not',
     'statistics': '{at} updates its running statistics otherwise',
     'update': '{at}: the gradients agree, the update does not',
@@ -102,8 +103,19 @@ def where(result: RunResult) -> list[str]:
         return [f'where: not located ({loc.why.value if loc.why is not None else "no evidence"})']
     at = loc.legacy if loc.legacy == loc.new or not loc.new else f'{loc.legacy} ↔ {loc.new}'
     said = PLACES.get(str(loc.kind), '{at}').format(at=at)
-    settings = ', '.join(f'{name} {a} ↔ {b}' for name, a, b in loc.settings[:2])
     reading = loc.reading
+    if loc.kind == 'between' and reading.get('inside') is not None:  # its inputs and submodules agree
+        said = f'the code inside {reading["inside"]}: its inputs and its submodule calls agree, its output does not'
+    elif loc.kind == 'between' and reading.get('before') is not None:  # the order of the calls, no data flow
+        said = (f'the code between {reading["before"]} and the call after it, {reading["call"]}: every call before '
+                'agrees, its input does not')  # fmt: skip
+    elif loc.kind == 'between' and reading.get('call') is not None:
+        said = f"the code before {reading['call']}, the first call, from the step's inputs: its input differs"
+    elif loc.kind == 'randomness' and reading.get('draws') is not None:  # the step's own draws, not a module's
+        said = f"the step's own random draws: {reading['differ']} of the pmap step's {reading['draws']} differ"
+    elif loc.kind == 'loss' and reading.get('output_apart') is not None:
+        said = "the loss: the model's output agrees, the loss does not"
+    settings = ', '.join(f'{name} {a} ↔ {b}' for name, a, b in loc.settings[:2])
     if reading.get('parts') == 'loss term':
         said = f'the loss term {", ".join(reading["terms"])}: it parts, the other terms agree (its weight?)'
     elif 'clipping' in loc.legacy:

@@ -148,6 +148,12 @@ def diagnosis(d: Diagnosis | None) -> str:
             f'{later}; the EMA is updated differently (its decay, its arithmetic, or which parameters '
             'it averages)' + also
         )
+    if d.kind is Finding.METRICS:
+        return (
+            f'the losses, parameters and optimizer state agree within their floors; only metrics the steps report '
+            f'do not: {later}; the step computes them otherwise (a formula, an epsilon, what they are taken of), '
+            'not the training' + also
+        )
     if d.kind is Finding.MATH:
         return (
             f"the first step's loss agrees within its floor{' (and its gradients)' if d.grads_checked else ''}, later "

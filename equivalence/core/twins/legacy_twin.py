@@ -92,8 +92,9 @@ def run(kind: Kind, config: Run, old, new, twins: dict, inputs: Inputs):
     if refusal is None:  # on another count it computes something else
         excess = rule.early_excess(old.params_per_call[0], other.params_per_call[0], *first_call)
         refusal = Refusal(Refusal.Why.EARLY, side='legacy', excess=excess) if excess is not None else None
-    if refusal is not None:
-        return None, LegacyTwin(LegacyTwin.Ran.REFUSED, n, refusal), ()
+    if refusal is not None:  # with per-device keys not handed to it, as a step that draws from its key does
+        other_keys = config.devices if config.rng_mode == 'per-device' and not by_rows else None
+        return None, LegacyTwin(LegacyTwin.Ran.REFUSED, n, refusal, keys_of=other_keys), ()
     return other, LegacyTwin(LegacyTwin.Ran.MEASURED, n, rows=config.devices if by_rows else None), ()
 
 
