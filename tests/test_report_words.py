@@ -210,3 +210,19 @@ def test_the_first_screen_says_the_place_its_step_and_cause_in_lines_of_100():
     term = Location('loss', 'loss term losses/distortion', 'loss term losses/distortion', '',
                     read=read(parts='loss term', terms=('losses/distortion',)))  # fmt: skip
     assert said(term)[0].startswith('where: the loss term losses/distortion: it parts, the other terms agree')
+
+
+def test_the_first_screen_counts_what_is_not_compared_in_one_line():
+    """A NeRF step's 148 metrics on one side only were 148 'not compared' lines above the loss table: the first
+    screen says their count and kinds in one line (``--verbose`` and the JSON's ``notes`` list each)."""
+    import types
+
+    from equivalence.core.report import screen
+    from equivalence.core.state.states import Skip, Uncompared
+
+    many = [Uncompared(f'metrics/m{i}', Skip.ONE_SIDE, 'only one side reports it') for i in range(148)]
+    notes = screen.notes(types.SimpleNamespace(notes=[*many, 'the pmap side read from the reference r.npz']))
+    assert len(notes) == 2 and notes[1] == 'the pmap side read from the reference r.npz', notes
+    assert notes[0].startswith('not compared: 148 fields and metrics (one side;'), notes
+    few = screen.notes(types.SimpleNamespace(notes=many[:2]))
+    assert few == many[:2]
