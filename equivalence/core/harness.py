@@ -18,14 +18,14 @@ from equivalence.core.judge import hints
 from equivalence.core.judge.judge import RunResult, judged
 from equivalence.core.judge.runs import Runs
 from equivalence.core.measure import clock, precision
-from equivalence.core.port import freshness, port_fields
+from equivalence.core.port import port_fields
 from equivalence.core.port.config import ConfigError, RunConfig
 from equivalence.core.port.kind import Kind
 from equivalence.core.port.plan import Plan, Run
 from equivalence.core.port.ports import Port
 from equivalence.core.reference import reference, referenced
 from equivalence.core.rng import randomness
-from equivalence.core.run import fits
+from equivalence.core.run import fits, freshness
 from equivalence.core.run import inputs as made
 from equivalence.core.run.facts import has_batch_stats, name_mapping
 from equivalence.core.run.inputs import Inputs

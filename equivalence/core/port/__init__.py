@@ -1,7 +1,6 @@
 """The public surface: what a port is (``ports``), its fields checked (``port_fields``), its kind and step form
 decided once (``kind``, ``step_forms``), the two sides' names paired (``naming``), the typed flags (``config``),
-the built-in workloads, loading a port by name, whose an exception is (``blame``), and what a check keeps across
-checks let go when the port's code changes (``freshness``).
+the built-in workloads, loading a port by name, and whose an exception is (``blame``).
 
 May import: ``state`` (``equivalence.distributed``'s helpers, the two implementations).
 """

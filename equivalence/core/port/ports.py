@@ -181,3 +181,8 @@ def init_inputs(port: Port, example: Any) -> tuple[tuple, dict]:
     ``init_kwargs`` (``__call__(self, inputs, *, train)`` takes ``train`` by keyword only)."""
     kwargs = port.init_kwargs(example) if port.init_kwargs is not None else {}
     return port.init_args(example), kwargs
+
+
+def field_values(port: Port) -> list:
+    """The value of each field of ``port`` (the functions, classes and settings it was built from)."""
+    return [getattr(port, f.name) for f in dataclasses.fields(port)]

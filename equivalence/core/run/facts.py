@@ -14,8 +14,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from equivalence.core.port import freshness, naming
+from equivalence.core.port import naming
 from equivalence.core.port.ports import Port, init_inputs
+from equivalence.core.run import freshness
 from equivalence.core.state import convert
 
 _ABSTRACT: dict[int, tuple[weakref.ref, tuple[Any, Any]]] = {}

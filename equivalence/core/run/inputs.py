@@ -15,9 +15,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from equivalence.core.port import freshness
 from equivalence.core.port.plan import Run
 from equivalence.core.port.ports import Port, init_inputs
+from equivalence.core.run import freshness
 from equivalence.core.run.facts import name_mapping
 from equivalence.core.run.setups import input_rows
 from equivalence.distributed import rows

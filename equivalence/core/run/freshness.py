@@ -18,6 +18,8 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+from equivalence.core.port import ports
+
 _FORGET: list[Callable[[], None]] = []  # each cache's clear, registered by the module that keeps it
 _READ: dict[str, tuple] = {}  # module name -> its state, as the last check read it
 _SCALARS = (bool, int, float, complex, str, bytes, type(None))
@@ -65,7 +67,7 @@ def _modules_state(port: Any) -> dict[str, tuple]:
 
 
 def _field_values(port: Any) -> list:
-    values = [getattr(port, f.name) for f in dataclasses.fields(port)] if dataclasses.is_dataclass(port) else []
+    values = ports.field_values(port) if dataclasses.is_dataclass(port) else []
     out = []
     for v in values:
         out.append(v)
