@@ -70,12 +70,14 @@ def check_new(kind: Kind, config: Run, variables: dict, batch_KxG: Any, mapping:
     call's batch (concrete or abstract), its names already paired (``mapping``)."""
     blame.set_port(kind.port)
     shapes = lambda tree: jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v), v.dtype), tree)  # noqa: E731
-    kind.new_preflight(config, shapes(variables), shapes(batch_KxG), mapping)
+    kind.new_preflight(config, shapes(variables), batch_KxG, mapping)  # arrays: traced as the run's call takes them
 
 
 def _one_call(data: Any, config: Run) -> Any:
-    """One call's batch ``[K, G, ...]`` of ``data`` ``[n_steps, G, ...]``, shapes only."""
-    return jax.tree.map(lambda v: jax.ShapeDtypeStruct((config.steps_per_call, *v.shape[1:]), v.dtype), data)
+    """The first call's batch ``[K, G, ...]`` of ``data`` ``[n_steps, G, ...]``: the arrays the run's own first call
+    is given, which the traces read as shapes (and the pre-flight of the run's own programs places as the run does,
+    ``run.abstract``)."""
+    return jax.tree.map(lambda v: v[: config.steps_per_call], data)
 
 
 def check_states(kind: Kind) -> None:
