@@ -268,7 +268,8 @@ def test_the_run_traces_neither_step_again_after_the_pre_flight(form, fast):
     6 s of tracing): the pre-flight traces the pmap side's very program (one per port) and the team's own new
     step, from arguments of the run's shapes and placement, and the run's new train state takes the structure
     the pre-flight traced (its optax transformation, which ``new_state`` makes afresh, is a static field of
-    the trace's key). A loop port's fused calls (``pmap(scan)``, ``new_call`` over NNX objects, and over a
+    the trace's key). The pre-flight traces the NNX constructor once (the names paired, the new train state
+    built). A loop port's fused calls (``pmap(scan)``, ``new_call`` over NNX objects, and over a
     pytree holding its graphdef) and a step form run once a step (``pmap(step)``, ``new_step``)."""
     from equivalence.core import harness
     from equivalence.core.port.config import RunConfig
@@ -276,10 +277,13 @@ def test_the_run_traces_neither_step_again_after_the_pre_flight(form, fast):
 
     traces: collections.Counter = collections.Counter()
     port = (_mlp_loop if form == 'fused' else _vit_steps)(traces, fast)
+    port = dataclasses.replace(port, nnx_model=_counting(traces, 'constructor', port.nnx_model))
     config = RunConfig(workload=port.name, devices=2, steps_per_call=2, calls=2, batch_size=8, rng_mode='global')
     harness.validate(port, config)
     prepared = harness.prepare(port, config)
-    assert traces == {'legacy': 1, 'new': 1}, traces  # the pre-flight's
+    # the pre-flight's: each step once, and the NNX constructor once (the names paired and the new train state
+    # built from one abstract model)
+    assert traces == {'legacy': 1, 'new': 1, 'constructor': 1}, traces
     old, new = sides.both_sides(prepared.kind, prepared.run, prepared.inputs)
-    assert traces == {'legacy': 1, 'new': 1}, traces  # none again
+    assert (traces['legacy'], traces['new']) == (1, 1), traces  # neither step again
     assert len(old.losses) == len(new.losses) == 4

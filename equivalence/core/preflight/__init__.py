@@ -37,16 +37,18 @@ from equivalence.core.run import facts
 __all__ = ['PreflightError', 'blamed', 'check', 'check_legacy', 'check_new', 'check_states', 'line']
 
 
-def check(kind: Kind, config: Run, n_steps: int | None = None) -> dict[str, str]:
+def check(kind: Kind, config: Run, n_steps: int | None = None, variables: dict | None = None) -> dict[str, str]:
     """Everything a run of ``kind``'s port under ``config`` will trace, traced abstractly; raises
     ``PreflightError`` (exit 2) on the first mistake. ``n_steps``: the steps ``make_data`` is
     asked for (default the run's, ``config.steps``). What is traced is the kind's (``kind.preflight``).
-    Returns the two sides' names paired (linen leaf path -> NNX leaf path), which the run keeps."""
+    ``variables``: linen's variables, shapes only, where the run's own initialisation traced them already
+    (``run.inputs.Start.shapes``), else traced here. Returns the two sides' names paired (linen leaf path ->
+    NNX leaf path), which the run keeps."""
     port = kind.port
     blame.set_port(port)
     n_steps = config.steps if n_steps is None else n_steps
     data = make_data(port, config.seed, n_steps, config.batch_size, f'--calls x --steps-per-call = {n_steps}')
-    variables = abstract_variables(port, data)
+    variables = abstract_variables(port, data, variables)
     mapping = check_names(port, variables)
     kind.preflight(config, variables, _one_call(data, config), mapping)
     return mapping

@@ -154,15 +154,15 @@ NEW_STATE = 'new_state(nnx_model or, without one, linen_variables) -> your new t
 
 def nnx_train_state(port: LoopPort, variables: dict) -> Any:
     """The port's new train state, shapes only, built as the run builds it (``loop_side.new_source``):
-    from the abstract NNX model holding linen's weights, or from linen's abstract variables. Where it
-    cannot be traced (upstream state code that needs concrete arrays: a reshard helper rebuilding its
-    leaves from their shards), it is built for real, from zeros of linen's shapes or a fresh NNX model:
-    a mistake it makes then is the port's one line, as any other."""
+    from the abstract NNX model (``facts.abstract_model``, the constructor traced once, as the names were
+    paired), or from linen's abstract variables. Where it cannot be traced (upstream state code that needs
+    concrete arrays: a reshard helper rebuilding its leaves from their shards), it is built for real, from
+    zeros of linen's shapes or a fresh NNX model: a mistake it makes then is the port's one line, as any other."""
     try:
         if port.nnx_model is None:
             ts = jax.eval_shape(port.new_state, variables)
         else:
-            ts = nnx.eval_shape(lambda: port.new_state(port.nnx_model(nnx.Rngs(0))))
+            ts = nnx.eval_shape(lambda model: port.new_state(model), facts.abstract_model(port))
     except ConfigError:
         raise
     except Exception:  # noqa: BLE001 -- traced it raised: built for real below, where a mistake is the port's
