@@ -156,10 +156,12 @@ def test_cost_mode_times_a_check_and_a_slips_mismatch_against_the_two_bare_runs(
     for s in subjects.values():
         assert len(s['wall_s']['values']) == 1 and s['wall_s']['values'][0] > 0 and s['programs']['median'] > 0
         assert s['same_losses_every_repeat'] and s['process_s']['median'] >= s['wall_s']['median']
+        assert s['cpu_s']['values'][0] > 0  # every thread's CPU seconds of the same work
     assert [st['name'].split(' ')[0] for st in bare['stages']] == ['inputs', 'legacy', 'new']
     assert {'pre-flight', 'inputs', 'verdict'} <= {st['name'].split(' (')[0] for st in match['stages']}
     for s in (match, slip):
         assert s['ratio_vs_bare'] == s['wall_s']['median'] / bare['wall_s']['median']
+        assert s['cpu_ratio_vs_bare'] == s['cpu_s']['median'] / bare['cpu_s']['median']
     assert match['outcome'] == 'MATCH' and report['check_losses_are_the_bare_runs']
     assert slip['outcome'] == 'MISMATCH' and slip['diagnosis_kind'] == 'math' and slip['diagnosis'] and slip['where']
     assert 'epsilon 1e-06 ↔ 1e-05' in slip['where'], slip['where']

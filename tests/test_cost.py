@@ -4,6 +4,9 @@ compilation cache (``equivalence/compilation_cache.py``), which makes a second c
 read its programs instead of compiling them, also for a port that stubs ``tensorflow``. Figures of
 seconds are not asserted (shared machines): only what the counts and the lines say."""
 
+import collections
+import dataclasses
+import functools
 import io
 import json
 import os
@@ -11,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from conftest import ROOT, message_lines
 
 from equivalence import compilation_cache
@@ -218,3 +222,68 @@ def test_a_checks_models_are_merged_from_one_trace_of_the_port_constructor():
             if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
                 a, b = jax.random.key_data(a), jax.random.key_data(b)
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
+
+
+def _counting(traces: collections.Counter, side: str, fn):
+    """``fn``, counting the times it is called: once per trace inside a ``jax.jit`` or ``jax.pmap``."""
+
+    @functools.wraps(fn)
+    def counted(*args, **kwargs):
+        traces[side] += 1
+        return fn(*args, **kwargs)
+
+    return counted
+
+
+def _mlp_loop(traces, fast: bool):
+    import jax
+    from conftest import import_example
+    from flax import nnx
+
+    port, old, new = import_example('mlp_port', 'my_port', 'legacy_code', 'nnx_code')
+    legacy_step = _counting(traces, 'legacy', old.train_step)  # pmap(scan(step)): traced once a trace
+    if fast:  # a pytree train state holding its graphdef as a static field
+        calls = jax.jit(_counting(traces, 'new', new.train_calls_fast.__wrapped__), donate_argnums=0)
+        return dataclasses.replace(port.LOOP_FAST, legacy_step=legacy_step, new_call=calls)
+    calls = nnx.jit(_counting(traces, 'new', new.train_calls.__wrapped__))
+    new_call = lambda ts, key, batch: (ts, calls(*ts, key, batch))  # noqa: E731
+    return dataclasses.replace(port.LOOP, legacy_step=legacy_step, new_call=new_call)
+
+
+def _vit_steps(traces, fast: bool):
+    from conftest import import_example
+    from flax import nnx
+
+    vit, new = import_example('vit_port', 'my_port', 'nnx_code')
+    port = vit.LADDER_6E3
+    step = nnx.jit(_counting(traces, 'new', new.train_step.__wrapped__))  # the team's nnx.jit, once a step
+    new_step = lambda ts, batch, key: step(*ts, batch, key)  # noqa: E731
+    return dataclasses.replace(port, legacy_step=_counting(traces, 'legacy', port.legacy_step), new_step=new_step)
+
+
+@pytest.mark.parametrize(('form', 'fast'), [('fused', False), ('fused', True), ('steps', False)])
+def test_the_run_traces_neither_step_again_after_the_pre_flight(form, fast):
+    """The pre-flight traces each side's step, and the run (both sides built, compiled and run) finds those
+    traces in JAX's cache and traces neither again (a ViT at 2e5 parameters traced both steps twice, 3.4 of its
+    6 s of tracing): the pre-flight traces the pmap side's very program (one per port) and the team's own new
+    step, from arguments of the run's shapes and placement, and the run's new train state takes the structure
+    the pre-flight traced (its optax transformation, which ``new_state`` makes afresh, is a static field of
+    the trace's key). The pre-flight traces the NNX constructor once (the names paired, the new train state
+    built). A loop port's fused calls (``pmap(scan)``, ``new_call`` over NNX objects, and over a
+    pytree holding its graphdef) and a step form run once a step (``pmap(step)``, ``new_step``)."""
+    from equivalence.core import harness
+    from equivalence.core.port.config import RunConfig
+    from equivalence.core.run import sides
+
+    traces: collections.Counter = collections.Counter()
+    port = (_mlp_loop if form == 'fused' else _vit_steps)(traces, fast)
+    port = dataclasses.replace(port, nnx_model=_counting(traces, 'constructor', port.nnx_model))
+    config = RunConfig(workload=port.name, devices=2, steps_per_call=2, calls=2, batch_size=8, rng_mode='global')
+    harness.validate(port, config)
+    prepared = harness.prepare(port, config)
+    # the pre-flight's: each step once, and the NNX constructor once (the names paired and the new train state
+    # built from one abstract model)
+    assert traces == {'legacy': 1, 'new': 1, 'constructor': 1}, traces
+    old, new = sides.both_sides(prepared.kind, prepared.run, prepared.inputs)
+    assert (traces['legacy'], traces['new']) == (1, 1), traces  # neither step again
+    assert len(old.losses) == len(new.losses) == 4

@@ -7,7 +7,8 @@ check (``harness.run``, as ``python -m equivalence.run`` runs it) and, with ``--
 slipped port, whose MISMATCH is diagnosed and located. The order rotates every repeat (A B C, B C A,
 ...), so that a drift of the machine's load falls on all of them alike. Reported: each one's wall
 seconds, median [min, max]; the ratio check / bare of medians (what the targets read), beside the
-median [min, max] of the per-repeat ratios (each check against the bare runs of its own repeat); each
+median [min, max] of the per-repeat ratios (each check against the bare runs of its own repeat) and the
+ratio of their CPU seconds (every thread's: what the check does more, which others' load changes least); each
 stage's median seconds; and whether every repeat computed the same losses (bare and check alike).
 """
 
@@ -144,6 +145,7 @@ def summary(subjects: list[Subject], runs: dict[str, list[dict]], machine: dict)
             'steps_per_call': s.config.steps_per_call, 'calls': s.config.calls, 'batch_size': s.config.batch_size,
             'seed': s.config.seed, 'rng': s.config.rng_mode, 'strategy': s.config.strategy},
             'wall_s': _stats(walls), 'process_s': _stats([r['process_s'] for r in reps]),
+            'cpu_s': _stats([r['cpu_s'] for r in reps]),
             'compile_s': _stats([r['timing']['compile_s'] for r in reps]),
             'programs': _stats([r['timing']['programs'] for r in reps]),
             'compiled_again': reps[0]['timing'].get('compiled_again', {}),
@@ -154,9 +156,11 @@ def summary(subjects: list[Subject], runs: dict[str, list[dict]], machine: dict)
         if s.mode == 'check':
             per = [r['wall_s'] / b['wall_s'] for r, b in zip(reps, bare, strict=True)]
             ratio = statistics.median(walls) / statistics.median(r['wall_s'] for r in bare)
+            cpu = statistics.median(r['cpu_s'] for r in reps) / statistics.median(r['cpu_s'] for r in bare)
             said = {(r['outcome'], r['diagnosis_kind'], r['diagnosis'], r['where']) for r in reps}
-            one_.update(ratio_vs_bare=ratio, ratio_per_repeat=_stats(per), outcome=reps[0]['outcome'],
-                        diagnosis_kind=reps[0]['diagnosis_kind'], diagnosis=reps[0]['diagnosis'],
+            one_.update(ratio_vs_bare=ratio, ratio_per_repeat=_stats(per), cpu_ratio_vs_bare=cpu,
+                        outcome=reps[0]['outcome'], diagnosis_kind=reps[0]['diagnosis_kind'],
+                        diagnosis=reps[0]['diagnosis'],
                         where=reps[0]['where'], same_verdict_every_repeat=len(said) == 1)  # fmt: skip
             expected = {'match': 'MATCH', 'mismatch': 'MISMATCH'}[s.name]
             out['targets'].append({'name': f'{s.label} / bare runs', 'value': ratio, 'op': '<=',
@@ -186,16 +190,18 @@ def text(result: dict) -> str:
         f'load avg {m["load_avg_1m"]:.1f} -> {m.get("load_avg_1m_end", m["load_avg_1m"]):.1f}; '
         + ', '.join(f'{k} {v}' for k, v in m['versions'].items()),
         'wall = the work in its process (after imports and loading the port, which every run shares); '
-        'ratio = median check wall / median bare wall',
+        "ratio = median check wall / median bare wall; CPU s = the same work's CPU seconds (every thread), "
+        'what a loaded machine changes least',
         '',
         f'{"run":44s} {"wall s median [min, max]":>26s} {"vs bare":>8s} {"per repeat":>20s} '
-        f'{"compile s":>10s} {"programs":>9s} {"host GB":>8s} {"device GB":>9s}  outcome',
+        f'{"CPU s (vs bare)":>16s} {"compile s":>10s} {"programs":>9s} {"host GB":>8s} {"device GB":>9s}  outcome',
     ]
     gb = lambda st: f'{st["median"] / 1e9:.2f}' if st else '-'  # noqa: E731
     for s in subjects.values():
         ratio = f'{s["ratio_vs_bare"]:.2f}x' if 'ratio_vs_bare' in s else '1.00x'
         per = _range(s['ratio_per_repeat'], '.2f') if 'ratio_per_repeat' in s else ''
-        lines.append(f'{s["label"][:44]:44s} {_range(s["wall_s"]):>26s} {ratio:>8s} {per:>20s} '
+        cpu = f'{s["cpu_s"]["median"]:.1f} ({s.get("cpu_ratio_vs_bare", 1.0):.2f}x)'
+        lines.append(f'{s["label"][:44]:44s} {_range(s["wall_s"]):>26s} {ratio:>8s} {per:>20s} {cpu:>16s} '
                      f'{s["compile_s"]["median"]:>10.1f} {s["programs"]["median"]:>9.0f} '
                      f'{gb(s.get("host_peak_bytes")):>8s} {gb(s.get("device_peak_bytes")):>9s}  '
                      f'{s.get("outcome", "")}')  # fmt: skip

@@ -14,10 +14,11 @@ JSON). ``MODE`` is
 - ``check``: ``harness.run``, the whole check as ``python -m equivalence.run`` runs it.
 
 Its last stdout line is one JSON object: the wall seconds of the work (after the imports and the port's
-loading, which both modes share), the clock's timing (``clock.Clock.summary``), each side's per-step
-losses (the parent checks that every repeat computed the same numbers) and, for a check, its outcome,
-diagnosis and location. A failure is one line on stderr: exit 2 for bad input or a mistake in the port
-(as ``run`` says it), 3 for anything else.
+loading, which both modes share) and its CPU seconds (every thread of the process: on a machine shared with
+other work, what a check does more than its bare runs, whatever the others' load), the clock's timing
+(``clock.Clock.summary``), each side's per-step losses (the parent checks that every repeat computed the
+same numbers) and, for a check, its outcome, diagnosis and location. A failure is one line on stderr:
+exit 2 for bad input or a mistake in the port (as ``run`` says it), 3 for anything else.
 """
 
 import json
@@ -88,9 +89,9 @@ def main(argv: list[str]) -> int:
         given = json.loads(fields)
         given['mesh'] = tuple(map(tuple, given['mesh'])) if given.get('mesh') else None
         port, config = workloads.get(spec), RunConfig(**given)
-        began = time.perf_counter()
+        began, cpu = time.perf_counter(), time.process_time()
         out = {'bare': bare, 'check': check}[mode](port, config)
-        out['wall_s'] = time.perf_counter() - began
+        out['wall_s'], out['cpu_s'] = time.perf_counter() - began, time.process_time() - cpu
     except Exception as e:  # noqa: BLE001 -- the parent says this line, as the repeat's failure
         from equivalence.core.port import blame
         from equivalence.core.port.config import ConfigError

@@ -77,10 +77,10 @@ def _prepare(port: Port, plan: Plan, n_steps: int | None = None) -> Prepared:
     if plan.reference is not None:
         return _from_reference(kind, plan)
     with clock.stage("initial variables: linen's initialisation traced, compiled on a thread"):
-        started, compiling = _init_aside(port, run)
+        started, compiling, shapes = _init_aside(port, run)
     with clock.stage('pre-flight (the port traced abstractly)'):
         try:
-            mapping = preflight.check(kind, run, n_steps)
+            mapping = preflight.check(kind, run, n_steps, shapes)
         except Exception:
             if compiling is not None:
                 compiling.result()  # no compile left running while the port's mistake is said
@@ -128,14 +128,16 @@ def record(port: Port, config: RunConfig, path: str, say: clock.Say | None = Non
 
 
 def _init_aside(port: Port, config: Run) -> tuple:
-    """``(made.start's, its linen initialisation compiling on a thread)`` while the pre-flight runs; ``(None,
-    None)`` where the port cannot start so (the pre-flight then says why, and the inputs start afresh)."""
+    """``(made.start's, its linen initialisation compiling on a thread, linen's variables as shapes)`` while the
+    pre-flight runs, which reads those shapes rather than tracing the initialisation again; ``(None, None, None)``
+    where the port cannot start so (the pre-flight then says why, and the inputs start afresh)."""
     try:
         started = made.start(port, config)
         lowered = started.lowered()
+        shapes = started.shapes()
     except Exception:  # noqa: BLE001 -- the pre-flight says the port's mistake, in its words
-        return None, None
-    return started, clock.on_thread(lowered.compile)
+        return None, None, None
+    return started, clock.on_thread(lowered.compile), shapes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,16 +37,18 @@ from equivalence.core.run import facts
 __all__ = ['PreflightError', 'blamed', 'check', 'check_legacy', 'check_new', 'check_states', 'line']
 
 
-def check(kind: Kind, config: Run, n_steps: int | None = None) -> dict[str, str]:
+def check(kind: Kind, config: Run, n_steps: int | None = None, variables: dict | None = None) -> dict[str, str]:
     """Everything a run of ``kind``'s port under ``config`` will trace, traced abstractly; raises
     ``PreflightError`` (exit 2) on the first mistake. ``n_steps``: the steps ``make_data`` is
     asked for (default the run's, ``config.steps``). What is traced is the kind's (``kind.preflight``).
-    Returns the two sides' names paired (linen leaf path -> NNX leaf path), which the run keeps."""
+    ``variables``: linen's variables, shapes only, where the run's own initialisation traced them already
+    (``run.inputs.Start.shapes``), else traced here. Returns the two sides' names paired (linen leaf path ->
+    NNX leaf path), which the run keeps."""
     port = kind.port
     blame.set_port(port)
     n_steps = config.steps if n_steps is None else n_steps
     data = make_data(port, config.seed, n_steps, config.batch_size, f'--calls x --steps-per-call = {n_steps}')
-    variables = abstract_variables(port, data)
+    variables = abstract_variables(port, data, variables)
     mapping = check_names(port, variables)
     kind.preflight(config, variables, _one_call(data, config), mapping)
     return mapping
@@ -70,12 +72,14 @@ def check_new(kind: Kind, config: Run, variables: dict, batch_KxG: Any, mapping:
     call's batch (concrete or abstract), its names already paired (``mapping``)."""
     blame.set_port(kind.port)
     shapes = lambda tree: jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v), v.dtype), tree)  # noqa: E731
-    kind.new_preflight(config, shapes(variables), shapes(batch_KxG), mapping)
+    kind.new_preflight(config, shapes(variables), batch_KxG, mapping)  # arrays: traced as the run's call takes them
 
 
 def _one_call(data: Any, config: Run) -> Any:
-    """One call's batch ``[K, G, ...]`` of ``data`` ``[n_steps, G, ...]``, shapes only."""
-    return jax.tree.map(lambda v: jax.ShapeDtypeStruct((config.steps_per_call, *v.shape[1:]), v.dtype), data)
+    """The first call's batch ``[K, G, ...]`` of ``data`` ``[n_steps, G, ...]``: the arrays the run's own first call
+    is given, which the traces read as shapes (and the pre-flight of the run's own programs places as the run does,
+    ``run.abstract``)."""
+    return jax.tree.map(lambda v: v[: config.steps_per_call], data)
 
 
 def check_states(kind: Kind) -> None:

@@ -87,8 +87,9 @@ def check_leaf(port: Port, name: str, leaf: Any, expected: tuple[int, int], step
     raise fail(port, 'make_data', f'{head}: {shape[1]} examples per step, --batch-size is {g}{ragged}')
 
 
-def abstract_variables(port: Port, data: Any) -> dict:
-    """The linen variables, shapes only, initialised from one example as ``make_inputs`` does."""
+def abstract_variables(port: Port, data: Any, traced: dict | None = None) -> dict:
+    """The linen variables, shapes only, initialised from one example as ``make_inputs`` does; ``traced``: the
+    run's own initialisation's, traced already (its arguments are checked all the same)."""
     example = jax.tree.map(lambda v: v[0, :1], data)
     with blamed(port, 'init_args', 'init_args(batch_of_one_example) -> tuple of the linen init arguments'):
         args = port.init_args(example)
@@ -100,6 +101,8 @@ def abstract_variables(port: Port, data: Any) -> dict:
             "positional arguments, e.g. init_args=lambda batch: (batch['x'],)",
         )
     kwargs, key = init_kwargs(port, example), jax.random.PRNGKey(0)
+    if traced is not None:
+        return dict(traced)
     with blamed(port, 'legacy_model', 'legacy_model().init(rngs, *init_args(example), **init_kwargs(example))'):
         model = port.legacy_model()
         if not isinstance(model, nn.Module):

@@ -44,7 +44,11 @@ def refuse_global(
         return
     if not by_device(closed.jaxpr, [False] * len(closed.jaxpr.invars))[0]:
         return
-    raise fail(
+    raise _per_device(port)
+
+
+def _per_device(port: LoopPort) -> Exception:
+    return fail(
         port,
         'legacy_step',
         f'draws its random numbers from a key its device index reaches (lax.axis_index({port.axis_name!r}), '
@@ -52,6 +56,13 @@ def refuse_global(
         "check it with per-device keys (--rng per-device, and rng_modes=('per-device',) where the port declares "
         'its modes): the new side then gets the key of each device (docs/port.md#the-device-count)',
     )
+
+
+def refuse_in_program(port: LoopPort, config: Run, jaxpr: Any) -> None:
+    """``refuse_global`` of the step's jaxpr traced under the run's own pmap, where ``axis_index`` is the device
+    index itself: read once, with no second trace."""
+    if config.rng_mode == 'global' and by_device(jaxpr, [False] * len(jaxpr.invars))[0]:
+        raise _per_device(port)
 
 
 def by_device(

@@ -25,7 +25,7 @@ from equivalence.core.preflight.errors import HOST_ONLY, blamed, fail, kind
 from equivalence.core.preflight.groups import check_new_groups
 from equivalence.core.preflight.trace import as_traced, legacy_state, nnx_train_state, pair, same_nnx_state
 from equivalence.core.rng import randomness
-from equivalence.core.run import adapters
+from equivalence.core.run import abstract, adapters, setups, step_side
 from equivalence.distributed import rows
 
 SDS = jax.ShapeDtypeStruct
@@ -47,10 +47,14 @@ def trace_new_steps(port: LoopPort, config: Run, batch_KxG: Any, variables: dict
 
 
 def trace_legacy_step(port: LoopPort, config: Run, variables: dict, batch_KxG: Any) -> Any:
-    """One step of the legacy side under a vmap standing for its pmap, traced; its abstract train state
-    (one replica)."""
+    """One step of the legacy side traced; its abstract train state (one replica). Where the run calls
+    ``pmap(step)`` once a step and ``batch_KxG`` is one call's data (not shapes), the very program the run lowers,
+    from arguments of the run's own shapes and placement (``run_step``): the run then traces nothing again. Else
+    under a vmap standing for its pmap."""
     d, n = config.devices, len(rows.positions(config.devices))
     state = legacy_state(port, variables)
+    if adapters.legacy_loop(port) == 'steps' and abstract.concrete(batch_KxG):
+        return run_step(port, config, state, batch_KxG)
     stacked = jax.tree.map(lambda s: SDS((n, *s.shape), s.dtype), state)
     batch = jax.tree.map(lambda v: SDS((n, v.shape[1] // d, *v.shape[2:]), v.dtype), batch_KxG)
     keys = SDS((n, 2), np.uint32)
@@ -78,13 +82,39 @@ def trace_legacy_step(port: LoopPort, config: Run, variables: dict, batch_KxG: A
     return state
 
 
+def run_step(port: LoopPort, config: Run, state: Any, batch_KxG: Any) -> Any:
+    """``trace_legacy_step`` of the program the run lowers (``step_side.legacy_setup``'s, its first step), traced
+    from the arguments its ``call_args`` makes of one call's data and a replicated abstract ``state``: the same
+    checks of what it returns, and of a device index reaching its random draws (read in the pmap's own jaxpr,
+    where ``axis_index`` is the device index)."""
+    expected = f'legacy_step{step_forms.of(port).expected}'
+    stacked = abstract.replicas(state, config, port.axis_name)
+    setup = step_side.legacy_setup(port, config, {}, pstate=stacked)
+    _, args = setup.call_args(jax.random.PRNGKey(config.seed), batch_KxG)
+    with blamed(port, 'legacy_step', expected):
+        try:
+            closed, out = setup.traced(args)
+        except HOST_ONLY:
+            return state
+    new_state, out_n = pair(port, 'legacy_step', out, expected)
+    if jax.tree.structure(new_state) != jax.tree.structure(stacked):
+        raise fail(port, 'legacy_step', 'returned a state of another structure than the one it was given')
+    k = config.steps_per_call
+    check_loss(port, 'legacy_step', jax.tree.map(lambda s: SDS((k, *s.shape[1:]), s.dtype), out_n), k)
+    device_keys.refuse_in_program(port, config, closed.jaxpr)
+    return state
+
+
 def trace_nnx_side(port: LoopPort, config: Run, batch_KxG: Any, ts: Any) -> None:
-    """One step (or fused call) of the new side over ``ts``, the abstract train state ``nnx_train_state`` built."""
+    """One step (or fused call) of the new side over ``ts``, the abstract train state ``nnx_train_state`` built.
+    Where ``batch_KxG`` is one call's data, from arguments of the run's own shapes and placement (``run_args``):
+    the run's call then finds this trace (``run.abstract``)."""
     state, rebuild = as_traced(ts)  # a pytree train state as it is: its leaves keep their real types
     d, k, mode = config.devices, config.steps_per_call, config.rng_mode
     key = SDS((d, 2) if mode == 'per-device' else (2,), np.uint32)
     field = 'new_step' if port.new_step is not None else 'new_call'
     step = adapters.new_step_call(port) if port.new_step is not None else None
+    run = abstract.concrete(batch_KxG)
 
     def pure(state, keys, batch):
         ts = rebuild(state)
@@ -95,7 +125,9 @@ def trace_nnx_side(port: LoopPort, config: Run, batch_KxG: Any, ts: Any) -> None
         same_nnx_state(port, field, new_ts, state)
         return out
 
-    if step is not None:  # one step, its global batch
+    if run:  # as the run's first call: its state placed, its keys and batch made by the setup's call_args
+        state, (keys, batch) = abstract.placed(state, setups.nnx_mesh(config)), run_args(port, config, batch_KxG)
+    elif step is not None:  # one step, its global batch
         batch, keys = jax.tree.map(lambda v: SDS(v.shape[1:], v.dtype), batch_KxG), key
     else:  # the fused call: its keys as its form takes them (one per step, stacked; one; none)
         batch, keys = batch_KxG, step_forms.of(port).fused_keys(key, k)
@@ -104,9 +136,19 @@ def trace_nnx_side(port: LoopPort, config: Run, batch_KxG: Any, ts: Any) -> None
             out = jax.eval_shape(pure, state, keys, batch)
         except HOST_ONLY:
             return
+    if run:
+        abstract.traced_with(port, ts)
     if step is not None:
         out = jax.tree.map(lambda s: SDS((k, *s.shape), s.dtype), out)
     check_loss(port, field, out, k)
+
+
+def run_args(port: LoopPort, config: Run, batch_KxG: Any) -> tuple:
+    """``(keys, batch)`` of the new side's first call as its setup makes them from one call's data
+    (``step_side.StepNewSetup.call_args``, on the run's mesh): its first step's where it runs one a step."""
+    setup = step_side.StepNewSetup(port, None, setups.nnx_mesh(config), config)
+    keys, batch = setup.call_args(jax.random.PRNGKey(config.seed), batch_KxG)[1]
+    return (keys[0], batch[0]) if port.new_step is not None else (keys, batch)
 
 
 def _new_step_form(port: LoopPort) -> str:

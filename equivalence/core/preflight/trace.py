@@ -13,7 +13,7 @@ from equivalence.core.port.ports import LoopPort, ModelPort, Port
 from equivalence.core.preflight import device_keys
 from equivalence.core.preflight.errors import HOST_ONLY, NNX_PARAMS, blamed, fail, kind
 from equivalence.core.rng import randomness
-from equivalence.core.run import adapters, facts, setups
+from equivalence.core.run import abstract, adapters, facts, loop_side, setups
 from equivalence.core.state import new_side
 from equivalence.distributed import rows
 from legacy_pmap import train as legacy
@@ -47,11 +47,22 @@ def make_tx(port: Port) -> Any:
 
 
 def trace_legacy_loop(port: LoopPort, config: Run, variables: dict, batch_KxG: Any) -> Any:
-    """A loop port's step under the suite's pmap(scan) (``loop_side.legacy_setup``), traced once."""
+    """A loop port's step under the suite's pmap(scan) (``loop_side.legacy_setup``), traced once: where
+    ``batch_KxG`` is one call's data, the run's own program from arguments of the run's shapes and placement
+    (``run.abstract``), a trace the run then finds."""
     state = legacy_state(port, variables)
-    trace_legacy(port, config, state, adapters.legacy_step(port), port.axis_name, 'legacy_step', batch_KxG)
-    batch = jax.tree.map(lambda v: SDS((v.shape[1] // config.devices, *v.shape[2:]), v.dtype), batch_KxG)
-    device_keys.refuse_global(port, config, state, batch, SDS((2,), np.uint32), config.devices)
+    if not abstract.concrete(batch_KxG):
+        trace_legacy(port, config, state, adapters.legacy_step(port), port.axis_name, 'legacy_step', batch_KxG)
+        batch = jax.tree.map(lambda v: SDS((v.shape[1] // config.devices, *v.shape[2:]), v.dtype), batch_KxG)
+        device_keys.refuse_global(port, config, state, batch, SDS((2,), np.uint32), config.devices)
+        return state
+    setup = loop_side.legacy_setup(port, config, {}, pstate=abstract.replicas(state, config, port.axis_name))
+    args = setup.call_args(jax.random.PRNGKey(config.seed), batch_KxG)[1]
+    with blamed(port, 'legacy_step'):
+        closed, (_, loss_DxK) = setup.traced(args)
+    n, k = len(rows.positions(config.devices)), config.steps_per_call
+    check_losses(port, 'legacy_step', loss_DxK, (n, k), 'one mean loss per step (a scalar, pmean-ed)')
+    device_keys.refuse_in_program(port, config, closed.jaxpr)
     return state
 
 
@@ -143,15 +154,15 @@ NEW_STATE = 'new_state(nnx_model or, without one, linen_variables) -> your new t
 
 def nnx_train_state(port: LoopPort, variables: dict) -> Any:
     """The port's new train state, shapes only, built as the run builds it (``loop_side.new_source``):
-    from the abstract NNX model holding linen's weights, or from linen's abstract variables. Where it
-    cannot be traced (upstream state code that needs concrete arrays: a reshard helper rebuilding its
-    leaves from their shards), it is built for real, from zeros of linen's shapes or a fresh NNX model:
-    a mistake it makes then is the port's one line, as any other."""
+    from the abstract NNX model (``facts.abstract_model``, the constructor traced once, as the names were
+    paired), or from linen's abstract variables. Where it cannot be traced (upstream state code that needs
+    concrete arrays: a reshard helper rebuilding its leaves from their shards), it is built for real, from
+    zeros of linen's shapes or a fresh NNX model: a mistake it makes then is the port's one line, as any other."""
     try:
         if port.nnx_model is None:
             ts = jax.eval_shape(port.new_state, variables)
         else:
-            ts = nnx.eval_shape(lambda: port.new_state(port.nnx_model(nnx.Rngs(0))))
+            ts = nnx.eval_shape(lambda model: port.new_state(model), facts.abstract_model(port))
     except ConfigError:
         raise
     except Exception:  # noqa: BLE001 -- traced it raised: built for real below, where a mistake is the port's
@@ -182,10 +193,18 @@ def as_traced(ts: Any) -> tuple[Any, Any]:
 
 
 def trace_nnx_loop(port: LoopPort, config: Run, batch_KxG: Any, variables: dict) -> Any:
-    """A loop port's ``new_call`` over its abstract new train state, traced once; that train state."""
+    """A loop port's ``new_call`` over its abstract new train state, traced once; that train state. Where
+    ``batch_KxG`` is one call's data, from arguments of the run's own shapes and placement: the run's call then
+    finds this trace (``run.abstract``)."""
     keys = abstract_keys(config)
     ts = nnx_train_state(port, variables)
     state, rebuild = as_traced(ts)
+    run = abstract.concrete(batch_KxG)
+    if run:  # as the run's first call: its state placed, its keys and batch as its setup places them
+        mesh = setups.nnx_mesh(config)
+        state = abstract.placed(state, mesh)
+        setup = setups.LoopNewSetup(port, None, mesh, config)
+        keys, batch_KxG = setup.call_args(jax.random.PRNGKey(config.seed), batch_KxG)[1]
 
     def pure(state, keys, batch):
         new_ts, losses_K = pair(port, 'new_call', port.new_call(rebuild(state), keys, batch), '(train_state, losses_K)')
@@ -196,6 +215,8 @@ def trace_nnx_loop(port: LoopPort, config: Run, batch_KxG: Any, variables: dict)
             _, losses_K = jax.eval_shape(pure, state, keys, batch_KxG)
         except HOST_ONLY:  # host-side code in the call: it runs eagerly, and only the run can check it
             return ts
+    if run:
+        abstract.traced_with(port, ts)
     check_losses(port, 'new_call', losses_K, (config.steps_per_call,), 'one mean loss per step, shape [K]')
     return ts
 

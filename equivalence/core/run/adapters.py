@@ -31,11 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from equivalence.core.port import step_forms
+from equivalence.core.port import freshness, step_forms
 from equivalence.core.port.config import ConfigError
 from equivalence.core.port.plan import Run
 from equivalence.core.port.pmaps import pmapped
 from equivalence.core.port.ports import LoopPort
+from equivalence.core.run.facts import once_per_port
 from equivalence.core.state import convert
 from equivalence.core.state.line import Line
 from equivalence.core.state.states import Skip, Uncompared
@@ -208,10 +209,26 @@ def _name(fn: Any) -> str:
     return getattr(fn, '__qualname__', None) or type(fn).__name__
 
 
+_PROGRAMS: dict = {}  # port -> what its pmap side runs: the one step, its fused calls by devices
+freshness.kept(_PROGRAMS.clear)
+
+
 def one_step(port: LoopPort) -> 'TwoOf':
     """``(state, batch, key) -> (state, out)`` from the team's step; what it returns after ``out`` (its logs, say:
-    ``(state, metrics, logs)``) is left out, and counted (``TwoOf.extra``)."""
-    return TwoOf(step_forms.of(port).one_step(legacy_step(port), port))
+    ``(state, metrics, logs)``) is left out, and counted (``TwoOf.extra``). One per port: JAX keys a trace by the
+    function, so the pre-flight's trace of it under the run's own pmap is the run's (``preflight.steps``)."""
+    held = once_per_port(_PROGRAMS, port, dict)
+    if 'one' not in held:
+        held['one'] = TwoOf(step_forms.of(port).one_step(legacy_step(port), port))
+    return held['one']
+
+
+def fused_call(port: LoopPort, devices) -> Callable:
+    """``legacy.make_fused_call`` of the port's step over ``devices``: one per port and devices (``one_step``)."""
+    held, key = once_per_port(_PROGRAMS, port, dict), (tuple(devices), port.axis_name)
+    if key not in held:
+        held[key] = legacy.make_fused_call(legacy_step(port), devices, port.axis_name)
+    return held[key]
 
 
 class TwoOf:
@@ -258,7 +275,7 @@ def legacy_program(port: LoopPort, devices, one: TwoOf | None = None) -> Callabl
 
 
 def _carried_program(port: LoopPort, devices) -> Callable:
-    fused = legacy.make_fused_call(legacy_step(port), devices, port.axis_name)
+    fused = fused_call(port, devices)
     carry = lambda pstate, batch, keys: _unpack_carry(fused((keys, pstate), batch))  # noqa: E731
     carry.lowered = lambda pstate, batch, keys: [fused.lower((keys, pstate), batch)]  # setups.LegacySetup.lowered
     return carry
@@ -279,9 +296,13 @@ def _stepped_program(port: LoopPort, devices, one: TwoOf) -> Callable:
             outs.append(jax.tree.map(_host_rows, jax.block_until_ready(out)))  # one step in flight (FACTS)
         return pstate, jax.tree.map(lambda *a: np.stack(a, axis=1), *outs)
 
-    def lowered(pstate, batch_nxK, keys_nxK) -> list:  # its first step's program (the K steps share it)
+    def first(pstate, batch_nxK, keys_nxK) -> tuple:  # its first step's arguments (the K steps share its program)
         at_0 = lambda v: v[:, 0]  # noqa: E731
-        return [p_step.lower(pstate, jax.tree.map(at_0, batch_nxK), None if keys_nxK is None else at_0(keys_nxK))]
+        return pstate, jax.tree.map(at_0, batch_nxK), None if keys_nxK is None else at_0(keys_nxK)
+
+    lowered = lambda *args: [p_step.lower(*first(*args))]  # noqa: E731
+    # its first step traced, ``(jaxpr, (state, out) of one step)``: the pre-flight's, and JAX keeps it for ``lowered``
+    traced = lambda *args: jax.make_jaxpr(p_step, return_shape=True)(*first(*args))  # noqa: E731
 
     def traceable(pstate, batch_nxK, keys_nxK):  # the same steps as one function of arrays (``pruned.call``)
         outs = []
@@ -291,7 +312,7 @@ def _stepped_program(port: LoopPort, devices, one: TwoOf) -> Callable:
             outs.append(out)
         return pstate, jax.tree.map(lambda *a: jnp.stack(a, axis=1), *outs)
 
-    run.lowered, run.traceable = lowered, traceable  # setups.LegacySetup.lowered, step_side's forward
+    run.lowered, run.traceable, run.traced = lowered, traceable, traced  # setups.LegacySetup's, step_side's forward
     return run
 
 

@@ -23,7 +23,7 @@ _ABSTRACT: dict[int, tuple[weakref.ref, tuple[Any, Any]]] = {}
 freshness.kept(_ABSTRACT.clear)
 
 
-def _once_per_port(cache: dict, port: Port, build: Any) -> Any:
+def once_per_port(cache: dict, port: Port, build: Any) -> Any:
     """``build()``, kept in ``cache`` for as long as ``port`` (this very object) lives."""
     key = id(port)
     held = cache.get(key)
@@ -42,7 +42,7 @@ def abstract_model(port: Port) -> nnx.Module | None:
     with Variables of its own (``copy=True``): what one fills or trains, no other holds."""
     if port.nnx_model is None:
         return None
-    graphdef, state = _once_per_port(
+    graphdef, state = once_per_port(
         _ABSTRACT, port, lambda: nnx.split(nnx.eval_shape(lambda: port.nnx_model(nnx.Rngs(0))))
     )
     return nnx.merge(graphdef, state, copy=True)
@@ -68,7 +68,7 @@ def model_facts(port: Port) -> ModelFacts | None:
     each abstract model is an ``nnx.eval_shape`` of the whole model); None without a model."""
     if _ALONE is not None:
         return _ALONE
-    return _once_per_port(_FACTS, port, lambda: _read_facts(abstract_model(port)))
+    return once_per_port(_FACTS, port, lambda: _read_facts(abstract_model(port)))
 
 
 def _read_facts(abstract: nnx.Module | None) -> ModelFacts | None:

@@ -88,6 +88,10 @@ class Start:
     def lowered(self):
         return self.init.lower(self.init_rng)
 
+    def shapes(self) -> dict:
+        """linen's variables, shapes only, from the trace ``lowered`` made (JAX keeps it): the pre-flight's."""
+        return self.init.eval_shape(self.init_rng)
+
 
 def start(port: Port, config: Run) -> Start:
     whole = global_calls(port, config)

@@ -12,7 +12,7 @@ import jax
 from equivalence.core.port.plan import Run
 from equivalence.core.port.ports import LoopPort
 from equivalence.core.rng import randomness
-from equivalence.core.run import adapters
+from equivalence.core.run import abstract, adapters
 from equivalence.core.run.facts import model_holding
 from equivalence.core.run.setups import LegacySetup, LoopNewSetup, nnx_mesh, twin_placed_inputs
 from equivalence.core.state import states
@@ -21,11 +21,13 @@ from legacy_pmap import train as legacy
 from nnx_sharded import sharding
 
 
-def legacy_setup(port: LoopPort, config: Run, variables: dict) -> LegacySetup:
-    """The team's step under the suite's pmap(scan) over the first D devices, its state replicated."""
+def legacy_setup(port: LoopPort, config: Run, variables: dict, pstate: Any = None) -> LegacySetup:
+    """The team's step under the suite's pmap(scan) over the first D devices, its state replicated (or ``pstate``:
+    ``step_side.legacy_setup``'s)."""
     devices, local = jax.devices()[: config.devices], rows.local_devices(config.devices)
-    pstate = legacy.replicate(port.legacy_state(variables), local, port.axis_name)
-    call = legacy.make_fused_call(adapters.legacy_step(port), devices, port.axis_name)
+    if pstate is None:
+        pstate = legacy.replicate(port.legacy_state(variables), local, port.axis_name)
+    call = adapters.fused_call(port, devices)  # the pre-flight's (``preflight.trace``): JAX keeps its trace
     context = functools.partial(randomness.bridged, config.rng_mode, port.axis_name)
     return LegacySetup(call, pstate, config, port.legacy_groups or states.legacy_groups, context)
 
@@ -39,8 +41,9 @@ def new_source(port: LoopPort, variables: dict, mapping: dict) -> Any:
 
 
 def new_train_state(port: LoopPort, variables: dict, mapping: dict, mesh) -> Any:
-    """The team's new train state, built by ``new_state`` and placed on ``mesh`` (replicated)."""
-    return sharding.place_objects(port.new_state(new_source(port, variables, mapping)), mesh)
+    """The team's new train state, built by ``new_state`` and placed on ``mesh`` (replicated), under the structure
+    the pre-flight traced (``abstract.adopted``)."""
+    return abstract.adopted(port, sharding.place_objects(port.new_state(new_source(port, variables, mapping)), mesh))
 
 
 def new_setup(port: LoopPort, config: Run, variables: dict, mapping: dict) -> LoopNewSetup:

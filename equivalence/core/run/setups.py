@@ -117,6 +117,16 @@ class LegacySetup:
         with self.context():
             return [program.lower(*args)] if hasattr(program, 'lower') else program.lowered(*args)
 
+    def traced(self, args: tuple) -> tuple:
+        """``(jaxpr, output shapes)`` of what ``lowered`` lowers, traced (in its context) from ``args``, whose state
+        may be shapes alone (``abstract.replicas``): the pre-flight's trace, which JAX keeps for ``lowered`` from the
+        run's own arrays of the same shapes and placement (a trace is keyed by the function and those)."""
+        program = self.p_train_step
+        with self.context():
+            if hasattr(program, 'lower'):
+                return jax.make_jaxpr(program, return_shape=True)(*args)
+            return program.traced(*args)
+
 
 def placed_inputs(setup, rng, batch_KxG) -> tuple[jax.Array, tuple]:
     """``(next rng, (keys, batch_KxG))`` of one NNX call, placed on ``setup.mesh``."""

@@ -19,7 +19,7 @@ from equivalence.core.port.plan import Run
 from equivalence.core.port.ports import LoopPort
 from equivalence.core.record import pruned
 from equivalence.core.rng import randomness
-from equivalence.core.run import adapters, setups
+from equivalence.core.run import abstract, adapters, setups
 from equivalence.core.run.adapters import legacy_program, new_step_call, read_output, replica_outputs
 from equivalence.core.run.pinned import pinned_to_its_mesh
 from equivalence.core.state import new_side, states
@@ -66,9 +66,12 @@ class StepLegacySetup(setups.LegacySetup):
         return read_output(self.port, replica_outputs(out_nxK)[0])[0]
 
 
-def legacy_setup(port: LoopPort, config: Run, variables: dict) -> StepLegacySetup:
+def legacy_setup(port: LoopPort, config: Run, variables: dict, pstate: Any = None) -> StepLegacySetup:
+    """The pmap side, its state linen's ``variables`` replicated; or ``pstate`` (``abstract.replicas``: the setup
+    the pre-flight traces the run's own program with)."""
     devices, local = jax.devices()[: config.devices], rows.local_devices(config.devices)
-    pstate = legacy.replicate(port.legacy_state(variables), local, port.axis_name)
+    if pstate is None:
+        pstate = legacy.replicate(port.legacy_state(variables), local, port.axis_name)
     context = lambda: randomness.bridged(config.rng_mode, port.axis_name)  # noqa: E731
     groups = port.legacy_groups or states.legacy_groups
     one = adapters.one_step(port)
@@ -149,5 +152,8 @@ class StepNewSetup(setups.LoopNewSetup):
 
 
 def new_setup(port: LoopPort, config: Run, source: Any, mesh) -> StepNewSetup:
-    """``source``: what ``new_state`` takes (``loop_side.new_source``: the NNX model, or linen's variables)."""
-    return StepNewSetup(port, sharding.place_objects(port.new_state(source), mesh), mesh, config)
+    """``source``: what ``new_state`` takes (``loop_side.new_source``: the NNX model, or linen's variables); its
+    train state under the structure the pre-flight traced (``abstract.adopted``)."""
+    return StepNewSetup(
+        port, abstract.adopted(port, sharding.place_objects(port.new_state(source), mesh)), mesh, config
+    )
