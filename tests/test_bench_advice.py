@@ -89,6 +89,8 @@ def test_advice_follows_the_measured_numbers_not_a_fixed_text():
     fast = {'legacy': 1.0, 'nnx': 0.5, 'nnx_jit_state': 0.9, 'nnx_jit_dict': 0.9}
     found = {f.name for f in advice.findings(fake_result(fast, {}))}
     assert found == {'summary'}  # nothing slower, no transposes, no loss per step, no copies saved
+    one_device = {'nnx': {'transpose': 6, 'all_reduce_operands_per_step': 0}}  # more transposes, nothing all-reduced
+    assert 'transposes' not in {f.name for f in advice.findings(fake_result(slow, one_device))}
 
 
 def test_memory_ratio_is_to_the_data_parallel_call_at_the_same_k():

@@ -102,14 +102,15 @@ def loss_per_step(r: BenchResult) -> Finding | None:
 
 def transposes(r: BenchResult) -> Finding | None:
     own, pmap = _program(r, 'nnx', 'transpose'), _program(r, 'legacy', 'transpose')
-    if own.value <= pmap.value:
+    reduced = _program(r, 'nnx', 'all_reduce_operands_per_step')
+    if own.value <= pmap.value or not reduced.value:  # nothing all-reduced (one device): not this cause
         return None
     return Finding(
         'transposes',
         f"your program has {own.value:.0f} transposes, pmap's {pmap.value:.0f}: its gradient is all-reduced before "
         'the kernel transposes, which then run as copies every step; place the kernels reduced over the data axis '
         f'while the gradient is formed (nnx_sharded/sharding.py value_and_grad): see {GUIDE}#gradient-all-reduce',
-        (own, pmap),
+        (own, pmap, reduced),
     )
 
 

@@ -31,8 +31,9 @@ def _target(name: str, value: float, op: str, threshold: float, per_repeat: list
     }
 
 
-def targets(r: BenchResult, k_scaling: int = 20) -> list[dict]:
+def targets(r: BenchResult) -> list[dict]:
     """Every target whose variants ran (a loop port has no bare ``jax.jit`` twin of its call)."""
+    k_scaling = r.k_scaling
     fused_k = 'nnx' if r.config.steps_per_call == k_scaling else f'nnx_k{k_scaling}'
     k5, k100 = r.scaling.values()
     compile_ratio = statistics.median(k100.seconds) / statistics.median(k5.seconds)

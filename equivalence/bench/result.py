@@ -25,6 +25,7 @@ class BenchResult:
     first: dict[str, np.ndarray]  # each variant's first-call losses, same inputs for all
     notes: list[str] = dataclasses.field(default_factory=list)  # a loop port: what could not be derived
     placement: list[str] = dataclasses.field(default_factory=list)  # the gradient all-reduce's fallback, and why
+    k_scaling: int = 20  # the long fused K timed beside K and one step per call (``--k-scaling``)
 
     def steps(self, name: str) -> list[float]:
         return [b.steps_per_s for b in self.blocks[name]]
