@@ -7,7 +7,7 @@ checked against itself: a line of advice says nothing that this run did not meas
 
 import dataclasses
 
-from equivalence.bench.result import BenchResult
+from equivalence.bench.result import BenchResult, rate
 
 GUIDE = 'docs/fast.md'
 
@@ -119,8 +119,8 @@ def summary(r: BenchResult) -> Finding | None:
     return Finding(
         'summary',
         f"rewrapped in the shipped form your call ran at {shipped.value / legacy.value:.2f}x pmap's steps/s "
-        f'({shipped.value:.0f} against {legacy.value:.0f}), as written at {own.value / legacy.value:.2f}x '
-        f'({own.value:.0f}); the differences inside your step above are not in that figure',
+        f'({rate(shipped.value)} against {rate(legacy.value)}), as written at {own.value / legacy.value:.2f}x '
+        f'({rate(own.value)}); the differences inside your step above are not in that figure',
         (legacy, own, shipped),
     )
 

@@ -13,6 +13,11 @@ from equivalence.core.compare.outcome import Outcome
 from equivalence.core.port.config import RunConfig
 
 
+def rate(x: float) -> str:
+    """Steps per second as printed: whole numbers, or two decimals below 100 (a model whose step takes seconds)."""
+    return f'{x:.0f}' if x >= 100 else f'{x:.2f}'
+
+
 @dataclasses.dataclass
 class BenchResult:
     config: RunConfig  # the command's flags
