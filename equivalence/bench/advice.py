@@ -107,7 +107,8 @@ def transposes(r: BenchResult) -> Finding | None:
         return None
     return Finding(
         'transposes',
-        f"your program has {own.value:.0f} transposes, pmap's {pmap.value:.0f}: its gradient is all-reduced before "
+        f"your program has {own.value:.0f} transposes, pmap's {pmap.value:.0f}, and all-reduces {reduced.value:.0f} "
+        'arrays every step: its gradient is all-reduced before '
         'the kernel transposes, which then run as copies every step; place the kernels reduced over the data axis '
         f'while the gradient is formed (nnx_sharded/sharding.py value_and_grad): see {GUIDE}#gradient-all-reduce',
         (own, pmap, reduced),
