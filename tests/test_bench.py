@@ -88,6 +88,10 @@ def test_bad_input_exits_2_with_one_line(capsys):
         cli.validate(functools.partial(bench_main.inputs, n_available=8), ['--repeats', '0'])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count('\n') == 1 and '--repeats must be at least 1' in err, err
+    with pytest.raises(SystemExit) as exit_:
+        cli.validate(functools.partial(bench_main.inputs, n_available=8), ['--k-scaling', '101'])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count('\n') == 1 and '--k-scaling must be at most 100' in err, err
 
 
 def test_existing_json_is_not_overwritten(tmp_path, capsys):

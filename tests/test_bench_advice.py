@@ -89,6 +89,17 @@ def test_advice_follows_the_measured_numbers_not_a_fixed_text():
     fast = {'legacy': 1.0, 'nnx': 0.5, 'nnx_jit_state': 0.9, 'nnx_jit_dict': 0.9}
     found = {f.name for f in advice.findings(fake_result(fast, {}))}
     assert found == {'summary'}  # nothing slower, no transposes, no loss per step, no copies saved
+    one_device = {'nnx': {'transpose': 6, 'all_reduce_operands_per_step': 0}}  # more transposes, nothing all-reduced
+    assert 'transposes' not in {f.name for f in advice.findings(fake_result(slow, one_device))}
+
+
+def test_a_step_of_seconds_prints_its_steps_per_second_not_zero():
+    """ViT-S on the CPU runs about 0.4 steps/s: the table and the advice printed '0 [0, 1]' and '(0 against 0)'."""
+    result = fake_result(dict.fromkeys(['legacy', 'nnx', 'nnx_jit_state', 'nnx_jit_dict'], 1.0), {})
+    for name in result.blocks:
+        result.blocks[name] = [Block(0.377, 1.0, 5300.0, 3500.0, 0)] * 2
+    assert benchreport.rate(0.377) == '0.38' and benchreport.rate(1355.2) == '1355'
+    assert '(0.38 against 0.38)' in {f.name: f.text for f in advice.findings(result)}['summary']
 
 
 def test_memory_ratio_is_to_the_data_parallel_call_at_the_same_k():

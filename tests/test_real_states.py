@@ -84,6 +84,27 @@ def test_a_struct_state_without_a_step_is_read_and_its_counter_not_compared():
     assert not harness.check(slipped, devices=2, diagnose=False, **SCREEN).report.match
 
 
+@flax.struct.dataclass
+class SplitState:
+    """``nnx.split((model, optimizer))`` kept whole, as a loop over a plain dict carries it (examples/vit_port)."""
+
+    graphdef: Any = flax.struct.field(pytree_node=False)
+    state: dict
+
+
+def test_a_split_state_is_read_and_not_said_not_compared():
+    """Its arrays are read, merged back with its graphdef; the report said 'not compared: state: dict (452 arrays):
+    no NNX counterpart the suite reads' of a ViT-B whose every parameter it compared. Its graphdef is said
+    (no array); a field of another name beside it still is (the negative control)."""
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split((model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)))
+    split = SplitState(graphdef, nnx.to_pure_dict(state))
+    assert set(new_side.read_groups(split)['params']) == {'kernel', 'bias'}
+    assert skipped(new_side.not_compared(split)) == {('graphdef', Skip.STATIC)}
+    other = {'graphdef': graphdef, 'state': {}, 'params': {}, 'extra': {'a': 1.0}}  # not the split form
+    assert {name for name, _ in skipped(new_side.not_compared(other))} >= {'state', 'extra'}
+
+
 def test_typed_keys_in_either_state_are_read_compared_and_placed_as_raw_keys():
     """google-research/vision_transformer's ``flax.struct`` state holding ``jax.random.key(0)`` (dtype
     key<fry>) was exit 3 (``TypeError: JAX array with PRNGKey dtype cannot be converted to a NumPy array`` in

@@ -16,11 +16,12 @@ def pool_steps(config) -> int:
     return config.calls * max(config.steps_per_call, POOL_K)
 
 
-def run(wl, config, repeats: int, compile_repeats: int, strategy_configs=()):
+def run(wl, config, repeats: int, compile_repeats: int, strategy_configs=(), k_scaling: int = K_SCALING):
     """Build every variant, check they agree, time compiles, warm up, then the interleaved repeats.
 
     ``strategy_configs``: the shipped NNX call is also timed under each config's strategy and
-    form, beside the data-parallel variants and legacy pmap."""
+    form, beside the data-parallel variants and legacy pmap. ``k_scaling``: the long fused K timed beside
+    K and one step per call (K itself: none beside it, as for a model whose step takes seconds)."""
     from equivalence.bench import plan, variants
     from equivalence.bench import report as benchreport
     from equivalence.bench import timing as measure
@@ -37,7 +38,7 @@ def run(wl, config, repeats: int, compile_repeats: int, strategy_configs=()):
     machine = measure.machine()
     progress('building variants')
     feed = variants.Feed(prepared.kind, prepared.inputs, config.run, pool_steps(config))
-    asked = plan.Plan(wl, config.run, feed, K_SCALING, tuple(c.run for c in strategy_configs))
+    asked = plan.Plan(wl, config.run, feed, k_scaling, tuple(c.run for c in strategy_configs))
     built, not_built = prepared.kind.asked(asked)
     compiles = {}
     for v in built:
@@ -52,7 +53,8 @@ def run(wl, config, repeats: int, compile_repeats: int, strategy_configs=()):
     blocks = measure.interleaved(built, repeats, config.calls, progress)
     progress.done()
     machine['load_avg_1m_end'] = measure.machine()['load_avg_1m']
-    result = benchreport.BenchResult(config, repeats, machine, built, blocks, compiles, scaling, first, not_built)
+    result = benchreport.BenchResult(config, repeats, machine, built, blocks, compiles, scaling, first, not_built,
+                                     k_scaling=k_scaling)  # fmt: skip
     result.placement = sharding.take_fallbacks()  # the shipped call's gradient all-reduce, where it fell back
     return result
 

@@ -39,6 +39,9 @@ def parse(argv: list[str] | None):
         help='with --cost: a slipped port (package.module:NAME) whose MISMATCH is timed too',
     )
     parser.add_argument('--compile-repeats', type=int, default=3, help='fresh compiles timed per variant (default 3)')
+    parser.add_argument('--k-scaling', type=int, default=None, metavar='K',
+                        help='the long fused K timed beside --steps-per-call and one step per call (default 20; '
+                        '--steps-per-call itself times none beside them, for a step of seconds)')  # fmt: skip
     cli.add_output_flags(parser, 'write the results as JSON')
     distributed.add_flags(parser)
     return cli.parse(parser, argv)
@@ -67,6 +70,8 @@ def inputs(argv: list[str] | None, n_available: int | None = None):
     args.repeats = 10 if args.repeats is None else args.repeats
     check_count('--repeats', args.repeats, MAX_REPEATS)
     check_count('--compile-repeats', args.compile_repeats, MAX_REPEATS)
+    args.k_scaling = bench.K_SCALING if args.k_scaling is None else args.k_scaling
+    check_count('--k-scaling', args.k_scaling, bench.POOL_K)
     base = argparse.Namespace(**{**vars(args), 'strategy': 'dp', 'mesh': None})
     wl, config = cli.run_config(base, n_available, data_k=bench.POOL_K)
     strategies = list(STRATEGIES) if args.strategy == 'all' else args.strategy.split(',')
@@ -113,7 +118,7 @@ def work(validated) -> int:
         return cost_work(validated)
     args, wl, config, strategy_configs = validated
     warnings.filterwarnings('ignore', message='Some donated buffers were not usable')  # the batch, as score_sde
-    result = bench.run(wl, config, args.repeats, args.compile_repeats, strategy_configs)
+    result = bench.run(wl, config, args.repeats, args.compile_repeats, strategy_configs, args.k_scaling)
     print(benchreport.text(result))
     if args.json is not None and distributed.reports():
         output.write_json(args.json, benchreport.to_json(result), overwrite=args.overwrite)

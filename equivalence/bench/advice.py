@@ -7,7 +7,7 @@ checked against itself: a line of advice says nothing that this run did not meas
 
 import dataclasses
 
-from equivalence.bench.result import BenchResult
+from equivalence.bench.result import BenchResult, rate
 
 GUIDE = 'docs/fast.md'
 
@@ -102,14 +102,16 @@ def loss_per_step(r: BenchResult) -> Finding | None:
 
 def transposes(r: BenchResult) -> Finding | None:
     own, pmap = _program(r, 'nnx', 'transpose'), _program(r, 'legacy', 'transpose')
-    if own.value <= pmap.value:
+    reduced = _program(r, 'nnx', 'all_reduce_operands_per_step')
+    if own.value <= pmap.value or not reduced.value:  # nothing all-reduced (one device): not this cause
         return None
     return Finding(
         'transposes',
-        f"your program has {own.value:.0f} transposes, pmap's {pmap.value:.0f}: its gradient is all-reduced before "
+        f"your program has {own.value:.0f} transposes, pmap's {pmap.value:.0f}, and all-reduces {reduced.value:.0f} "
+        'arrays every step: its gradient is all-reduced before '
         'the kernel transposes, which then run as copies every step; place the kernels reduced over the data axis '
         f'while the gradient is formed (nnx_sharded/sharding.py value_and_grad): see {GUIDE}#gradient-all-reduce',
-        (own, pmap),
+        (own, pmap, reduced),
     )
 
 
@@ -118,8 +120,8 @@ def summary(r: BenchResult) -> Finding | None:
     return Finding(
         'summary',
         f"rewrapped in the shipped form your call ran at {shipped.value / legacy.value:.2f}x pmap's steps/s "
-        f'({shipped.value:.0f} against {legacy.value:.0f}), as written at {own.value / legacy.value:.2f}x '
-        f'({own.value:.0f}); the differences inside your step above are not in that figure',
+        f'({rate(shipped.value)} against {rate(legacy.value)}), as written at {own.value / legacy.value:.2f}x '
+        f'({rate(own.value)}); the differences inside your step above are not in that figure',
         (legacy, own, shipped),
     )
 

@@ -4,7 +4,7 @@ import statistics
 import textwrap
 
 from equivalence.bench import advice
-from equivalence.bench.result import BenchResult  # noqa: F401 -- part of this module's API
+from equivalence.bench.result import BenchResult, rate  # noqa: F401 -- BenchResult: part of this module's API
 from equivalence.bench.timing import stats
 from equivalence.bench.variants import Variant
 
@@ -31,8 +31,9 @@ def _target(name: str, value: float, op: str, threshold: float, per_repeat: list
     }
 
 
-def targets(r: BenchResult, k_scaling: int = 20) -> list[dict]:
+def targets(r: BenchResult) -> list[dict]:
     """Every target whose variants ran (a loop port has no bare ``jax.jit`` twin of its call)."""
+    k_scaling = r.k_scaling
     fused_k = 'nnx' if r.config.steps_per_call == k_scaling else f'nnx_k{k_scaling}'
     k5, k100 = r.scaling.values()
     compile_ratio = statistics.median(k100.seconds) / statistics.median(k5.seconds)
@@ -102,7 +103,8 @@ def variant_rows(r: BenchResult) -> list[str]:
         recompiled = sum(b.compiles for b in r.blocks[v.name])
         ms = [r.median(v.name, f) for f in ('dispatch_ms', 'call_ms', 'cpu_ms')]
         speed.append(
-            f'{v.label[:40]:<40} {v.steps_per_call:>3}  {s["median"]:>9.0f} [{s["min"]:>7.0f}, {s["max"]:>7.0f}]  '
+            f'{v.label[:40]:<40} {v.steps_per_call:>3}  {rate(s["median"]):>9} '
+            f'[{rate(s["min"]):>7}, {rate(s["max"]):>7}]  '
             f'{r.median(v.name) / r.median(base):>6.2f}x {base[:11]:<11}  {ms[0]:>8.3f}  {ms[1]:>8.3f}  {ms[2]:>7.2f}'
             + (f'  ({recompiled} recompiles while timed!)' if recompiled else '')
         )

@@ -13,6 +13,11 @@ from equivalence.core.compare.outcome import Outcome
 from equivalence.core.port.config import RunConfig
 
 
+def rate(x: float) -> str:
+    """Steps per second as printed: whole numbers, or two decimals below 100 (a model whose step takes seconds)."""
+    return f'{x:.0f}' if x >= 100 else f'{x:.2f}'
+
+
 @dataclasses.dataclass
 class BenchResult:
     config: RunConfig  # the command's flags
@@ -25,6 +30,7 @@ class BenchResult:
     first: dict[str, np.ndarray]  # each variant's first-call losses, same inputs for all
     notes: list[str] = dataclasses.field(default_factory=list)  # a loop port: what could not be derived
     placement: list[str] = dataclasses.field(default_factory=list)  # the gradient all-reduce's fallback, and why
+    k_scaling: int = 20  # the long fused K timed beside K and one step per call (``--k-scaling``)
 
     def steps(self, name: str) -> list[float]:
         return [b.steps_per_s for b in self.blocks[name]]

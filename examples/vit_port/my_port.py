@@ -8,12 +8,16 @@ python -m equivalence.run --workload my_port:LOOP_GELU_SLIP  # exit 1: one encod
 python -m equivalence.run --workload my_port:LOOP_DEVICE_KEYS  # exit 5: NOT VERIFIED (other dropout masks)
 
 Real sizes: ``sized(name)`` is ``LOOP`` at one rung of ``LADDER``, the same code with the model's
-fields (linen) and arguments (NNX) set, data of that size and the batch that size wants; each rung is
-a module attribute too (``LADDER_2E5``), and ``sized(name, slip_in_block=1)`` puts the GELU slip at
-that size. Parameters counted with ``jax.eval_shape`` of the linen init:
+fields (linen) and arguments (NNX) set, data of that size and the batch that size wants, and its K
+steps fused in one call on each side, as training at size runs them: ``update_fn`` under the suite's
+``pmap(scan)``, the key it returns handed to the next step as vit_jax's loop hands it (``fused_step``),
+against the NNX ``train_steps`` (``jax.jit(lax.scan)`` over the split state, donated: as fast as the
+pmap loop, ``python -m equivalence.bench``). Each rung is a module attribute too (``LADDER_2E5``),
+``sized(name, slip_in_block=1)`` puts the GELU slip at that size, ``sized(name, head_lr=1.001)`` the
+head's learning rate 0.1% off. Parameters counted with ``jax.eval_shape`` of the linen init:
 
     rung  images, patch  layers x hidden, heads, MLP  classes  parameters  batch
-    6e3   8x8, 4         2 x 16, 2, 32                10            5,530     16  (= LOOP)
+    6e3   8x8, 4         2 x 16, 2, 32                10            5,530     16  (LOOP's size)
     2e5   32x32, 4       4 x 64, 4, 256               10          208,074     32
     3e6   64x64, 8       6 x 192, 3, 768              1000      2,912,296     64
     2e7   64x64, 8       12 x 384, 6, 1536            1000     21,778,792     64  ViT-S depth and width
@@ -26,6 +30,7 @@ embedding (65 tokens) are those of 64x64 images, where B/16 at 224x224 has 16x16
 
 python -m equivalence.run --workload my_port:LADDER_2E5 --devices 1 --steps-per-call 1 --calls 1 --batch-size 2
 python -m equivalence.run --workload my_port:LOOP_B16 --steps-per-call 2 --calls 1 --batch-size 2  # 2-4 min, 4.6 GB
+python -m equivalence.bench --workload my_port:LOOP_B16 --devices 1 --batch-size 16 --steps-per-call 2 --k-scaling 2
 """
 
 import dataclasses
@@ -47,15 +52,28 @@ def block_names(path: str) -> str:
     return path
 
 
-def legacy_port(accumulator_dtype, model=None) -> dict:
+def legacy_port(accumulator_dtype) -> dict:
     tx = old.make_tx(accumulator_dtype)
-    update_fn = old.make_update_fn(apply_fn=(model or old.VisionTransformer()).apply, tx=tx).__wrapped__
+    update_fn = old.make_update_fn(apply_fn=old.VisionTransformer().apply, tx=tx).__wrapped__
 
     def step(state, batch, rng):  # (params, opt_state) as upstream keeps them; the loss is what it returns
         params, opt_state, loss, _ = update_fn(*state, batch, rng)
         return (params, opt_state), loss
 
     return dict(legacy_state=lambda v: (v['params'], tx.init(v['params'])), legacy_step=step)
+
+
+def fused_step(model):
+    """Upstream's ``update_fn`` as a scan's step, ``((rng, (params, opt_state)), batch) -> (..., loss)``: the key
+    it returns is the next step's, as vit_jax's training loop hands ``update_fn`` the key it returned."""
+    update_fn = old.make_update_fn(apply_fn=model.apply, tx=old.make_tx('bfloat16')).__wrapped__
+
+    def step(carry, batch):
+        rng, (params, opt_state) = carry
+        params, opt_state, loss, rng = update_fn(params, opt_state, batch, rng)
+        return (rng, (params, opt_state)), loss
+
+    return step
 
 
 LOOP = LoopPort(
@@ -123,19 +141,32 @@ LADDER = {  # parameters, rounded: see the module docstring
 }
 
 
-def sized(name: str, slip_in_block: int | None = None) -> LoopPort:
-    """``LOOP`` at the rung ``name`` of ``LADDER``; ``slip_in_block=1``: with the GELU slip."""
-    size = LADDER[name]
+# Not a rung: the smallest model with ViT-B's zero-initialised 1000-class head (136,360 parameters, 64,000 of them
+# in the head), where a bfloat16 flip of the head's momentum shows in seconds (test_port.py)
+SMALL_HEAD = {'1e5': Size(16, 4, 2, 64, 2, 128, 1000, 16)}
+
+
+def sized(name: str, slip_in_block: int | None = None, head_lr: float = 1.0) -> LoopPort:
+    """``LOOP`` at the rung ``name`` of ``LADDER`` (or ``SMALL_HEAD``); ``slip_in_block=1``: with the GELU slip;
+    ``head_lr``: the NNX head's updates scaled by it, a slip where upstream has one learning rate."""
+    size = {**LADDER, **SMALL_HEAD}[name]
     model = functools.partial(old.VisionTransformer, **size.model())
+    slip = ('-gelu-slip' if slip_in_block is not None else '') + (f'-head-lr-{head_lr}' if head_lr != 1.0 else '')
     return dataclasses.replace(
         LOOP,
-        name=f'vit-port-{name}' + ('-gelu-slip' if slip_in_block is not None else ''),
+        name=f'vit-port-{name}' + slip,
         legacy_model=model,
         nnx_model=lambda rngs: new.VisionTransformer(
             rngs=rngs, slip_in_block=slip_in_block, image_size=size.image_size, **size.model()
         ),
         make_data=functools.partial(old.make_data, image_size=size.image_size, num_classes=size.num_classes),
-        **legacy_port('bfloat16', model()),
+        legacy_state=lambda v: (v['params'], old.make_tx('bfloat16').init(v['params'])),
+        legacy_step=fused_step(model()),
+        step_form='carry',  # pmap(scan(update_fn)): K steps a call, the key chained as update_fn returns it
+        legacy_groups=lambda state: {'params': state[0], 'opt_state': state[1]},  # (params, opt_state), as upstream
+        new_state=lambda model: new.split_state(model, new.create_optimizer(model, 'bfloat16', head_lr)),
+        new_step=None,
+        new_call=lambda ts, key, batch_KxG: new.train_steps(ts, batch_KxG, key),
         default_batch=size.batch,
     )
 

@@ -8,6 +8,10 @@ constructor's arguments, the linen model's fields under the same names (``image_
 position embedding is built before any image is seen); the defaults are the shrunk model.
 """
 
+import functools
+from typing import Any
+
+import flax
 import jax
 import jax.numpy as jnp
 import optax
@@ -81,16 +85,21 @@ def learning_rate_fn(step):
     return BASE_LR * 0.5 * (1.0 + jnp.cos(jnp.pi * progress)) * jnp.minimum(1.0, step / WARMUP_STEPS)
 
 
-def create_optimizer(model: VisionTransformer, accumulator_dtype='bfloat16') -> nnx.Optimizer:
+def create_optimizer(model: VisionTransformer, accumulator_dtype='bfloat16', head_lr: float = 1.0) -> nnx.Optimizer:
+    """``head_lr``: the head's updates scaled by it (a slip where it is not 1: upstream has one learning rate)."""
     tx = optax.chain(
         optax.clip_by_global_norm(GRAD_NORM_CLIP),
         optax.sgd(learning_rate=learning_rate_fn, momentum=0.9, accumulator_dtype=accumulator_dtype),
+        *([optax.masked(optax.scale(head_lr), head_only)] if head_lr != 1.0 else []),
     )
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
-@nnx.jit
-def train_step(model: VisionTransformer, optimizer: nnx.Optimizer, batch, rng):
+def head_only(params):
+    return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[0], 'key', None) == 'head', params)
+
+
+def step(model: VisionTransformer, optimizer: nnx.Optimizer, batch, rng):
     nnx.reseed(model, dropout=rng)
 
     def loss_fn(model):
@@ -100,3 +109,43 @@ def train_step(model: VisionTransformer, optimizer: nnx.Optimizer, batch, rng):
     loss, grads = nnx.value_and_grad(loss_fn)(model)
     optimizer.update(model, grads)
     return loss
+
+
+train_step = nnx.jit(step)  # one step a call, as upstream's host loop calls its pmapped update_fn
+
+
+# The real sizes' loop, K steps in one compiled call, as `python -m equivalence.bench` advises: the train state split
+# once and carried as a plain dict of arrays (no object graph walked, no nnx.State flattened on every call),
+# `jax.jit(lax.scan)` over it with the state donated (updated in place, not copied every step).
+@flax.struct.dataclass
+class SplitState:
+    graphdef: Any = flax.struct.field(pytree_node=False)  # static: the structure of (model, optimizer)
+    state: dict  # nnx.to_pure_dict of their arrays
+
+    @property
+    def model(self) -> VisionTransformer:
+        return nnx.merge(self.graphdef, self.state)[0]
+
+    @property
+    def optimizer(self) -> nnx.Optimizer:
+        return nnx.merge(self.graphdef, self.state)[1]
+
+
+def split_state(model: VisionTransformer, optimizer: nnx.Optimizer) -> SplitState:
+    graphdef, state = nnx.split((model, optimizer))
+    return SplitState(graphdef, nnx.to_pure_dict(state))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def train_steps(ts: SplitState, batch_KxG, rng):
+    """K steps in one compiled call, the key chained from step to step as upstream's ``update_fn`` returns it."""
+
+    def one(carry, batch):
+        state, rng = carry
+        model, optimizer = nnx.merge(ts.graphdef, state)
+        _, next_rng = jax.random.split(rng)
+        loss = step(model, optimizer, batch, rng)
+        return (nnx.to_pure_dict(nnx.state((model, optimizer))), next_rng), loss
+
+    (state, _), losses_K = jax.lax.scan(one, (ts.state, rng), batch_KxG)
+    return ts.replace(state=state), losses_K

@@ -3,7 +3,7 @@
 SGD momentum in bfloat16 (as upstream) and in float32, at D = 1, 2, 4, 8 (16 runs, minutes on
 2 cores); the slip in one encoder block; and the form that draws other random numbers, which must
 never read as a MATCH. The ladder's rungs built abstractly, ViT-B/16 included (nothing allocated), so that
-the real sizes cannot rot unseen."""
+the real sizes cannot rot unseen; the smallest model with ViT-B's 1000-class head judged in its own precision."""
 
 import jax
 import my_port
@@ -37,6 +37,16 @@ def test_other_random_numbers_are_not_verified():
     """The NNX step folds the device count into its dropout key: no MATCH, NOT VERIFIED."""
     result = check(my_port.LOOP_DEVICE_KEYS, devices=2, steps_per_call=2, calls=2)
     assert result.outcome.label == 'NOT VERIFIED'
+
+
+def test_a_young_head_is_judged_in_its_own_precision_and_its_slip_is_caught():
+    """ViT-B's zero-initialised 1000-class head, 4 steps from 0, fed by bfloat16 momentum: at seed 4 the twin
+    rounds a few of its momentum's elements to their neighbouring values, 2^-8 of the head's change there, above
+    0.1% of it. That is rounding in the head's own precision, not noise: a MATCH (it was NOT VERIFIED, 'the output
+    layer is noise-dominated'). The NNX head's learning rate 0.1% off is a MISMATCH."""
+    flags = dict(devices=1, steps_per_call=2, calls=2, seed=4)
+    assert check(my_port.sized('1e5'), **flags).outcome.label == 'MATCH'
+    assert check(my_port.sized('1e5', head_lr=1.001), diagnose=False, **flags).outcome.label == 'MISMATCH'
 
 
 COUNTS = {'6e3': 5_530, '2e5': 208_074, '3e6': 2_912_296, '2e7': 21_778_792, '9e7': 86_023_912}

@@ -102,7 +102,7 @@ class FloorRule:
 
     safety: float  # ok when max |nnx - legacy| <= safety * max |nnx - twin| ...
     min_ulps: float  # ... or <= this many spacings of the leaf's largest |legacy| (float32's, or its narrower dtype's)
-    noise_rel: float  # noise-dominated when max |nnx - twin| > noise_rel * max(max |legacy|, max |nnx|)
+    noise_rel: float  # noise-dominated when max |nnx - twin| > noise_rel * max(max |legacy|, max |nnx|), and > rounding
     reason: str
     flips: float = 0.0  # ... or, fed by optimizer state narrower than float32, this many ``moved_spacing``s
 
@@ -110,6 +110,13 @@ class FloorRule:
         """The largest difference allowed a leaf of ``dtype`` with this floor whose largest |value| is
         ``scale``; ``moved``: its ``moved_spacing`` (0 when no narrower state feeds it)."""
         return max(self.safety * floor, self.min_ulps * own_spacing(scale, dtype), self.flips * moved)
+
+    def rounding(self, scale: float, dtype=np.float32, moved: float = 0.0) -> float:
+        """The largest floor that is rounding in the leaf's own precision, never noise-dominated: ``min_ulps`` of its
+        rounding units, its dtype's spacings at ``scale`` or, fed by narrower state, its ``moved_spacing``s. Below
+        ``noise_rel`` of any float32 leaf's scale; for bfloat16 state, one element rounded to its neighbouring value
+        is 2^-8 of it, above ``noise_rel`` (docs/verdict.md, precision)."""
+        return self.min_ulps * max(own_spacing(scale, dtype), moved)
 
 
 def spacing32(x: float) -> float:
@@ -186,11 +193,13 @@ def floor_leaf(
     if ref_twin is not None and ref_twin.shape == ref.shape and np.isfinite(ref_twin).all():
         spread = float(np.abs(ref64 - ref_twin.astype(np.float64)).max(initial=0.0))
         floor, floor_from = (spread, 'legacy') if spread > floor else (floor, '')
-    scale = float(np.abs(ref64).max(initial=0.0))
-    limit = rule.limit(floor, scale, ref.dtype, moved_spacing(ref, fed_by, start))
+    scale, moved = float(np.abs(ref64).max(initial=0.0)), moved_spacing(ref, fed_by, start)
+    limit = rule.limit(floor, scale, ref.dtype, moved)
     # the leaf's own scale is the larger side's: a zero-initialised layer still 0 on the pmap side is not
     # noise-dominated by any floor at all where the new side moved it (vision_transformer's head, tried blind)
-    noisy = floor > rule.noise_rel * max(scale, float(np.abs(other64).max(initial=0.0)))
+    noisy = floor > rule.noise_rel * max(scale, float(np.abs(other64).max(initial=0.0))) and floor > rule.rounding(
+        scale, ref.dtype, moved
+    )
     bad = int((np.abs(other64 - ref64) > limit).sum())
     return dataclasses.replace(
         screened, ok=noisy or not bad, bad=bad, floor=floor, limit=limit, noise_dominated=noisy, floor_from=floor_from

@@ -77,8 +77,7 @@ def read_groups(train_state: Any) -> dict[str, Any]:
     if form(train_state) == OBJECTS:
         return convert.find_nnx_groups(train_state)
     named = fields(train_state)
-    split = named is not None and isinstance(named.get('graphdef'), nnx.GraphDef) and named.get('state') is not None
-    if split and named.get('params') is None:  # nnx.split((model, optimizer)) kept as (graphdef, state): merged back
+    if named is not None and split_form(named):  # nnx.split((model, optimizer)) kept as (graphdef, state): merged back
         return convert.find_nnx_groups(nnx.merge(named['graphdef'], named['state']))
     if named is None or named.get('params') is None:
         given = sorted(named) if named is not None else type(train_state).__name__
@@ -98,6 +97,12 @@ def read_groups(train_state: Any) -> dict[str, Any]:
         'model_state': model_state,
         'step': None if step is None else {'step': step[1]},
     }))  # fmt: skip
+
+
+def split_form(named: dict[str, Any]) -> bool:
+    """Whether a train state's fields are ``nnx.split((model, optimizer))`` kept as ``graphdef`` and ``state``."""
+    split = isinstance(named.get('graphdef'), nnx.GraphDef) and named.get('state') is not None
+    return split and named.get('params') is None
 
 
 def counter(named: dict[str, Any]) -> tuple[str, Any] | None:
@@ -122,9 +127,10 @@ def not_compared(train_state: Any, groups=None) -> list[str]:
         return states.nnx_not_compared(train_state)
     named = fields(train_state) or {}
     lines, read = [], states.read_by(groups and (lambda ts: plain(groups(ts))), train_state)
+    merged = groups is None and split_form(named)  # its state is read, merged back with its graphdef (read_groups)
     by_field = {f.name: f for f in dataclasses.fields(train_state)} if dataclasses.is_dataclass(train_state) else {}
     for name, value in named.items():
-        if read(name, value):
+        if read(name, value) or (merged and name == 'state'):
             continue
         if name in WHY:
             why = (states.Skip.STATIC, WHY[name])
