@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from equivalence.core.port import freshness, step_forms
+from equivalence.core.port import step_forms
+from equivalence.core.run import freshness
 from equivalence.core.port.config import ConfigError
 from equivalence.core.port.plan import Run
 from equivalence.core.port.pmaps import pmapped
