@@ -255,7 +255,7 @@ def _vit_steps(traces, fast: bool):
     from flax import nnx
 
     vit, new = import_example('vit_port', 'my_port', 'nnx_code')
-    port = vit.LADDER_6E3
+    port = vit.LOOP  # upstream's update_fn under pmap, once a step
     step = nnx.jit(_counting(traces, 'new', new.train_step.__wrapped__))  # the team's nnx.jit, once a step
     new_step = lambda ts, batch, key: step(*ts, batch, key)  # noqa: E731
     return dataclasses.replace(port, legacy_step=_counting(traces, 'legacy', port.legacy_step), new_step=new_step)
