@@ -15,6 +15,7 @@ counted with ``jax.eval_shape`` of the linen init:
     size  vocabulary  positions  layers x width, heads  sequence  parameters   batch
     tiny  100         32         2 x 32, 4              16             29,696     16  (= LOOP)
     124m  50257       1024       12 x 768, 12           256       124,439,808      8  GPT-2 small
+    774m  50257       1024       36 x 1280, 20          256       774,030,080      2  GPT-2 large
 
 ``124m`` is GPT-2 small's every parameter (its 1024 learned positions, of which a sequence of 256 uses
 the first 256). Its batch of 8 sequences is 2,048 tokens, and the logits alone of one step are 411 MB
@@ -24,6 +25,11 @@ the first 256). Its batch of 8 sequences is 2,048 tokens, and the logits alone o
 python -m equivalence.run --workload my_port:LOOP_124M --devices 1 --steps-per-call 2 --calls 1 --batch-size 2
 
 on a 2-core CPU: 6 minutes, 17.5 GB of memory at the peak (docs/examples.md, real sizes).
+
+``LOOP_774M`` is GPT-2 large: one train state (its parameters and AdamW's two moments) is 9.3 GB, so one side
+fits on a 16 GB accelerator and a check that holds both sides does not. ``run`` refuses it before anything
+trains and says to record the pmap side first (``python -m equivalence.record``), then check against that
+reference, which holds the new side alone.
 """
 
 import dataclasses
@@ -83,6 +89,7 @@ class Size:
 SIZES = {  # parameters: see the module docstring
     'tiny': Size(100, 32, 32, 2, 4, 16, 16),
     '124m': Size(50257, 1024, 768, 12, 12, 256, 8),
+    '774m': Size(50257, 1024, 1280, 36, 20, 256, 2),
 }
 
 
@@ -103,6 +110,6 @@ def sized(name: str, epsilon: float = old.LAYER_NORM_EPSILON, mask=new.decay_mas
     )
 
 
-LOOP_TINY, LOOP_124M = (sized(name) for name in SIZES)
+LOOP_TINY, LOOP_124M, LOOP_774M = (sized(name) for name in SIZES)
 LOOP_124M_LN_EPS_SLIP = sized('124m', epsilon=1e-6)
 LOOP_124M_DECAY_ALL_SLIP = sized('124m', mask=None)
