@@ -65,7 +65,7 @@ def test_a_port_whose_two_sides_do_not_fit_together_is_refused_before_training_a
     monkeypatch,
 ):
     """A device that holds one train state but not two (its bytes set by ``EQUIVALENCE_DEVICE_BYTES``, as a
-    TPU's allocator says its own): a check of both sides is one line, exit 2, before anything trains, naming
+    TPU's allocator says its own): a check of both sides is one line, exit 2, before its inputs are made, naming
     the bytes and the way out; against a reference, which holds the new side alone, the same port MATCHes,
     and its report gives the peak memory it measured."""
     require_devices(2)
@@ -73,8 +73,9 @@ def test_a_port_whose_two_sides_do_not_fit_together_is_refused_before_training_a
     one = fits.state_bytes(kinds.of(port), made.unpaired(port, RunConfig(batch_size=8, **FLAGS)).variables)
     monkeypatch.setenv(fits.ENV, str(int(1.5 * one)))
     monkeypatch.setattr(harness, 'both_sides', lambda *a, **k: pytest.fail('trained before refusing'))
-    with pytest.raises(ConfigError, match=r'do not fit on one device together.*python -m equivalence.record.*'
-                       r'--reference'):  # fmt: skip
+    with monkeypatch.context() as m, pytest.raises(ConfigError, match=r'do not fit on one device together.*'
+                                                   r'python -m equivalence.record.*--reference'):  # fmt: skip
+        m.setattr(harness.made, 'make', lambda *a, **k: pytest.fail('the inputs made before refusing'))
         harness.check(port, batch_size=8, **FLAGS)
     alone = harness.check(port, reference=path, batch_size=8, **FLAGS)
     assert alone.outcome is Outcome.MATCH and alone.timing['memory']['host_peak_bytes'] > 0

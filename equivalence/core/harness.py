@@ -86,10 +86,19 @@ def _prepare(port: Port, plan: Plan, n_steps: int | None = None) -> Prepared:
                 compiling.result()  # no compile left running while the port's mistake is said
             raise
     randomness.take_unbridged()  # what earlier runs traced is theirs
+    if shapes is not None:  # both train states on one device: refused before the inputs are made (GPT-2 large's
+        try:  # initial variables took 70 s on a TPU chip before the refusal)
+            fits.check(kind, run, shapes)
+        except ConfigError:
+            compiling.result()  # the linen initialisation's compile (seconds) ends before the refusal is said
+            raise
     with clock.stage('inputs (data, keys, initial variables)'):
         if compiling is not None:
             compiling.result()
-        return Prepared(kind, plan, made.make(port, run, mapping, started))
+        inputs = made.make(port, run, mapping, started)
+    if shapes is None:
+        fits.check(kind, run, inputs.variables)
+    return Prepared(kind, plan, inputs)
 
 
 def _from_reference(kind: Kind, plan: Plan) -> Prepared:
@@ -228,7 +237,6 @@ def _run(port: Port, plan: Plan, progress: Progress, diagnose: bool, checkpoints
     resumed = False
     if inputs.recorded is not None:
         return _against_reference(prepared, progress, diagnose)
-    fits.check(kind, run, inputs.variables)  # both train states on one device: refused before training
     if checkpoints is None:
         old, new = both_sides(kind, run, inputs, progress)
         result = judgement(kind, plan, old, new, inputs, diagnose=diagnose)

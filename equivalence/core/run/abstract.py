@@ -21,8 +21,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from equivalence.core.run import freshness
 from equivalence.core.port.plan import Run
+from equivalence.core.run import freshness
 from equivalence.core.state import new_side
 from equivalence.distributed import rows
 from nnx_sharded import sharding

@@ -32,11 +32,11 @@ import numpy as np
 from flax import nnx
 
 from equivalence.core.port import step_forms
-from equivalence.core.run import freshness
 from equivalence.core.port.config import ConfigError
 from equivalence.core.port.plan import Run
 from equivalence.core.port.pmaps import pmapped
 from equivalence.core.port.ports import LoopPort
+from equivalence.core.run import freshness
 from equivalence.core.run.facts import once_per_port
 from equivalence.core.state import convert
 from equivalence.core.state.line import Line

@@ -68,6 +68,6 @@ def check(kind: Kind, config: Run, variables: dict, sides: int = 2) -> None:
     raise ConfigError(
         f'the two sides do not fit on one device together: their train states alone take {need / 1e9:.2f} GB a '
         f'device ({one / 1e9:.2f} GB each), and the device holds {held / 1e9:.2f} GB; record the pmap side first '
-        '(python -m equivalence.record, with this command\'s --workload and flags and --out ref.npz), then check with '
+        "(python -m equivalence.record, with this command's --workload and flags and --out ref.npz), then check with "
         '--reference ref.npz, which holds the new side alone (docs/record.md)'
     )
