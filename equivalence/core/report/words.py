@@ -32,8 +32,9 @@ SHOWN = 3  # leaves named per group and side; the rest counted
 
 NOISE_HIDES = (
     "the run's own rounding (its twin) moves them by about as much as legacy differs, so a slip there would pass "
-    'unseen; every leaf is within its floor, and that proves nothing here; more steps (--calls) move parameters '
-    'that have barely left their initial values (a zero-initialised layer) beyond their noise'
+    'unseen; every leaf is within its floor, and that proves nothing here; more steps (--calls) may move '
+    'parameters that have barely left their initial values (a zero-initialised layer) beyond their noise, '
+    "unless the twins' rounding grows as fast (an optimizer state kept in bfloat16)"
 )
 
 
