@@ -9,7 +9,7 @@ import dataclasses
 import math
 
 from equivalence.core.port import installed
-from equivalence.core.port.plan import Judging, Run, part
+from equivalence.core.port.plan import Judging, Run, Shape, part
 
 RNG_MODES = ('per-device', 'global')
 STRATEGIES = ('dp', 'fsdp', 'tp', 'fsdp-tp', 'shard_map')  # nnx_sharded.sharding.STRATEGIES, without importing JAX
@@ -27,7 +27,7 @@ class ConfigError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class RunConfig:
+class RunConfig(Shape):
     workload: str = 'mlp'  # registry name, see equivalence.core.port.workloads.WORKLOADS
     devices: int = 8  # D: pmap replicas on the legacy side, mesh size on the NNX side
     steps_per_call: int = 5  # K: steps fused into one compiled call (score_sde's n_jitted_steps)
@@ -89,18 +89,6 @@ class RunConfig:
                 f'--mesh {mesh_text(self.mesh)} has {self.mesh[0][1] * self.mesh[1][1]} devices, '
                 f'--devices is {self.devices}'
             )
-
-    @property
-    def mesh_axes(self) -> dict[str, int] | None:
-        return dict(self.mesh) if self.mesh else None
-
-    @property
-    def per_device_batch(self) -> int:
-        return self.batch_size // self.devices
-
-    @property
-    def steps(self) -> int:
-        return self.steps_per_call * self.calls
 
     @property
     def run(self) -> Run:

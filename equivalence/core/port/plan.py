@@ -15,8 +15,25 @@ import dataclasses
 from typing import Any
 
 
+class Shape:
+    """What follows from a check's shape, for ``Run`` and ``RunConfig`` alike (each holds ``mesh``, ``batch_size``,
+    ``devices``, ``steps_per_call`` and ``calls``)."""
+
+    @property
+    def mesh_axes(self) -> dict[str, int] | None:
+        return dict(self.mesh) if self.mesh else None
+
+    @property
+    def per_device_batch(self) -> int:
+        return self.batch_size // self.devices
+
+    @property
+    def steps(self) -> int:
+        return self.steps_per_call * self.calls
+
+
 @dataclasses.dataclass(frozen=True)
-class Run:
+class Run(Shape):
     """What the two sides need of a check (``RunConfig``'s fields of the same names)."""
 
     workload: str  # the port's name
@@ -31,18 +48,6 @@ class Run:
     mesh: tuple[tuple[str, int], ...] | None = None  # fsdp-tp's 2-D mesh
     nnx_form: str = 'split'  # the suite's NNX loop: over split state or over the objects
     precision: str = 'auto'  # matrix products' precision (an accelerator's; float32 on the CPU)
-
-    @property
-    def mesh_axes(self) -> dict[str, int] | None:
-        return dict(self.mesh) if self.mesh else None
-
-    @property
-    def per_device_batch(self) -> int:
-        return self.batch_size // self.devices
-
-    @property
-    def steps(self) -> int:
-        return self.steps_per_call * self.calls
 
 
 @dataclasses.dataclass(frozen=True)
