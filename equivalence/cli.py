@@ -247,10 +247,26 @@ def main(
         if lost is not None:
             print(lost, file=sys.stderr)
             return EXIT_WORKER_DIED
+        if out_of_memory(e) is not None:  # the device's memory, not a bug: one line, exit 2
+            fail(out_of_memory(e))
         line = blame.runtime_line(e)  # raised in the port's own code: the port's mistake, exit 2
         if line is not None:
             fail(line, blame.whole_text(e) if blame.elided(e) else '')
         return internal_error(e, command_name(inputs), sys.argv[1:] if argv is None else argv)
+
+
+def out_of_memory(error: Exception) -> str | None:
+    """The line for a device that ran out of memory while a command ran (XLA's ``RESOURCE_EXHAUSTED``), with
+    XLA's own figures; None for any other error. The check holds more than a team's own training (``fits``)."""
+    text = ' '.join(str(error).split())
+    if not (isinstance(error, RuntimeError) and text.startswith('RESOURCE_EXHAUSTED')):
+        return None
+    said = re.search(r'(Attempting to allocate [^;]*?free\.|Ran out of memory[^;.]*|Out of memory[^;.]*)', text)
+    return (
+        f"the device ran out of memory ({said.group(1) if said else text[:160]}): a side's step holds its starting "
+        'train state beside the one it returns, since the check keeps the first (docs/record.md); check a '
+        'smaller size of the model or a smaller batch, or on a device that holds more'
+    )
 
 
 def too_old(command: str) -> None:

@@ -9,6 +9,7 @@ import re
 import subprocess
 import tempfile
 
+import jax
 import pytest
 from conftest import assert_one_line_error, run_module
 from readme_sample import assert_first_screen, assert_sample
@@ -211,6 +212,16 @@ def test_main_maps_every_outcome_to_its_exit_code(monkeypatch, capsys, tmp_path)
     with pytest.raises(SystemExit) as exit_:
         cli.main(inputs, work, [ConfigError('needs scikit-learn')])
     assert exit_.value.code == 2 and capsys.readouterr().err == 'error: needs scikit-learn\n'
+    tpu = (
+        'RESOURCE_EXHAUSTED: E0100: RuntimeBufferAllocationFailure: Error allocating device buffer: Attempting '
+        'to allocate 6.25M. That was not possible. There are 5.81M free.; (0x0x0_HBM0) See ...'
+    )  # a TPU's, as said
+    with pytest.raises(SystemExit) as exit_:  # a device out of memory: its size, not a bug of the suite's
+        cli.main(inputs, work, [jax.errors.JaxRuntimeError(tpu)])
+    assert exit_.value.code == 2 and capsys.readouterr().err.startswith(
+        'error: the device ran out of memory (Attempting to allocate 6.25M. That was not possible. There are 5.81M '
+        "free.): a side's step holds its starting train state"
+    )
     monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path))
     assert cli.main(inputs, work, [ValueError('boom\nsecond line')]) == 3
     [line] = capsys.readouterr().err.splitlines()

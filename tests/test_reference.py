@@ -62,16 +62,17 @@ def test_a_reference_recorded_on_the_classic_pmap_checks_the_port_on_todays_jax(
 
 
 def test_a_port_whose_two_sides_do_not_fit_together_is_refused_before_training_and_checks_against_a_reference(
-    monkeypatch,
+    monkeypatch, tmp_path
 ):
-    """A device that holds one train state but not two (its bytes set by ``EQUIVALENCE_DEVICE_BYTES``, as a
-    TPU's allocator says its own): a check of both sides is one line, exit 2, before its inputs are made, naming
-    the bytes and the way out; against a reference, which holds the new side alone, the same port MATCHes,
-    and its report gives the peak memory it measured."""
+    """A device that holds one side's step (its starting train state and the one it returns) but not a check of
+    both sides (three states; its bytes set by ``EQUIVALENCE_DEVICE_BYTES``, as a TPU's allocator says its own):
+    a check of both sides is one line, exit 2, before its inputs are made, naming the bytes and the way out;
+    against a reference, which holds the new side alone, the same port MATCHes, and its report gives the peak
+    memory it measured. A device that holds less than one side's step refuses both, naming no way out."""
     require_devices(2)
     port, path = workloads.WORKLOADS['mlp'], classic('mlp')
     one = fits.state_bytes(kinds.of(port), made.unpaired(port, RunConfig(batch_size=8, **FLAGS)).variables)
-    monkeypatch.setenv(fits.ENV, str(int(1.5 * one)))
+    monkeypatch.setenv(fits.ENV, str(int(2.5 * one)))
     monkeypatch.setattr(harness, 'both_sides', lambda *a, **k: pytest.fail('trained before refusing'))
     with monkeypatch.context() as m, pytest.raises(ConfigError, match=r'do not fit on one device together.*'
                                                    r'python -m equivalence.record.*--reference'):  # fmt: skip
@@ -80,9 +81,16 @@ def test_a_port_whose_two_sides_do_not_fit_together_is_refused_before_training_a
     alone = harness.check(port, reference=path, batch_size=8, **FLAGS)
     assert alone.outcome is Outcome.MATCH and alone.timing['memory']['host_peak_bytes'] > 0
     assert 'memory: host peak' in render.text(alone, 'cpu', verbose=True)
-    monkeypatch.setenv(fits.ENV, str(one // 2))  # not even once: said so
-    with pytest.raises(ConfigError, match='does not fit on this device at all'):
+    monkeypatch.setenv(fits.ENV, str(int(1.5 * one)))  # not one side's step: said so, with no record to advise
+    with pytest.raises(ConfigError, match=r'^one side does not fit on this device: its step holds two train states'):
         harness.check(port, reference=path, batch_size=8, **FLAGS)
+    with pytest.raises(ConfigError, match=r'^the pmap side alone does not fit(?!.*record)'):
+        harness.check(port, batch_size=8, **FLAGS)
+    out = tmp_path / 'none.npz'  # nor is it recorded: refused before its inputs are made, nothing written
+    with monkeypatch.context() as m, pytest.raises(ConfigError, match=r'^one side does not fit on this device'):
+        m.setattr(harness.made, 'unpaired', lambda *a, **k: pytest.fail('the inputs made before refusing'))
+        harness.record(port, RunConfig(workload='mlp', batch_size=8, **FLAGS), str(out))
+    assert not out.exists()
 
 
 def test_a_references_records_are_cut_to_the_rows_the_recorder_keeps_and_a_batchnorms_kept_whole():

@@ -26,10 +26,11 @@ python -m equivalence.run --workload my_port:LOOP_124M --devices 1 --steps-per-c
 
 on a 2-core CPU: 6 minutes, 17.5 GB of memory at the peak (docs/examples.md, real sizes).
 
-``LOOP_774M`` is GPT-2 large: one train state (its parameters and AdamW's two moments) is 9.3 GB, so one side
-fits on a 16 GB accelerator and a check that holds both sides does not. ``run`` refuses it before anything
-trains and says to record the pmap side first (``python -m equivalence.record``), then check against that
-reference, which holds the new side alone.
+``LOOP_774M`` is GPT-2 large: one train state (its parameters and AdamW's two moments) is 9.3 GB. A check
+holds a side's starting train state beside the one its step returns (it keeps the first for its floor's twins and
+its first-step hold), 18.6 GB, so on a 16 GB accelerator ``run`` refuses it before anything trains, and ``record``
+and ``run --reference`` too: it is the model that fits a team's own training, which donates its state, and not a
+check (docs/record.md, what a check holds).
 """
 
 import dataclasses
