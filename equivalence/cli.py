@@ -263,9 +263,9 @@ def out_of_memory(error: Exception) -> str | None:
         return None
     said = re.search(r'(Attempting to allocate [^;]*?free\.|Ran out of memory[^;.]*|Out of memory[^;.]*)', text)
     return (
-        f"the device ran out of memory ({said.group(1) if said else text[:160]}): a side's step holds its starting "
-        'train state beside the one it returns, since the check keeps the first (docs/record.md); check a '
-        'smaller size of the model or a smaller batch, or on a device that holds more'
+        f'the device ran out of memory ({said.group(1) if said else text[:160]}): the programs the suite builds '
+        'donate no train state, so their steps hold two (docs/record.md); check a smaller size of the model or a '
+        'smaller batch, or on a device that holds more'
     )
 
 

@@ -220,7 +220,7 @@ def test_main_maps_every_outcome_to_its_exit_code(monkeypatch, capsys, tmp_path)
         cli.main(inputs, work, [jax.errors.JaxRuntimeError(tpu)])
     assert exit_.value.code == 2 and capsys.readouterr().err.startswith(
         'error: the device ran out of memory (Attempting to allocate 6.25M. That was not possible. There are 5.81M '
-        "free.): a side's step holds its starting train state"
+        'free.): the programs the suite builds donate no train state'
     )
     monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path))
     assert cli.main(inputs, work, [ValueError('boom\nsecond line')]) == 3

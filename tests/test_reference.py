@@ -27,6 +27,7 @@ from equivalence.core.compare.location import Unplaced
 from equivalence.core.compare.outcome import Outcome
 from equivalence.core.port import port_fields, workloads
 from equivalence.core.port.config import ConfigError, RunConfig
+from equivalence.core.port.plan import Plan
 from equivalence.core.reference import reference
 from equivalence.core.report import render, words
 from equivalence.core.run import fits
@@ -64,8 +65,9 @@ def test_a_reference_recorded_on_the_classic_pmap_checks_the_port_on_todays_jax(
 def test_a_port_whose_two_sides_do_not_fit_together_is_refused_before_training_and_checks_against_a_reference(
     monkeypatch, tmp_path
 ):
-    """A device that holds one side's step (its starting train state and the one it returns) but not a check of
-    both sides (three states; its bytes set by ``EQUIVALENCE_DEVICE_BYTES``, as a TPU's allocator says its own):
+    """A device that holds one side's step (its starting train state and the one it returns: the suite's programs
+    donate none) but not a check of both sides (three states; its bytes set by ``EQUIVALENCE_DEVICE_BYTES``, as a
+    TPU's allocator says its own):
     a check of both sides is one line, exit 2, before its inputs are made, naming the bytes and the way out;
     against a reference, which holds the new side alone, the same port MATCHes, and its report gives the peak
     memory it measured. A device that holds less than one side's step refuses both, naming no way out."""
@@ -82,15 +84,30 @@ def test_a_port_whose_two_sides_do_not_fit_together_is_refused_before_training_a
     assert alone.outcome is Outcome.MATCH and alone.timing['memory']['host_peak_bytes'] > 0
     assert 'memory: host peak' in render.text(alone, 'cpu', verbose=True)
     monkeypatch.setenv(fits.ENV, str(int(1.5 * one)))  # not one side's step: said so, with no record to advise
-    with pytest.raises(ConfigError, match=r'^one side does not fit on this device: its step holds two train states'):
+    with pytest.raises(
+        ConfigError, match=r'^the new side alone does not fit on this device: its step holds two train states'
+    ):
         harness.check(port, reference=path, batch_size=8, **FLAGS)
     with pytest.raises(ConfigError, match=r'^the pmap side alone does not fit(?!.*record)'):
         harness.check(port, batch_size=8, **FLAGS)
     out = tmp_path / 'none.npz'  # nor is it recorded: refused before its inputs are made, nothing written
-    with monkeypatch.context() as m, pytest.raises(ConfigError, match=r'^one side does not fit on this device'):
+    with (
+        monkeypatch.context() as m,
+        pytest.raises(ConfigError, match=r'^the pmap side alone does not fit on this device'),
+    ):
         m.setattr(harness.made, 'unpaired', lambda *a, **k: pytest.fail('the inputs made before refusing'))
         harness.record(port, RunConfig(workload='mlp', batch_size=8, **FLAGS), str(out))
     assert not out.exists()
+    (team,) = import_example('mlp_port', 'my_port')  # a team's own new step holds what its code holds: one counted
+    run = Plan.of(RunConfig(workload='mlp', batch_size=8, **FLAGS)).run
+    kind = kinds.of(team.LOOP)
+    variables = made.unpaired(team.LOOP, run).variables
+    held = fits.state_bytes(kind, variables)
+    monkeypatch.setenv(fits.ENV, str(int(1.5 * held)))
+    fits.check(kind, run, variables, sides=1)
+    with pytest.raises(ConfigError, match=r'^the new side alone does not fit on this device: its step holds its train'):
+        monkeypatch.setenv(fits.ENV, str(held // 2))
+        fits.check(kind, run, variables, sides=1)
 
 
 def test_a_references_records_are_cut_to_the_rows_the_recorder_keeps_and_a_batchnorms_kept_whole():

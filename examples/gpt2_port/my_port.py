@@ -26,11 +26,10 @@ python -m equivalence.run --workload my_port:LOOP_124M --devices 1 --steps-per-c
 
 on a 2-core CPU: 6 minutes, 17.5 GB of memory at the peak (docs/examples.md, real sizes).
 
-``LOOP_774M`` is GPT-2 large: one train state (its parameters and AdamW's two moments) is 9.3 GB. A check
-holds a side's starting train state beside the one its step returns (it keeps the first for its floor's twins and
-its first-step hold), 18.6 GB, so on a 16 GB accelerator ``run`` refuses it before anything trains, and ``record``
-and ``run --reference`` too: it is the model that fits a team's own training, which donates its state, and not a
-check (docs/record.md, what a check holds).
+``LOOP_774M`` is GPT-2 large: one train state (its parameters and AdamW's two moments) is 9.3 GB. The suite's
+pmap side donates no train state, so its step holds two, 18.6 GB: on a 16 GB accelerator ``run`` and ``record``
+refuse it before anything trains. It is the model that fits a team's own training, which donates its state, and not
+a check (docs/record.md, what a check holds).
 """
 
 import dataclasses

@@ -1,18 +1,18 @@
-"""Whether a check fits on its devices, found before anything trains: a side's step runs with its starting
-train state kept beside the one it returns (the check donates nothing: the floor's twins and the first-step hold
-start again from the starting state), and the pmap side's state (replicated on every device) stays on the device
-while the new side runs (and the new side's starting state while the pmap side runs, where the new program is
-the suite's own). So a side needs two of its train states at its step, and a check of both sides three: a model
-that fits a team's own training, which may donate its state, can fit a check against a reference (one side) and
-not a check of both sides, or neither. Where the device says how
-many bytes it holds (a TPU's or a GPU's allocator; the CPU backend says none: ``EQUIVALENCE_DEVICE_BYTES`` sets a
-budget there), a check that needs more is refused with one line (``ConfigError``, exit 2) naming the bytes and,
-where one side fits, the way out: record the pmap side first (``python -m equivalence.record``), then check
-against the reference, which holds the new side alone.
+"""Whether a check fits on its devices, found before anything trains. A program the suite builds (the pmap
+side, a model port's NNX side) donates no train state, so its step holds two at once: the one it starts from and
+the one it returns. So the pmap side's step needs two of its train states (replicated on every device), and, where
+the new side's program is the suite's own, placed before the pmap side runs, the new side's starting state beside
+them; a team's own new step holds what its code holds (two states unless it donates: one is counted). A model that
+fits a team's own training, which may donate its state, can fit a check against a reference (the new side alone)
+and not a check of both sides, or neither. Where the device says how many bytes it holds (a TPU's or a GPU's
+allocator; the CPU backend says none: ``EQUIVALENCE_DEVICE_BYTES`` sets a budget there), a check that needs more is
+refused with one line (``ConfigError``, exit 2) naming the bytes and, where the pmap side's step fits, the way out:
+record the pmap side first (``python -m equivalence.record``), then check against the reference.
 
 The train states are read abstractly (``jax.eval_shape``, ``nnx.eval_shape``: nothing allocated). What the
-programs hold beside them (gradients, activations, temporaries) is not counted: a check refused here could not
-have run, and one let through may still need more, which XLA then says (``cli``: one line, exit 2).
+programs hold beside them (linen's initial variables, gradients, activations, temporaries) is not counted: a check
+refused here could not have run, and one let through may still need more, which XLA then says (``cli``: one line,
+exit 2).
 """
 
 import os
@@ -55,8 +55,8 @@ def state_bytes(kind: Kind, variables: dict, legacy: bool = False) -> int | None
 
 
 def check(kind: Kind, config: Run, variables: dict, sides: int = 2, legacy: bool = False) -> None:
-    """``ConfigError`` (exit 2) where a check of ``sides`` sides (2: both; 1: against a reference, or a recording:
-    ``legacy``) does not fit on one device; nothing where the device's bytes are not known."""
+    """``ConfigError`` (exit 2) where a check of ``sides`` sides (2: both; 1: the new side against a reference, or
+    the pmap side recorded: ``legacy``) does not fit on one device; nothing where the device's bytes are not known."""
     held = limit()
     if held is None:
         return
@@ -64,22 +64,27 @@ def check(kind: Kind, config: Run, variables: dict, sides: int = 2, legacy: bool
     if one is None:
         return
     shards = 1 if config.strategy in ('dp', 'shard_map') else config.devices  # the new side's state split so
-    side = 2 * one // shards if sides == 1 else 2 * one  # the side that runs: its starting state and its result
-    need = side if sides == 1 else side + one // shards  # and the other side's starting state beside it
+    own = kind.new_ahead() is not None  # the new side's program is the suite's own: it donates no state either
+    pmap_step = 2 * one  # the pmap side's: its starting state and the one it returns, replicated
+    if sides == 1 and not legacy:
+        need, what = (2 if own else 1) * one // shards, 'the new side'
+    else:
+        need, what = pmap_step + (one // shards if sides == 2 and own else 0), 'the pmap side'
     if need <= held:
         return
-    states = f'two train states of {one / 1e9:.2f} GB' + (f', split {shards} ways' if shards > 1 and sides == 1 else '')
-    if sides == 1 or 2 * one > held:
+    if sides == 1 or pmap_step > held:
+        alone = need if sides == 1 else pmap_step
+        states = f'two train states of {one / 1e9:.2f} GB' if what == 'the pmap side' or own else 'its train state'
+        split = f', split {shards} ways' if shards > 1 and what == 'the new side' else ''
         raise ConfigError(
-            f'{"one side" if sides == 1 else "the pmap side alone"} does not fit on this device: its step holds '
-            f'{states} a device (the one it starts from, which the check keeps, and the one it returns): '
-            f'{2 * one // (shards if sides == 1 else 1) / 1e9:.2f} GB, and the device holds {held / 1e9:.2f} GB; '
-            'check a smaller size of the model, or on a device that holds more'
+            f'{what} alone does not fit on this device: its step holds {states}{split} ({alone / 1e9:.2f} GB a '
+            f'device), and the device holds {held / 1e9:.2f} GB; check a smaller size of the model, or on a device '
+            'that holds more'
         )
     raise ConfigError(
-        f"the two sides do not fit on one device together: {need / 1e9:.2f} GB a device (each side's starting train "
-        f"state and the one the running side's step returns, {one / 1e9:.2f} GB each), and the device holds "
-        f"{held / 1e9:.2f} GB; record the pmap side first (python -m equivalence.record, with this command's "
-        '--workload and flags and --out ref.npz), then check with --reference ref.npz, which holds the new side '
-        'alone (docs/record.md)'
+        f"the two sides do not fit on one device together: {need / 1e9:.2f} GB a device (the pmap side's step holds "
+        f"its starting train state and the one it returns, beside the new side's starting state, {one / 1e9:.2f} GB "
+        f'each), and the device holds {held / 1e9:.2f} GB; record the pmap side first (python -m equivalence.record, '
+        "with this command's --workload and flags and --out ref.npz), then check with --reference ref.npz, which "
+        'holds the new side alone (docs/record.md)'
     )
