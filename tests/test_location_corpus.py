@@ -12,7 +12,7 @@ import types
 import location_corpus_ports as cp
 import numpy as np
 import pytest
-from conftest import require_devices
+from conftest import import_example, require_devices
 
 from equivalence.core import harness
 from equivalence.core.compare import location
@@ -194,3 +194,35 @@ def test_the_first_screen_names_each_place_by_the_order_of_the_calls_not_a_data_
     assert said('vmap', 'near-plane').startswith('where: the code before prop_mlp/Dense_0, the first call, from the')
     assert said('loop', 'rgb-padding').startswith('where: the code inside (the model): its inputs and its submodule')
     assert said('vmap', 'key-folded').startswith("where: the step's own random draws: ")
+
+
+def test_a_value_the_same_for_every_example_compares_with_its_one_row():
+    """``pairing.one_row``: Hugging Face's GPT-2 hands its position embedding ``[B, T]`` ids, every row
+    ``arange(T)``, where an NNX port hands ``arange(T)`` or ``arange(T)[None]``: each side as that row, the twin's
+    its own first row; rows that differ (positions per example) keep their shapes, and are not compared."""
+    row = np.arange(4.0)
+    full = np.broadcast_to(row, (3, 4)).copy()
+    for one in (row, row[None]):
+        legacy, new, twin = pairing.one_row(full, one, one + 1)
+        assert legacy.shape == new.shape and np.array_equal(legacy, one) and np.array_equal(twin, one + 1)
+        legacy, new, twin = pairing.one_row(one, full, full + 1)  # the other way round: the twin's row too
+        assert new.shape == twin.shape == one.shape and np.array_equal(twin, one + 1)
+    apart = full + np.arange(3.0)[:, None]  # per-example positions: not one row
+    assert [a.shape for a in pairing.one_row(apart, row[None], None)[:2]] == [(3, 4), (1, 4)]
+    assert pairing.one_row(full[:1], row[None], None)[0].shape == (1, 4)  # the same shapes: as they are
+
+
+def test_the_positions_of_hugging_faces_gpt2_pair_and_a_slip_after_them_is_placed():
+    """examples/gpt2_port, its linen side's positions ``[B, T]`` as Hugging Face's, its NNX side's ``arange(T)``
+    (tried blind on Hugging Face's own Flax GPT-2, 7 slips after the position embedding were not located): the
+    correct port pairs every module call, the position embedding's among them, and nothing parts; the LayerNorm
+    epsilon slip is placed at the first LayerNorm."""
+    require_devices(2)
+    (gpt2,) = import_example('gpt2_port', 'my_port')
+    flags = dict(devices=2, steps_per_call=2, calls=1, locate=True)
+    correct, slip = harness.check(gpt2.LOOP, **flags), harness.check(gpt2.LOOP_LN_EPS_SLIP, **flags)
+    loc = correct.verdict.location
+    assert correct.outcome.label == 'MATCH' and loc.kind == 'none', loc.line()
+    assert 'wpe' in [m.new for m in loc.modules] and all(m.input_ok and m.output_ok for m in loc.modules)
+    where = slip.verdict.location
+    assert slip.outcome.label == 'MISMATCH' and (where.kind, where.new) == ('module', 'h/0/ln_1'), where.line()

@@ -2,7 +2,8 @@
 reproductions of its time were (linen era): a decoder-only Transformer with learned positions, pre-LN
 blocks (LayerNorm epsilon 1e-5, GPT-2's ``layer_norm_epsilon``), GELU in its tanh approximation,
 dropout 0.1 on the embeddings, the attention weights and both residual branches, the head tied to
-the token embedding; a flax ``TrainState``, ``jax.pmap(train_step, axis_name='batch')`` with the
+the token embedding, the positions as Hugging Face's ``FlaxGPT2LMHeadModel`` makes them (``[B, T]``, every row
+``arange(T)``); a flax ``TrainState``, ``jax.pmap(train_step, axis_name='batch')`` with the
 gradients ``pmean``'d by hand; AdamW (b2 0.95, weight decay 0.1) masked off the biases and the
 LayerNorm scales as ``run_clm_flax``'s ``decay_mask_fn``, after gradient clipping at global norm 1,
 on a linear warmup and linear decay. The step's dropout key is handed in by the host loop, a fresh
@@ -72,7 +73,8 @@ class GPT2(nn.Module):
     def __call__(self, input_ids, train: bool = True):
         wte = nn.Embed(self.vocab_size, self.n_embd, embedding_init=normal(0.02), name='wte')
         wpe = nn.Embed(self.n_positions, self.n_embd, embedding_init=normal(0.01), name='wpe')
-        x = wte(input_ids) + wpe(jnp.arange(input_ids.shape[-1]))
+        position_ids = jnp.broadcast_to(jnp.arange(input_ids.shape[-1])[None, :], input_ids.shape)  # as HF's
+        x = wte(input_ids) + wpe(position_ids)
         x = nn.Dropout(rate=DROPOUT)(x, deterministic=not train)
         mask = nn.make_causal_mask(input_ids)
         for i in range(self.n_layer):

@@ -91,10 +91,40 @@ def trees(raw: dict, paired: dict[str, str]) -> tuple[dict, dict, dict]:
             n_t = len(t.values[0][which]) if t is not None else 0
             for i in range(min(n_a, n_b)):
                 key, like = f'{new}/{tag}/{i}', b.values[0][which][i]
-                out[0][key], out[1][key] = intercept.value(a, i, which, like), like
-                if i < n_t:
-                    out[2][key] = t.values[0][which][i]
+                twin = t.values[0][which][i] if i < n_t else None
+                out[0][key], out[1][key], twin = one_row(intercept.value(a, i, which, like), like, twin)
+                if twin is not None:
+                    out[2][key] = twin
     return out
+
+
+def one_row(legacy: np.ndarray, new: np.ndarray, twin: np.ndarray | None) -> tuple:
+    """``(legacy, new, twin)``, where one side passes a value the same for every example (``[B, ...]``, every row
+    equal) and the other that one row (``[1, ...]``, or ``[...]``) broadcast: each as that row, so that it compares
+    (the position ids and embeddings of a Transformer, ``broadcast_to(arange(T), [B, T])`` against
+    ``arange(T)[None]``: Hugging Face's Flax GPT-2 against an NNX port, tried blind, was not located past them).
+    A value whose rows differ is left as it is: its shapes do not compare, and nothing is placed after it."""
+    legacy, new = np.asarray(legacy), np.asarray(new)
+    if legacy.shape == new.shape:
+        return legacy, new, twin
+    if _row_of(new.shape, legacy) is not None:
+        return _row_of(new.shape, legacy), new, twin
+    row = _row_of(legacy.shape, new)
+    if row is None:
+        return legacy, new, twin
+    if twin is not None and np.shape(twin) == new.shape:  # the twin's own first row: the floor of that row
+        twin = np.asarray(twin)[:1].reshape(legacy.shape)
+    return legacy, row, twin
+
+
+def _row_of(shape: tuple, full: np.ndarray) -> np.ndarray | None:
+    """``full``'s first row, shaped ``shape``, where ``full`` is ``[B, ...]`` with every row equal and ``shape`` is
+    one such row (``[1, ...]`` or ``[...]``); None otherwise."""
+    if full.ndim == 0 or full.shape[0] < 2 or tuple(shape) not in ((1, *full.shape[1:]), full.shape[1:]):
+        return None
+    if not all(np.array_equal(full[0], full[r], equal_nan=True) for r in range(1, full.shape[0])):
+        return None
+    return full[:1].reshape(shape)
 
 
 def recorded_grads(raw: dict, side: str, mapping: dict[str, str]) -> dict[str, np.ndarray]:
