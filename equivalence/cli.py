@@ -247,8 +247,9 @@ def main(
         if lost is not None:
             print(lost, file=sys.stderr)
             return EXIT_WORKER_DIED
-        if out_of_memory(e) is not None:  # the device's memory, not a bug: one line, exit 2
-            fail(out_of_memory(e))
+        memory = out_of_memory(e)  # the device's memory, not a bug: one line, exit 2
+        if memory is not None:
+            fail(memory)
         line = blame.runtime_line(e)  # raised in the port's own code: the port's mistake, exit 2
         if line is not None:
             fail(line, blame.whole_text(e) if blame.elided(e) else '')

@@ -107,8 +107,9 @@ def one_row(legacy: np.ndarray, new: np.ndarray, twin: np.ndarray | None) -> tup
     legacy, new = np.asarray(legacy), np.asarray(new)
     if legacy.shape == new.shape:
         return legacy, new, twin
-    if _row_of(new.shape, legacy) is not None:
-        return _row_of(new.shape, legacy), new, twin
+    row = _row_of(new.shape, legacy)
+    if row is not None:
+        return row, new, twin
     row = _row_of(legacy.shape, new)
     if row is None:
         return legacy, new, twin
