@@ -29,7 +29,7 @@ from equivalence.core.compare import location, rule
 from equivalence.core.compare.findings import Finding
 from equivalence.core.compare.location import Unplaced
 from equivalence.core.compare.outcome import Outcome
-from equivalence.core.locate import first_step, implied, locate, recorded_run
+from equivalence.core.locate import first_step, implied, locate, recorded_run, slots
 from equivalence.core.locate.first_step import Recorder
 from equivalence.core.port import workloads
 from equivalence.core.port.config import RunConfig
@@ -531,6 +531,27 @@ def test_what_a_later_adam_update_implies_leaves_eps_unread(eps, decay, says, no
     step = lambda e, wd: -lr * (m / (1 - b1**2) / (np.sqrt(v / (1 - b2**2)) + e) + wd * p0)  # noqa: E731
     said = implied.update(p0, step(1e-8, 1e-4), step(eps, decay), g2, False, step=2)[0]
     assert says in said and not re.search(not_said, said), said
+
+
+def test_a_gradient_scale_under_adam_is_said_as_one_not_as_an_eps():
+    """Every gradient scaled by 2 on one side under Adam (google/mipnerf's clip by global norm 0.1 for 0.05, tried
+    blind): the first moments part by 2 and the first update reads as an eps 2 x smaller; ``gradient_scale`` names the
+    one cause that gives both. The controls: an eps slip (the moments agree, so no factor) and a b1 slip (the moments
+    part by a factor, the bias-corrected first update does not) are not a gradient scale."""
+    rng = np.random.default_rng(0)
+    g, p0, lr = rng.normal(size=1000) * np.logspace(-4, -1, 1000), rng.normal(size=1000), 3e-3
+    adam = lambda grads, eps=1e-8: -lr * grads / (np.abs(grads) + eps)  # noqa: E731 -- Adam's first step from 0
+    mu = lambda grads, b1=0.9: {'w': (1 - b1) * grads}  # noqa: E731
+    moments = lambda old, new: implied.moments('mu', {k: (old[k], new[k], 1e-12) for k in old})  # noqa: E731
+    scaled = implied.update(p0, adam(g), adam(2 * g), g, True)[1]
+    assert slots.gradient_scale('mu', moments(mu(g), mu(2 * g)), scaled) == pytest.approx(2, rel=1e-6)
+    assert slots.gradient_scale('nu', moments(mu(g), mu(2 * g)), scaled) is None  # a second moment: not this rule
+    eps = implied.update(p0, adam(g), adam(g, 5e-9), g, True)[1]
+    assert dict(eps)['update'] == 'eps' and moments(mu(g), mu(g)) is None  # an eps alone moves no first moment
+    assert slots.gradient_scale('mu', None, eps) is None
+    assert slots.gradient_scale('mu', moments(mu(g), mu(3 * g)), scaled) is None  # factors that do not agree
+    b1 = implied.update(p0, adam(g), adam(g), g, True)[1]
+    assert slots.gradient_scale('mu', moments(mu(g), mu(g, 0.8)), b1) is None
 
 
 def test_a_decay_mask_that_differs_either_way_is_read_as_such():

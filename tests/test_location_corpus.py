@@ -12,7 +12,7 @@ import types
 import location_corpus_ports as cp
 import numpy as np
 import pytest
-from conftest import import_example, require_devices
+from conftest import require_devices
 
 from equivalence.core import harness
 from equivalence.core.compare import location
@@ -212,17 +212,21 @@ def test_a_value_the_same_for_every_example_compares_with_its_one_row():
     assert pairing.one_row(full[:1], row[None], None)[0].shape == (1, 4)  # the same shapes: as they are
 
 
-def test_the_positions_of_hugging_faces_gpt2_pair_and_a_slip_after_them_is_placed():
-    """examples/gpt2_port, its linen side's positions ``[B, T]`` as Hugging Face's, its NNX side's ``arange(T)``
-    (tried blind on Hugging Face's own Flax GPT-2, 7 slips after the position embedding were not located): the
-    correct port pairs every module call, the position embedding's among them, and nothing parts; the LayerNorm
-    epsilon slip is placed at the first LayerNorm."""
+def test_hugging_faces_own_gpt2_is_placed_past_its_positions_and_its_outermost_call():
+    """Hugging Face's own Flax GPT-2 (``hf_gpt2_modeling``, copied) under a pmap step against an NNX port written as
+    teams write one: its position ids ``[B, T]`` against ``arange(T)`` (compared as one row), and its outermost call,
+    which takes masks and positions and returns a tuple of hidden states, its head applied outside it, where the NNX
+    model takes the tokens and returns the logits (its arrays do not compare: the loss reads it). Before, the
+    correct port and every slip were 'not located (uncompared)'. Now the correct port is located nowhere, every
+    call inside it paired and agreeing; a LayerNorm's epsilon at that LayerNorm; a warmup at the update rule."""
     require_devices(2)
-    (gpt2,) = import_example('gpt2_port', 'my_port')
+    import hf_gpt2_ports as hf
+
     flags = dict(devices=2, steps_per_call=2, calls=1, locate=True)
-    correct, slip = harness.check(gpt2.LOOP, **flags), harness.check(gpt2.LOOP_LN_EPS_SLIP, **flags)
+    correct, eps, warmup = (harness.check(p, **flags) for p in (hf.LOOP, hf.LOOP_LN_EPS, hf.LOOP_WARMUP))
     loc = correct.verdict.location
+    inside = [m for m in loc.modules if location.ROOT not in (m.legacy, m.new)]
     assert correct.outcome.label == 'MATCH' and loc.kind == 'none', loc.line()
-    assert 'wpe' in [m.new for m in loc.modules] and all(m.input_ok and m.output_ok for m in loc.modules)
-    where = slip.verdict.location
-    assert slip.outcome.label == 'MISMATCH' and (where.kind, where.new) == ('module', 'h/0/ln_1'), where.line()
+    assert 'wpe' in [m.new for m in inside] and all(m.input_ok and m.output_ok for m in inside)
+    placed = [(r.outcome.label, r.verdict.location.kind, r.verdict.location.new) for r in (eps, warmup)]
+    assert placed == [('MISMATCH', 'module', 'h/0/ln_1'), ('MISMATCH', 'update', 'the update rule')], placed

@@ -78,7 +78,13 @@ def update(step: Step) -> Location | None:
             and any(s.rpartition('/')[2] == 'mu' for s in slot_names(slots, params))
         ):
             said = '; the first moments agree, so the gradients do: (1 - b2) differs' + said
-        if read_here is not None:
+        scaled = gradient_scale(slot, read_here, implies)
+        if scaled is not None:  # the update's eps-like form and the first moments' factor: one cause gives both
+            said = (f'; {read_here.text}; the update implies an eps {scaled:.3g} x smaller in NNX, which every '
+                    f'gradient scaled by {scaled:.3g} gives Adam too (its update is unchanged by a gradient scale '
+                    'but for its eps), and no eps gives the first moments: every gradient is scaled')  # fmt: skip
+            implies = read(update='gradient scale', gradient_factor=scaled)
+        elif read_here is not None:
             said = f'; {read_here.text}{said}'
         moments = read_here.read if read_here is not None else ()
         return Location(
@@ -95,6 +101,21 @@ def update(step: Step) -> Location | None:
         f'{step.after} do not ({bad_param.path} {sci(bad_param.max_abs)} apart, allowed {sci(bad_param.limit)}){said}',
         read=read(leaf=bad_param.path, apart=bad_param.max_abs, allowed=bad_param.limit) + implies,
     )  # fmt: skip
+
+
+def gradient_scale(slot: str, moments, implies: tuple) -> float | None:
+    """The factor every gradient is scaled by, where a first moment's slot parts by one factor ``c`` on every element
+    and the update reads as an adaptive optimizer's eps ``c`` times smaller on the NNX side (within 5%): Adam's update
+    ``c m / (c sqrt(v) + eps)`` is ``m / (sqrt(v) + eps / c)``, so a gradient scale gives both, and an eps alone leaves
+    the first moments as they are (google/mipnerf's clip by global norm 0.1 for 0.05, tried blind, read 'an adaptive
+    optimizer's eps' beside 'the mu slots part by one factor: NNX = 2 x pmap'); None otherwise."""
+    said = dict(implies)
+    if slot.rpartition('/')[2] not in FIRST or moments is None or moments.factor is None or said.get('update') != 'eps':
+        return None
+    eps, c = said.get('eps'), float(moments.factor)
+    if not eps or min(eps) <= 0 or c <= 0:
+        return None
+    return c if abs(eps[0] / eps[1] / c - 1) <= 0.05 else None
 
 
 def param_of(path: str, params: dict) -> str:

@@ -243,7 +243,11 @@ def _loss_location(step: Step, figures: str, values: tuple) -> Location:
     own code after its last compared call is then unseen, and the loss is no better a place than it (google/mipnerf's
     rgb padding, tried blind, its model unpaired, was 'loss')."""
     root = next((m for m in step.modules if m.legacy == ROOT), None)
-    if root is None and '' in step.raw.get('legacy', {}):
+    if root is not None and not (root.output_ok and root.output_diff is not None and np.isfinite(root.output_diff)):
+        root = None  # paired, but its outputs do not compare (``forward.outermost_unseen``): not compared
+    if (root is None and '' in step.raw.get('legacy', {})) or any(
+        ROOT == m.new and m.legacy != ROOT and not m.output_ok for m in step.modules
+    ):
         return Location(
             'unlocated', '', '',
             "not located: every module call compared agrees and the loss parts, but the model's output was not "

@@ -125,6 +125,10 @@ def where(result: RunResult) -> list[str]:
     elif reading.get('update_factor') is not None:
         cause = UPDATES.get(reading.get('update'))
         said += f'; it steps {reading["update_factor"]:.6g}x the pmap side' + (f': {cause}' if cause else '')
+    elif reading.get('update') == 'gradient scale':  # the moments show the gradients: they differ, by one factor
+        factor = f'{reading["gradient_factor"]:.3g}'
+        said = (f'{at}: the first moments part by {factor}: every gradient scaled by {factor} (a clip by global '
+                'norm, a loss scale or reduction)')  # fmt: skip
     elif reading.get('update') in UPDATES:
         said += f': {UPDATES[reading["update"]]}'
     elif reading.get('by') in ('update', 'parameter') and reading.get('r2') is not None:
