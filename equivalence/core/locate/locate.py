@@ -148,9 +148,13 @@ def judge_step(
                 "pass): this loop port's gradients are not observed, and no first moment holds them"
             )
     first = 'the first step' if at == 1 else f'steps 1 to {at}'
+    unseen = [m for m in modules if not (m.input_ok and m.output_ok)]  # the outermost call, its arrays apart
+    calls = f'{len(modules) - len(unseen)} module calls'
+    if unseen:
+        calls += f' (not {unseen[0].legacy} ↔ {unseen[0].new}, whose arrays do not compare: the loss reads it)'
     return Location(
         'none', '', '',
-        f'nothing parts on {first}: {len(modules)} module calls, {checked}the statistics, the parameters and '
+        f'nothing parts on {first}: {calls}, {checked}the statistics, the parameters and '
         f'the optimizer state are within their floors; {later}',
         tuple(modules), None, tuple(note.text for note in notes), tuple(agreed),
     )  # fmt: skip
