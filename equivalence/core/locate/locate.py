@@ -135,10 +135,8 @@ def judge_step(
             return dataclasses.replace(found, figures=figures, modules=tuple(modules), notes=tuple(said),
                                        agreed=tuple(agreed), read=values)  # fmt: skip
     checked = 'the loss, the gradients, ' if step.grads('legacy') else 'the loss, '
-    later = 'whatever parts does so later'
-    if at > 1:
-        later = f'whatever parts does so after step {at}'
-    elif slots.update_is_zero(step):
+    later = f'whatever parts does so after step {at}' if at > 1 else 'whatever parts does so later'
+    if at == 1 and slots.update_is_zero(step):
         later = f'{WARMUP} (a schedule at 0 on step 1, as warmup gives): an optimizer that differs shows later'
         if not step.grads('legacy') and slots.holds_first_moments(step.held('opt_state'), step.held('params')):
             later += " (this loop port's gradients are not observed; its first moments, which hold them, agree)"
@@ -148,14 +146,12 @@ def judge_step(
                 "pass): this loop port's gradients are not observed, and no first moment holds them"
             )
     first = 'the first step' if at == 1 else f'steps 1 to {at}'
-    unseen = [m for m in modules if not (m.input_ok and m.output_ok)]  # the outermost call, its arrays apart
-    calls = f'{len(modules) - len(unseen)} module calls'
-    if unseen:
-        calls += f' (not {unseen[0].legacy} ↔ {unseen[0].new}, whose arrays do not compare: the loss reads it)'
+    unseen = [f' (not {m.legacy} ↔ {m.new}, whose arrays do not compare: the loss reads it)' for m in modules
+              if not (m.input_ok and m.output_ok)]  # the outermost call, its arrays apart  # fmt: skip
     return Location(
         'none', '', '',
-        f'nothing parts on {first}: {calls}, {checked}the statistics, the parameters and '
-        f'the optimizer state are within their floors; {later}',
+        f'nothing parts on {first}: {len(modules) - len(unseen)} module calls{"".join(unseen[:1])}, {checked}the '
+        f'statistics, the parameters and the optimizer state are within their floors; {later}',
         tuple(modules), None, tuple(note.text for note in notes), tuple(agreed),
     )  # fmt: skip
 
