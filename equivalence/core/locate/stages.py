@@ -239,20 +239,20 @@ def _term_location(step: Step, parted: list, agreed: list[str], loss: compare.Le
 
 def _loss_location(step: Step, figures: str, values: tuple) -> Location:
     """A ``loss`` location: the two sides' loss functions, and whether the model's output agrees first. Not
-    located where the pmap side's outermost module call was recorded and not compared (not paired): the model's
-    own code after its last compared call is then unseen, and the loss is no better a place than it (google/mipnerf's
+    located where the model's output was not compared: the pmap side's outermost module call recorded and not
+    paired, or an outermost call (on either side) paired but whose outputs do not compare (``forward.outermost_unseen``:
+    Hugging Face's GPT-2 returns a tuple of hidden states where the NNX model returns the logits). The model's own
+    code after its last compared call is then unseen, and the loss is no better a place than it (google/mipnerf's
     rgb padding, tried blind, its model unpaired, was 'loss')."""
+    compared = lambda m: m.output_ok and m.output_diff is not None and np.isfinite(m.output_diff)  # noqa: E731
     root = next((m for m in step.modules if m.legacy == ROOT), None)
-    if root is not None and not (root.output_ok and root.output_diff is not None and np.isfinite(root.output_diff)):
-        root = None  # paired, but its outputs do not compare (``forward.outermost_unseen``): not compared
-    if (root is None and '' in step.raw.get('legacy', {})) or any(
-        ROOT == m.new and m.legacy != ROOT and not m.output_ok for m in step.modules
-    ):
+    unseen = any(ROOT in (m.legacy, m.new) and not compared(m) for m in step.modules)
+    if unseen or (root is None and '' in step.raw.get('legacy', {})):
         return Location(
             'unlocated', '', '',
             "not located: every module call compared agrees and the loss parts, but the model's output was not "
-            'compared (its outermost call is not paired with a new one): the model\'s own code after its last compared '
-            'call may be where they part as well as the loss',
+            'compared (its outermost call is not paired with a new one, or its arrays do not compare): the model\'s '
+            'own code after its last compared call may be where they part as well as the loss',
             why=Unplaced.OUTPUT_UNCOMPARED, read=values,
         )  # fmt: skip
     model = f"the model's output agrees ({sci(root.output_diff)} apart); " if root is not None else ''
