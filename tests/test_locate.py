@@ -403,6 +403,7 @@ def test_a_b1_change_parts_the_first_moments_by_one_factor_and_stays_the_optimiz
     assert loc.kind == 'update' and loc.legacy.startswith('opt_state 0/mu/'), loc.line()
     assert loc.reading['factor'] == pytest.approx(0.5, abs=5e-7), loc.line()  # one factor on every element
     assert loc.reading['b1'] == pytest.approx(0.95, abs=5e-5), loc.line()  # NNX's, if the pmap side's is 0.9
+    assert loc.reading['gradients'] == 'not observed', loc.line()  # a loop port: its own step's
     agree(loc)
 
 
@@ -431,6 +432,7 @@ def test_an_optimizer_slip_that_warmup_hides_on_step_1_is_located_on_step_2(step
     read = loc.reading  # on step 2, nothing parting before it, step 1's update 0
     assert (read['step'], read['exact'], read['first_update_zero']) == (2, True, True), loc.line()
     assert read['update'] == 'step factor' and read['update_factor'] == pytest.approx(1.01, abs=5e-6), loc.line()
+    assert read['gradients'] == 'agree', loc.line()  # a model port: the suite computed both sides'
     agree(loc)
 
 

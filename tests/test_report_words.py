@@ -207,6 +207,9 @@ def test_the_first_screen_says_the_place_its_step_and_cause_in_lines_of_100():
     assert lines[0].startswith("where: on step 2 (nothing parts before it; step 1's update is 0, as warmup gives)")
     assert 'a learning rate, a schedule value' in ' '.join(x.strip() for x in lines)
     assert all(len(x) <= screen.WIDTH for x in lines)
+    for seen in ('agree', 'not observed'):  # a loop port's gradients are its own step's: never said to agree
+        step = Location('update', 'the update rule', 'the update rule', '', read=read(gradients=seen))
+        assert ('the gradients agree' in said(step)[0]) == (seen == 'agree'), said(step)
     term = Location('loss', 'loss term losses/distortion', 'loss term losses/distortion', '',
                     read=read(parts='loss term', terms=('losses/distortion',)))  # fmt: skip
     assert said(term)[0].startswith('where: the loss term losses/distortion: it parts, the other terms agree')

@@ -76,6 +76,7 @@ def test_the_places_read_as_values():
     )
     side, norm, other = located('clip-global')[2].reading['clip_norm']
     assert side == 'pmap' and other == pytest.approx(norm, rel=1e-3)  # one norm a sub-tree there, globally here
+    assert located('clip-global')[2].reading['gradients'] == 'not observed'  # a loop port: its own step's
     assert located('clip-none')[2].reading['clip_norm'][2] > 10 * norm
     assert located('clip-by-value')[2].reading['clip'][0] == 'new'
 

@@ -3,6 +3,8 @@ what each slot's first-step values imply (``implied.moments``: one factor, a fac
 the gradients differ), and what the update's size implies (``implied.update``).
 """
 
+import dataclasses
+
 import numpy as np
 
 from equivalence.core.compare.location import Location, Unplaced, read, sci
@@ -14,6 +16,17 @@ FIRST = ('mu', 'trace')  # a first moment's slot: Adam's (1 - b1) g, SGD momentu
 
 
 def update(step: Step) -> Location | None:
+    """The first slot, or the update rule, that parts after a step; its ``read`` says whether the gradients were
+    observed (``gradients``: ``agree`` where the suite computed both sides', ``not observed`` under the port's own
+    step, where the first moments stand in for them)."""
+    found = _update(step)
+    if found is None or found.kind != 'update':
+        return found
+    seen = read(gradients='agree' if step.grads('legacy') else 'not observed')
+    return dataclasses.replace(found, read=found.read + seen)
+
+
+def _update(step: Step) -> Location | None:
     params, slots = step.held('params'), step.held('opt_state')
     bad_slot = next((leaf for leaf in slots.values() if not leaf.ok), None)
     bad_param = next((leaf for leaf in params.values() if not leaf.ok), None)

@@ -38,7 +38,7 @@ PLACES = {
     'loss': 'the loss: every module call compared agrees, the loss does not',
     'backward': 'the backward pass: the loss agrees, the gradients do not',
     'statistics': '{at} updates its running statistics otherwise',
-    'update': '{at}: the gradients agree, the update does not',
+    'update': '{at}: the gradients agree, the update does not',  # ``gradients``: 'not observed' says otherwise
     'ema': 'the EMA: the parameters agree, their average does not',
     'collective': "{at}: the pmap step's own collective",
     'none': 'nothing parts in the first steps recorded',
@@ -104,6 +104,8 @@ def where(result: RunResult) -> list[str]:
     at = loc.legacy if loc.legacy == loc.new or not loc.new else f'{loc.legacy} ↔ {loc.new}'
     said = PLACES.get(str(loc.kind), '{at}').format(at=at)
     reading = loc.reading
+    if reading.get('gradients') == 'not observed':  # the port's own step: its gradients are not at hand
+        said = f"{at}: the update parts (the gradients are not observed: the port's own step)"
     if loc.kind == 'between' and reading.get('inside') is not None:  # its inputs and submodules agree
         said = f'the code inside {reading["inside"]}: its inputs and its submodule calls agree, its output does not'
     elif loc.kind == 'between' and reading.get('before') is not None:  # the order of the calls, no data flow
