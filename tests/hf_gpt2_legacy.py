@@ -1,7 +1,7 @@
 """Legacy side: Hugging Face's FlaxGPT2LMHeadModule (hf_gpt2_modeling.py) trained by a pmap-era step in the style of
 run_clm_flax (TrainState, grads pmean'd over 'batch', AdamW with warmup/decay and a decay mask).
-attn_pdrop is 0.0: HF's attention draws its own mask (self.make_rng + its own import of
-dot_product_attention_weights), which an NNX port cannot reproduce; embd/resid dropout stay 0.1."""
+Dropout as GPT-2's config has it, 0.1 everywhere: HF's attention draws its own mask (self.make_rng and its own
+import of dot_product_attention_weights), which the suite bridges as it does Flax's attention layers."""
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +19,7 @@ CONFIG = GPT2Config(
     n_head=4,
     embd_pdrop=0.1,
     resid_pdrop=0.1,
-    attn_pdrop=0.0,
+    attn_pdrop=0.1,
     layer_norm_epsilon=1e-5,
 )
 SEQ_LEN = 16

@@ -1,4 +1,5 @@
-"""A typical NNX port of HF's Flax GPT-2: Conv1D kernels kept in HF's [out, in] layout, positions arange(T)."""
+"""A typical NNX port of HF's Flax GPT-2: Conv1D kernels kept in HF's [out, in] layout, positions arange(T), the
+attention's dropout drawn as HF draws it (by dot_product_attention_weights, its key from the layer's own stream)."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +8,7 @@ from flax import nnx
 from flax.nnx.nn.attention import dot_product_attention_weights
 
 VOCAB, N_POSITIONS, N_EMBD, N_LAYER, N_HEAD = 100, 32, 32, 2, 4
-EMBD_PDROP, RESID_PDROP = 0.1, 0.1
+EMBD_PDROP, RESID_PDROP, ATTN_PDROP = 0.1, 0.1, 0.1
 LAYER_NORM_EPSILON = 1e-5
 LEARNING_RATE, WARMUP_STEPS, TOTAL_STEPS = 6e-4, 2, 20
 B1, B2, EPS, WEIGHT_DECAY, GRAD_CLIP = 0.9, 0.95, 1e-8, 0.1, 1.0
@@ -27,7 +28,7 @@ class Conv1D(nnx.Module):
 class Attention(nnx.Module):
     def __init__(self, n_embd, n_head, *, rngs, q_scale=1.0, resid_pdrop=RESID_PDROP, causal=True):
         self.n_embd, self.n_head, self.head_dim = n_embd, n_head, n_embd // n_head
-        self.q_scale, self.causal = q_scale, causal
+        self.q_scale, self.causal, self.rngs = q_scale, causal, rngs
         self.c_attn = Conv1D(n_embd, 3 * n_embd, rngs=rngs)
         self.c_proj = Conv1D(n_embd, n_embd, rngs=rngs)
         self.resid_dropout = nnx.Dropout(resid_pdrop, rngs=rngs)
@@ -39,7 +40,9 @@ class Attention(nnx.Module):
         q = q * self.q_scale
         mask = jnp.tril(jnp.ones((T, T), bool)) if self.causal else jnp.ones((T, T), bool)
         bias = jnp.where(mask, 0.0, -1e4)[None, None]
-        w = dot_product_attention_weights(q, k, bias=bias)
+        w = dot_product_attention_weights(
+            q, k, bias=bias, dropout_rng=self.rngs.dropout(), dropout_rate=ATTN_PDROP, deterministic=False
+        )
         out = jnp.einsum('...hqk,...khd->...qhd', w, v).reshape(B, T, self.n_embd)
         return self.resid_dropout(self.c_proj(out))
 

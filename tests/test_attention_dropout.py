@@ -13,6 +13,8 @@ import optax
 import pytest
 from conftest import require_devices
 from flax import nnx
+from flax.linen.attention import dot_product_attention_weights as linen_weights
+from flax.nnx.nn.attention import dot_product_attention_weights as nnx_weights
 
 from equivalence import ModelPort
 from equivalence.core import harness
@@ -102,6 +104,40 @@ def test_from_a_given_key_the_bridge_draws_the_attention_layers_own_bits(broadca
     np.testing.assert_array_equal(bridged_linen, own_linen)
     np.testing.assert_array_equal(bridged_nnx, own_nnx)
     assert not np.array_equal(linen.apply(variables, x, dropout_rng=key), own_linen)  # the key matters
+
+
+class LinenOwnAttention(nn.Module):
+    """As Hugging Face's Flax models draw attention dropout: their own import of the function, their own key."""
+
+    @nn.compact
+    def __call__(self, q, k):
+        return linen_weights(q, k, dropout_rng=self.make_rng('dropout'), dropout_rate=0.3, deterministic=False)
+
+
+class NnxOwnAttention(nnx.Module):
+    def __init__(self, rngs):
+        self.rngs = rngs
+
+    def __call__(self, q, k):
+        return nnx_weights(q, k, dropout_rng=self.rngs.dropout(), dropout_rate=0.3, deterministic=False)
+
+
+def test_a_layer_that_imports_the_attention_weights_and_draws_its_own_key_is_bridged():
+    """A linen layer calling ``dot_product_attention_weights`` by its own import with a key from ``make_rng``, and an
+    NNX layer with a key from its stream: each draws other bits alone (the control), the same bits bridged, from the
+    key its step gave it (``apply(rngs=)``, ``nnx.reseed``), and nothing is named as unbridged."""
+    key, q, k = jax.random.PRNGKey(3), *jax.random.normal(jax.random.PRNGKey(4), (2, 2, 5, 2, F))
+    own = NnxOwnAttention(nnx.Rngs(0))
+    nnx.reseed(own, dropout=key)
+    apart = [LinenOwnAttention().apply({}, q, k, rngs={'dropout': key}), own(q, k)]
+    assert not np.array_equal(*apart)  # the control: each framework's own key, its own bits
+    randomness.take_unbridged()
+    with randomness.bridged('global'):
+        linen_w = jax.jit(lambda q, k: LinenOwnAttention().apply({}, q, k, rngs={'dropout': key}))(q, k)
+        nnx.reseed(own, dropout=key)
+        nnx_w = own(q, k)
+    np.testing.assert_array_equal(linen_w, nnx_w)
+    assert not np.array_equal(linen_w, apart[0]) and randomness.take_unbridged() == []
 
 
 class LinenNoise(nn.Module):

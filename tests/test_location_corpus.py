@@ -218,7 +218,9 @@ def test_hugging_faces_own_gpt2_is_placed_past_its_positions_and_its_outermost_c
     which takes masks and positions and returns a tuple of hidden states, its head applied outside it, where the NNX
     model takes the tokens and returns the logits (its arrays do not compare: the loss reads it). Before, the
     correct port and every slip were 'not located (uncompared)'. Now the correct port is located nowhere, every
-    call inside it paired and agreeing; a LayerNorm's epsilon at that LayerNorm; a warmup at the update rule."""
+    call inside it paired and agreeing; a LayerNorm's epsilon at that LayerNorm; a warmup at the update rule. Its
+    attention's dropout (HF's own import of ``dot_product_attention_weights``, its key from ``make_rng``) is bridged:
+    the correct port MATCHes with dropout 0.1 everywhere, nothing named as unbridged."""
     require_devices(2)
     import hf_gpt2_ports as hf
 
@@ -227,6 +229,7 @@ def test_hugging_faces_own_gpt2_is_placed_past_its_positions_and_its_outermost_c
     loc = correct.verdict.location
     inside = [m for m in loc.modules if location.ROOT not in (m.legacy, m.new)]
     assert correct.outcome.label == 'MATCH' and loc.kind == 'none', loc.line()
+    assert not [n for n in correct.notes if 'not bridged' in str(n)], correct.notes
     assert 'wpe' in [m.new for m in inside] and all(m.input_ok and m.output_ok for m in inside)
     placed = [(r.outcome.label, r.verdict.location.kind, r.verdict.location.new) for r in (eps, warmup)]
     assert placed == [('MISMATCH', 'module', 'h/0/ln_1'), ('MISMATCH', 'update', 'the update rule')], placed

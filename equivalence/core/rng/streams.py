@@ -13,6 +13,13 @@ user's code gave the layer at level 2. The mask is applied with the layer's own 
 ``weights * (keep.astype(dtype) / keep_prob)``. The n-th dropout of a trace, attention or
 ``Dropout``, folds ``n`` into its key, so both frameworks must call them in the same order.
 
+A layer of the user's own that imports ``dot_product_attention_weights`` by name (Hugging Face's Flax
+models: ``from flax.linen.attention import dot_product_attention_weights``, its key from
+``self.make_rng('dropout')``) is bridged too: every module's name bound to either framework's function is
+replaced while bridged, and a key that the layer drew itself (``make_rng``, an NNX stream) stands for the root
+key a ``Dropout`` would use (linen: the key given to ``apply``; NNX: the key ``nnx.reseed`` was given, or the
+stream's), so both sides' masks come from the same keys.
+
 Any other draw while bridged is named for the report (``randomness.take_unbridged``): a linen
 ``make_rng`` of a stream other than ``params`` (at level 1, with no key to give, it stops the
 run as a ``PortError`` naming the layer and stream), and an NNX ``RngStream`` drawn from
@@ -23,6 +30,7 @@ import contextlib
 import inspect
 import sys
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -50,15 +58,35 @@ def _weights(original: Callable, legacy_side: bool | None) -> Callable:
             return original(*args, **kwargs)
         given['deterministic'] = True  # the layer's own weights, without its dropout
         w = original(*bound.args, **bound.kwargs)
+        if getattr(masks._active, 'off', False):  # dropout off: the weights as they are, not scaled (as Dropout's)
+            return w
         keep = 1.0 - rate
         broadcast = given.get('broadcast_dropout', True)
         shape = [1] * (w.ndim - 2) + list(w.shape[-2:]) if broadcast else list(w.shape)
-        key_fn = bridge.attention_key if bridge.attention_key is not None else (lambda: given['dropout_rng'])
+        key_fn = bridge.attention_key if bridge.attention_key is not None else _root(given['dropout_rng'])
         side = bridge.axis_name is not None if legacy_side is None else legacy_side  # linen: pmap or jax.jit
         keep_mask = masks.mask(shape, keep, key_fn, side, w.shape[0], shared=broadcast)
         return w * (keep_mask.astype(w.dtype) / jnp.asarray(keep, dtype=w.dtype))
 
     return weights
+
+
+WEIGHTS = 'dot_product_attention_weights'  # where both frameworks' attention layers draw their dropout
+
+# A key a layer drew itself while bridged (``make_rng``, an NNX stream): id -> (the key, its root key's function,
+# the line that names the draw). A key handed to a bridged attention takes its root key and names nothing; the
+# rest are named as ``patched`` ends.
+_drawn: dict[int, tuple[Any, Callable, str]] = {}
+
+
+def _root(given: Any) -> Callable:
+    """The key function for the key a layer handed ``dot_product_attention_weights``: the root key a ``Dropout``
+    would use, where the layer drew ``given`` itself; else ``given``."""
+    drawn = _drawn.get(id(given))
+    if drawn is None or drawn[0] is not given:
+        return lambda: given
+    del _drawn[id(given)]
+    return drawn[1]
 
 
 def linen_attention_call(next_fun, args, kwargs, module: nn.Module):
@@ -109,10 +137,12 @@ def _make_rng(original: Callable) -> Callable:
                     'which the suite does not bridge, and no key was given: draw those numbers in the port '
                     "(ModelPort noise=) and pass them in, or use Dropout or Flax's attention dropout"
                 )
-            masks._unbridged[
+            key = original(self, name)
+            root = self.scope.rngs[name if self.has_rng(name) else 'params'].rng  # the root key, as linen's Dropout
+            _drawn[id(key)] = (key, lambda: root, (
                 f'randomness not bridged: linen {path} ({type(self).__name__}) draws from the {name!r} stream '
-                '(make_rng): its numbers are not made equal on both sides'
-            ] = None
+                '(make_rng): its numbers are not made equal on both sides'))  # fmt: skip
+            return key
         return original(self, name)
 
     return make_rng
@@ -121,15 +151,16 @@ def _make_rng(original: Callable) -> Callable:
 def _stream_call(original: Callable) -> Callable:
     def call(self):
         bridge = masks._state()
+        key = original(self)
         if bridge is not None and bridge.attention_key is None:
             frame = sys._getframe(1)  # who draws: a module's method (not its __init__, which draws initial values)
             caller = frame.f_locals.get('self') if frame.f_code.co_name != '__init__' else None
             if isinstance(caller, nnx.Module) and not isinstance(caller, nnx.Dropout | nnx.MultiHeadAttention):
-                masks._unbridged[
+                root = bridge.reseeded['dropout'] if 'dropout' in bridge.reseeded else self.key[...]  # as MHA's
+                _drawn[id(key)] = (key, lambda: root, (
                     f'randomness not bridged: NNX {type(caller).__name__} draws from the '
-                    f'{getattr(self, "tag", "?")!r} stream: its numbers are not made equal on both sides'
-                ] = None
-        return original(self)
+                    f'{getattr(self, "tag", "?")!r} stream: its numbers are not made equal on both sides'))  # fmt: skip
+        return key
 
     return call
 
@@ -138,8 +169,8 @@ def _stream_call(original: Callable) -> Callable:
 def patched() -> Iterator[None]:
     """The replacements above, for the duration of a ``randomness.bridged`` block."""
     saved = [
-        (linen_attention, 'dot_product_attention_weights'),
-        (nnx_attention, 'dot_product_attention_weights'),
+        (linen_attention, WEIGHTS),
+        (nnx_attention, WEIGHTS),
         (nnx_attention.MultiHeadAttention, '__call__'),
         (linen_module.Module, 'make_rng'),
         (rnglib.RngStream, '__call__'),
@@ -152,6 +183,12 @@ def patched() -> Iterator[None]:
         _make_rng(originals[3]),
         _stream_call(originals[4]),
     ]
+    for module, name, found in _imported(originals[:2]):  # a user's own import of either (HF's models)
+        saved.append((module, name))
+        originals.append(found)
+        replacements.append(replacements[originals.index(found)])
+    outer = dict(_drawn)
+    _drawn.clear()
     for (owner, name), new in zip(saved, replacements, strict=True):
         setattr(owner, name, new)
     try:
@@ -159,3 +196,28 @@ def patched() -> Iterator[None]:
     finally:
         for (owner, name), old in zip(saved, originals, strict=True):
             setattr(owner, name, old)
+        masks._unbridged.update((line, None) for _, _, line in _drawn.values())  # drawn, and handed no attention
+        _drawn.clear()
+        _drawn.update(outer)
+
+
+_bound: dict[int, tuple[Any, int, tuple[str, ...]]] = {}  # id(module) -> (it, its names' count, names of WEIGHTS)
+
+
+def _imported(functions: list) -> list[tuple[Any, str, Callable]]:
+    """``(module, name, function)`` for every name that a loaded module (but the functions' own) binds to one of
+    ``functions``: ``from flax.linen.attention import dot_product_attention_weights [as w]``. Each module is read
+    again only where its names changed in number (at most a few ms a check); a name is taken only where it still
+    holds the function, so nothing else a module holds is replaced."""
+    owners = {linen_attention.__name__, nnx_attention.__name__}
+    found = []
+    for module in list(sys.modules.values()):
+        names = getattr(module, '__dict__', None)
+        if not names or getattr(module, '__name__', None) in owners:
+            continue
+        seen = _bound.get(id(module))
+        if seen is None or seen[0] is not module or seen[1] != len(names):
+            held = tuple(n for n, v in list(names.items()) if any(v is f for f in functions))
+            _bound[id(module)] = seen = (module, len(names), held)
+        found += [(module, n, names[n]) for n in seen[2] if any(names.get(n) is f for f in functions)]
+    return found
