@@ -105,7 +105,7 @@ def where(result: RunResult) -> list[str]:
     said = PLACES.get(str(loc.kind), '{at}').format(at=at)
     reading = loc.reading
     if reading.get('gradients') == 'not observed':  # the port's own step: its gradients are not at hand
-        said = f"{at}: the update parts (the gradients are not observed: the port's own step)"
+        said = f"{at} parts (the gradients are not observed: the port's own step)"
     if loc.kind == 'between' and reading.get('inside') is not None:  # its inputs and submodules agree
         said = f'the code inside {reading["inside"]}: its inputs and its submodule calls agree, its output does not'
     elif loc.kind == 'between' and reading.get('before') is not None:  # the order of the calls, no data flow
