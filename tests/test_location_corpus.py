@@ -164,6 +164,13 @@ def test_a_linen_module_pairs_with_the_nnx_module_that_holds_exactly_what_it_hol
     assert 'MLP_0' not in paired(flat, ['MLP_0', ''], ['layers/0', 'density', ''])  # not the model
     more = {**deeper, 'Head_0/Dense_0/kernel': 'mlp/head/kernel'}  # NNX's mlp holds linen's head too
     assert 'MLP_0' not in paired(more, ['MLP_0', 'Head_0', ''], ['mlp', 'mlp/head', ''])
+    # One candidate, held to the same rule (Hugging Face's ViT against a port that keeps its attention flat):
+    # HF's self-attention holds the query, NNX's attn holds the query and the output projection: not paired.
+    # Its output module and that module's only child hold the same kernel: the child is paired, not the parent.
+    vit = {'attention/attention/query/kernel': 'attn/query/kernel', 'attention/output/dense/kernel': 'attn/out/kernel'}
+    found = paired(vit, ['attention/attention', 'attention/output/dense', 'attention/output', 'attention'],
+                   ['attn/query', 'attn/out', 'attn'])  # fmt: skip
+    assert found == {'attention/output/dense': 'attn/out'}, found
 
 
 def test_the_loss_is_no_place_while_the_models_output_was_not_compared():
@@ -233,3 +240,27 @@ def test_hugging_faces_own_gpt2_is_placed_past_its_positions_and_its_outermost_c
     assert 'wpe' in [m.new for m in inside] and all(m.input_ok and m.output_ok for m in inside)
     placed = [(r.outcome.label, r.verdict.location.kind, r.verdict.location.new) for r in (eps, warmup)]
     assert placed == [('MISMATCH', 'module', 'h/0/ln_1'), ('MISMATCH', 'update', 'the update rule')], placed
+
+
+def test_hugging_faces_own_vit_matches_a_port_whose_module_boundaries_are_its_own():
+    """Hugging Face's own Flax ViT (``hf_vit_modeling``, copied) under a pmap step against two NNX ports written blind:
+    one keeps a layer's attention flat (``attn/query`` beside ``attn/out``, where HF nests a self-attention and an
+    output), one adds a layer's second residual in the block (HF's ``ViTOutput`` takes it as a second array and adds
+    it inside). Each correct port has 6 noise-dominated key biases, so its first step is held module by module: HF's
+    self-attention was paired with the flat ``attn``, which holds the output projection too, and the output with the
+    residual compared with one without it, and each correct port was a MISMATCH. Now both MATCH, every module call
+    held agreeing; the control, a LayerNorm's epsilon, is placed at that LayerNorm."""
+    require_devices(2)
+    import hf_vit_ports as flat
+    import hf_vit_ports_nested as nested
+
+    from equivalence.core.compare.findings import Held
+
+    flags = dict(devices=2, steps_per_call=2, calls=1)
+    for port in (flat.LOOP, nested.NESTED):
+        result = harness.check(port, **flags)
+        held = [d for d in result.verdict.done if isinstance(d, Held)]
+        assert result.outcome.label == 'MATCH', (port.name, [x for x in result.report.leaves if not x.ok][:2])
+        assert held and held[0].part is None and held[0].calls > 0, (port.name, held)
+    slip = harness.check(flat.LOOP_LN_EPS, **flags).verdict.location
+    assert (slip.kind, slip.new) == ('module', 'blocks/0/layernorm_before'), slip.line()

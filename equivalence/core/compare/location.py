@@ -21,7 +21,7 @@ class Module:
     input_diff: float  # max |nnx - legacy| over its array inputs (the worst against what it was allowed)
     input_allowed: float | None
     input_ok: bool
-    output_diff: float  # ... over its outputs
+    output_diff: float | None  # ... over its outputs (None: not compared, ``pairing.other_inputs``)
     output_allowed: float | None
     output_floor: float | None
     output_ok: bool

@@ -112,11 +112,12 @@ def modules_of(raw: dict, paired: dict[str, str]) -> list[Module]:
         new = paired[old]
         ins = worst([leaf for path, leaf in by.items() if path.startswith(f'{new}/in/')])
         outs = worst([leaf for path, leaf in by.items() if path.startswith(f'{new}/out/')])
+        unseen = outs is None and old and pairing.other_inputs(raw['legacy'][old], raw['new'][new])  # not compared
         out.append(Module(
             old or ROOT, new or ROOT, raw['legacy'][old].cls,
             ins.max_abs if ins else 0.0, ins.limit if ins else None, ins is None or ins.ok,
-            outs.max_abs if outs else 0.0, outs.limit if outs else None, outs.floor if outs else None,
-            outs is None or outs.ok,
+            None if unseen else outs.max_abs if outs else 0.0, outs.limit if outs else None,
+            outs.floor if outs else None, outs is None or outs.ok,
         ))  # fmt: skip
     return out
 

@@ -36,7 +36,10 @@ def _module_target(path: str, mapping: dict[str, str], names) -> str | None:
     Each of its leaves' NNX paths cut at ``path``'s depth names a candidate; where they differ (an NNX port keeps
     its layers in a list, ``mlp/layers/0``, one level deeper than linen's ``MLP_0/Dense_0``, beside
     ``mlp/density``), the module is their common ancestor, provided it holds no leaf that ``path`` does not
-    (google/mipnerf's MLP and model, tried blind, were never paired, so the model's output was never compared)."""
+    (google/mipnerf's MLP and model, tried blind, were never paired, so the model's output was never compared).
+    One candidate is held to the same rule: Hugging Face's Flax ViT against an NNX port that keeps a layer's
+    attention flat (``attn/query`` beside ``attn/out``), tried blind, paired HF's self-attention (its query, key and
+    value) with ``attn``, which holds its output projection too, and a correct port parted there."""
     depth = len(path.split('/')) if path else 0
     found, news = set(), set()
     for leaf, new in mapping.items():
@@ -47,8 +50,6 @@ def _module_target(path: str, mapping: dict[str, str], names) -> str | None:
         news.add(new)
     if not found:
         return _renamed(path, names)
-    if len(found) == 1:
-        return found.pop()
     if None in found:
         return None
     common = '/'.join(os.path.commonprefix([candidate.split('/') for candidate in found]))
@@ -70,6 +71,13 @@ def pairs(legacy: dict[str, Record], nnx_: dict[str, Record], mapping: dict[str,
         other = target if not n else f'{target}#{n}'
         if target is not None and other in nnx_:
             out[label] = other
+    # Two linen calls on one NNX call (a module and its only child, which hold the same variables): the deepest,
+    # the one that holds them; the other computes more than they do (HF's ViTOutput adds its residual).
+    deepest = {}
+    for label, other in out.items():
+        if other not in deepest or label.count('/') > deepest[other].count('/'):
+            deepest[other] = label
+    out = {label: other for label, other in out.items() if deepest[other] == label}
     by_order = lambda side: sorted((lab for lab, r in side.items() if 'Dropout' in r.cls), key=lambda x: side[x].order)  # noqa: E731
     taken = set(out.values())
     for a, b in zip(by_order(legacy), by_order(nnx_), strict=False):
@@ -86,7 +94,7 @@ def trees(raw: dict, paired: dict[str, str]) -> tuple[dict, dict, dict]:
     out = ({}, {}, {})
     for old, new in paired.items():
         a, b, t = raw['legacy'][old], raw['new'][new], raw.get('twin', {}).get(new)
-        for which, tag in ((0, 'in'), (1, 'out')):
+        for which, tag in ((0, 'in'), (1, 'out'))[: 1 if old and other_inputs(a, b) else 2]:
             n_a, n_b = len(a.values[0][which]), len(b.values[0][which])
             n_t = len(t.values[0][which]) if t is not None else 0
             for i in range(min(n_a, n_b)):
@@ -96,6 +104,14 @@ def trees(raw: dict, paired: dict[str, str]) -> tuple[dict, dict, dict]:
                 if twin is not None:
                     out[2][key] = twin
     return out
+
+
+def other_inputs(a: Record, b: Record) -> bool:
+    """Whether two paired calls (not the model's own) take their arrays in another number: their outputs are then
+    no one function's, and are not compared. Hugging Face's Flax ViT, tried blind, adds a layer's residual inside
+    its ``ViTOutput``, which takes it as a second array, where an NNX port adds it in the block: a correct port
+    parted there by the residual's size."""
+    return len(a.values[0][0]) != len(b.values[0][0])
 
 
 def one_row(legacy: np.ndarray, new: np.ndarray, twin: np.ndarray | None) -> tuple:
