@@ -171,6 +171,10 @@ def test_a_linen_module_pairs_with_the_nnx_module_that_holds_exactly_what_it_hol
     found = paired(vit, ['attention/attention', 'attention/output/dense', 'attention/output', 'attention'],
                    ['attn/query', 'attn/out', 'attn'])  # fmt: skip
     assert found == {'attention/output/dense': 'attn/out'}, found
+    # The model pairs with the model, however much deeper linen nests its layers (Hugging Face's BERT against a flat
+    # port: its output was never compared, and a loss slip was not located); a submodule holding every layer does not.
+    hf = {'bert/encoder/layer/0/attention/self/query/kernel': 'layers/0/query/kernel'}
+    assert paired(hf, ['', 'bert'], ['', 'layers/0']) == {'': ''}
 
 
 def test_the_loss_is_no_place_while_the_models_output_was_not_compared():

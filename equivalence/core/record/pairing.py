@@ -40,10 +40,12 @@ def _module_target(path: str, mapping: dict[str, str], names) -> str | None:
     One candidate is held to the same rule: Hugging Face's Flax ViT against an NNX port that keeps a layer's
     attention flat (``attn/query`` beside ``attn/out``), tried blind, paired HF's self-attention (its query, key and
     value) with ``attn``, which holds its output projection too, and a correct port parted there."""
-    depth = len(path.split('/')) if path else 0
+    if not path:  # the model: the NNX model holds what it holds, however much deeper linen nests its layers
+        return ''
+    depth = len(path.split('/'))
     found, news = set(), set()
     for leaf, new in mapping.items():
-        if path and not leaf.startswith(path + '/'):
+        if not leaf.startswith(path + '/'):
             continue
         below, parts = leaf.count('/') + 1 - depth, new.split('/')
         found.add('/'.join(parts[: len(parts) - below]) if len(parts) >= below else None)
@@ -53,9 +55,9 @@ def _module_target(path: str, mapping: dict[str, str], names) -> str | None:
     if None in found:
         return None
     common = '/'.join(os.path.commonprefix([candidate.split('/') for candidate in found]))
-    if path and not common:  # the NNX root holds what the linen root holds; a submodule is not the model
+    if not common:  # a submodule is not the model
         return None
-    held = {new for new in mapping.values() if not common or new.startswith(common + '/')}
+    held = {new for new in mapping.values() if new.startswith(common + '/')}
     return common if held == news else None
 
 
