@@ -322,6 +322,14 @@ def data_nested_lists():
 
 
 @case('make_data')
+def data_random_state_methods():  # pmap-era data code written for np.random.RandomState
+    def make_data(rng, n_steps, batch):
+        return {'x': rng.randn(n_steps, batch, 4).astype('float32'), 'y': rng.randint(0, 2, (n_steps, batch))}
+
+    return loop(make_data=make_data)
+
+
+@case('make_data')
 def data_generator():
     def make_data(rng, n_steps, batch):
         x, y = old.make_data(rng, n_steps, batch)

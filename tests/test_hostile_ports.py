@@ -226,3 +226,16 @@ def test_nnx_groups_is_honoured_by_resume_and_migrate(tmp_path):
     assert code == 0, err
     rows = [r.split()[:2] for r in out.splitlines()]
     assert ['params/Dense_0/kernel', 'net/fc1/kernel'] in rows and ['step/step', 'opt/step'] in rows, out
+
+
+def test_data_code_written_for_a_random_state_is_told_it_is_given_a_generator():
+    """pmap-era data code calls RandomState's methods (``rng.randint``, ``rng.randn``) on what ``make_data`` is given,
+    a numpy Generator (a blind port of Hugging Face's BERT did): its line says so, and how to make a RandomState."""
+    import numpy as np
+
+    from equivalence.core.preflight import errors
+
+    with pytest.raises(AttributeError) as raised:
+        hostile_ports.data_random_state_methods().make_data(np.random.default_rng(0), 2, 4)
+    line = errors.line(hostile_ports.LOOP, 'make_data', raised.value)
+    assert 'has no randn' in line and line.endswith('np.random.RandomState(rng.integers(2**31))'), line

@@ -33,6 +33,12 @@ FIXES = (  # (pattern in the error, fix); {axis} is the port's axis_name
         "the step takes one key and was handed per-device keys ([{0}, 2]): give the port rng_modes=('global',), "
         'or split the keys per device as docs/randomness.md#per-device-keys-and-nnx-layers shows',
     ),
+    (  # pmap-era data code written for np.random.RandomState (randint, rand, randn), handed a Generator
+        re.compile(r"'(?:numpy\.random\._generator\.)?Generator' object has no attribute '(\w+)'"),
+        'make_data is given a numpy Generator (np.random.default_rng(seed)), not a RandomState, which has no {0}: '
+        'call its own methods (integers, random, standard_normal), or make one: '
+        'np.random.RandomState(rng.integers(2**31))',
+    ),
 )
 
 
