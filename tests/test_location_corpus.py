@@ -177,6 +177,19 @@ def test_a_linen_module_pairs_with_the_nnx_module_that_holds_exactly_what_it_hol
     assert paired(hf, ['', 'bert'], ['', 'layers/0']) == {'': ''}
 
 
+def test_a_module_whose_sides_part_by_exactly_its_input_is_cut_otherwise_not_slipped():
+    """``pairing.residual_moved``: a module that adds its input inside on one side (``x + f(x)``) and not on the other
+    (the parent adds it) parts by exactly that input, within its floor: its output is not compared. The controls: a
+    part by anything else (``f`` 1% off, or the residual and 1% more) is compared."""
+    x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
+    f = np.tanh(x) * 0.5
+    inside = {'blk/in/0': x, 'blk/out/0': x + f}
+    assert pairing.residual_moved((inside, {'blk/in/0': x, 'blk/out/0': f}, {}), 'blk', 1e-6)
+    assert pairing.residual_moved(({'blk/in/0': x, 'blk/out/0': f}, inside, {}), 'blk', 1e-6)  # either side
+    for other in (1.01 * f, x + 1.01 * f):
+        assert not pairing.residual_moved((inside, {'blk/in/0': x, 'blk/out/0': other}, {}), 'blk', 1e-6)
+
+
 def test_the_loss_is_no_place_while_the_models_output_was_not_compared():
     """Every module call compared agrees and the loss parts: the loss is the place only where the model's own
     output agrees too; the outermost call recorded and not paired leaves the model's code after its last compared

@@ -106,18 +106,25 @@ def worst(leaves: list) -> compare.LeafDiff | None:
 
 
 def modules_of(raw: dict, paired: dict[str, str]) -> list[Module]:
-    by = held(*pairing.trees(raw, paired))
+    trees = pairing.trees(raw, paired)
+    by = held(*trees)
     out = []
     for old in sorted(paired, key=lambda label: raw['legacy'][label].order):
         new = paired[old]
         ins = worst([leaf for path, leaf in by.items() if path.startswith(f'{new}/in/')])
         outs = worst([leaf for path, leaf in by.items() if path.startswith(f'{new}/out/')])
-        unseen = outs is None and old and pairing.other_inputs(raw['legacy'][old], raw['new'][new])  # not compared
+        # not compared: the sides take their arrays in another number, or part by exactly a residual (a module cut
+        # otherwise on each side, not a slip)
+        unseen = old and (
+            (outs is None and pairing.other_inputs(raw['legacy'][old], raw['new'][new]))
+            or (outs is not None and not outs.ok and (ins is None or ins.ok)
+                and pairing.residual_moved(trees, new, outs.limit))
+        )  # fmt: skip
         out.append(Module(
             old or ROOT, new or ROOT, raw['legacy'][old].cls,
             ins.max_abs if ins else 0.0, ins.limit if ins else None, ins is None or ins.ok,
             None if unseen else outs.max_abs if outs else 0.0, outs.limit if outs else None,
-            outs.floor if outs else None, outs is None or outs.ok,
+            outs.floor if outs else None, unseen or outs is None or outs.ok,
         ))  # fmt: skip
     return out
 

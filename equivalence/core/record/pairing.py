@@ -116,6 +116,23 @@ def other_inputs(a: Record, b: Record) -> bool:
     return len(a.values[0][0]) != len(b.values[0][0])
 
 
+def residual_moved(trees: tuple[dict, dict, dict], label: str, allowed: float | None) -> bool:
+    """Whether every output of paired call ``label`` that parts does so by exactly one of the call's inputs (within
+    ``allowed``, either sign): one side adds a residual inside the module and the other after it, the same function
+    cut otherwise (``x + f(x)`` against ``f(x)``). A slip that leaves the residual out parts the next call's input
+    instead, where it is placed."""
+    legacy, new = trees[0], trees[1]
+    ins = [np.asarray(legacy[k], np.float64) for k in legacy if k.startswith(f'{label}/in/')]
+    outs = [k for k in legacy if k.startswith(f'{label}/out/') and k in new]
+    if allowed is None or not ins or not outs:
+        return False
+    parted = [np.asarray(legacy[k], np.float64) - np.asarray(new[k], np.float64) for k in outs]
+    parted = [d for d in parted if np.abs(d).max(initial=0.0) > allowed]
+    fits = lambda d: any(x.shape == d.shape and np.abs(x).max(initial=0.0) > allowed  # noqa: E731
+                         and min(np.abs(d - x).max(), np.abs(d + x).max()) <= allowed for x in ins)  # fmt: skip
+    return bool(parted) and all(fits(d) for d in parted)
+
+
 def one_row(legacy: np.ndarray, new: np.ndarray, twin: np.ndarray | None) -> tuple:
     """``(legacy, new, twin)``, where one side passes a value the same for every example (``[B, ...]``, every row
     equal) and the other that one row (``[1, ...]``, or ``[...]``) broadcast: each as that row, so that it compares
