@@ -166,7 +166,7 @@ def test_a_linen_module_pairs_with_the_nnx_module_that_holds_exactly_what_it_hol
     assert 'MLP_0' not in paired(more, ['MLP_0', 'Head_0', ''], ['mlp', 'mlp/head', ''])
     # One candidate, held to the same rule (Hugging Face's ViT against a port that keeps its attention flat):
     # HF's self-attention holds the query, NNX's attn holds the query and the output projection: not paired.
-    # Its output module and that module's only child hold the same kernel: the child is paired, not the parent.
+    # HF's output module and its dense hold the same kernel: the dense pairs with attn/out, the output with nothing.
     vit = {'attention/attention/query/kernel': 'attn/query/kernel', 'attention/output/dense/kernel': 'attn/out/kernel'}
     found = paired(vit, ['attention/attention', 'attention/output/dense', 'attention/output', 'attention'],
                    ['attn/query', 'attn/out', 'attn'])  # fmt: skip

@@ -73,8 +73,9 @@ def pairs(legacy: dict[str, Record], nnx_: dict[str, Record], mapping: dict[str,
         other = target if not n else f'{target}#{n}'
         if target is not None and other in nnx_:
             out[label] = other
-    # Two linen calls on one NNX call (a module and its only child, which hold the same variables): the deepest,
-    # the one that holds them; the other computes more than they do (HF's ViTOutput adds its residual).
+    # One NNX call is one record in ``trees``: where two linen calls reach it (a call without variables renamed onto
+    # another's module), the deepest keeps it. Modules holding variables cannot meet here: each pairs only with the
+    # module that holds exactly its variables, at its own depth.
     deepest = {}
     for label, other in out.items():
         if other not in deepest or label.count('/') > deepest[other].count('/'):
